@@ -1,0 +1,196 @@
+"""The types that cross seams: gateway -> policies -> engines.
+
+Everything the gateway hands an engine, and everything an engine hands back,
+is defined here. Nothing in this module imports MLX, FastAPI or a policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Method = Literal["none", "mtp", "dflash", "dspark", "llamacpp_mtp"]
+METHODS: tuple[Method, ...] = ("none", "mtp", "dflash", "dspark", "llamacpp_mtp")
+
+# The closed set of reasons a plan can give. Metrics label by these, so the
+# set must stay small and fixed.
+Reason = Literal[
+    "spec_on",
+    "concurrency",
+    "penalties",
+    "long_context",
+    "small_model",
+    "no_drafter",
+    "measured_loss",
+    "forced_by_request",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy.
+
+    Order of application (shared by every engine, see engines/sampling.py):
+    penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one request (or one round of it) is decoded, and why."""
+
+    engine: str
+    method: Method
+    depth: int
+    reason: Reason
+
+    def header(self) -> str:
+        """The value of the X-Specgate-Plan response header."""
+        return f"method={self.method};depth={self.depth};reason={self.reason}"
+
+
+@dataclass
+class GenerationRequest:
+    """A fully parsed request: the prompt is already tokenized."""
+
+    request_id: str
+    model: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    plan: Plan
+    # Token ids that end generation (the model's EOS set). Stop *strings* are
+    # matched on text by the gateway, which then closes the stream.
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class TokenEvent:
+    """Tokens the engine committed, with the text they add.
+
+    `text` may be empty while a multi-byte character is incomplete; the bytes
+    arrive with a later event. The last event of a request has finish_reason.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class RoundStats:
+    """One decoding round, as the metrics registry sees it."""
+
+    model: str
+    method: Method
+    drafted: int
+    accepted_per_position: list[bool] = field(default_factory=list)
+    verify_width: int = 1
+    seconds: float = 0.0
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_position)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What a planner sees of the engine at a round boundary."""
+
+    active_requests: int
+    waiting_requests: int
+    context_tokens: int
+
+
+class Planner(Protocol):
+    """Implemented in policies/; engines call it at every round boundary."""
+
+    def plan(self, state: LiveState) -> Plan: ...
+
+
+class EngineOverloaded(Exception):
+    """The engine's queue is full; the gateway answers 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request; the gateway answers 500."""
+
+
+class Engine(Protocol):
+    """One decoding engine serving one model."""
+
+    name: str
+    model_id: str
+    max_context: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template with the generation prompt."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def generate(
+        self, request: GenerationRequest, planner: Planner
+    ) -> AsyncIterator[TokenEvent | RoundStats]:
+        """Stream a request. Closing the iterator cancels it at the next step."""
+        ...
+
+    def live_state(self) -> LiveState: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,337 @@
+"""Plain decoding (speculation off) with mlx-lm's continuous batching.
+
+One worker thread owns the model, the `BatchGenerator` and the prefix cache;
+the event loop only talks to it through a queue of commands, and the worker
+answers each request through that request's asyncio queue. So MLX work never
+blocks the event loop, and a request that joins while others are decoding
+enters the running batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from engines.base import (
+    EngineError,
+    EngineOverloaded,
+    GenerationRequest,
+    LiveState,
+    Planner,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
+from engines.loading import LoadedModel
+from engines.sampling import KeyStream, PenaltyState, apply_penalties, sample
+
+log = logging.getLogger(__name__)
+
+
+def greedy_batch_sampler(logprobs: mx.array) -> mx.array:
+    # One shared object: BatchGenerator samples a batch in a single call when
+    # every row uses the same sampler, which is the common greedy case.
+    return mx.argmax(logprobs, axis=-1)
+
+
+class _RequestSampler:
+    """A request's own sampler: its params and, if seeded, its own key stream."""
+
+    def __init__(self, request: GenerationRequest):
+        self.params = request.sampling
+        self.keys = KeyStream(request.sampling.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return sample(logprobs, self.params, self.keys.next())
+
+
+class _PenaltyProcessor:
+    """mlx-lm logits processor applying engines.sampling penalties.
+
+    mlx-lm hands it every token in the sequence so far; positions past the
+    prompt are the generated ones the presence/frequency penalties count.
+    """
+
+    def __init__(self, request: GenerationRequest):
+        self.params = request.sampling
+        self.prompt = request.prompt_tokens
+        self.seen = len(request.prompt_tokens)
+        self.state: PenaltyState | None = None
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if self.state is None:
+            self.state = PenaltyState.from_prompt(self.prompt, logits.shape[-1])
+        if context.size > self.seen:
+            self.state = self.state.advance(context[self.seen :].tolist())
+            self.seen = context.size
+        return apply_penalties(logits, self.state, self.params)
+
+
+@dataclass
+class _Slot:
+    """A request while the worker serves it."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    detokenizer: Any
+    uid: int | None = None
+    cached_tokens: int = 0
+    started: bool = False
+
+    def post(self, item: TokenEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class MLXPlainEngine:
+    name = "mlx_plain"
+
+    def __init__(
+        self,
+        model_id: str,
+        loaded: LoadedModel,
+        *,
+        max_context: int,
+        max_concurrent: int = 8,
+        max_queue: int = 64,
+        prefix_cache_size: int = 8,
+        prefill_step_size: int = 512,
+    ):
+        self.model_id = model_id
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_context = max_context
+        self.vocab_size = loaded.vocab_size
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.prefill_step_size = prefill_step_size
+        self._prefix_cache = LRUPromptCache(max_size=prefix_cache_size)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
+        self._in_flight = 0  # admitted, not yet finished (event loop only)
+        self._running = 0  # has produced a token (worker writes, others read)
+        self._thread: threading.Thread | None = None
+        self._batch: BatchGenerator | None = None
+
+    # -- tokenizer ---------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._worker, name=f"mlx-plain-{self.model_id}", daemon=True
+            )
+            self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def live_state(self) -> LiveState:
+        running = self._running
+        return LiveState(
+            active_requests=running,
+            waiting_requests=max(0, self._in_flight - running),
+            context_tokens=0,
+        )
+
+    # -- serving -----------------------------------------------------------
+
+    async def generate(
+        self, request: GenerationRequest, planner: Planner | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream one request. Plain decoding has no rounds to re-plan, so the
+        planner is not consulted here."""
+        if self._in_flight >= self.max_concurrent + self.max_queue:
+            raise EngineOverloaded(
+                f"model '{self.model_id}' has {self._in_flight} requests in flight "
+                f"(limit {self.max_concurrent} running + {self.max_queue} queued)",
+                retry_after=1.0,
+            )
+        slot = _Slot(
+            request, asyncio.get_running_loop(), asyncio.Queue(), self.tokenizer.detokenizer
+        )
+        self._in_flight += 1
+        self._inbox.put(("submit", slot))
+        finished = False
+        try:
+            while True:
+                item = await slot.out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise EngineError(str(item)) from item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                self._inbox.put(("cancel", slot))
+
+    # -- worker thread -----------------------------------------------------
+
+    def _new_batch(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            completion_batch_size=self.max_concurrent,
+            prefill_batch_size=min(self.max_concurrent, 8),
+            prefill_step_size=self.prefill_step_size,
+            sampler=greedy_batch_sampler,
+        )
+
+    def _worker(self) -> None:
+        self._batch = self._new_batch()
+        while True:
+            try:
+                if not self._take_commands(block=not self._slots):
+                    break
+                if not self._slots:
+                    continue
+                prompt_responses, generation_responses = self._batch.next()
+                self._store_prompt_caches(prompt_responses)
+                for response in generation_responses:
+                    self._emit(response)
+            except Exception as exc:  # a failed step fails its batch, not the server
+                log.exception("mlx_plain step failed for model %s", self.model_id)
+                for slot in self._slots.values():
+                    slot.post(exc)
+                self._slots.clear()
+                self._running = 0
+                self._batch = self._new_batch()
+        for slot in self._slots.values():
+            slot.post(RuntimeError("engine stopped"))
+        self._slots.clear()
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued submits and cancels; False once asked to stop."""
+        try:
+            command, slot = self._inbox.get(timeout=None if block else 0)
+        except queue.Empty:
+            return True
+        while True:
+            if command == "stop":
+                return False
+            if command == "submit":
+                self._insert(slot)
+            elif command == "cancel" and slot.uid in self._slots:
+                self._batch.remove([slot.uid])
+                del self._slots[slot.uid]
+                self._running -= slot.started
+            try:
+                command, slot = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _insert(self, slot: _Slot) -> None:
+        request = slot.request
+        prompt = request.prompt_tokens
+        cache, rest = self._prefix_cache.fetch_nearest_cache(self.model_id, prompt)
+        if cache is not None and not rest:
+            # An exact hit: the last prompt token must still be fed to get logits.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = prompt[-1:]
+            else:
+                cache, rest = None, prompt
+        slot.cached_tokens = len(prompt) - len(rest)
+        sampling = request.sampling
+        sampler = (
+            greedy_batch_sampler
+            if sampling.greedy and sampling.seed is None
+            else _RequestSampler(request)
+        )
+        processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
+        stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
+        (slot.uid,) = self._batch.insert(
+            [rest],
+            max_tokens=[request.max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[: slot.cached_tokens]],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[stops],
+        )
+        self._slots[slot.uid] = slot
+
+    def _store_prompt_caches(self, prompt_responses: list) -> None:
+        # The prompt minus its last token is a segment of its own; its cache
+        # lets a repeated prompt skip prefill even on hybrid models, whose
+        # recurrent state cannot be trimmed back from a longer cache.
+        uids = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
+        for cache, tokens in self._batch.extract_cache(uids).values():
+            if tokens:
+                self._prefix_cache.insert_cache(self.model_id, list(tokens), cache, cache_type="user")
+
+    def _emit(self, response: Any) -> None:
+        slot = self._slots.get(response.uid)
+        if slot is None:
+            return
+        if not slot.started:
+            slot.started = True
+            self._running += 1
+        detok = slot.detokenizer
+        finish = response.finish_reason
+        token_ids: list[int] = []
+        if finish != "stop":  # an EOS token ends the text and is not part of it
+            token_ids = [response.token]
+            detok.add_token(response.token)
+        if finish is not None:
+            detok.finalize()
+        logprobs = None
+        if slot.request.sampling.logprobs and token_ids:
+            logprobs = [self._token_logprob(response.token, response.logprobs, slot)]
+        slot.post(
+            TokenEvent(
+                token_ids=token_ids,
+                text=detok.last_segment,
+                finish_reason=finish,
+                logprobs=logprobs,
+                prompt_tokens=len(slot.request.prompt_tokens),
+                cached_tokens=slot.cached_tokens,
+            )
+        )
+        if finish is not None:
+            del self._slots[response.uid]
+            self._running -= 1
+            if response.prompt_cache is not None and response.all_tokens:
+                self._prefix_cache.insert_cache(
+                    self.model_id, list(response.all_tokens), response.prompt_cache
+                )
+
+    def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:
+        k = slot.request.sampling.top_logprobs
+        top: tuple[TopLogprob, ...] = ()
+        if k > 0:
+            ids = mx.argsort(-logprobs)[:k].tolist()
+            values = logprobs[mx.array(ids)].tolist()
+            top = tuple(
+                TopLogprob(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values)
+            )
+        return TokenLogprob(token, self.tokenizer.decode([token]), logprobs[token].item(), top)

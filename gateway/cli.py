@@ -1,0 +1,58 @@
+"""The `specgate` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import ConfigError, default_config, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as e:
+        print(f"specgate: bad config\n{e}", file=sys.stderr)
+        return 2
+    if args.host:
+        config.server.host = args.host
+    if args.port is not None:
+        config.server.port = args.port
+    logging.basicConfig(
+        level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # The embedded demo model is built before serving, so its one progress
+    # line shows up in the terminal rather than in the middle of the logs.
+    if any(m.path == "builtin:demo" for m in config.models):
+        from engines.checkpoints.default_model import ensure_default_model
+
+        ensure_default_model()
+    uvicorn.run(
+        create_app(config),
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--config", help="YAML config (default: the embedded demo model)")
+    serve.add_argument("--host", help="bind address (overrides the config)")
+    serve.add_argument("--port", type=int, help="port (overrides the config)")
+    serve.set_defaults(run=_serve)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

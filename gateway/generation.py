@@ -1,0 +1,198 @@
+"""Turning a parsed API request into a running generation, API-neutral.
+
+The OpenAI (and later Anthropic) adapters parse their own bodies, then call
+`resolve_model`, `plan_request` and `run` here, so limits, plan headers,
+stop strings and usage are handled once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from engines.base import (
+    METHODS,
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    GenerationRequest,
+    Plan,
+    RoundStats,
+    SamplingParams,
+    TokenLogprob,
+)
+from gateway.errors import APIError
+from gateway.models import ModelRegistry, ServedModel
+from gateway.stops import StopMatcher
+from policies.decide import FixedPlanner, OverrideError, RequestFeatures, decide
+
+METHOD_HEADER = "x-specgate-method"
+DEPTH_HEADER = "x-specgate-depth"
+PLAN_HEADER = "X-Specgate-Plan"
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+@dataclass
+class Piece:
+    """Text ready to send, with the tokens behind it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedModel, Engine]:
+    served = registry.get(model_id)
+    if served is None:
+        raise APIError(
+            404,
+            f"model '{model_id}' does not exist; served models: {', '.join(registry.models)}",
+            param="model",
+            code="model_not_found",
+        )
+    if served.engine is None:
+        if served.error:
+            raise APIError(503, f"model '{model_id}' failed to load: {served.error}")
+        raise APIError(
+            503, f"model '{model_id}' is still loading", headers={"Retry-After": "5"}
+        )
+    return served, served.engine
+
+
+def check_stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise APIError(
+            400, f"stop: each stop string is at most {MAX_STOP_LENGTH} characters", param="stop"
+        )
+    return [s for s in stops if s]
+
+
+def _override(headers: Mapping[str, str]) -> tuple[str | None, int | None]:
+    method = headers.get(METHOD_HEADER)
+    depth_text = headers.get(DEPTH_HEADER)
+    if method is not None:
+        method = method.strip().lower()
+        if method not in METHODS:
+            raise APIError(
+                400,
+                f"X-Specgate-Method: unknown method '{method}'; one of {', '.join(METHODS)}",
+                param="X-Specgate-Method",
+            )
+    depth = None
+    if depth_text is not None:
+        try:
+            depth = int(depth_text)
+        except ValueError:
+            depth = -1
+        if not 0 <= depth <= 64:
+            raise APIError(
+                400, "X-Specgate-Depth: expected an integer 0..64", param="X-Specgate-Depth"
+            )
+    return method, depth
+
+
+def plan_request(
+    served: ServedModel,
+    engine: Engine,
+    headers: Mapping[str, str],
+    prompt_tokens: list[int],
+    sampling: SamplingParams,
+    max_tokens: int | None,
+    max_tokens_param: str = "max_tokens",
+) -> GenerationRequest:
+    """Check limits, decide the plan, and build the engine's request."""
+    n_prompt = len(prompt_tokens)
+    if n_prompt == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    room = engine.max_context - n_prompt
+    if room < 1:
+        raise APIError(
+            400,
+            f"the prompt is {n_prompt} tokens; model '{served.id}' has a context of "
+            f"{engine.max_context} tokens, which leaves no room to generate",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise APIError(
+            400,
+            f"{max_tokens_param}: {max_tokens} tokens requested, but the prompt is {n_prompt} "
+            f"tokens and the context is {engine.max_context}: at most {room} can be generated",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+    method, depth = _override(headers)
+    features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth)
+    try:
+        plan = decide(served.policy, features, engine.live_state())
+    except OverrideError as e:
+        raise APIError(400, str(e), param="X-Specgate-Method") from None
+    return GenerationRequest(
+        request_id=new_id("req"),
+        model=served.id,
+        prompt_tokens=prompt_tokens,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        plan=plan,
+        stop_token_ids=engine.eos_token_ids,
+    )
+
+
+def plan_headers(plan: Plan) -> dict[str, str]:
+    return {PLAN_HEADER: plan.header()}
+
+
+async def run(
+    engine: Engine, request: GenerationRequest, stops: list[str], usage: Usage
+) -> AsyncIterator[Piece]:
+    """Stream a request as sendable pieces; closing this iterator cancels it."""
+    matcher = StopMatcher(stops)
+    events = engine.generate(request, FixedPlanner(request.plan))
+    async with aclosing(events):
+        try:
+            async for event in events:
+                if isinstance(event, RoundStats):
+                    continue
+                usage.completion_tokens += len(event.token_ids)
+                usage.cached_tokens = event.cached_tokens
+                text = matcher.feed(event.text)
+                if matcher.stopped:
+                    yield Piece(text, event.token_ids, event.logprobs, "stop")
+                    return
+                if event.finish_reason is not None:
+                    text += matcher.flush()
+                if text or event.token_ids or event.finish_reason:
+                    yield Piece(text, event.token_ids, event.logprobs, event.finish_reason)
+        except EngineOverloaded as e:
+            raise APIError(
+                429,
+                str(e),
+                code="overloaded",
+                headers={"Retry-After": str(max(1, round(e.retry_after)))},
+            ) from None
+        except EngineError as e:
+            raise APIError(500, f"generation failed: {e}", code="engine_error") from None

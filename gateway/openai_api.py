@@ -1,0 +1,267 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engines.base import TokenLogprob
+from gateway.errors import APIError
+from gateway.generation import (
+    Piece,
+    Usage,
+    check_stops,
+    new_id,
+    plan_headers,
+    plan_request,
+    resolve_model,
+    run,
+)
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, cancelling it if the client goes away meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _usage(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- logprobs in the two OpenAI shapes ---------------------------------------
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict:
+    return {
+        "content": [
+            {
+                "token": lp.text,
+                "logprob": lp.logprob,
+                "bytes": list(lp.text.encode()),
+                "top_logprobs": [
+                    {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                    for t in lp.top
+                ],
+            }
+            for lp in lps
+        ]
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+# -- one driver for both endpoints -------------------------------------------
+
+
+async def _respond(
+    request: Request,
+    pieces: AsyncIterator[Piece],
+    headers: dict[str, str],
+    stream: bool,
+    include_usage: bool,
+    usage: Usage,
+    chunk: Callable[[Piece, int], dict],
+    final: Callable[[str, list[int], list[TokenLogprob] | None, str | None], dict],
+    preamble: dict | None,
+) -> Response:
+    if not stream:
+        try:
+            text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(final(text, ids, lps, finish), headers=headers)
+
+    # Wait for the first piece before answering, so an overload or engine
+    # error still gets its own status code instead of a broken stream.
+    try:
+        first = await until_disconnect(request, anext(pieces, None))
+    except ClientGone:
+        await pieces.aclose()
+        return Response(status_code=499)
+    except BaseException:
+        await pieces.aclose()
+        raise
+
+    async def events():
+        sent = 0
+        try:
+            if preamble is not None:
+                yield _sse(preamble)
+            piece = first
+            while piece is not None:
+                yield _sse(chunk(piece, sent))
+                sent += len(piece.text)
+                piece = await anext(pieces, None)
+            if include_usage:
+                yield _sse(final("", [], None, None) | {"choices": [], "usage": _usage(usage)})
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            await pieces.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _collect(pieces: AsyncIterator[Piece]):
+    text, ids, lps, finish = [], [], [], None
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text.append(piece.text)
+            ids.extend(piece.token_ids)
+            if piece.logprobs:
+                lps.extend(piece.logprobs)
+            finish = piece.finish_reason or finish
+    return "".join(text), ids, lps, finish
+
+
+# -- routes --------------------------------------------------------------------
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    registry = request.app.state.registry
+    created = request.app.state.started_at
+    return {
+        "object": "list",
+        "data": [
+            {"id": m.id, "object": "model", "created": created, "owned_by": "specgate"}
+            for m in registry.models.values()
+        ],
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    try:
+        prompt = engine.render_chat([m.as_template_input() for m in body.messages])
+    except Exception as e:
+        raise APIError(400, f"messages: the model's chat template rejected them: {e}",
+                       param="messages") from None
+    limit, limit_param = body.token_limit
+    sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
+    stops = check_stops(body.stop)
+    req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param)
+    usage = Usage(len(prompt))
+    rid, created = new_id("chatcmpl"), int(time.time())
+    base = {"id": rid, "created": created, "model": body.model}
+
+    def chunk(piece: Piece, _offset: int) -> dict:
+        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
+                  "logprobs": _chat_logprobs(piece.logprobs) if piece.logprobs else None,
+                  "finish_reason": piece.finish_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = piece.token_ids
+        return base | {"object": "chat.completion.chunk", "choices": [choice]}
+
+    def final(text, ids, lps, finish) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": _chat_logprobs(lps) if body.logprobs else None,
+                  "finish_reason": finish}
+        if body.return_token_ids:
+            choice["token_ids"] = ids
+        if not body.stream:
+            return base | {"object": "chat.completion", "choices": [choice], "usage": _usage(usage)}
+        return base | {"object": "chat.completion.chunk"}
+
+    preamble = base | {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}],
+    }
+    pieces = run(engine, req, stops, usage)
+    return await _respond(request, pieces, plan_headers(req.plan), body.stream,
+                          body.include_usage, usage, chunk, final, preamble)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    if isinstance(body.prompt, str):
+        prompt = engine.encode(body.prompt)
+    else:
+        prompt = list(body.prompt)
+        bad = [t for t in prompt if t >= engine.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
+                                f"(size {engine.vocab_size})", param="prompt")
+    want_lps = body.logprobs is not None
+    sampling = body.sampling(want_lps, body.logprobs or 0)
+    stops = check_stops(body.stop)
+    req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens)
+    usage = Usage(len(prompt))
+    rid, created = new_id("cmpl"), int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+
+    def choice(text, ids, lps, finish, offset) -> dict:
+        c = {"index": 0, "text": text,
+             "logprobs": _completion_logprobs(lps, offset) if want_lps and lps is not None else None,
+             "finish_reason": finish}
+        if body.return_token_ids:
+            c["token_ids"] = ids
+        return c
+
+    def chunk(piece: Piece, offset: int) -> dict:
+        return base | {"choices": [choice(piece.text, piece.token_ids, piece.logprobs or [],
+                                          piece.finish_reason, offset)]}
+
+    def final(text, ids, lps, finish) -> dict:
+        if not body.stream:
+            return base | {"choices": [choice(text, ids, lps, finish, 0)], "usage": _usage(usage)}
+        return base
+
+    pieces = run(engine, req, stops, usage)
+    return await _respond(request, pieces, plan_headers(req.plan), body.stream,
+                          body.include_usage, usage, chunk, final, None)

@@ -1,0 +1,1 @@
+"""Routing policy: which decoding plan serves each request and round."""

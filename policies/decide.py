@@ -1,0 +1,66 @@
+"""The decision: which plan serves a request, and why.
+
+Pure code: no MLX, no HTTP. The gateway calls `decide` once per request and
+hands the engine a planner that asks again at every round boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.base import METHODS, LiveState, Method, Plan
+
+
+class OverrideError(ValueError):
+    """A request asked for a method or depth this model cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """What the model's config allows: method -> engine that serves it, in
+    preference order. "none" (plain decoding) is always present."""
+
+    model_id: str
+    engines_by_method: dict[Method, str]
+    max_depth: int = 0
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    prompt_tokens: int
+    has_penalties: bool
+    forced_method: Method | None = None
+    forced_depth: int | None = None
+
+
+def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Plan:
+    """Choose the plan for a request (raises OverrideError on a bad override)."""
+    available = policy.engines_by_method
+    if request.forced_method is not None:
+        method = request.forced_method
+        if method not in METHODS:
+            raise OverrideError(f"unknown method '{method}'; methods are {', '.join(METHODS)}")
+        if method not in available:
+            raise OverrideError(
+                f"method '{method}' is not available for model '{policy.model_id}'; "
+                f"available: {', '.join(available)}"
+            )
+        depth = 0 if method == "none" else (request.forced_depth or policy.max_depth)
+        return Plan(available[method], method, depth, "forced_by_request")
+    if request.forced_depth:
+        raise OverrideError(
+            f"X-Specgate-Depth needs a speculative method; model '{policy.model_id}' "
+            f"serves only: {', '.join(available)}"
+        )
+    # Until a speculative engine serves this model, plain decoding is the plan.
+    return Plan(available["none"], "none", 0, "no_drafter")
+
+
+@dataclass(frozen=True)
+class FixedPlanner:
+    """A planner that keeps the request's first plan for every round."""
+
+    plan_: Plan
+
+    def plan(self, state: LiveState) -> Plan:
+        return self.plan_

@@ -30,6 +30,10 @@ class LoadedModel:
         return self.text_config.get("max_position_embeddings")
 
 
+# One machine, one accelerator: engine workers take this around each step, so
+# two engines sharing one model's weights never run MLX work at once.
+DEVICE_LOCK = threading.Lock()
+
 _loaded: dict[str, LoadedModel] = {}
 _lock = threading.Lock()
 

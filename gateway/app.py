@@ -8,11 +8,13 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
 
 from gateway.config import Config
 from gateway.errors import install_error_handlers
 from gateway.limits import BodyLimitMiddleware
+from gateway.metrics import Metrics
 from gateway.models import ModelRegistry
 from gateway.openai_api import router as openai_router
 
@@ -36,6 +38,7 @@ def create_app(config: Config) -> FastAPI:
     app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.registry = registry
     app.state.started_at = int(time.time())
+    app.state.metrics = metrics = Metrics(registry)
     install_error_handlers(app)
     app.include_router(openai_router)
 
@@ -55,6 +58,10 @@ def create_app(config: Config) -> FastAPI:
             {"status": "ready" if ok else "not_ready", "models": models, "errors": errors},
             status_code=200 if ok else 503,
         )
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     return app

@@ -82,6 +82,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+            # FastAPI's words for a body it could not decode (e.g. bad UTF-8).
+            return APIError(
+                400, "request body is not valid UTF-8 JSON", code="invalid_json"
+            ).response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)

@@ -7,6 +7,7 @@ stop strings and usage are handled once.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
@@ -24,6 +25,7 @@ from engines.base import (
     TokenLogprob,
 )
 from gateway.errors import APIError
+from gateway.metrics import Metrics
 from gateway.models import ModelRegistry, ServedModel
 from gateway.stops import StopMatcher
 from policies.decide import FixedPlanner, OverrideError, RequestFeatures, decide
@@ -167,32 +169,49 @@ def plan_headers(plan: Plan) -> dict[str, str]:
 
 
 async def run(
-    engine: Engine, request: GenerationRequest, stops: list[str], usage: Usage
+    engine: Engine,
+    request: GenerationRequest,
+    stops: list[str],
+    usage: Usage,
+    metrics: Metrics,
 ) -> AsyncIterator[Piece]:
     """Stream a request as sendable pieces; closing this iterator cancels it."""
     matcher = StopMatcher(stops)
     events = engine.generate(request, FixedPlanner(request.plan))
-    async with aclosing(events):
-        try:
+    start, ttft, status = time.perf_counter(), None, "cancelled"
+    metrics.planned(request.model, request.plan)
+    try:
+        async with aclosing(events):
             async for event in events:
                 if isinstance(event, RoundStats):
                     continue
+                if ttft is None:
+                    ttft = time.perf_counter() - start
                 usage.completion_tokens += len(event.token_ids)
                 usage.cached_tokens = event.cached_tokens
                 text = matcher.feed(event.text)
                 if matcher.stopped:
+                    status = "ok"
                     yield Piece(text, event.token_ids, event.logprobs, "stop")
                     return
                 if event.finish_reason is not None:
                     text += matcher.flush()
+                    status = "ok"
                 if text or event.token_ids or event.finish_reason:
                     yield Piece(text, event.token_ids, event.logprobs, event.finish_reason)
-        except EngineOverloaded as e:
-            raise APIError(
-                429,
-                str(e),
-                code="overloaded",
-                headers={"Retry-After": str(max(1, round(e.retry_after)))},
-            ) from None
-        except EngineError as e:
-            raise APIError(500, f"generation failed: {e}", code="engine_error") from None
+    except EngineOverloaded as e:
+        status = "rejected"
+        raise APIError(
+            429,
+            str(e),
+            code="overloaded",
+            headers={"Retry-After": str(max(1, round(e.retry_after)))},
+        ) from None
+    except EngineError as e:
+        status = "error"
+        raise APIError(500, f"generation failed: {e}", code="engine_error") from None
+    finally:
+        metrics.finished(
+            request.model, request.plan, status, usage.prompt_tokens,
+            usage.completion_tokens, ttft, time.perf_counter() - start,
+        )

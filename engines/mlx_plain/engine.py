@@ -31,7 +31,7 @@ from engines.base import (
     TokenLogprob,
     TopLogprob,
 )
-from engines.loading import LoadedModel
+from engines.loading import DEVICE_LOCK, LoadedModel
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, sample
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,8 @@ class MLXPlainEngine:
                     break
                 if not self._slots:
                     continue
-                prompt_responses, generation_responses = self._batch.next()
+                with DEVICE_LOCK:
+                    prompt_responses, generation_responses = self._batch.next()
                 self._store_prompt_caches(prompt_responses)
                 for response in generation_responses:
                     self._emit(response)
@@ -332,6 +333,6 @@ class MLXPlainEngine:
             ids = mx.argsort(-logprobs)[:k].tolist()
             values = logprobs[mx.array(ids)].tolist()
             top = tuple(
-                TopLogprob(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values)
+                TopLogprob(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values, strict=True)
             )
         return TokenLogprob(token, self.tokenizer.decode([token]), logprobs[token].item(), top)

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny checkpoints and a real gateway on a loopback port.
+
+The gateway runs as a real `specgate serve` subprocess (uvicorn, its own
+process group), so tests talk to it exactly as a user's client would and
+the test process is free to run mlx-lm as the reference side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from engines.checkpoints.tiny import build_qwen35_hybrid
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Gateway:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def start_gateway(config: dict, workdir: Path, *, timeout: float = 120.0) -> Gateway:
+    port = free_port()
+    config = {"server": {"host": "127.0.0.1", "port": port, **config.get("server", {})},
+              "models": config["models"]}
+    cfg = workdir / "specgate.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log_path = workdir / "gateway.log"
+    env = os.environ | {"SPECGATE_HOME": str(workdir / "home"), "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not gw.alive():
+            raise RuntimeError(f"gateway exited early:\n{gw.log()}")
+        try:
+            if httpx.get(gw.base_url + "/ready", timeout=2).status_code == 200:
+                return gw
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_gateway(gw)
+    raise RuntimeError(f"gateway not ready in {timeout} s:\n{gw.log()}")
+
+
+def stop_gateway(gw: Gateway) -> None:
+    if gw.alive():
+        os.killpg(gw.process.pid, signal.SIGTERM)
+        try:
+            gw.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(gw.process.pid, signal.SIGKILL)
+            gw.process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The embedded demo's layout and size: Qwen3.5 hybrid with mtp.* tensors."""
+    return build_qwen35_hybrid(tmp_path_factory.mktemp("models") / "qwen35-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_model, tmp_path_factory):
+    """One gateway for the session: "tiny" batches 8; "tiny-narrow" runs one
+    request at a time and queues none, to show overload and slot release."""
+    gw = start_gateway(
+        {
+            "server": {"max_body_bytes": 256 * 1024},
+            "models": [
+                {"id": "tiny", "path": str(tiny_model), "max_concurrent": 8, "max_context": 2048},
+                {"id": "tiny-narrow", "path": str(tiny_model), "max_concurrent": 1,
+                 "max_queue": 0, "max_context": 2048},
+            ],
+        },
+        tmp_path_factory.mktemp("gateway"),
+    )
+    yield gw
+    stop_gateway(gw)
+    assert gw.process.returncode is not None

@@ -123,6 +123,7 @@ def plan_request(
     sampling: SamplingParams,
     max_tokens: int | None,
     max_tokens_param: str = "max_tokens",
+    ignore_eos: bool = False,
 ) -> GenerationRequest:
     """Check limits, decide the plan, and build the engine's request."""
     n_prompt = len(prompt_tokens)
@@ -160,7 +161,7 @@ def plan_request(
         sampling=sampling,
         max_tokens=max_tokens,
         plan=plan,
-        stop_token_ids=engine.eos_token_ids,
+        stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
     )
 
 

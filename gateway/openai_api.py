@@ -193,7 +193,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     limit, limit_param = body.token_limit
     sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
     stops = check_stops(body.stop)
-    req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param)
+    req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
+                       body.ignore_eos)
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}
@@ -240,7 +241,8 @@ async def completions(body: CompletionRequest, request: Request):
     want_lps = body.logprobs is not None
     sampling = body.sampling(want_lps, body.logprobs or 0)
     stops = check_stops(body.stop)
-    req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens)
+    req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens,
+                       ignore_eos=body.ignore_eos)
     usage = Usage(len(prompt))
     rid, created = new_id("cmpl"), int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}

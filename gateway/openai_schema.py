@@ -61,8 +61,10 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     user: str | None = None
-    # specgate extension (as in vLLM): return the generated token ids.
+    # specgate extensions, as in vLLM: return the generated token ids; keep
+    # generating past EOS (benchmarks need an exact number of tokens).
     return_token_ids: bool = False
+    ignore_eos: bool = False
 
     @model_validator(mode="after")
     def refuse_unsupported(self):

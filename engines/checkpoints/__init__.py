@@ -1,0 +1,1 @@
+"""Checkpoint formats: reading configs and safetensors, and building tiny ones."""

@@ -1,0 +1,178 @@
+"""A small byte-level BPE tokenizer in Qwen's format, trained on local text.
+
+Tiny test and demo checkpoints need a real tokenizer (chat template, special
+tokens, streaming detokenization) without downloading one. We train a BPE on
+Python standard-library sources, which every machine running specgate has.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sysconfig
+from pathlib import Path
+
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Qwen's order; they take the last ids of the vocabulary, as in Qwen's own files.
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# Qwen2/3/3.5's pre-tokenizer split (transformers' tokenization_qwen3_5.py).
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML, as Qwen renders it. Content may be a string or OpenAI-style parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# A fixed selection, sorted, so the corpus (and so the vocabulary) depends only
+# on the Python version. Modules a version lacks are skipped.
+_CORPUS_MODULES = (
+    "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py",
+    "cmd.py", "codecs.py", "codeop.py", "collections/__init__.py", "colorsys.py",
+    "compileall.py", "concurrent/futures/_base.py", "configparser.py",
+    "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py",
+    "difflib.py", "dis.py", "email/message.py", "email/utils.py", "enum.py",
+    "filecmp.py", "fileinput.py", "fnmatch.py", "fractions.py", "ftplib.py",
+    "functools.py", "getopt.py", "gettext.py", "glob.py", "graphlib.py", "gzip.py",
+    "hashlib.py", "heapq.py", "hmac.py", "html/parser.py", "http/client.py",
+    "http/server.py", "inspect.py", "ipaddress.py", "json/decoder.py",
+    "json/encoder.py", "keyword.py", "linecache.py", "locale.py",
+    "logging/__init__.py", "lzma.py", "mimetypes.py", "numbers.py", "operator.py",
+    "optparse.py", "os.py", "pathlib.py", "pickle.py", "pkgutil.py", "platform.py",
+    "plistlib.py", "posixpath.py", "pprint.py", "queue.py", "quopri.py",
+    "random.py", "reprlib.py", "sched.py", "secrets.py", "selectors.py", "shlex.py",
+    "shutil.py", "socket.py", "socketserver.py", "statistics.py", "string.py",
+    "struct.py", "subprocess.py", "tempfile.py", "textwrap.py", "threading.py",
+    "timeit.py", "token.py", "tokenize.py", "trace.py", "traceback.py",
+    "types.py", "typing.py", "unittest/case.py", "urllib/parse.py",
+    "urllib/request.py", "uuid.py", "warnings.py", "weakref.py", "zipapp.py",
+)  # fmt: skip
+_CORPUS_MAX_BYTES = 3_000_000
+
+
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """Ids of the special tokens in a tokenizer built with this vocab_size."""
+    first = vocab_size - len(SPECIAL_TOKENS)
+    return {token: first + i for i, token in enumerate(SPECIAL_TOKENS)}
+
+
+def corpus_files() -> list[Path]:
+    """The stdlib sources the tokenizer trains on, capped at ~3 MB in total."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for name in _CORPUS_MODULES:
+        path = stdlib / name
+        if not path.is_file():
+            continue
+        total += path.stat().st_size
+        if total > _CORPUS_MAX_BYTES:
+            break
+        files.append(path)
+    return files
+
+
+@functools.cache
+def _trained_json(vocab_size: int) -> str:
+    """tokenizer.json text; cached because training dominates a tiny build."""
+    tok = Tokenizer(models.BPE())
+    # Exactly the pipeline transformers' Qwen3_5Tokenizer builds: in a
+    # qwen3_5 checkpoint AutoTokenizer always uses that class and keeps only
+    # the vocabulary and merges from tokenizer.json, so anything else here
+    # would make `tokenizers` and transformers disagree on ids. NFC means
+    # decode(encode(s)) == NFC(s), as with Qwen's own tokenizer.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(p) for p in corpus_files()], trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    if tok.get_vocab_size() != vocab_size or ids != special_token_ids(vocab_size):
+        raise RuntimeError(
+            f"tokenizer reached {tok.get_vocab_size()} tokens (specials {ids}), wanted {vocab_size}"
+        )
+    return tok.to_str()
+
+
+def build_tokenizer(dest: Path, *, vocab_size: int = 2048) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok_json = _trained_json(vocab_size)
+    (dest / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+
+    ids = special_token_ids(vocab_size)
+    config = {
+        # Outside a model directory this loads tokenizer.json verbatim; inside
+        # one, transformers substitutes Qwen3_5Tokenizer (same pipeline).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(ids[t]): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t in SPECIAL_TOKENS
+        },
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 262144,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(dest / "tokenizer_config.json", config)
+    _write_json(
+        dest / "special_tokens_map.json",
+        {"eos_token": IM_END, "pad_token": ENDOFTEXT},
+    )
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

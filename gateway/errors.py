@@ -56,9 +56,20 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic puts the union member it tried into the error location
+    ("stop.str", "prompt.list[int]"); the API's param is the field alone."""
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
+    )
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     if first.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
     param = ".".join(loc) or None

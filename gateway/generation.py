@@ -124,18 +124,19 @@ def plan_request(
     max_tokens: int | None,
     max_tokens_param: str = "max_tokens",
     ignore_eos: bool = False,
+    prompt_param: str = "messages",
 ) -> GenerationRequest:
     """Check limits, decide the plan, and build the engine's request."""
     n_prompt = len(prompt_tokens)
     if n_prompt == 0:
-        raise APIError(400, "the prompt is empty", param="prompt")
+        raise APIError(400, "the prompt is empty", param=prompt_param)
     room = engine.max_context - n_prompt
     if room < 1:
         raise APIError(
             400,
             f"the prompt is {n_prompt} tokens; model '{served.id}' has a context of "
             f"{engine.max_context} tokens, which leaves no room to generate",
-            param="messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     if max_tokens is None:

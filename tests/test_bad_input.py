@@ -1,0 +1,122 @@
+"""Every bad input gets its status and an OpenAI-shaped error; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+CHAT, COMP = "/chat/completions", "/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"model": "tiny", "messages": MSGS, "max_tokens": 4, **kw}
+
+
+def comp(**kw):
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 4, **kw}
+
+
+# (endpoint, body, status, param the error must name, or None)
+CASES = {
+    "unknown model": (CHAT, chat(model="no-such-model"), 404, "model"),
+    "negative max_tokens": (CHAT, chat(max_tokens=-5), 400, "max_tokens"),
+    "zero max_completion_tokens": (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    "max_tokens beyond context": (COMP, comp(max_tokens=10**6), 400, "max_tokens"),
+    "temperature < 0": (CHAT, chat(temperature=-0.5), 400, "temperature"),
+    "temperature > 2": (CHAT, chat(temperature=7), 400, "temperature"),
+    "top_p > 1": (CHAT, chat(top_p=1.5), 400, "top_p"),
+    "top_p = 0": (COMP, comp(top_p=0), 400, "top_p"),
+    "min_p > 1": (COMP, comp(min_p=2), 400, "min_p"),
+    "top_k < -1": (COMP, comp(top_k=-3), 400, "top_k"),
+    "presence_penalty out of range": (CHAT, chat(presence_penalty=9), 400, "presence_penalty"),
+    "repetition_penalty 0": (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    "top_logprobs > 20": (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    "top_logprobs without logprobs": (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    "huge stop list": (CHAT, chat(stop=[f"s{i}" for i in range(100)]), 400, "stop"),
+    "huge stop string": (COMP, comp(stop="x" * 5000), 400, "stop"),
+    "stop of wrong type": (COMP, comp(stop=5), 400, "stop"),
+    "messages not a list": (CHAT, chat(messages="hi"), 400, "messages"),
+    "empty messages": (CHAT, chat(messages=[]), 400, "messages"),
+    "unknown role": (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    "image content": (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, None),
+    "max_tokens as string": (CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
+    "missing model": (COMP, {"prompt": "hi"}, 400, "model"),
+    "n > 1": (CHAT, chat(n=3), 400, "n"),
+    "tools (not yet supported)": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
+    "prompt batch": (COMP, comp(prompt=["a", "b"]), 400, None),
+    "empty prompt": (COMP, comp(prompt=""), 400, "prompt"),
+    "token id outside vocabulary": (COMP, comp(prompt=[1, 2, 10**7]), 400, "prompt"),
+    "prompt longer than context": (COMP, comp(prompt=[5] * 3000), 400, "prompt"),
+    "chat longer than context": (CHAT, chat(messages=[{"role": "user", "content": "word " * 5000}]), 400, None),
+}
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert {"type", "param", "code"} <= set(err)
+    if param is not None:
+        assert err["param"] == param, err
+        assert param.split(".")[0] in err["message"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_body(gateway, case):
+    path, body, status, param = CASES[case]
+    assert_openai_error(httpx.post(gateway.api + path, json=body, timeout=30), status, param)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"model": "tiny", "prompt": "\xff\xfe"}', b"", b"[]", b"null"])
+def test_malformed_bodies(gateway, raw):
+    resp = httpx.post(gateway.api + COMP, content=raw, timeout=30,
+                      headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, None)
+
+
+def test_body_too_large(gateway):
+    big = comp(prompt="x" * (300 * 1024))  # the test gateway allows 256 KiB
+    assert_openai_error(httpx.post(gateway.api + COMP, json=big, timeout=30), 413, None)
+
+    def chunked():
+        for _ in range(40):
+            yield b" " * 8192
+        yield b"{}"
+
+    resp = httpx.post(gateway.api + COMP, content=chunked(), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert_openai_error(resp, 413, None)
+
+
+@pytest.mark.parametrize("headers,needle", [
+    ({"X-Specgate-Method": "warp-drive"}, "unknown method"),
+    ({"X-Specgate-Method": "dflash"}, "available: none"),
+    ({"X-Specgate-Depth": "many"}, "integer"),
+    ({"X-Specgate-Depth": "3"}, "speculative method"),
+])
+def test_bad_override_headers(gateway, headers, needle):
+    resp = httpx.post(gateway.api + CHAT, json=chat(), headers=headers, timeout=30)
+    assert_openai_error(resp, 400, None)
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_sdk_sees_typed_errors(gateway):
+    client = openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MSGS, temperature=-1)
+    assert err.value.body["param"] == "temperature"
+
+
+def test_still_serving_after_all_that(gateway):
+    client = openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    assert gateway.alive()
+    assert "Traceback" not in gateway.log()

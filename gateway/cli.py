@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     if any(m.path == "builtin:demo" for m in config.models):
         from engines.checkpoints.default_model import ensure_default_model
 
-        ensure_default_model()
+        ensure_default_model(progress=lambda line: print(line, flush=True))
     uvicorn.run(
         create_app(config),
         host=config.server.host,

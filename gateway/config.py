@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.checkpoints.default_model import DEFAULT_MODEL_ID
+
 BUILTIN_DEMO = "builtin:demo"
 
 
@@ -64,7 +66,7 @@ class ConfigError(Exception):
 
 def default_config() -> Config:
     """What `specgate serve` with no arguments serves."""
-    return Config(models=[ModelConfig(id="specgate-demo", path=BUILTIN_DEMO)])
+    return Config(models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO)])
 
 
 def _format(source: str, err: ValidationError) -> str:

@@ -48,18 +48,23 @@ class Gateway:
         return self.process.poll() is None
 
 
-def start_gateway(config: dict, workdir: Path, *, timeout: float = 120.0) -> Gateway:
+def start_gateway(
+    config: dict | None, workdir: Path, *, timeout: float = 120.0, home: Path | None = None
+) -> Gateway:
+    """Start `specgate serve` with this config (None: no --config, the embedded default)."""
     port = free_port()
-    config = {"server": {"host": "127.0.0.1", "port": port, **config.get("server", {})},
-              "models": config["models"]}
-    cfg = workdir / "specgate.yaml"
-    cfg.write_text(yaml.safe_dump(config))
+    args = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    if config is not None:
+        config = {"server": {"host": "127.0.0.1", **config.get("server", {})},
+                  "models": config["models"]}
+        cfg = workdir / "specgate.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        args += ["--config", str(cfg)]
     log_path = workdir / "gateway.log"
-    env = os.environ | {"SPECGATE_HOME": str(workdir / "home"), "HF_HUB_OFFLINE": "1"}
+    env = os.environ | {"SPECGATE_HOME": str(home or workdir / "home"), "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout

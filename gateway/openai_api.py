@@ -129,12 +129,13 @@ async def _respond(
 
     async def events():
         sent = 0
+        # The preamble goes out in the same write as the first token.
+        head = _sse(preamble) if preamble is not None else b""
         try:
-            if preamble is not None:
-                yield _sse(preamble)
             piece = first
             while piece is not None:
-                yield _sse(chunk(piece, sent))
+                yield head + _sse(chunk(piece, sent))
+                head = b""
                 sent += len(piece.text)
                 piece = await anext(pieces, None)
             if include_usage:

@@ -92,6 +92,11 @@ class _Slot:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
+def _deliver(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for out, item in items:
+        out.put_nowait(item)
+
+
 class MLXPlainEngine:
     name = "mlx_plain"
 
@@ -217,8 +222,14 @@ class MLXPlainEngine:
                 with DEVICE_LOCK:
                     prompt_responses, generation_responses = self._batch.next()
                 self._store_prompt_caches(prompt_responses)
+                # One wake-up per event loop per step, not one per token.
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for response in generation_responses:
-                    self._emit(response)
+                    if (made := self._event(response)) is not None:
+                        slot, event = made
+                        by_loop.setdefault(slot.loop, []).append((slot.out, event))
+                for loop, items in by_loop.items():
+                    loop.call_soon_threadsafe(_deliver, items)
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
                 for slot in self._slots.values():
@@ -240,7 +251,11 @@ class MLXPlainEngine:
             if command == "stop":
                 return False
             if command == "submit":
-                self._insert(slot)
+                try:
+                    self._insert(slot)
+                except Exception as exc:  # this request's problem, not the batch's
+                    log.exception("mlx_plain could not start request %s", slot.request.request_id)
+                    slot.post(exc)
             elif command == "cancel" and slot.uid in self._slots:
                 self._batch.remove([slot.uid])
                 del self._slots[slot.uid]
@@ -290,10 +305,11 @@ class MLXPlainEngine:
             if tokens:
                 self._prefix_cache.insert_cache(self.model_id, list(tokens), cache, cache_type="user")
 
-    def _emit(self, response: Any) -> None:
+    def _event(self, response: Any) -> tuple[_Slot, TokenEvent] | None:
+        """The event a generation response makes for its request."""
         slot = self._slots.get(response.uid)
         if slot is None:
-            return
+            return None
         if not slot.started:
             slot.started = True
             self._running += 1
@@ -308,15 +324,13 @@ class MLXPlainEngine:
         logprobs = None
         if slot.request.sampling.logprobs and token_ids:
             logprobs = [self._token_logprob(response.token, response.logprobs, slot)]
-        slot.post(
-            TokenEvent(
-                token_ids=token_ids,
-                text=detok.last_segment,
-                finish_reason=finish,
-                logprobs=logprobs,
-                prompt_tokens=len(slot.request.prompt_tokens),
-                cached_tokens=slot.cached_tokens,
-            )
+        event = TokenEvent(
+            token_ids=token_ids,
+            text=detok.last_segment,
+            finish_reason=finish,
+            logprobs=logprobs,
+            prompt_tokens=len(slot.request.prompt_tokens),
+            cached_tokens=slot.cached_tokens,
         )
         if finish is not None:
             del self._slots[response.uid]
@@ -325,6 +339,7 @@ class MLXPlainEngine:
                 self._prefix_cache.insert_cache(
                     self.model_id, list(response.all_tokens), response.prompt_cache
                 )
+        return slot, event
 
     def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:
         k = slot.request.sampling.top_logprobs

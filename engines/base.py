@@ -117,8 +117,7 @@ class TokenEvent:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass

@@ -329,7 +329,6 @@ class MLXPlainEngine:
             text=detok.last_segment,
             finish_reason=finish,
             logprobs=logprobs,
-            prompt_tokens=len(slot.request.prompt_tokens),
             cached_tokens=slot.cached_tokens,
         )
         if finish is not None:

@@ -4,124 +4,113 @@ Tests and the demo model need checkpoints whose config keys, tensor names,
 shapes and norm conventions are those of the real releases, so that every
 loader (mlx-lm's sanitize, our MTP head reader, `inspect`) is exercised on
 what it will meet in the wild. Only the sizes are small and the weights random.
+
+Targets live here (Qwen3.5 hybrid and MoE, Qwen3 dense) and in qwen3_next.py;
+drafters (DFlash, DSpark, Gemma-4 assistant) in drafters.py; helpers that
+reproduce known conversion traps in traps.py. All public builders and the
+trap helpers are importable from this module.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
+from ._build import (
+    Tensors,
+    _Init,
+    attention,
+    decoder_layer,
+    gated_delta_net,
+    save_safetensors,
+    sparse_moe,
+    write_generation_config,
+    write_json,
+)
+from .qwen3_next import build_qwen3_next
 from .tokenizer import ENDOFTEXT, IM_END, build_tokenizer, special_token_ids
+from .traps import apply_double_norm_shift, strip_mtp
+
+__all__ = [
+    "LAYOUT_CONFIRMED",
+    "UNCONFIRMED",
+    "apply_double_norm_shift",
+    "build_qwen3_dense",
+    "build_qwen3_next",
+    "build_qwen35_hybrid",
+    "build_qwen35_moe",
+    "strip_mtp",
+]
+
+# Whether each builder's file layout (tensor names, shapes, config keys) was
+# checked against source code or published file listings (True), or had to be
+# inferred from modeling code because no published file was found (False).
+# `inspect` reads this to say how far a verdict on such a layout can be trusted.
+LAYOUT_CONFIRMED: dict[str, bool] = {
+    "build_qwen35_hybrid": True,
+    "build_qwen35_moe": True,
+    "build_qwen3_dense": True,
+    "build_qwen3_next": True,
+    "build_dflash_drafter": True,
+    # DeepSpec's module tree gives the names, but no published DSpark
+    # checkpoint (file listing or loader) was found.
+    "build_dspark_drafter": False,
+    "build_gemma4_assistant": True,
+}
+
+# Points inside an otherwise confirmed layout that no source settled.
+UNCONFIRMED: dict[str, tuple[str, ...]] = {
+    "build_qwen3_next": (
+        "the MTP declaration key: none is written by default (see qwen3_next.py)",
+    ),
+    "build_dflash_drafter": (
+        "mask_token_id: Qwen3 releases use the first id past the tokenizer, an "
+        "unused embedding row; the tiny target has none, so the last BPE id is used",
+        "layer_types in config.json: written as transformers >= 4.56 saves Qwen3 configs",
+    ),
+    "build_dspark_drafter": (
+        "the whole file layout: names follow Qwen3DSparkModel's modules, "
+        "unprefixed, with its frozen embed_tokens and lm_head saved",
+    ),
+}
 
 _TEXT = "model.language_model."
+# How a checkpoint stores MoE experts (see build_qwen35_moe).
+ExpertLayout = Literal["fused", "per_expert"]
 
 
-class _Init:
-    """Draws every tensor from one seeded generator, in a fixed order.
-
-    The gains are chosen so that a random model still behaves like a language
-    model numerically: residual branches contribute O(1), the GDN recurrence
-    carries context without blowing up or forgetting at once, and the logits are spread (std ~3) so
-    greedy decoding is not decided by near-ties.
-    """
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-
-    def normal(self, shape: tuple[int, ...], std: float) -> np.ndarray:
-        return (self.rng.standard_normal(shape) * std).astype(np.float32)
-
-    def linear(self, out_dim: int, in_dim: int, gain: float = 1.0) -> np.ndarray:
-        return self.normal((out_dim, in_dim), gain / np.sqrt(in_dim))
-
-    def norm(self, dim: int, *, zero_centred: bool) -> np.ndarray:
-        # Qwen3.5 stores RMSNorm weights as w with effective scale 1 + w;
-        # Qwen3 and the GDN gated norm store the scale itself.
-        w = self.normal((dim,), 0.1)
-        return w if zero_centred else 1.0 + w
-
-
-def _mlp(init: _Init, prefix: str, hidden: int, inter: int) -> dict[str, np.ndarray]:
-    return {
-        f"{prefix}mlp.gate_proj.weight": init.linear(inter, hidden),
-        f"{prefix}mlp.up_proj.weight": init.linear(inter, hidden),
-        f"{prefix}mlp.down_proj.weight": init.linear(hidden, inter),
-    }
-
-
-def _attention(
-    init: _Init, prefix: str, tc: dict, *, output_gate: bool, zero_centred: bool
-) -> dict[str, np.ndarray]:
-    h, hd = tc["hidden_size"], tc["head_dim"]
-    n_q, n_kv = tc["num_attention_heads"], tc["num_key_value_heads"]
-    p = f"{prefix}self_attn."
-    return {
-        # With an output gate, q_proj gives [query | gate] per head.
-        f"{p}q_proj.weight": init.linear((2 if output_gate else 1) * n_q * hd, h),
-        f"{p}k_proj.weight": init.linear(n_kv * hd, h),
-        f"{p}v_proj.weight": init.linear(n_kv * hd, h),
-        f"{p}o_proj.weight": init.linear(h, n_q * hd),
-        f"{p}q_norm.weight": init.norm(hd, zero_centred=zero_centred),
-        f"{p}k_norm.weight": init.norm(hd, zero_centred=zero_centred),
-    }
-
-
-def _gated_delta_net(init: _Init, prefix: str, tc: dict) -> dict[str, np.ndarray]:
-    h = tc["hidden_size"]
-    n_v = tc["linear_num_value_heads"]
-    key_dim = tc["linear_num_key_heads"] * tc["linear_key_head_dim"]
-    value_dim = n_v * tc["linear_value_head_dim"]
-    conv_dim = 2 * key_dim + value_dim
-    kernel = tc["linear_conv_kernel_dim"]
-    # Decay g = exp(-exp(A_log) * softplus(a + dt_bias)): A in [1, 8] and a
-    # Mamba-style dt in [0.01, 0.1] keep g in roughly [0.45, 0.99], so state
-    # lasts a few to a hundred tokens (HF's init, A up to 16 with dt_bias 1,
-    # would forget almost everything at every step).
-    dt = np.exp(init.rng.uniform(np.log(0.01), np.log(0.1), n_v))
-    p = f"{prefix}linear_attn."
-    return {
-        f"{p}in_proj_qkv.weight": init.linear(conv_dim, h),
-        f"{p}in_proj_z.weight": init.linear(value_dim, h),
-        f"{p}in_proj_b.weight": init.linear(n_v, h),
-        f"{p}in_proj_a.weight": init.linear(n_v, h, gain=0.5),
-        # HF Conv1d layout [channels, 1, kernel]; mlx-lm moves the axes.
-        f"{p}conv1d.weight": init.normal((conv_dim, 1, kernel), 1 / np.sqrt(kernel)),
-        f"{p}dt_bias": (dt + np.log(-np.expm1(-dt))).astype(np.float32),  # softplus^-1
-        f"{p}A_log": np.log(init.rng.uniform(1.0, 8.0, n_v)).astype(np.float32),
-        # The gated norm is not zero-centred, unlike every other Qwen3.5 norm.
-        f"{p}norm.weight": init.norm(tc["linear_value_head_dim"], zero_centred=False),
-        f"{p}out_proj.weight": init.linear(h, value_dim),
-    }
-
-
-def _decoder_layer(
-    init: _Init, prefix: str, tc: dict, *, mixer: dict[str, np.ndarray], zero_centred: bool
-) -> dict[str, np.ndarray]:
-    h = tc["hidden_size"]
-    return {
-        f"{prefix}input_layernorm.weight": init.norm(h, zero_centred=zero_centred),
-        **mixer,
-        f"{prefix}post_attention_layernorm.weight": init.norm(h, zero_centred=zero_centred),
-        **_mlp(init, prefix, h, tc["intermediate_size"]),
-    }
-
-
-def _qwen35_layer(init: _Init, prefix: str, tc: dict, kind: str) -> dict[str, np.ndarray]:
+def _qwen35_layer(
+    init: _Init, prefix: str, tc: dict, kind: str, *, fused_experts: bool | None = None
+) -> Tensors:
+    """One Qwen3.5 decoder layer; `fused_experts` None means a dense MLP."""
     if kind == "linear_attention":
-        mixer = _gated_delta_net(init, prefix, tc)
+        mixer = gated_delta_net(init, prefix, tc)
     else:
-        mixer = _attention(init, prefix, tc, output_gate=True, zero_centred=True)
-    return _decoder_layer(init, prefix, tc, mixer=mixer, zero_centred=True)
+        mixer = attention(init, prefix, tc, output_gate=True, zero_centred=True)
+    ffn = None
+    if fused_experts is not None:
+
+        def ffn() -> Tensors:
+            return sparse_moe(init, prefix, tc, fused_experts=fused_experts)
+
+    return decoder_layer(init, prefix, tc, mixer=mixer, zero_centred=True, ffn=ffn)
 
 
-def _qwen35_tensors(seed: int, tc: dict, with_mtp: bool) -> dict[str, np.ndarray]:
+def _qwen35_tensors(
+    seed: int,
+    tc: dict,
+    with_mtp: bool,
+    *,
+    fused_experts: bool | None = None,
+    mtp_fused_experts: bool | None = None,
+) -> Tensors:
     init = _Init(seed)
     h, vocab = tc["hidden_size"], tc["vocab_size"]
     tensors = {f"{_TEXT}embed_tokens.weight": init.normal((vocab, h), 1.0)}
     for i, kind in enumerate(tc["layer_types"]):
-        tensors |= _qwen35_layer(init, f"{_TEXT}layers.{i}.", tc, kind)
+        tensors |= _qwen35_layer(init, f"{_TEXT}layers.{i}.", tc, kind, fused_experts=fused_experts)
     tensors[f"{_TEXT}norm.weight"] = init.norm(h, zero_centred=True)
     # Gain 3 on a unit-RMS final hidden state gives logits of std ~3.
     tensors["lm_head.weight"] = init.linear(vocab, h, gain=3.0)
@@ -134,7 +123,9 @@ def _qwen35_tensors(seed: int, tc: dict, with_mtp: bool) -> dict[str, np.ndarray
             "mtp.fc.weight": init.linear(h, 2 * h),  # input is [embedding, hidden]
         }
         for j in range(tc["mtp_num_hidden_layers"]):
-            tensors |= _qwen35_layer(init, f"mtp.layers.{j}.", tc, "full_attention")
+            tensors |= _qwen35_layer(
+                init, f"mtp.layers.{j}.", tc, "full_attention", fused_experts=mtp_fused_experts
+            )
         tensors["mtp.norm.weight"] = init.norm(h, zero_centred=True)
     return tensors
 
@@ -146,41 +137,28 @@ def _mrope_section(rotary_dim: int) -> list[int]:
     return [side, side, half - 2 * side]
 
 
-def build_qwen35_hybrid(
-    dest: Path,
+def _qwen35_text_config(
     *,
-    seed: int = 0,
-    hidden_size: int = 128,
-    num_hidden_layers: int = 4,
-    vocab_size: int = 2048,
-    intermediate_size: int = 256,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    head_dim: int = 32,
-    linear_num_key_heads: int = 2,
-    linear_num_value_heads: int = 4,
-    linear_key_head_dim: int = 32,
-    linear_value_head_dim: int = 32,
-    full_attention_interval: int = 4,
-    mtp_num_hidden_layers: int = 1,
-    max_position_embeddings: int = 8192,
-    dtype: str = "float32",
-    with_mtp: bool = True,
-    tokenizer: bool = True,
-) -> Path:
-    """Write a random Qwen3.5 hybrid (GatedDeltaNet + gated attention) to dest.
-
-    The layout is Qwen's published one: nested config.json, tensors under
-    `model.language_model.`, top-level `lm_head` and `mtp.*`, zero-centred
-    norms, HF conv1d layout. `with_mtp=False` keeps `mtp_num_hidden_layers` in
-    the config but writes no `mtp.*` tensors, as some conversions do.
-    `dtype` is float32, float16 or bfloat16. Deterministic in `seed`.
-    """
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    dtype: str,
+    hidden_size: int,
+    num_hidden_layers: int,
+    vocab_size: int,
+    intermediate_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    linear_num_key_heads: int,
+    linear_num_value_heads: int,
+    linear_key_head_dim: int,
+    linear_value_head_dim: int,
+    full_attention_interval: int,
+    mtp_num_hidden_layers: int,
+    max_position_embeddings: int,
+) -> dict:
+    """Qwen3.5's text_config (model_type qwen3_5_text), keys as Qwen writes them."""
     specials = special_token_ids(vocab_size)
     partial_rotary_factor = 0.25
-    text_config = {
+    return {
         "model_type": "qwen3_5_text",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -224,22 +202,187 @@ def build_qwen35_hybrid(
         "use_cache": True,
         "vocab_size": vocab_size,
     }
+
+
+def _write_qwen35(
+    dest: Path,
+    architecture: str,
+    model_type: str,
+    text_config: dict,
+    tensors: Tensors,
+    *,
+    dtype: str,
+    tokenizer: bool,
+) -> Path:
     config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": [architecture],
+        "model_type": model_type,
         "dtype": dtype,
         "text_config": text_config,
         "tie_word_embeddings": False,
     }
-    _write_json(dest / "config.json", config)
-    _write_generation_config(dest, vocab_size)
-    _save_safetensors(dest, _qwen35_tensors(seed, text_config, with_mtp), dtype)
+    write_json(dest / "config.json", config)
+    vocab_size = text_config["vocab_size"]
+    write_generation_config(dest, vocab_size)
+    save_safetensors(dest, tensors, dtype)
     if tokenizer:
         build_tokenizer(dest, vocab_size=vocab_size)
     return dest
 
 
-def _qwen3_tensors(seed: int, cfg: dict) -> dict[str, np.ndarray]:
+def build_qwen35_hybrid(
+    dest: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 4,
+    vocab_size: int = 2048,
+    intermediate_size: int = 256,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 32,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 32,
+    linear_value_head_dim: int = 32,
+    full_attention_interval: int = 4,
+    mtp_num_hidden_layers: int = 1,
+    max_position_embeddings: int = 8192,
+    dtype: str = "float32",
+    with_mtp: bool = True,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a random Qwen3.5 hybrid (GatedDeltaNet + gated attention) to dest.
+
+    The layout is Qwen's published one: nested config.json, tensors under
+    `model.language_model.`, top-level `lm_head` and `mtp.*`, zero-centred
+    norms, HF conv1d layout. `with_mtp=False` keeps `mtp_num_hidden_layers` in
+    the config but writes no `mtp.*` tensors, as some conversions do.
+    `dtype` is float32, float16 or bfloat16. Deterministic in `seed`.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    text_config = _qwen35_text_config(
+        dtype=dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim,
+        full_attention_interval=full_attention_interval,
+        mtp_num_hidden_layers=mtp_num_hidden_layers,
+        max_position_embeddings=max_position_embeddings,
+    )
+    tensors = _qwen35_tensors(seed, text_config, with_mtp)
+    return _write_qwen35(
+        dest,
+        "Qwen3_5ForConditionalGeneration",
+        "qwen3_5",
+        text_config,
+        tensors,
+        dtype=dtype,
+        tokenizer=tokenizer,
+    )
+
+
+def build_qwen35_moe(
+    dest: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 4,
+    vocab_size: int = 2048,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 32,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 32,
+    linear_value_head_dim: int = 32,
+    full_attention_interval: int = 4,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    shared_expert_intermediate_size: int = 64,
+    mtp_num_hidden_layers: int = 1,
+    max_position_embeddings: int = 8192,
+    experts: ExpertLayout = "fused",
+    mtp_experts: ExpertLayout = "per_expert",
+    dtype: str = "float32",
+    with_mtp: bool = True,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a random Qwen3.5 MoE hybrid (Qwen3_5MoeForConditionalGeneration) to dest.
+
+    As the Qwen3.5 hybrid, with every MLP replaced by Qwen's sparse MoE
+    block: router `mlp.gate [E, H]`, routed experts, `shared_expert.*` and
+    `shared_expert_gate [1, H]`; the text_config (`qwen3_5_moe_text`) has no
+    `intermediate_size`, only the MoE widths.
+
+    Expert layouts, from published index files (as reported in
+    vllm-project/llm-compressor#3037, THUDM/slime#1904, ISEEKYAN/mbridge#145):
+    Qwen3.5-35B-A3B (bf16) stores the trunk's experts fused (`experts="fused"`:
+    `experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`, no
+    `.weight`) but its MTP layer's per expert (`mtp_experts="per_expert"`:
+    `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`); Qwen3.6-35B-A3B
+    stores the MTP experts fused too (`mtp_experts="fused"`). The FP8 release
+    and re-saved derivatives store the trunk per expert (`experts="per_expert"`),
+    which mlx-lm 0.32's qwen3_5_moe sanitize cannot load.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    dense = _qwen35_text_config(
+        dtype=dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        intermediate_size=0,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim,
+        full_attention_interval=full_attention_interval,
+        mtp_num_hidden_layers=mtp_num_hidden_layers,
+        max_position_embeddings=max_position_embeddings,
+    )
+    del dense["model_type"], dense["intermediate_size"]
+    dense |= {
+        "moe_intermediate_size": moe_intermediate_size,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": shared_expert_intermediate_size,
+    }
+    text_config = {"model_type": "qwen3_5_moe_text", **dict(sorted(dense.items()))}
+    tensors = _qwen35_tensors(
+        seed,
+        text_config,
+        with_mtp,
+        fused_experts=experts == "fused",
+        mtp_fused_experts=mtp_experts == "fused",
+    )
+    return _write_qwen35(
+        dest,
+        "Qwen3_5MoeForConditionalGeneration",
+        "qwen3_5_moe",
+        text_config,
+        tensors,
+        dtype=dtype,
+        tokenizer=tokenizer,
+    )
+
+
+def _qwen3_tensors(seed: int, cfg: dict) -> Tensors:
     init = _Init(seed)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     tied = cfg["tie_word_embeddings"]
@@ -247,8 +390,8 @@ def _qwen3_tensors(seed: int, cfg: dict) -> dict[str, np.ndarray]:
     tensors = {"model.embed_tokens.weight": init.normal((vocab, h), 3 / np.sqrt(h) if tied else 1)}
     for i in range(cfg["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
-        mixer = _attention(init, prefix, cfg, output_gate=False, zero_centred=False)
-        tensors |= _decoder_layer(init, prefix, cfg, mixer=mixer, zero_centred=False)
+        mixer = attention(init, prefix, cfg, output_gate=False, zero_centred=False)
+        tensors |= decoder_layer(init, prefix, cfg, mixer=mixer, zero_centred=False)
     tensors["model.norm.weight"] = init.norm(h, zero_centred=False)
     if not tied:
         tensors["lm_head.weight"] = init.linear(vocab, h, gain=3.0)
@@ -307,42 +450,9 @@ def build_qwen3_dense(
         "use_sliding_window": False,
         "vocab_size": vocab_size,
     }
-    _write_json(dest / "config.json", config)
-    _write_generation_config(dest, vocab_size)
-    _save_safetensors(dest, _qwen3_tensors(seed, config), dtype)
+    write_json(dest / "config.json", config)
+    write_generation_config(dest, vocab_size)
+    save_safetensors(dest, _qwen3_tensors(seed, config), dtype)
     if tokenizer:
         build_tokenizer(dest, vocab_size=vocab_size)
     return dest
-
-
-def _write_generation_config(dest: Path, vocab_size: int) -> None:
-    # Qwen's: generation stops at <|im_end|> or <|endoftext|>.
-    specials = special_token_ids(vocab_size)
-    _write_json(
-        dest / "generation_config.json",
-        {
-            "bos_token_id": specials[ENDOFTEXT],
-            "eos_token_id": [specials[IM_END], specials[ENDOFTEXT]],
-            "pad_token_id": specials[ENDOFTEXT],
-        },
-    )
-
-
-def _save_safetensors(dest: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
-    """model.safetensors plus the index that sharded releases carry."""
-    import mlx.core as mx  # numpy has no bfloat16; mlx writes all three dtypes
-
-    mx_dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
-    arrays = {name: mx.array(value).astype(mx_dtype) for name, value in tensors.items()}
-    mx.save_safetensors(str(dest / "model.safetensors"), arrays, metadata={"format": "pt"})
-    _write_json(
-        dest / "model.safetensors.index.json",
-        {
-            "metadata": {"total_size": sum(a.nbytes for a in arrays.values())},
-            "weight_map": {name: "model.safetensors" for name in sorted(arrays)},
-        },
-    )
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

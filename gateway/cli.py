@@ -42,6 +42,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from engines.checkpoints.inspect import run_cli
+
+    return run_cli(args.model, args.target, args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="bind address (overrides the config)")
     serve.add_argument("--port", type=int, help="port (overrides the config)")
     serve.set_defaults(run=_serve)
+    inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
+    inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
+    inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return args.run(args)
 

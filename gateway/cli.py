@@ -26,12 +26,6 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # The embedded demo model is built before serving, so its one progress
-    # line shows up in the terminal rather than in the middle of the logs.
-    if any(m.path == "builtin:demo" for m in config.models):
-        from engines.checkpoints.default_model import ensure_default_model
-
-        ensure_default_model(progress=lambda line: print(line, flush=True))
     uvicorn.run(
         create_app(config),
         host=config.server.host,
@@ -48,6 +42,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return run_cli(args.model, args.target, args.json)
 
 
+def _demo_model(args: argparse.Namespace) -> int:
+    from engines.checkpoints.demo_training import run_cli
+
+    return run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=_inspect)
+    demo = sub.add_parser("demo-model", help="train a demo model with a real MTP head (MLX)")
+    from engines.checkpoints.demo_training import add_cli_arguments
+
+    add_cli_arguments(demo)
+    demo.set_defaults(run=_demo_model)
     args = parser.parse_args(argv)
     return args.run(args)
 

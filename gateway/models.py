@@ -31,9 +31,9 @@ class ServedModel:
 
 def resolve_path(path: str) -> str:
     if path == BUILTIN_DEMO:
-        from engines.checkpoints.default_model import ensure_default_model
+        from engines.checkpoints.default_model import default_model_path
 
-        return str(ensure_default_model())
+        return str(default_model_path())
     return path
 
 

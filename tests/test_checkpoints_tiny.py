@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engines.checkpoints import default_model
 from engines.checkpoints.tiny import build_qwen3_dense, build_qwen35_hybrid
 from engines.checkpoints.tokenizer import ENDOFTEXT, IM_END, IM_START
 
@@ -202,14 +201,3 @@ def test_qwen3_dense_loads_in_mlx_lm(tmp_path, tied):
     model, tokenizer = load(str(path))
     logits = np.array(model(mx.array([tokenizer.encode(PROMPTS[0])]))[0, -1])
     assert 1 < logits.std() < 6
-
-
-def test_default_model_builds_once(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path / "home"))
-    lines: list[str] = []
-    path = default_model.ensure_default_model(progress=lines.append)
-    assert path.parent == tmp_path / "home" / "models"
-    assert len(lines) == 1 and "first run only" in lines[0]
-    assert default_model.ensure_default_model(progress=lines.append) == path
-    assert len(lines) == 1
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]

@@ -1,0 +1,78 @@
+"""Acceptance rules for speculative decoding: pure functions on arrays.
+
+A round drafts k tokens d_1..d_k; the target scores the k+1 positions in one
+forward, giving p_1..p_{k+1} (p_j: the target's distribution for the token
+after d_{j-1}, with p_1 following the last committed token). Each rule
+returns how many drafts it accepts and the one token the target adds after
+them, so every round commits accepted + 1 tokens.
+
+- Greedy (temperature 0): accept while d_j == argmax p_j; the added token is
+  argmax p_{accepted+1}. The output equals plain greedy decoding.
+- Sampled (Leviathan et al. 2023, Chen et al. 2023): accept d_j with
+  probability min(1, p_j(d_j) / q_j(d_j)) where q_j is the distribution d_j
+  was drawn from; at the first rejection draw from normalize(max(p_j - q_j, 0));
+  if all k are accepted draw the bonus from p_{k+1}. The committed tokens are
+  distributed exactly as the target's own samples.
+
+p and q must be the exact distributions (after penalties, temperature, top-k,
+top-p, min-p: engines/sampling.py), each conditioned on its own prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # drafts accepted, 0..k
+    next_token: int  # the correction (after a rejection) or the bonus token
+
+
+def accept_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
+    """target_argmax[j]: the target's greedy token after accepting j drafts
+    (k+1 entries for k drafts)."""
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return Verdict(n, int(target_argmax[n]))
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """normalize(max(p - q, 0)); p itself if the residual has no mass (p == q)."""
+    r = mx.maximum(p - q, 0.0)
+    total = r.sum(axis=-1, keepdims=True)
+    return mx.where(total > 0, r / mx.maximum(total, 1e-30), p)
+
+
+def accept_sampled(
+    draft: Sequence[int],
+    draft_probs: mx.array,
+    target_probs: mx.array,
+    key: mx.array | None = None,
+) -> Verdict:
+    """Leviathan-Chen rejection sampling.
+
+    draft_probs: (k, V), q_j the distribution d_j was drawn from.
+    target_probs: (k+1, V), p_j as above.
+    """
+    k = len(draft)
+    keys = mx.random.split(key, 2) if key is not None else (None, None)
+    u = mx.random.uniform(shape=(k,), key=keys[0]).tolist() if k else []
+    idx = mx.array(list(draft), dtype=mx.int32)
+    p_d = target_probs[mx.arange(k), idx].tolist() if k else []
+    q_d = draft_probs[mx.arange(k), idx].tolist() if k else []
+    for j in range(k):
+        # u < p/q, written without dividing (q_d > 0: d_j was drawn from q_j).
+        if u[j] * q_d[j] >= p_d[j]:
+            dist = residual(target_probs[j], draft_probs[j])
+            return Verdict(j, _draw(dist, keys[1]))
+    return Verdict(k, _draw(target_probs[k], keys[1]))
+
+
+def _draw(probs: mx.array, key: mx.array | None) -> int:
+    # categorical takes logits; log(0) = -inf keeps impossible tokens impossible.
+    return int(mx.random.categorical(mx.log(probs), key=key).item())

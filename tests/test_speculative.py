@@ -1,0 +1,344 @@
+"""engines/speculative.py: the acceptance rules, checked for exactness.
+
+The greedy rule and the residual are checked on hand-made cases. The sampled
+rule (Leviathan-Chen rejection sampling) is checked as a *distribution*: we
+run many seeded speculative rounds against known target distributions and
+compare the committed tokens with the target's own distribution in total
+variation (TV), then show that the same test rejects a subtly wrong rule.
+
+Statistical model used by the exactness tests
+---------------------------------------------
+Real drafts and targets condition on the prefix. Here both are prefix-
+independent but position-specific: the token at absolute stream position t
+(t = 0, 1, ...) has target distribution P[t] and draft distribution Q[t],
+whatever came before. That is a valid special case of the algorithm, and the
+target's joint distribution of the stream is then the product
+P[0] x P[1] x ... . A round that starts at stream position s drafts
+d_j ~ Q[s + j] (j < k) and verifies with p_j = P[s + j] (j <= k), exactly as
+an engine would with models whose conditionals ignore the prefix. Each
+simulated stream runs rounds until it has L committed tokens; the first L
+tokens must then be distributed as P[0] x ... x P[L-1]. Positions past the
+first round (a rejection at j, then a new round at s = j + 1) are covered
+too, so corrections, bonus tokens and round boundaries all get checked.
+
+Bound. For n i.i.d. samples of a distribution with m outcomes of positive
+probability, E|p_hat_i - p_i| <= sqrt(p_i (1 - p_i) / n), so by
+Cauchy-Schwarz E[TV] <= 0.5 * sqrt(m / n). TV is a function of n
+independent samples that moves by at most 1/n when one sample changes, so
+McDiarmid gives P(TV >= E[TV] + t) <= exp(-2 n t^2). With the threshold
+3 * 0.5 * sqrt(m / n) (i.e. t = sqrt(m / n)) a correct rule fails a check
+with probability <= exp(-2 m) for a random seed; the seeds here are fixed, so
+the test is deterministic. Outcomes outside the target's support count in
+the empirical TV, so a rule that commits an impossible token is caught too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engines.base import SamplingParams
+from engines.sampling import probabilities
+from engines.speculative import Verdict, accept_greedy, accept_sampled, residual
+
+V = 6  # tiny vocabulary for the statistical tests
+
+Rule = Callable[[Sequence[int], mx.array, mx.array, mx.array], Verdict]
+
+
+# --------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize(
+    ("draft", "target_argmax", "expected"),
+    [
+        # all accepted: the bonus is target_argmax[k]
+        ([5, 7, 9], [5, 7, 9, 11], Verdict(3, 11)),
+        ([4], [4, 0], Verdict(1, 0)),
+        # first mismatch at j: the correction is target_argmax[j]
+        ([5, 7, 9], [4, 7, 9, 11], Verdict(0, 4)),
+        ([5, 7, 9], [5, 8, 9, 11], Verdict(1, 8)),
+        ([5, 7, 9], [5, 7, 2, 11], Verdict(2, 2)),
+        # positions after the first mismatch do not matter, even if they agree
+        ([1, 2, 3, 4], [1, 0, 3, 4, 5], Verdict(1, 0)),
+        ([3], [2, 3], Verdict(0, 2)),
+        # k = 0: just the target's token
+        ([], [3], Verdict(0, 3)),
+    ],
+)
+def test_accept_greedy_longest_prefix_plus_one(draft, target_argmax, expected):
+    assert accept_greedy(draft, target_argmax) == expected
+    # numpy / mx integer inputs give plain ints back
+    got = accept_greedy(list(np.array(draft, dtype=np.int64)), np.array(target_argmax))
+    assert got == expected
+    assert type(got.next_token) is int
+
+
+# ------------------------------------------------------------------- residual
+
+
+def _np_residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    r = np.maximum(p - q, 0.0)
+    return r / r.sum(axis=-1, keepdims=True)
+
+
+def test_residual_is_normalized_positive_part():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        p = rng.dirichlet(np.ones(9)).astype(np.float32)
+        q = rng.dirichlet(np.ones(9)).astype(np.float32)
+        got = np.array(residual(mx.array(p), mx.array(q)))
+        np.testing.assert_allclose(got, _np_residual(p, q), rtol=1e-5, atol=1e-7)
+        assert abs(got.sum() - 1.0) < 1e-5
+        # zero exactly where q >= p
+        assert np.all(got[q >= p] == 0.0)
+
+
+def test_residual_falls_back_to_p_when_equal():
+    p = np.array([0.5, 0.25, 0.0, 0.25], dtype=np.float32)
+    np.testing.assert_array_equal(np.array(residual(mx.array(p), mx.array(p))), p)
+    # batched (..., V): one row equal, one row not; each row handled alone
+    q = np.array([0.25, 0.25, 0.25, 0.25], dtype=np.float32)
+    P = mx.array(np.stack([p, p]))
+    Q = mx.array(np.stack([p, q]))
+    got = np.array(residual(P, Q))
+    np.testing.assert_array_equal(got[0], p)
+    np.testing.assert_allclose(got[1], [1.0, 0.0, 0.0, 0.0], atol=1e-7)
+
+
+def test_residual_never_puts_mass_where_p_is_zero():
+    rng = np.random.default_rng(1)
+    for trial in range(50):
+        logits = mx.array(rng.normal(size=(2, 12)).astype(np.float32) * 2)
+        p = probabilities(logits[0], SamplingParams(top_k=3 + trial % 5, top_p=0.8))
+        q = probabilities(logits[1], SamplingParams(temperature=1.5))
+        r = np.array(residual(p, q))
+        p_np = np.array(p)
+        assert np.all(r[p_np == 0.0] == 0.0)
+        assert abs(r.sum() - 1.0) < 1e-5
+        assert np.all(r >= 0.0)
+
+
+# ------------------------------------------------- sampled: exactness, in TV
+
+
+def _truncated(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rows of engines.sampling.probabilities (float32), as the engine sees them."""
+    return np.array(probabilities(mx.array(logits.astype(np.float32)), params))
+
+
+def _case(
+    seed: int, rows: int, p_params: SamplingParams, q_params: SamplingParams, q_noise: float = 0.8
+):
+    """Random target rows P and draft rows Q (a noisy copy of the target logits)."""
+    rng = np.random.default_rng(seed)
+    target_logits = rng.normal(size=(rows, V)) * 1.5
+    draft_logits = target_logits + rng.normal(size=(rows, V)) * q_noise
+    return _truncated(target_logits, p_params), _truncated(draft_logits, q_params)
+
+
+def _simulate(
+    rule: Rule, P: np.ndarray, Q: np.ndarray, k: int, length: int, n: int, seed: int
+) -> tuple[np.ndarray, int]:
+    """n independent streams, each run round by round until `length` tokens are
+    committed; returns their first `length` tokens (n, length) and the number of
+    rule calls. P: (length + k, V) float32, Q: (length + k - 1, V) float32."""
+    assert P.shape[0] >= length + k and Q.shape[0] >= length + k - 1
+    rng = np.random.default_rng(seed)
+    # Drafts, pre-drawn by inverse CDF: for a round starting at stream position
+    # s, drafts[s][i, j] ~ Q[s + j]. A stream starts at most one round at each s,
+    # so every round gets fresh independent drafts.
+    drafts = []
+    for s in range(length):
+        cols = []
+        for j in range(k):
+            cdf = np.cumsum(Q[s + j].astype(np.float64))
+            u = rng.random(n) * cdf[-1]
+            cols.append(np.searchsorted(cdf, u, side="right"))  # never a 0-mass token
+        drafts.append(np.stack(cols, axis=1) if k else np.zeros((n, 0), dtype=np.int64))
+    p_rows = [mx.array(P[s : s + k + 1]) for s in range(length)]
+    q_rows = [mx.array(Q[s : s + k]) for s in range(length)]
+    mx.eval(p_rows, q_rows)
+    keys = mx.random.split(mx.random.key(seed), n * length)  # >= rounds needed
+    out = np.empty((n, length), dtype=np.int64)
+    calls = 0
+    for i in range(n):
+        s = 0
+        while s < length:
+            d = [int(t) for t in drafts[s][i]]
+            v = rule(d, q_rows[s], p_rows[s], keys[calls])
+            calls += 1
+            assert 0 <= v.accepted <= k
+            committed = d[: v.accepted] + [v.next_token]
+            take = committed[: length - s]
+            out[i, s : s + len(take)] = take
+            s += len(take)
+    return out, calls
+
+
+def _tv_checks(tokens: np.ndarray, P: np.ndarray) -> list[tuple[str, float, float]]:
+    """(name, TV, bound) for the marginal at every position and the joint of
+    the first two positions (the pair must be P[0] x P[1])."""
+    n, length = tokens.shape
+    P64 = P.astype(np.float64)
+    P64 = P64 / P64.sum(axis=-1, keepdims=True)
+    checks = []
+
+    def check(name: str, idx: np.ndarray, exact: np.ndarray) -> None:
+        emp = np.bincount(idx, minlength=exact.size) / n
+        tv = 0.5 * float(np.abs(emp - exact).sum())
+        m = int((exact > 0).sum())
+        checks.append((name, tv, 3 * 0.5 * math.sqrt(m / n)))
+
+    for t in range(length):
+        check(f"position {t}", tokens[:, t], P64[t])
+    if length >= 2:
+        check("pair (0, 1)", tokens[:, 0] * V + tokens[:, 1], np.outer(P64[0], P64[1]).ravel())
+    return checks
+
+
+def _run(rule: Rule, P, Q, k, length, n, seed):
+    t0 = time.perf_counter()
+    tokens, calls = _simulate(rule, P, Q, k, length, n, seed)
+    checks = _tv_checks(tokens, P)
+    dt = time.perf_counter() - t0
+    report = ", ".join(f"{name}: TV={tv:.4f} (bound {bound:.4f})" for name, tv, bound in checks)
+    print(f"k={k} n={n} calls={calls} {dt:.1f}s :: {report}")
+    return checks
+
+
+def _rule_under_test(draft, draft_probs, target_probs, key):
+    return accept_sampled(draft, draft_probs, target_probs, key)
+
+
+# Target: top-k 4 and top-p 0.9; draft: a noisy copy with top-k 3 and top-p 0.95.
+# Both have zeros, and the supports differ both ways (asserted below), so the
+# draft proposes tokens the target forbids and the target wants tokens the
+# draft never proposes (only reachable through the residual / bonus).
+P_TRUNC = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
+Q_TRUNC = SamplingParams(temperature=1.0, top_k=3, top_p=0.95)
+CASES = {
+    # n = 20,000 streams each (>= 20,000 rounds); top-k and top-p on both sides.
+    "k1_topk_topp": dict(k=1, length=2, n=20_000, seed=11, p=P_TRUNC, q=Q_TRUNC),
+    "k2_topk_topp": dict(k=2, length=3, n=20_000, seed=12, p=P_TRUNC, q=Q_TRUNC),
+    # k=3: the target is truncated hard, the draft not at all, so every draft
+    # position puts mass where p is zero.
+    "k3_q_mass_where_p_zero": dict(
+        k=3,
+        length=4,
+        n=20_000,
+        seed=13,
+        p=SamplingParams(temperature=1.0, top_k=3, top_p=0.85),
+        q=SamplingParams(temperature=1.0),
+    ),
+}
+
+
+def _distributions(case):
+    rows = case["length"] + case["k"]
+    return _case(case["seed"], rows, case["p"], case["q"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_accept_sampled_commits_the_target_distribution(name):
+    case = CASES[name]
+    P, Q = _distributions(case)
+    Q = Q[: case["length"] + case["k"] - 1]
+    # preconditions: truncation really produced zeros where intended
+    q_beyond_p = (Q > 0) & (P[: len(Q)] == 0)
+    assert q_beyond_p.any(), "draft should propose tokens the target forbids"
+    if case["q"] == Q_TRUNC:
+        assert (P == 0).any() and (Q == 0).any()
+        assert ((P[: len(Q)] > 0) & (Q == 0)).any(), "target should have tokens q never drafts"
+    else:
+        assert q_beyond_p.any(axis=1).all()
+    checks = _run(_rule_under_test, P, Q, case["k"], case["length"], case["n"], case["seed"])
+    for check_name, tv, bound in checks:
+        assert tv < bound, f"{name} {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+# ---------------------------------------------- a biased rule fails the test
+
+
+def _resample_from_p_rule(draft, draft_probs, target_probs, key):
+    """Leviathan acceptance, but on rejection draw from p_j instead of the
+    residual normalize(max(p_j - q_j, 0)). A plausible bug, and biased: the
+    committed token at a drafted position has distribution
+        w = min(p, q) + (1 - beta) * p,   beta = sum(min(p, q)),
+    which double-counts the overlap min(p, q) (accepted drafts already
+    supplied it): w = p only if min(p, q) = beta * p, i.e. essentially p == q.
+    """
+    k = len(draft)
+    k_u, k_draw = mx.random.split(key, 2)
+    u = mx.random.uniform(shape=(k,), key=k_u).tolist() if k else []
+    for j in range(k):
+        p_d = target_probs[j, draft[j]].item()
+        q_d = draft_probs[j, draft[j]].item()
+        if u[j] * q_d >= p_d:
+            probs = target_probs[j]  # BUG (on purpose): should be residual(p_j, q_j)
+            return Verdict(j, int(mx.random.categorical(mx.log(probs), key=k_draw).item()))
+    return Verdict(k, int(mx.random.categorical(mx.log(target_probs[k]), key=k_draw).item()))
+
+
+def test_biased_rule_fails_the_same_test():
+    case = CASES["k1_topk_topp"]
+    P, Q = _distributions(case)
+    Q = Q[: case["length"] + case["k"] - 1]
+    # Analytic output of the biased rule at stream position 0 (k = 1).
+    p, q = P[0].astype(np.float64), Q[0].astype(np.float64)
+    overlap = np.minimum(p, q)
+    w = overlap + (1 - overlap.sum()) * p
+    tv_true = 0.5 * np.abs(w - p).sum()
+    n, m = case["n"], int((p > 0).sum())
+    bound = 3 * 0.5 * math.sqrt(m / n)
+    # The bias is large against the bound, so failing is not luck: the
+    # empirical TV concentrates at tv_true +- O(0.5 sqrt(m/n)).
+    assert tv_true > 0.05 and tv_true > 3 * bound, (tv_true, bound)
+    checks = _run(_resample_from_p_rule, P, Q, case["k"], case["length"], n, case["seed"])
+    name, tv, b = checks[0]
+    assert name == "position 0" and b == pytest.approx(bound)
+    print(f"biased rule: analytic TV={tv_true:.4f}, empirical TV={tv:.4f}, bound={b:.4f}")
+    assert tv >= b, "the exactness test should reject the resample-from-p rule"
+    assert abs(tv - tv_true) < b  # and it measures the bias we derived
+
+
+# ------------------------------------------------------ greedy as the limit
+
+
+def test_accept_sampled_at_temperature_zero_is_accept_greedy():
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams(temperature=0.0)
+    vocab = 16
+    seen_accepted = set()
+    for case in range(120):
+        k = case % 5
+        target_logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
+        # the draft agrees with the target often, but not always
+        draft_logits = target_logits[:k] + rng.normal(size=(k, vocab)).astype(np.float32) * 0.6
+        p = probabilities(mx.array(target_logits), greedy)
+        q = probabilities(mx.array(draft_logits), greedy) if k else mx.zeros((0, vocab))
+        draft = np.argmax(draft_logits, axis=-1).tolist()  # d_j ~ one-hot q_j
+        target_argmax = np.argmax(target_logits, axis=-1).tolist()
+        expected = accept_greedy(draft, target_argmax)
+        seen_accepted.add((k, expected.accepted))
+        for s in range(3):
+            key = mx.random.key(1000 * case + s)
+            assert accept_sampled(draft, q, p, key) == expected, (case, draft, target_argmax)
+    # coverage: full acceptance and early rejection both happened
+    assert any(a == k and k > 0 for k, a in seen_accepted)
+    assert any(a < k for k, a in seen_accepted)
+
+
+def test_accept_sampled_is_reproducible_with_a_key():
+    P, Q = _case(3, 4, P_TRUNC, Q_TRUNC)
+    p, q = mx.array(P), mx.array(Q[:3])
+    draft = [int(np.argmax(Q[j])) for j in range(3)]
+    for seed in range(10):
+        a = accept_sampled(draft, q, p, mx.random.key(seed))
+        b = accept_sampled(draft, q, p, mx.random.key(seed))
+        assert a == b

@@ -9,6 +9,8 @@ from typing import Any
 
 import mlx.nn as nn
 
+from engines.prefix_cache import PrefixCache
+
 
 @dataclass
 class LoadedModel:
@@ -16,6 +18,7 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
+    prefix_cache: PrefixCache  # shared by every engine serving this model
 
     @property
     def text_config(self) -> dict:
@@ -50,5 +53,5 @@ def load_mlx_model(path: str) -> LoadedModel:
     with _lock:
         if key not in _loaded:
             model, tokenizer, config = load(path, return_config=True)
-            _loaded[key] = LoadedModel(key, model, tokenizer, config)
+            _loaded[key] = LoadedModel(key, model, tokenizer, config, PrefixCache(key))
         return _loaded[key]

@@ -32,7 +32,12 @@ class ModelConfig(_Strict):
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory, or a hub repo id ("org/name").
     path: str = Field(min_length=1)
-    engines: list[Literal["mlx_plain"]] = Field(default_factory=lambda: ["mlx_plain"], min_length=1)
+    # mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
+    # speculative decoding with the checkpoint's own head.
+    engines: list[Literal["mlx_plain", "mlx_mtp"]] = Field(
+        default_factory=lambda: ["mlx_plain"], min_length=1
+    )
+    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round for the mtp method
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together

@@ -152,7 +152,7 @@ def plan_request(
     method, depth = _override(headers)
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth)
     try:
-        plan = decide(served.policy, features, engine.live_state())
+        plan = decide(served.policy, features, served.live_state())
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
     return GenerationRequest(
@@ -171,7 +171,7 @@ def plan_headers(plan: Plan) -> dict[str, str]:
 
 
 async def run(
-    engine: Engine,
+    served: ServedModel,
     request: GenerationRequest,
     stops: list[str],
     usage: Usage,
@@ -179,6 +179,7 @@ async def run(
 ) -> AsyncIterator[Piece]:
     """Stream a request as sendable pieces; closing this iterator cancels it."""
     matcher = StopMatcher(stops)
+    engine = served.engines[request.plan.engine]
     events = engine.generate(request, FixedPlanner(request.plan))
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
@@ -186,6 +187,7 @@ async def run(
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, RoundStats):
+                    metrics.round(event)
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - start

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from engines.base import Plan
+from engines.base import Plan, RoundStats
 from gateway.models import ModelRegistry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -28,8 +28,8 @@ class _LiveCollector:
             "specgate_num_requests_waiting", "Requests admitted, not yet decoding", labels=["model"]
         )
         for served in self.models.models.values():
-            if served.engine is not None:
-                state = served.engine.live_state()
+            if served.engines:
+                state = served.live_state()
                 running.add_metric([served.id], state.active_requests)
                 waiting.add_metric([served.id], state.waiting_requests)
         yield running
@@ -59,7 +59,35 @@ class Metrics:
             "specgate_e2e_request_latency_seconds", "Request latency", ["model", "method"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # vLLM's spec-decode schema, labelled by model and method.
+        self.drafts = Counter(
+            "specgate_spec_decode_num_drafts", "Speculative rounds that drafted",
+            ["model", "method"], registry=r,
+        )
+        self.draft_tokens = Counter(
+            "specgate_spec_decode_num_draft_tokens", "Draft tokens proposed",
+            ["model", "method"], registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "specgate_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+            ["model", "method"], registry=r,
+        )
+        self.accepted_per_pos = Counter(
+            "specgate_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position",
+            ["model", "method", "position"], registry=r,
+        )
         r.register(_LiveCollector(models))
+
+    def round(self, stats: RoundStats) -> None:
+        if stats.drafted == 0:
+            return
+        labels = (stats.model, stats.method)
+        self.drafts.labels(*labels).inc()
+        self.draft_tokens.labels(*labels).inc(stats.drafted)
+        self.accepted_tokens.labels(*labels).inc(stats.accepted)
+        for pos, ok in enumerate(stats.accepted_per_position):
+            if ok:
+                self.accepted_per_pos.labels(*labels, str(pos)).inc()
 
     def planned(self, model: str, plan: Plan) -> None:
         self.plan_decisions.labels(model, plan.method, plan.reason).inc()

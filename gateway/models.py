@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from engines.base import Engine
+from engines.base import Engine, LiveState
 from gateway.config import BUILTIN_DEMO, Config, ModelConfig
 from policies.decide import ModelPolicy
 
@@ -19,7 +19,7 @@ FALLBACK_MAX_CONTEXT = 4096
 @dataclass
 class ServedModel:
     config: ModelConfig
-    engine: Engine | None = None
+    engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
     policy: ModelPolicy | None = None
     error: str | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
@@ -27,6 +27,20 @@ class ServedModel:
     @property
     def id(self) -> str:
         return self.config.id
+
+    @property
+    def engine(self) -> Engine | None:
+        """The plain engine: always present once loaded; it also owns the
+        tokenizer every engine of this model shares."""
+        return self.engines.get("mlx_plain")
+
+    def live_state(self) -> LiveState:
+        states = [e.live_state() for e in self.engines.values()]
+        return LiveState(
+            active_requests=sum(s.active_requests for s in states),
+            waiting_requests=sum(s.waiting_requests for s in states),
+            context_tokens=0,
+        )
 
 
 def resolve_path(path: str) -> str:
@@ -37,21 +51,32 @@ def resolve_path(path: str) -> str:
     return path
 
 
-def _build_engine(mc: ModelConfig) -> Engine:
-    """Blocking: loads weights (once per path) and builds the model's engine."""
+def _build_engines(mc: ModelConfig) -> dict[str, Engine]:
+    """Blocking: loads weights (once per path) and builds the model's engines."""
     from engines.loading import load_mlx_model
     from engines.mlx_plain import MLXPlainEngine
 
     loaded = load_mlx_model(resolve_path(mc.path))
     max_context = mc.max_context or loaded.max_position_embeddings or FALLBACK_MAX_CONTEXT
-    return MLXPlainEngine(
-        mc.id,
-        loaded,
-        max_context=max_context,
-        max_concurrent=mc.max_concurrent,
-        max_queue=mc.max_queue,
-        prefix_cache_size=mc.prefix_cache_size,
-    )
+    engines: dict[str, Engine] = {
+        "mlx_plain": MLXPlainEngine(
+            mc.id,
+            loaded,
+            max_context=max_context,
+            max_concurrent=mc.max_concurrent,
+            max_queue=mc.max_queue,
+            prefix_cache_size=mc.prefix_cache_size,
+        )
+    }
+    if "mlx_mtp" in mc.engines:
+        from engines.mlx_mtp.engine import MLXMTPEngine
+
+        # Asked for by name: a checkpoint that cannot do MTP fails to load
+        # with the reason, rather than quietly serving plain decoding.
+        engines["mlx_mtp"] = MLXMTPEngine(
+            mc.id, loaded, max_context=max_context, max_queue=mc.max_queue
+        )
+    return engines
 
 
 class ModelRegistry:
@@ -69,11 +94,15 @@ class ModelRegistry:
         """Load models one after another (they share one machine's memory)."""
         for served in self.models.values():
             try:
-                engine = await asyncio.to_thread(_build_engine, served.config)
-                await engine.start()
-                served.engine = engine
-                served.policy = ModelPolicy(served.id, {"none": engine.name})
-                log.info("model %s ready (%s)", served.id, engine.name)
+                engines = await asyncio.to_thread(_build_engines, served.config)
+                for engine in engines.values():
+                    await engine.start()
+                served.engines = engines
+                methods = {"none": "mlx_plain"}
+                if "mlx_mtp" in engines:
+                    methods["mtp"] = "mlx_mtp"
+                served.policy = ModelPolicy(served.id, methods, served.config.mtp_depth)
+                log.info("model %s ready (%s)", served.id, ", ".join(engines))
             except Exception as e:  # one bad model must not take down the others
                 served.error = f"{type(e).__name__}: {e}"
                 log.error("model %s failed to load: %s", served.id, served.error)
@@ -82,5 +111,5 @@ class ModelRegistry:
 
     async def stop_all(self) -> None:
         for served in self.models.values():
-            if served.engine is not None:
-                await served.engine.stop()
+            for engine in served.engines.values():
+                await engine.stop()

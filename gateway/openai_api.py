@@ -223,7 +223,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}],
     }
-    pieces = run(engine, req, stops, usage, request.app.state.metrics)
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
                           body.include_usage, usage, chunk, final, preamble)
 
@@ -265,6 +265,6 @@ async def completions(body: CompletionRequest, request: Request):
             return base | {"choices": [choice(text, ids, lps, finish, 0)], "usage": _usage(usage)}
         return base
 
-    pieces = run(engine, req, stops, usage, request.app.state.metrics)
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
                           body.include_usage, usage, chunk, final, None)

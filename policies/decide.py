@@ -52,8 +52,13 @@ def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Pl
             f"X-Specgate-Depth needs a speculative method; model '{policy.model_id}' "
             f"serves only: {', '.join(available)}"
         )
-    # Until a speculative engine serves this model, plain decoding is the plan.
-    return Plan(available["none"], "none", 0, "no_drafter")
+    if "mtp" not in available:
+        return Plan(available["none"], "none", 0, "no_drafter")
+    # Speculation serves one sequence; anything already in flight means
+    # concurrency, which batching serves better.
+    if live.active_requests or live.waiting_requests:
+        return Plan(available["none"], "none", 0, "concurrency")
+    return Plan(available["mtp"], "mtp", policy.max_depth, "spec_on")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,11 @@ import re
 import time
 
 import httpx
-import mlx.core as mx
 import openai
 import pytest
+from greedy import assert_same_greedy, greedy_reference
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
-NEAR_TIE = 1e-4
 PROMPTS = [
     "def fibonacci(n):",
     "The quick brown fox",
@@ -37,18 +35,7 @@ def reference(tiny_model):
             [{"role": "user", "content": text}], add_generation_prompt=True))
 
     def greedy(prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """Greedy tokens, and at each position the top1-top2 logit margin."""
-        tokens, margins = [], []
-        for token, logprobs in generate_step(
-            mx.array(prompt_tokens), model, max_tokens=max_tokens,
-            sampler=lambda lp: mx.argmax(lp, axis=-1),
-        ):
-            if token in eos:
-                break
-            top2 = mx.sort(logprobs)[-2:].tolist()
-            tokens.append(token)
-            margins.append(top2[1] - top2[0])
-        return tokens, margins
+        return greedy_reference(model, prompt_tokens, max_tokens, eos)
 
     return type("Ref", (), {"chat_tokens": staticmethod(chat_tokens), "greedy": staticmethod(greedy),
                             "tokenizer": tokenizer})
@@ -62,20 +49,6 @@ def client(gateway):
 @pytest.fixture
 def aclient(gateway):
     return openai.AsyncOpenAI(base_url=gateway.api, api_key="unused", max_retries=0, timeout=120)
-
-
-def assert_same_greedy(got: list[int], want: list[int], margins: list[float]) -> int:
-    """Equal token for token, except a divergence at a checked near-tie of the
-    plain path (after which the continuations legitimately differ)."""
-    for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
-            assert margins[i] < NEAR_TIE, (
-                f"diverged at token {i} ({g} != {w}) where the plain path's top-2 margin is "
-                f"{margins[i]:.3g}, not a near-tie"
-            )
-            return 1
-    assert len(got) == len(want), f"lengths differ: {len(got)} vs {len(want)}"
-    return 0
 
 
 def token_ids(choice) -> list[int]:

@@ -8,18 +8,21 @@ Published forward (vLLM `Qwen3_5MultiTokenPredictor.forward`):
     x   = layer(x, position i)       # one full-attention decoder layer, own KV
     out = norm(x);  logits = lm_head(out)                   # predicts t[i+2]
 
-The embedding and lm_head are the trunk's: the head holds references to the
-trunk's modules, never copies. For depth > 1 the head is fed its own `out`
+The embedding and lm_head are the trunk's: the head holds neither (callers
+pass embeddings in and apply the trunk's lm_head to `out`), so nothing of the
+trunk is ever copied. For depth > 1 the head is fed its own `out`
 as the next hidden state, at the next position.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 # Qwen stores these norms zero-centred (effective scale 1 + w); raw HF
@@ -36,17 +39,49 @@ ZERO_CENTRED_NORMS = (
 
 
 class MTPHead(nn.Module):
-    def __init__(self, args: TextModelArgs, num_layers: int = 1):
+    """pre_fc norms, fc, the MTP decoder layer(s) and the final norm.
+
+    `MTPHead(hidden_size, eps, layers)` takes the decoder layers from the
+    caller, so each family supplies its own full-attention layer class
+    (loading.py: Qwen3.5's `DecoderLayer`, Qwen3-Next's
+    `Qwen3NextDecoderLayer`). `MTPHead(args, num_layers)` (or
+    `MTPHead.qwen35(args, num_layers)`) builds Qwen3.5 layers from a
+    `TextModelArgs`, as the demo trainer does.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int | TextModelArgs,
+        eps: float | None = None,
+        layers: Sequence[nn.Module] | None = None,
+    ):
         super().__init__()
-        h, eps = args.hidden_size, args.rms_norm_eps
+        if not isinstance(hidden_size, int):  # MTPHead(args, num_layers=1)
+            args, num_layers = hidden_size, 1 if eps is None else int(eps)
+            layers = qwen35_layers(args, num_layers)
+            hidden_size, eps = args.hidden_size, args.rms_norm_eps
+        if eps is None or not layers:
+            raise TypeError("MTPHead(hidden_size, eps, layers) needs eps and at least one layer")
+        h = hidden_size
         self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
-        # A full-attention layer of the trunk's own kind (gated attention;
-        # dense MLP or MoE as the trunk has).
-        full = args.full_attention_interval - 1
-        self.layers = [DecoderLayer(args, layer_idx=full) for _ in range(num_layers)]
+        self.layers = list(layers)
         self.norm = nn.RMSNorm(h, eps=eps)
+
+    @classmethod
+    def qwen35(cls, args: TextModelArgs, num_layers: int = 1) -> MTPHead:
+        return cls(args.hidden_size, args.rms_norm_eps, qwen35_layers(args, num_layers))
+
+    def make_cache(self) -> list[KVCache]:
+        """One KV cache per MTP layer (the head's own, apart from the trunk's)."""
+        return [KVCache() for _ in self.layers]
+
+    def fc_input(self, embeddings: mx.array, hidden: mx.array) -> mx.array:
+        """concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]: embedding first."""
+        return mx.concatenate(
+            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
 
     def __call__(
         self,
@@ -59,15 +94,17 @@ class MTPHead(nn.Module):
 
         `step` picks the layer for chained depth (published: step % num_layers).
         """
-        x = self.fc(
-            mx.concatenate(
-                [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
-            )
-        )
+        x = self.fc(self.fc_input(embeddings, hidden))
         layer = self.layers[step % len(self.layers)]
         c = None if cache is None else cache[step % len(self.layers)]
         x = layer(x, mask=create_attention_mask(x, c), cache=c)
         return self.norm(x)
+
+
+def qwen35_layers(args: TextModelArgs, num_layers: int) -> list[DecoderLayer]:
+    """Qwen3.5 MTP layers: full attention (gated), dense MLP or MoE as the trunk has."""
+    full = args.full_attention_interval - 1
+    return [DecoderLayer(args, layer_idx=full) for _ in range(num_layers)]
 
 
 def head_weights_from_checkpoint(

@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from engines.base import (
     EngineError,
@@ -119,7 +118,8 @@ class MLXPlainEngine:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
-        self._prefix_cache = LRUPromptCache(max_size=prefix_cache_size)
+        self._prefix_cache = loaded.prefix_cache
+        self._prefix_cache.resize(prefix_cache_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
         self._in_flight = 0  # admitted, not yet finished (event loop only)
@@ -268,14 +268,7 @@ class MLXPlainEngine:
     def _insert(self, slot: _Slot) -> None:
         request = slot.request
         prompt = request.prompt_tokens
-        cache, rest = self._prefix_cache.fetch_nearest_cache(self.model_id, prompt)
-        if cache is not None and not rest:
-            # An exact hit: the last prompt token must still be fed to get logits.
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                rest = prompt[-1:]
-            else:
-                cache, rest = None, prompt
+        cache, rest = self._prefix_cache.fetch(prompt)
         slot.cached_tokens = len(prompt) - len(rest)
         sampling = request.sampling
         sampler = (
@@ -303,7 +296,7 @@ class MLXPlainEngine:
         uids = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
         for cache, tokens in self._batch.extract_cache(uids).values():
             if tokens:
-                self._prefix_cache.insert_cache(self.model_id, list(tokens), cache, cache_type="user")
+                self._prefix_cache.insert(list(tokens), cache, kind="user")
 
     def _event(self, response: Any) -> tuple[_Slot, TokenEvent] | None:
         """The event a generation response makes for its request."""
@@ -335,9 +328,7 @@ class MLXPlainEngine:
             del self._slots[response.uid]
             self._running -= 1
             if response.prompt_cache is not None and response.all_tokens:
-                self._prefix_cache.insert_cache(
-                    self.model_id, list(response.all_tokens), response.prompt_cache
-                )
+                self._prefix_cache.insert(list(response.all_tokens), response.prompt_cache)
         return slot, event
 
     def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:

@@ -71,7 +71,9 @@ class ConfigError(Exception):
 
 def default_config() -> Config:
     """What `specgate serve` with no arguments serves."""
-    return Config(models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO)])
+    return Config(
+        models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO, engines=["mlx_plain", "mlx_mtp"])]
+    )
 
 
 def _format(source: str, err: ValidationError) -> str:

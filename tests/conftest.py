@@ -100,7 +100,8 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gateway(tiny_model, tmp_path_factory):
     """One gateway for the session: "tiny" batches 8; "tiny-narrow" runs one
-    request at a time and queues none, to show overload and slot release."""
+    request at a time and queues none, to show overload and slot release;
+    "demo" is the shipped demo model with its MTP engine."""
     gw = start_gateway(
         {
             "server": {"max_body_bytes": 256 * 1024},
@@ -108,6 +109,8 @@ def gateway(tiny_model, tmp_path_factory):
                 {"id": "tiny", "path": str(tiny_model), "max_concurrent": 8, "max_context": 2048},
                 {"id": "tiny-narrow", "path": str(tiny_model), "max_concurrent": 1,
                  "max_queue": 0, "max_context": 2048},
+                {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
+                 "mtp_depth": 3},
             ],
         },
         tmp_path_factory.mktemp("gateway"),

@@ -1,0 +1,133 @@
+"""At temperature > 0 the MTP engine samples exactly the target's distribution.
+
+A tiny Qwen3.5 hybrid with a 12-token vocabulary and a random MTP head (so
+drafts disagree with the target often, which is where a wrong rule shows).
+From one fixed prefix, the engine's first two tokens of a depth-2 round are
+drawn N times with temperature 1.0, top-k and top-p, and compared with the
+target's exact joint distribution p(a) p(b | a), computed by plain forwards.
+
+Bound: for n samples over m outcomes, E[TV] <= 0.5 sqrt(m/n); the test
+allows 3x that (McDiarmid: a correct sampler fails with probability
+< exp(-2m) for a random seed; the seeds here are fixed). A deliberately
+wrong rule (the residual with p and q swapped) must fail the same check,
+on a quarter of the samples (its bias is large; the bound widens with it).
+(Sample-and-compare, accepting a draft iff it equals a token drawn from p and
+committing that token, is *not* a wrong rule: it is exact, only less
+efficient, so it cannot serve as the negative control.)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+from engines import speculative
+from engines.base import GenerationRequest, Plan, SamplingParams
+from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.loading import LoadedModel
+from engines.mlx_mtp import decoder as decoder_module
+from engines.mlx_mtp.decoder import MTPDecoder
+from engines.mlx_mtp.loading import load_mtp_head
+from engines.mlx_mtp.trunk import Trunk
+from engines.prefix_cache import PrefixCache
+from engines.sampling import KeyStream, probabilities
+
+N = 20_000
+PARAMS = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0)
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = build_qwen35_hybrid(
+        tmp_path_factory.mktemp("v12"), vocab_size=12, hidden_size=32, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        tokenizer=False, seed=11,
+    )
+    model, config = load_model(path)
+    loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
+    return Trunk(model), load_mtp_head(loaded), model
+
+
+def exact_pairs(model, prefix: list[int]) -> dict[tuple[int, int], float]:
+    def dist(tokens):
+        return probabilities(model(mx.array([tokens]))[0, -1], PARAMS).tolist()
+
+    first = dist(prefix)
+    joint = {}
+    for a, pa in enumerate(first):
+        if pa > 0:
+            for b, pb in enumerate(dist(prefix + [a])):
+                if pb > 0:
+                    joint[(a, b)] = pa * pb
+    return joint
+
+
+def sample_pairs(trunk, head, n: int) -> tuple[Counter, list[int], float]:
+    request = GenerationRequest("d", "m", PROMPT, PARAMS, 10, Plan("mlx_mtp", "mtp", 2, "spec_on"))
+    d = MTPDecoder(trunk, head, request, None, 0, None)
+    d.prefill()  # commits the first token; the rounds below are what we test
+    # Every sample restarts from here: KV caches are trimmed back to these
+    # offsets and recurrent states restored (they are replaced, never
+    # written in place), which is much cheaper than copying the caches.
+    fields = {k: copy.copy(v) for k, v in vars(d).items() if k not in ("cache", "head_cache")}
+    kv = [(c, c.offset) for c in d.cache + d.head_cache if hasattr(c, "offset")]
+    arrays = [(c, list(c.cache)) for c in d.cache if not hasattr(c, "offset")]
+    counts, accepted, drafted = Counter(), 0, 0
+    for i in range(n):
+        for c, offset in kv:
+            c.trim(c.offset - offset)
+        for c, saved in arrays:
+            c.cache = list(saved)
+        vars(d).update({k: copy.copy(v) for k, v in fields.items()})
+        d.keys = KeyStream(1000 + i)
+        got = []
+        while len(got) < 2:
+            step = d.round(2)
+            got += step.tokens
+            accepted, drafted = accepted + step.stats.accepted, drafted + step.stats.drafted
+        counts[tuple(got[:2])] += 1
+    return counts, fields["tokens"], accepted / drafted
+
+
+def tv(counts: Counter, exact: dict, n: int) -> float:
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in keys)
+
+
+def wrong_rule(draft, draft_probs, target_probs, key=None):
+    """Leviathan acceptance, but the residual with p and q swapped:
+    normalize(max(q - p, 0)), a slip that draws corrections from the draft."""
+    verdict = speculative.accept_sampled(draft, draft_probs, target_probs, key)
+    j = verdict.accepted
+    if j < len(draft):
+        dist = speculative.residual(draft_probs[j], target_probs[j])
+        token = int(mx.random.categorical(mx.log(dist), key=mx.random.split(key)[1]).item())
+        return speculative.Verdict(j, token)
+    return verdict
+
+
+@pytest.mark.parametrize("rule,n", [("leviathan", N), ("wrong", N // 4)])
+def test_engine_samples_the_target_distribution(target, rule, n, monkeypatch, capsys):
+    trunk, head, model = target
+    if rule == "wrong":  # failure injection: the engine with a broken rule
+        monkeypatch.setattr(decoder_module, "accept_sampled", wrong_rule)
+    counts, prefix, acceptance = sample_pairs(trunk, head, n)
+    exact = exact_pairs(model, prefix)
+    bound = 3 * 0.5 * math.sqrt(len(exact) / n)
+    distance = tv(counts, exact, n)
+    with capsys.disabled():
+        print(f"[{rule}: TV {distance:.4f}, bound {bound:.4f}, {len(exact)} outcomes, "
+              f"acceptance {acceptance:.2f}]", end=" ")
+    if rule == "leviathan":
+        assert acceptance > 0.1  # accepted drafts and bonus tokens are in the sample
+        assert set(counts) <= set(exact)  # never a token the target truncated away
+        assert distance < bound
+    else:
+        assert distance > bound

@@ -190,3 +190,12 @@ def test_prefix_cache_seams(demo):
         assert_same_greedy(got, want, margins)
     # The first run cached base + its output but the last token (never fed).
     assert reused["extended"] == len(base) + len(first) - 1
+
+
+def test_replay_rollback_equals_capture_rollback(demo):
+    """The two ways of undoing rejected drafts give the same output."""
+    for prompt in prompts(demo.vocab, 4, seed=3):
+        want, margins = demo.reference(prompt)
+        for depth in (2, 4):
+            got, _, _ = decode(demo, prompt, depth, rollback_mode="replay")
+            assert_same_greedy(got, want, margins)

@@ -20,6 +20,7 @@ decoding's.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ from mlx_lm.models.cache import KVCache
 
 from engines.base import GenerationRequest, RoundStats, TokenLogprob, TopLogprob
 from engines.mlx_mtp.head import MTPHead
-from engines.mlx_mtp.trunk import Trunk, rollback, tape
+from engines.mlx_mtp.trunk import Trunk, checkpoint, restore, rollback, tape
 from engines.sampling import (
     KeyStream,
     PenaltyState,
@@ -67,6 +68,7 @@ class MTPDecoder:
         cached_tokens: int,
         tokenizer,
         prefill_step: int = 512,
+        rollback_mode: str = "capture",
     ):
         self.trunk, self.head, self.request = trunk, head, request
         self.params = request.sampling
@@ -83,6 +85,7 @@ class MTPDecoder:
         )
         self.tokenizer = tokenizer
         self.prefill_step = prefill_step
+        self.rollback_mode = rollback_mode  # "capture" (tape) or "replay"
         self.owed = _HeadInput()
         self.h_prev: mx.array | None = None
 
@@ -127,7 +130,9 @@ class MTPDecoder:
         last = self.tokens[-1]
         drafts, draft_probs = self._draft(last, depth) if depth > 0 else ([], [])
         verify_in = [last, *drafts]
-        with tape() as recorded:
+        replay = self.rollback_mode == "replay"
+        saved = checkpoint(self.cache) if replay else None
+        with nullcontext() if replay else tape() as recorded:
             hidden = self.trunk.hidden(mx.array([verify_in]), self.cache)
         logits = self.trunk.logits(hidden)[0]
         states = [self.penalties]
@@ -148,7 +153,11 @@ class MTPDecoder:
         # token is fed at the next round.
         kept = 1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1)
         kept = min(kept, n + 1)
-        rollback(self.cache, recorded, len(verify_in) - kept, kept)
+        if replay and kept < len(verify_in):
+            restore(self.cache, saved)
+            self.trunk.hidden(mx.array([verify_in[:kept]]), self.cache)
+        else:
+            rollback(self.cache, recorded, len(verify_in) - kept, kept)
         if depth > 0:
             for c in self.head_cache:
                 c.trim(depth - 1)  # entries fed with the head's own outputs

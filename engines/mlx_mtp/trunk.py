@@ -15,6 +15,10 @@ state cannot be trimmed like a KV cache. Two small hooks record, while a
   through a stepwise version that keeps each step's state.
 Outside a tape both hooks do exactly what mlx-lm does. Rolling back is then
 picking a slice: no second forward, no weights read again.
+
+The other way, `checkpoint` before the verify and `restore` + a replay
+forward over the accepted tokens after it, is kept for comparison
+(bench/spec_vs_plain.py measures both) and as an independent reference.
 """
 
 from __future__ import annotations
@@ -147,3 +151,18 @@ def rollback(cache: list, recorded: Tape, rejected: int, kept_steps: int) -> Non
             c[1] = lt.states[kept_steps - 1]
         elif isinstance(c, KVCache) or hasattr(c, "trim"):
             c.trim(rejected)
+
+
+def checkpoint(cache: list) -> list:
+    """What `restore` needs to undo a forward: KV offsets, and the
+    GatedDeltaNet entries (replaced by each forward, never written in place,
+    so keeping the references is enough)."""
+    return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
+
+
+def restore(cache: list, saved: list) -> None:
+    for c, s in zip(cache, saved, strict=True):
+        if isinstance(c, ArraysCache):
+            c.cache = list(s)
+        else:
+            c.trim(c.offset - s)

@@ -39,14 +39,17 @@ class PenaltyState:
             seen[mx.array(prompt_tokens)] = True
         return cls(mx.zeros((vocab_size,), dtype=mx.float32), seen)
 
-    def advance(self, token_ids: list[int]) -> PenaltyState:
-        """Return the state after generating token_ids (self is unchanged)."""
-        counts, seen = self.output_counts, self.seen
-        for t in token_ids:
-            counts = counts.at[t].add(1.0)
-        if token_ids:
-            seen = mx.array(seen)
-            seen[mx.array(token_ids)] = True
+    def advance(self, token_ids: list[int] | mx.array) -> PenaltyState:
+        """Return the state after generating token_ids (self is unchanged).
+
+        Takes a lazy array too, so a speculative window can advance per
+        position without waiting for its drafts to be computed."""
+        ids = mx.array(token_ids, dtype=mx.int32) if isinstance(token_ids, list) else token_ids
+        if ids.size == 0:
+            return self
+        counts = self.output_counts.at[ids].add(1.0)
+        seen = mx.array(self.seen)
+        seen[ids] = True
         return PenaltyState(counts, seen)
 
 

@@ -91,7 +91,7 @@ class InjectedDrafts(MTPDecoder):
         wrong = self.rng.randrange(depth + 1)  # depth: all drafts right
         if wrong < depth:
             true[wrong] = (true[wrong] + 1) % 7
-        return true, probs
+        return mx.array(true), probs
 
 
 def decode(target: Target, prompt, depth, max_tokens=N_TOKENS, stop=frozenset(), cls=MTPDecoder,

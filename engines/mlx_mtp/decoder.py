@@ -94,7 +94,7 @@ class MTPDecoder:
     def _adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
         return logits if state is None else apply_penalties(logits, state, self.params)
 
-    def _advanced(self, state: PenaltyState | None, tokens: list[int]):
+    def _advanced(self, state: PenaltyState | None, tokens: list[int] | mx.array):
         return None if state is None else state.advance(tokens)
 
     # -- prefill --------------------------------------------------------------------
@@ -128,23 +128,31 @@ class MTPDecoder:
     def round(self, depth: int) -> Step:
         t0 = time.perf_counter()
         last = self.tokens[-1]
-        drafts, draft_probs = self._draft(last, depth) if depth > 0 else ([], [])
-        verify_in = [last, *drafts]
+        # Drafting and verifying build one lazy graph: the only wait is for
+        # the verdict, once per round.
+        draft_arr, draft_probs = self._draft(last, depth) if depth > 0 else (None, [])
+        verify_arr = mx.array([last])
+        if draft_arr is not None:
+            verify_arr = mx.concatenate([verify_arr, draft_arr.astype(verify_arr.dtype)])
         replay = self.rollback_mode == "replay"
         saved = checkpoint(self.cache) if replay else None
         with nullcontext() if replay else tape() as recorded:
-            hidden = self.trunk.hidden(mx.array([verify_in]), self.cache)
+            hidden = self.trunk.hidden(verify_arr[None], self.cache)
         logits = self.trunk.logits(hidden)[0]
         states = [self.penalties]
-        for d in drafts:
-            states.append(self._advanced(states[-1], [d]))
-        adjusted = [self._adjust(logits[j], states[j]) for j in range(len(verify_in))]
+        for j in range(depth):
+            states.append(self._advanced(states[-1], draft_arr[j : j + 1]))
+        adjusted = [self._adjust(logits[j], states[j]) for j in range(depth + 1)]
         if self.params.greedy:
-            argmax = mx.argmax(mx.stack(adjusted), axis=-1).tolist()
-            verdict = accept_greedy(drafts, argmax)
+            argmax = mx.argmax(mx.stack(adjusted), axis=-1)
+            mx.eval(verify_arr, argmax)
+            drafts = verify_arr.tolist()[1:]
+            verdict = accept_greedy(drafts, argmax.tolist())
         else:
             target = mx.stack([probabilities(a, self.params) for a in adjusted])
-            q = mx.stack(draft_probs) if drafts else mx.zeros((0, target.shape[-1]))
+            q = mx.stack(draft_probs) if depth else mx.zeros((0, target.shape[-1]))
+            mx.eval(verify_arr, target, q)
+            drafts = verify_arr.tolist()[1:]
             verdict = accept_sampled(drafts, q, target, self.keys.next())
         n = verdict.accepted
         committed = [*drafts[:n], verdict.next_token]
@@ -153,11 +161,11 @@ class MTPDecoder:
         # token is fed at the next round.
         kept = 1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1)
         kept = min(kept, n + 1)
-        if replay and kept < len(verify_in):
+        if replay and kept < depth + 1:
             restore(self.cache, saved)
-            self.trunk.hidden(mx.array([verify_in[:kept]]), self.cache)
+            self.trunk.hidden(verify_arr[None, :kept], self.cache)
         else:
-            rollback(self.cache, recorded, len(verify_in) - kept, kept)
+            rollback(self.cache, recorded, depth + 1 - kept, kept)
         if depth > 0:
             for c in self.head_cache:
                 c.trim(depth - 1)  # entries fed with the head's own outputs
@@ -174,12 +182,14 @@ class MTPDecoder:
             method="mtp",
             drafted=depth,
             accepted_per_position=[j < n for j in range(depth)],
-            verify_width=len(verify_in),
+            verify_width=depth + 1,
             seconds=time.perf_counter() - t0,
         )
         return step
 
-    def _draft(self, last: int, depth: int) -> tuple[list[int], list[mx.array]]:
+    def _draft(self, last: int, depth: int) -> tuple[mx.array, list[mx.array]]:
+        """Drafts d_1..d_depth as a lazy (depth,) array, and the distributions
+        they were drawn from (none when greedy)."""
         tokens = [*self.owed.tokens, last]
         hidden = mx.concatenate([*self.owed.hidden, self.h_prev], axis=1)
         self.owed = _HeadInput()
@@ -188,16 +198,16 @@ class MTPDecoder:
         for j in range(depth):
             logits = self._adjust(self.trunk.logits(out)[0, -1], state)
             if self.params.greedy:
-                d = int(mx.argmax(logits).item())
+                d = mx.argmax(logits, keepdims=True)
             else:
                 q = probabilities(logits, self.params)
-                d = int(mx.random.categorical(mx.log(q), key=self.keys.next()).item())
+                d = mx.random.categorical(mx.log(q), key=self.keys.next())[None]
                 probs.append(q)
             drafts.append(d)
             if j + 1 < depth:
-                state = self._advanced(state, [d])
-                out = self.head(self.trunk.embed(mx.array([[d]])), out, self.head_cache, step=j + 1)
-        return drafts, probs
+                state = self._advanced(state, d)
+                out = self.head(self.trunk.embed(d[None]), out, self.head_cache, step=j + 1)
+        return mx.concatenate(drafts), probs
 
     # -- bookkeeping ----------------------------------------------------------------
 

@@ -126,10 +126,12 @@ def main() -> None:
     rows, results = [], {"device": str(mx.default_device()), "model": str(path), "costs_s": costs,
                          "head_step_s": h, "runs": []}  # fmt: skip
     for name, params in settings.items():
+        plain(model, prompts[0], params, n)  # warm-up
         base_tok, base_s = map(sum, zip(*(plain(model, p, params, n) for p in prompts), strict=True))
         base = base_tok / base_s
         rows.append((name, "plain", "", f"{base:7.1f}", "1.00", "1.00", "", ""))
         for depth in depths:
+            speculative(trunk, head, prompts[0], params, n, depth)  # warm-up: kernels per shape
             runs = [speculative(trunk, head, p, params, n, depth) for p in prompts]
             tokens = sum(r[0] for r in runs)
             secs = sum(r[1] for r in runs)

@@ -240,10 +240,10 @@ def test_shape_mismatch_raises(tmp_path):
         load_mtp_head(load_mlx_model(str(path)))
 
 
-def test_legacy_constructor_still_builds_a_qwen35_head(built):
+def test_qwen35_factory_builds_the_same_head(built):
     _, loaded, head = built["qwen3_5"]
-    legacy = MTPHead(loaded.model.language_model.args, 1)
-    shapes = {k: v.shape for k, v in tree_flatten(legacy.parameters())}
+    direct = MTPHead.qwen35(loaded.model.language_model.args, 1)
+    shapes = {k: v.shape for k, v in tree_flatten(direct.parameters())}
     assert shapes == {k: v.shape for k, v in tree_flatten(head.parameters())}
 
 

@@ -152,7 +152,7 @@ def load_demo(path: Path) -> DemoModel:
 
     trunk, config = load_model(path, lazy=False)
     tc = config.get("text_config", config)
-    head = MTPHead(TextModelArgs.from_dict(tc), tc.get("mtp_num_hidden_layers", 1))
+    head = MTPHead.qwen35(TextModelArgs.from_dict(tc), tc.get("mtp_num_hidden_layers", 1))
     tensors = mx.load(str(path / "model.safetensors"))
     raw_hf = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in tensors.items())
     head.load_weights(list(head_weights_from_checkpoint(tensors, raw_hf=raw_hf).items()))

@@ -41,27 +41,16 @@ ZERO_CENTRED_NORMS = (
 class MTPHead(nn.Module):
     """pre_fc norms, fc, the MTP decoder layer(s) and the final norm.
 
-    `MTPHead(hidden_size, eps, layers)` takes the decoder layers from the
-    caller, so each family supplies its own full-attention layer class
-    (loading.py: Qwen3.5's `DecoderLayer`, Qwen3-Next's
-    `Qwen3NextDecoderLayer`). `MTPHead(args, num_layers)` (or
-    `MTPHead.qwen35(args, num_layers)`) builds Qwen3.5 layers from a
-    `TextModelArgs`, as the demo trainer does.
+    The decoder layers come from the caller, so each family supplies its own
+    full-attention layer class (loading.py: Qwen3.5's `DecoderLayer`,
+    Qwen3-Next's `Qwen3NextDecoderLayer`); `MTPHead.qwen35(args, n)` builds
+    Qwen3.5 layers, as the demo trainer does.
     """
 
-    def __init__(
-        self,
-        hidden_size: int | TextModelArgs,
-        eps: float | None = None,
-        layers: Sequence[nn.Module] | None = None,
-    ):
+    def __init__(self, hidden_size: int, eps: float, layers: Sequence[nn.Module]):
         super().__init__()
-        if not isinstance(hidden_size, int):  # MTPHead(args, num_layers=1)
-            args, num_layers = hidden_size, 1 if eps is None else int(eps)
-            layers = qwen35_layers(args, num_layers)
-            hidden_size, eps = args.hidden_size, args.rms_norm_eps
-        if eps is None or not layers:
-            raise TypeError("MTPHead(hidden_size, eps, layers) needs eps and at least one layer")
+        if not layers:
+            raise ValueError("an MTP head needs at least one layer")
         h = hidden_size
         self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)

@@ -185,7 +185,9 @@ class Engine(Protocol):
     def generate(
         self, request: GenerationRequest, planner: Planner
     ) -> AsyncIterator[TokenEvent | RoundStats]:
-        """Stream a request. Closing the iterator cancels it at the next step."""
+        """Admit a request (raising EngineOverloaded at once if the engine is
+        full) and return its stream; closing the stream cancels it at the
+        next step."""
         ...
 
     def live_state(self) -> LiveState: ...

@@ -180,10 +180,11 @@ async def run(
     """Stream a request as sendable pieces; closing this iterator cancels it."""
     matcher = StopMatcher(stops)
     engine = served.engines[request.plan.engine]
-    events = engine.generate(request, FixedPlanner(request.plan))
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
     try:
+        # Admission happens here: an engine at its limit raises at once.
+        events = engine.generate(request, FixedPlanner(request.plan))
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, RoundStats):

@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from engines.base import (
-    EngineError,
     EngineOverloaded,
     GenerationRequest,
     LiveState,
@@ -31,6 +29,7 @@ from engines.loading import DEVICE_LOCK, LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder, Step
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.mlx_mtp.trunk import Trunk
+from engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +43,10 @@ class _Job:
     cancelled: bool = False
 
     def post(self, *items: Any) -> None:
-        self.loop.call_soon_threadsafe(_put_all, self.out, items)
+        self.loop.call_soon_threadsafe(deliver, [(self.out, item) for item in items])
 
 
-def _put_all(out: asyncio.Queue, items) -> None:
-    for item in items:
-        out.put_nowait(item)
-
-
-class MLXMTPEngine:
+class MLXMTPEngine(WorkerEngine):
     name = "mlx_mtp"
 
     def __init__(
@@ -64,56 +58,13 @@ class MLXMTPEngine:
         max_queue: int = 64,
         prefill_step_size: int = 512,
     ):
-        self.model_id = model_id
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.max_context = max_context
-        self.vocab_size = loaded.vocab_size
+        super().__init__(model_id, loaded, max_context=max_context)
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
         self.trunk = Trunk(loaded.model)
         self.head = load_mtp_head(loaded)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._in_flight = 0
-        self._running = 0
-        self._thread: threading.Thread | None = None
 
-    # -- tokenizer (shared with every engine of this model) ---------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset(self.tokenizer.eos_token_ids)
-
-    # -- lifecycle -----------------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._worker, name=f"mlx-mtp-{self.model_id}", daemon=True
-            )
-            self._thread.start()
-
-    async def stop(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    def live_state(self) -> LiveState:
-        return LiveState(self._running, max(0, self._in_flight - self._running), 0)
-
-    # -- serving -------------------------------------------------------------------
-
-    async def generate(
+    def generate(
         self, request: GenerationRequest, planner: Planner
     ) -> AsyncIterator[TokenEvent | RoundStats]:
         if self._in_flight > self.max_queue:
@@ -122,24 +73,11 @@ class MLXMTPEngine:
                 f"(limit 1 decoding + {self.max_queue} queued)"
             )
         job = _Job(request, planner, asyncio.get_running_loop(), asyncio.Queue())
-        self._in_flight += 1
-        self._inbox.put(("submit", job))
-        finished = False
-        try:
-            while True:
-                item = await job.out.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise EngineError(str(item)) from item
-                if isinstance(item, TokenEvent) and item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._in_flight -= 1
-            if not finished:
-                job.cancelled = True  # the worker checks this between rounds
+
+        def abandon() -> None:
+            job.cancelled = True  # the worker checks this between rounds
+
+        return self._consume(job, job.out, abandon)
 
     # -- worker thread ---------------------------------------------------------------
 

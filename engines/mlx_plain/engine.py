@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +20,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engines.base import (
-    EngineError,
     EngineOverloaded,
     GenerationRequest,
-    LiveState,
     Planner,
     TokenEvent,
     TokenLogprob,
@@ -32,6 +29,7 @@ from engines.base import (
 )
 from engines.loading import DEVICE_LOCK, LoadedModel
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, sample
+from engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +89,7 @@ class _Slot:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
-    for out, item in items:
-        out.put_nowait(item)
-
-
-class MLXPlainEngine:
+class MLXPlainEngine(WorkerEngine):
     name = "mlx_plain"
 
     def __init__(
@@ -110,64 +103,16 @@ class MLXPlainEngine:
         prefix_cache_size: int = 8,
         prefill_step_size: int = 512,
     ):
-        self.model_id = model_id
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.max_context = max_context
-        self.vocab_size = loaded.vocab_size
+        super().__init__(model_id, loaded, max_context=max_context)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
         self._prefix_cache = loaded.prefix_cache
         self._prefix_cache.resize(prefix_cache_size)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
-        self._in_flight = 0  # admitted, not yet finished (event loop only)
-        self._running = 0  # has produced a token (worker writes, others read)
-        self._thread: threading.Thread | None = None
         self._batch: BatchGenerator | None = None
 
-    # -- tokenizer ---------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset(self.tokenizer.eos_token_ids)
-
-    # -- lifecycle ---------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._worker, name=f"mlx-plain-{self.model_id}", daemon=True
-            )
-            self._thread.start()
-
-    async def stop(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    def live_state(self) -> LiveState:
-        running = self._running
-        return LiveState(
-            active_requests=running,
-            waiting_requests=max(0, self._in_flight - running),
-            context_tokens=0,
-        )
-
-    # -- serving -----------------------------------------------------------
-
-    async def generate(
+    def generate(
         self, request: GenerationRequest, planner: Planner | None = None
     ) -> AsyncIterator[TokenEvent]:
         """Stream one request. Plain decoding has no rounds to re-plan, so the
@@ -181,24 +126,7 @@ class MLXPlainEngine:
         slot = _Slot(
             request, asyncio.get_running_loop(), asyncio.Queue(), self.tokenizer.detokenizer
         )
-        self._in_flight += 1
-        self._inbox.put(("submit", slot))
-        finished = False
-        try:
-            while True:
-                item = await slot.out.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise EngineError(str(item)) from item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._in_flight -= 1
-            if not finished:
-                self._inbox.put(("cancel", slot))
+        return self._consume(slot, slot.out, lambda: self._inbox.put(("cancel", slot)))
 
     # -- worker thread -----------------------------------------------------
 
@@ -229,7 +157,7 @@ class MLXPlainEngine:
                         slot, event = made
                         by_loop.setdefault(slot.loop, []).append((slot.out, event))
                 for loop, items in by_loop.items():
-                    loop.call_soon_threadsafe(_deliver, items)
+                    loop.call_soon_threadsafe(deliver, items)
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
                 for slot in self._slots.values():

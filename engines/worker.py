@@ -1,0 +1,104 @@
+"""The shell every in-process MLX engine shares.
+
+One worker thread per engine owns all MLX work for it; the event loop talks
+to it only through a queue of commands, and the worker answers each request
+through that request's asyncio queue, several answers per wake-up of the
+loop. So MLX never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from engines.base import EngineError, LiveState, TokenEvent
+from engines.loading import LoadedModel
+
+
+def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """Run on the event loop: hand each item to its request's queue."""
+    for out, item in items:
+        out.put_nowait(item)
+
+
+class WorkerEngine:
+    name = "worker"
+
+    def __init__(self, model_id: str, loaded: LoadedModel, *, max_context: int):
+        self.model_id = model_id
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_context = max_context
+        self.vocab_size = loaded.vocab_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight = 0  # admitted, not yet finished (event loop only)
+        self._running = 0  # producing tokens now (worker writes, others read)
+        self._thread: threading.Thread | None = None
+
+    # -- the model's tokenizer ------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._worker, name=f"{self.name}-{self.model_id}", daemon=True
+            )
+            self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def live_state(self) -> LiveState:
+        running = self._running
+        return LiveState(running, max(0, self._in_flight - running), 0)
+
+    def _worker(self) -> None:
+        raise NotImplementedError
+
+    # -- the async side of one request -----------------------------------------------
+
+    async def _consume(
+        self, job: object, out: asyncio.Queue, abandon: Callable[[], None]
+    ) -> AsyncIterator:
+        """Submit `job` to the worker once iteration starts (so a stream
+        nobody reads never runs), then yield what the worker sends until the
+        final TokenEvent; an exception from the worker becomes EngineError.
+        If the consumer stops early (closed stream, client gone), `abandon`
+        tells the worker."""
+        self._inbox.put(("submit", job))
+        self._in_flight += 1
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise EngineError(str(item)) from item
+                if isinstance(item, TokenEvent) and item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                abandon()

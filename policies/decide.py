@@ -36,6 +36,7 @@ class RequestFeatures:
 def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Plan:
     """Choose the plan for a request (raises OverrideError on a bad override)."""
     available = policy.engines_by_method
+    depth = policy.max_depth if request.forced_depth is None else request.forced_depth
     if request.forced_method is not None:
         method = request.forced_method
         if method not in METHODS:
@@ -45,20 +46,19 @@ def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Pl
                 f"method '{method}' is not available for model '{policy.model_id}'; "
                 f"available: {', '.join(available)}"
             )
-        depth = 0 if method == "none" else (request.forced_depth or policy.max_depth)
-        return Plan(available[method], method, depth, "forced_by_request")
-    if request.forced_depth:
-        raise OverrideError(
-            f"X-Specgate-Depth needs a speculative method; model '{policy.model_id}' "
-            f"serves only: {', '.join(available)}"
-        )
+        return Plan(available[method], method, 0 if method == "none" else depth, "forced_by_request")
     if "mtp" not in available:
+        if request.forced_depth is not None:
+            raise OverrideError(
+                f"X-Specgate-Depth needs a speculative method; model '{policy.model_id}' "
+                f"serves only: {', '.join(available)}"
+            )
         return Plan(available["none"], "none", 0, "no_drafter")
     # Speculation serves one sequence; anything already in flight means
     # concurrency, which batching serves better.
     if live.active_requests or live.waiting_requests:
         return Plan(available["none"], "none", 0, "concurrency")
-    return Plan(available["mtp"], "mtp", policy.max_depth, "spec_on")
+    return Plan(available["mtp"], "mtp", depth, "spec_on")
 
 
 @dataclass(frozen=True)

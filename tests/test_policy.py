@@ -1,0 +1,46 @@
+"""The decision function, tested directly (pure code: no MLX, no HTTP)."""
+
+import pytest
+
+from engines.base import LiveState
+from policies.decide import ModelPolicy, OverrideError, RequestFeatures, decide
+
+IDLE = LiveState(0, 0, 0)
+BUSY = LiveState(1, 0, 0)
+PLAIN = ModelPolicy("m", {"none": "mlx_plain"}, 2)
+MTP = ModelPolicy("m", {"none": "mlx_plain", "mtp": "mlx_mtp"}, 2)
+
+
+def features(method=None, depth=None):
+    return RequestFeatures(prompt_tokens=10, has_penalties=False, forced_method=method,
+                           forced_depth=depth)
+
+
+def test_plain_only_model():
+    plan = decide(PLAIN, features(), IDLE)
+    assert (plan.engine, plan.method, plan.depth, plan.reason) == ("mlx_plain", "none", 0, "no_drafter")
+
+
+def test_speculates_when_idle_and_batches_under_concurrency():
+    assert decide(MTP, features(), IDLE).header() == "method=mtp;depth=2;reason=spec_on"
+    assert decide(MTP, features(), BUSY).header() == "method=none;depth=0;reason=concurrency"
+    assert decide(MTP, features(), LiveState(0, 3, 0)).reason == "concurrency"
+
+
+def test_overrides():
+    assert decide(MTP, features("none"), IDLE).header() == "method=none;depth=0;reason=forced_by_request"
+    assert decide(MTP, features("mtp"), BUSY).header() == "method=mtp;depth=2;reason=forced_by_request"
+    assert decide(MTP, features("mtp", 4), IDLE).depth == 4
+    assert decide(MTP, features("mtp", 0), IDLE).depth == 0  # rounds of plain steps
+    assert decide(MTP, features(None, 3), IDLE).header() == "method=mtp;depth=3;reason=spec_on"
+
+
+@pytest.mark.parametrize("policy,method,depth,needle", [
+    (PLAIN, "mtp", None, "available: none"),
+    (MTP, "dflash", None, "available: none, mtp"),
+    (MTP, "warp", None, "unknown method"),
+    (PLAIN, None, 3, "needs a speculative method"),
+])
+def test_bad_overrides_say_why(policy, method, depth, needle):
+    with pytest.raises(OverrideError, match=needle):
+        decide(policy, features(method, depth), IDLE)

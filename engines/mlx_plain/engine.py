@@ -1,10 +1,8 @@
 """Plain decoding (speculation off) with mlx-lm's continuous batching.
 
-One worker thread owns the model, the `BatchGenerator` and the prefix cache;
-the event loop only talks to it through a queue of commands, and the worker
-answers each request through that request's asyncio queue. So MLX work never
-blocks the event loop, and a request that joins while others are decoding
-enters the running batch at the next step.
+The worker thread (engines/worker.py) owns the `BatchGenerator`; a request
+that arrives while others are decoding joins the running batch at the next
+step, and one that leaves (finished or cancelled) is removed from it there.
 """
 
 from __future__ import annotations

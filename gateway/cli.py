@@ -48,6 +48,12 @@ def _demo_model(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _install_llama_server(args: argparse.Namespace) -> int:
+    from engines.llamacpp.install import run_cli
+
+    return run_cli(force=args.force, jobs=args.jobs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_cli_arguments(demo)
     demo.set_defaults(run=_demo_model)
+    llama = sub.add_parser("install-llama-server", help="build llama.cpp's llama-server")
+    llama.add_argument("--force", action="store_true", help="rebuild even if already installed")
+    llama.add_argument("--jobs", type=int, help="parallel compile jobs (default: all CPUs)")
+    llama.set_defaults(run=_install_llama_server)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,1 @@
+"""llama.cpp draft-mtp backend: finding, building and running `llama-server`."""

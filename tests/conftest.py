@@ -118,3 +118,12 @@ def gateway(tiny_model, tmp_path_factory):
     yield gw
     stop_gateway(gw)
     assert gw.process.returncode is not None
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> Path:
+    """specgate's own llama-server build: made once per machine (minutes),
+    under the real SPECGATE_HOME so later runs reuse it."""
+    from engines.llamacpp.install import install_llama_server
+
+    return install_llama_server()

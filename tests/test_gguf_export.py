@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -302,20 +301,18 @@ def test_rejects_unknown_outtype(hf, tmp_path):
         export_gguf(hf, tmp_path / "q.gguf", outtype="q8_0")
 
 
-# Optional: run the file in a real llama-server with draft-mtp. Runs only
-# where a binary is found (LLAMA_SERVER, else `llama-server` on PATH).
-LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
-needs_server = pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama-server binary")
+# The file in a real llama-server with draft-mtp (the project's own build,
+# see the llama_server_binary fixture).
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, log: Path, *extra: str):
+def llama_server(binary: Path, model: Path, log: Path, *extra: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
              "-c", "512", "-np", "1", "-t", "2", *extra],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -345,8 +342,8 @@ def complete(url: str, prompt: list[int] | str, n: int) -> dict:
     return resp.json()
 
 
-@needs_server
-def test_llama_server_greedy_matches_mlx_reference(hf, gguf_path, tmp_path):
+@pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
+def test_llama_server_greedy_matches_mlx_reference(hf, gguf_path, tmp_path, llama_server_binary):
     """Trunk numerics: llama.cpp's greedy tokens equal mlx-lm's on the HF checkpoint."""
     import mlx.core as mx
     from mlx_lm import load
@@ -363,14 +360,15 @@ def test_llama_server_greedy_matches_mlx_reference(hf, gguf_path, tmp_path):
         ref.append(ids[-1])
     assert len(ref) >= 4
     log = tmp_path / "server.log"
-    with llama_server(gguf_path, log, "--spec-type", "draft-mtp", "--spec-draft-n-max", "2") as url:
+    with llama_server(llama_server_binary, gguf_path, log, "--spec-type", "draft-mtp",
+                      "--spec-draft-n-max", "2") as url:
         got = complete(url, prompt, len(ref))["tokens"]
     assert got == ref
     assert "creating MTP draft context" in log.read_text()
 
 
-@needs_server
-def test_llama_server_accepts_an_aligned_mtp_head(hf, tmp_path):
+@pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
+def test_llama_server_accepts_an_aligned_mtp_head(hf, tmp_path, llama_server_binary):
     """MTP wiring: a head built to predict exactly the trunk's next token is always accepted.
 
     With every residual branch zeroed the trunk is a bigram model
@@ -391,7 +389,8 @@ def test_llama_server_accepts_an_aligned_mtp_head(hf, tmp_path):
     st["mtp.fc.weight"] = np.concatenate([np.eye(h), np.zeros((h, h))], axis=1).astype(np.float32)
     save_file(st, aligned / "model.safetensors", metadata={"format": "pt"})
     out = export_gguf(aligned, tmp_path / "aligned.gguf")
-    with llama_server(out, tmp_path / "server.log", "--spec-type", "draft-mtp") as url:
+    with llama_server(llama_server_binary, out, tmp_path / "server.log", "--spec-type",
+                      "draft-mtp") as url:
         timings = complete(url, "def main():", 32)["timings"]
     assert timings["draft_n"] > 0
     assert timings["draft_n_accepted"] == timings["draft_n"]

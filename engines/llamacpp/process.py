@@ -1,0 +1,387 @@
+"""One managed `llama-server` process per GGUF model.
+
+specgate starts llama-server on a free loopback port, waits for /health,
+notices when it dies, restarts it with backoff, stops it when idle (optional
+TTL) and never leaves it behind: the child runs in its own process group, and
+on Linux the kernel SIGKILLs it when the gateway dies (PR_SET_PDEATHSIG), even
+when the gateway itself is SIGKILLed and no Python cleanup runs.
+
+macOS has no parent-death signal, and a watchdog inside the child would need
+a wrapper process around llama-server; there the guarantee is only stop() and
+the atexit hook below, so a SIGKILLed gateway on macOS can leave an orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from engines.checkpoints.default_model import specgate_home
+from engines.llamacpp.binary import find_llama_server
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # the only address llama-server is ever bound to: it has no auth of its own
+_POLL_S = 0.2
+
+
+class LlamaServerError(RuntimeError):
+    """llama-server could not be started (the message carries its log tail)."""
+
+
+@dataclass
+class ServerSpec:
+    """How to run llama-server for one GGUF model."""
+
+    model: Path
+    ctx_size: int = 4096
+    parallel: int = 1  # slots (-np)
+    threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
+    spec: dict | None = None  # None or {"type": "draft-mtp", "n_max": int}
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if self.spec is not None:
+            if self.spec.get("type") != "draft-mtp":
+                raise ValueError(f"spec type must be 'draft-mtp', not {self.spec.get('type')!r}")
+            if int(self.spec.get("n_max", 0)) < 1:
+                raise ValueError(f"spec n_max must be >= 1, got {self.spec.get('n_max')!r}")
+        for flag in ("--host", "--port"):
+            # The bind address is not the user's to change: llama-server has no auth.
+            if flag in self.extra_args:
+                raise ValueError(f"{flag} is set by specgate and cannot be passed in extra_args")
+
+    def args(self, port: int) -> list[str]:
+        argv = [
+            "-m", str(self.model), "--host", HOST, "--port", str(port), "--metrics", "--slots",
+            "-c", str(self.ctx_size), "-np", str(self.parallel), "-t", str(self.threads),
+        ]
+        if self.spec is not None:
+            argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(int(self.spec["n_max"]))]
+        return argv + list(self.extra_args)
+
+
+# --- never leave a llama-server behind ------------------------------------
+
+# Loaded in the parent so the forked child only calls a function pointer
+# between fork and exec (no dlopen, no imports in that fragile window).
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent_pid: int) -> None:
+    """preexec_fn: ask the kernel to SIGKILL this child when its parent dies.
+
+    This is what cleans up after a SIGKILLed gateway, where no Python code
+    (atexit, finally, signal handlers) gets to run. The signal follows the
+    *thread* that forked, so LlamaServer starts processes from the event-loop
+    thread, never from a short-lived worker thread. It survives exec.
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died before prctl ran: then nobody would ever kill us.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_LIVE: weakref.WeakSet[LlamaServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_all_at_exit() -> None:
+    """On a normal interpreter exit, kill every group we started (the macOS safety net)."""
+    for server in list(_LIVE):
+        server._kill_group(signal.SIGKILL)
+
+
+def _free_port() -> int:
+    # A small race (someone may take it before llama-server binds) is caught
+    # by start(): the process exits and the next attempt picks another port.
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A managed llama-server for one model, on a free 127.0.0.1 port.
+
+    `restarts` counts starts that replaced a process which had died on its
+    own (crash recovery); a stop by stop() or the idle TTL is not a crash,
+    so starting again after it does not count.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        *,
+        binary: str | Path | None = None,
+        ttl: float | None = None,
+        start_timeout: float = 120.0,
+        stop_grace: float = 10.0,
+        max_start_failures: int = 5,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+    ) -> None:
+        self.spec = spec
+        self._binary = binary
+        self.ttl = ttl
+        self.start_timeout = start_timeout
+        self.stop_grace = stop_grace
+        self.max_start_failures = max_start_failures
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+
+        self.port: int | None = None
+        self.log_path: Path | None = None
+        self.restarts = 0
+        self.starts = 0
+        self.last_exit_code: int | None = None  # returncode of the last unexpected exit
+        self._proc: subprocess.Popen | None = None
+        self._crashed = False  # the last process died without being asked to
+        self._failures = 0  # consecutive failed starts
+        self._retry_at = 0.0  # monotonic time before which ensure_running waits to retry
+        self._last_used = time.monotonic()
+        self._in_use = 0
+        self._monitor: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    # --- state --------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise LlamaServerError("llama-server has not been started")
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def command(self) -> list[str]:
+        return [str(find_llama_server(self._binary_str())), *self.spec.args(self.port or 0)]
+
+    def _binary_str(self) -> str | None:
+        return str(self._binary) if self._binary is not None else None
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last n lines llama-server wrote (stdout and stderr)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def touch(self) -> None:
+        """Mark the server as used now (pushes back the idle TTL)."""
+        self._last_used = time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[str]:
+        """Hold the server for one request: running, and not stopped by the TTL meanwhile."""
+        await self.ensure_running()
+        self._in_use += 1
+        self.touch()
+        try:
+            yield self.base_url
+        finally:
+            self._in_use -= 1
+            self.touch()
+
+    # --- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start llama-server and wait until GET /health answers 200."""
+        async with self._lock:
+            await self._start_locked()
+
+    async def ensure_running(self) -> None:
+        """Start it if it is not running (after a crash or an idle stop).
+
+        Consecutive failed starts back off exponentially (backoff_initial
+        doubling up to backoff_max, reset by a healthy start), also across
+        calls, so a broken model is not respawned at request rate. One call
+        gives up with a clear error after max_start_failures attempts.
+        """
+        self.touch()
+        if self.alive:
+            return
+        async with self._lock:
+            attempts = 0
+            while not self.alive:
+                wait = self._retry_at - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                try:
+                    await self._start_locked()
+                except LlamaServerError as e:
+                    attempts += 1
+                    if attempts >= self.max_start_failures:
+                        raise LlamaServerError(
+                            f"llama-server for {self.spec.model} failed to start "
+                            f"{self._failures} times in a row; giving up. Last error: {e}"
+                        ) from e
+                    log.warning("llama-server start failed; retrying in %.1f s: %s",
+                                self._retry_at - time.monotonic(), e)
+
+    async def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after the grace period. Idempotent."""
+        async with self._lock:
+            await self._stop_locked()
+
+    async def _start_locked(self) -> None:
+        if self.alive:
+            return
+        if self._proc is not None:
+            # stop() clears _proc, so a dead one still here died on its own,
+            # whether or not the watcher has seen it yet.
+            self._crashed = True
+            self.last_exit_code = self._proc.returncode
+        await self._stop_locked()  # reap the dead one, end its monitor
+        binary = find_llama_server(self._binary_str())
+        # Keep the port across restarts so base_url stays stable, unless it is taken.
+        if self.port is None or not _port_is_free(self.port):
+            self.port = _free_port()
+        logs = specgate_home() / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"llama-server-{self.spec.model.stem}-{self.port}.log"
+        argv = [str(binary), *self.spec.args(self.port)]
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n--- specgate: starting {' '.join(argv)}\n".encode())
+            out.flush()
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() signals the whole group
+                preexec_fn=functools.partial(_child_setup, os.getpid()),
+            )
+        _LIVE.add(self)
+        self.starts += 1
+        try:
+            await self._wait_healthy()
+        except LlamaServerError:
+            await self._stop_locked()
+            self._failures += 1
+            delay = self.backoff_initial * 2 ** (self._failures - 1)
+            self._retry_at = time.monotonic() + min(self.backoff_max, delay)
+            raise
+        except BaseException:
+            await self._stop_locked()  # e.g. cancelled: leave no half-started process
+            raise
+        if self._crashed:
+            self.restarts += 1
+        self._crashed = False
+        self._failures = 0
+        self.touch()
+        self._monitor = asyncio.create_task(self._watch(self._proc))
+        log.info("llama-server for %s ready at %s (pid %d)", self.spec.model, self.base_url,
+                 self._proc.pid)
+
+    async def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout
+        async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise LlamaServerError(
+                        f"llama-server for {self.spec.model} exited with code {code} while "
+                        f"starting; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    r = await client.get(self.base_url + "/health")
+                    if r.status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise LlamaServerError(
+                        f"llama-server for {self.spec.model} not healthy after "
+                        f"{self.start_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                await asyncio.sleep(_POLL_S)
+
+    async def _stop_locked(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None and monitor is not asyncio.current_task():
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._kill_group(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        self._kill_group(signal.SIGKILL)  # no-op when SIGTERM did it
+        proc.wait()
+        self._proc = None
+        _LIVE.discard(self)
+
+    def _kill_group(self, sig: int) -> None:
+        proc = self._proc
+        # Only while the leader is unreaped: its pid (= the group id) cannot be
+        # reused until then, so the signal can never reach a stranger's group.
+        # llama-server forks no children, so the leader is the whole group.
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already empty
+
+    async def _watch(self, proc: subprocess.Popen) -> None:
+        """Notice an unexpected exit, and stop the server after `ttl` seconds idle."""
+        while True:
+            await asyncio.sleep(_POLL_S)
+            code = proc.poll()
+            if code is not None:
+                self._crashed = True
+                self.last_exit_code = code
+                log.warning("llama-server for %s exited unexpectedly (code %s); log tail:\n%s",
+                            self.spec.model, code, self.log_tail(10))
+                return
+            idle = time.monotonic() - self._last_used
+            if self.ttl is not None and self._in_use == 0 and idle >= self.ttl:
+                log.info("llama-server for %s idle %.0f s: stopping", self.spec.model, idle)
+                async with self._lock:
+                    if self._proc is proc:
+                        await self._stop_locked()
+                return
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+        return True

@@ -25,6 +25,12 @@ from engines.checkpoints.tiny import build_qwen35_hybrid
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Tests never download: any hub lookup fails at once instead."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -38,11 +38,6 @@ KEY_DIM, VALUE_DIM = N_K * DK, N_V * DV
 T = "model.language_model."
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def qwen3_target(tmp_path_factory):
     return build_qwen3_dense(tmp_path_factory.mktemp("target") / "qwen3", seed=0)

@@ -24,11 +24,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_qwen35_hybrid(tmp_path_factory.mktemp("qwen35") / "m", seed=0)

@@ -82,7 +82,7 @@ def stream_stats(t0: float, times: list[float], n_tokens: int) -> dict:
 
 async def inproc_stream(eng: MLXPlainEngine, msgs: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    prompt = eng.render_chat(msgs)
+    prompt = await eng.render_chat(msgs)
     # No stop tokens: like the gateway side's ignore_eos, exactly max_tokens.
     req = GenerationRequest(f"bench-{id(msgs)}", MODEL_ID, prompt, GREEDY, max_tokens, PLAN)
     times, ids = [], []

@@ -24,6 +24,7 @@ Reason = Literal[
     "no_drafter",
     "measured_loss",
     "forced_by_request",
+    "unsupported_params",  # the speculative engine cannot honour a sampling parameter
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -145,6 +146,19 @@ class LiveState:
     context_tokens: int
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why an engine cannot serve a request's parameters exactly.
+
+    The gateway then plans another engine of the model, or answers 400
+    naming `param` when none can.
+    """
+
+    reason: Reason
+    message: str
+    param: str
+
+
 class Planner(Protocol):
     """Implemented in policies/; engines call it at every round boundary."""
 
@@ -171,12 +185,14 @@ class Engine(Protocol):
     max_context: int
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    async def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    async def render_chat(self, messages: list[dict]) -> list[int]:
         """Apply the model's chat template with the generation prompt."""
+        ...
+
+    def refusal(self, sampling: SamplingParams) -> Refusal | None:
+        """None when this engine serves these parameters exactly."""
         ...
 
     @property

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from engines.base import EngineError, LiveState, TokenEvent
+from engines.base import EngineError, LiveState, Refusal, SamplingParams, TokenEvent
 from engines.loading import LoadedModel
 
 
@@ -39,14 +39,16 @@ class WorkerEngine:
 
     # -- the model's tokenizer ------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    # Async for the Engine protocol (llama-server tokenizes over HTTP); here
+    # the tokenizer is in-process and fast enough to run on the event loop.
+    async def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    async def render_chat(self, messages: list[dict]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def refusal(self, sampling: SamplingParams) -> Refusal | None:
+        return None  # engines/sampling.py is this engine's own: every parameter applies
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -26,6 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every call specgate makes to its llama-servers at INFO.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     uvicorn.run(
         create_app(config),
         host=config.server.host,

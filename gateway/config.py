@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engines.checkpoints.default_model import DEFAULT_MODEL_ID
 
 BUILTIN_DEMO = "builtin:demo"
+# The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
+BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
+MLX_ENGINES = ("mlx_plain", "mlx_mtp")
+LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
 
 
 class _Strict(BaseModel):
@@ -28,25 +32,66 @@ class ServerConfig(_Strict):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
+class LlamaServerConfig(_Strict):
+    # llama-server to run; default: PATH, then `specgate install-llama-server`'s build.
+    binary: str | None = None
+
+
+class LlamaCppConfig(_Strict):
+    """How specgate runs llama-server for one GGUF model."""
+
+    start: Literal["boot", "first_use"] = "boot"
+    idle_ttl_s: float | None = Field(None, gt=0)  # stop the process after this long idle
+    threads: int | None = Field(None, gt=0)  # -t; default: up to 8 cores
+    # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's.
+    extra_args: list[str] = Field(default_factory=list)
+    read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
-    # "builtin:demo", a local model directory, or a hub repo id ("org/name").
+    # "builtin:demo", a local model directory or a hub repo id ("org/name") for
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
     path: str = Field(min_length=1)
-    # mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
-    # speculative decoding with the checkpoint's own head.
-    engines: list[Literal["mlx_plain", "mlx_mtp"]] = Field(
-        default_factory=lambda: ["mlx_plain"], min_length=1
+    # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
+    # speculative decoding with the checkpoint's own head. GGUF: llamacpp runs
+    # a plain llama-server, llamacpp_mtp one with --spec-type draft-mtp; list
+    # both to let the policy choose per request (two processes, see
+    # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
+    engines: list[Literal["mlx_plain", "mlx_mtp", "llamacpp", "llamacpp_mtp"]] = Field(
+        default_factory=list
     )
-    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round for the mtp method
+    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (llamacpp_mtp: --spec-draft-n-max)
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
     prefix_cache_size: int = Field(8, ge=0)  # cached prompt prefixes kept
+    llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
+
+    @model_validator(mode="after")
+    def _engines_fit_the_format(self) -> ModelConfig:
+        if not self.engines:
+            self.engines = ["llamacpp"] if self.is_gguf else ["mlx_plain"]
+        fits = LLAMACPP_ENGINES if self.is_gguf else MLX_ENGINES
+        wrong = [e for e in self.engines if e not in fits]
+        if wrong:
+            kind = "a GGUF file" if self.is_gguf else "an MLX/Hugging Face checkpoint"
+            raise ValueError(
+                f"engines {wrong} cannot serve {kind} ({self.path}); use {' / '.join(fits)}"
+            )
+        if len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"engines lists one twice: {self.engines}")
+        return self
 
 
 class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

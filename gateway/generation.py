@@ -155,6 +155,7 @@ def plan_request(
         plan = decide(served.policy, features, served.live_state())
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
+    plan = _honouring(served, plan, sampling)
     return GenerationRequest(
         request_id=new_id("req"),
         model=served.id,
@@ -164,6 +165,20 @@ def plan_request(
         plan=plan,
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
     )
+
+
+def _honouring(served: ServedModel, plan: Plan, sampling: SamplingParams) -> Plan:
+    """The plan, or plain decoding when the planned engine cannot apply a
+    sampling parameter exactly; a 400 naming it when nothing can."""
+    refusal = served.engines[plan.engine].refusal(sampling)
+    if refusal is None:
+        return plan
+    plain = served.policy.engines_by_method.get("none")
+    if plan.reason != "forced_by_request" and plain is not None and plain != plan.engine:
+        if served.engines[plain].refusal(sampling) is None:
+            return Plan(plain, "none", 0, refusal.reason)
+    raise APIError(400, f"model '{served.id}' ({plan.engine}) cannot serve this request exactly: "
+                        f"{refusal.message}", param=refusal.param, code="unsupported_parameter")
 
 
 def plan_headers(plan: Plan) -> dict[str, str]:

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from engines.base import Engine, LiveState
-from gateway.config import BUILTIN_DEMO, Config, ModelConfig
+from engines.base import Engine, LiveState, Method
+from gateway.config import BUILTIN_DEMO, BUILTIN_DEMO_GGUF, Config, LlamaServerConfig, ModelConfig
 from policies.decide import ModelPolicy
 
 log = logging.getLogger(__name__)
@@ -15,11 +15,17 @@ log = logging.getLogger(__name__)
 # Used when neither the config nor the checkpoint names a context length.
 FALLBACK_MAX_CONTEXT = 4096
 
+# Which method each engine serves, in the policy's order of preference.
+METHOD_OF_ENGINE: dict[str, Method] = {
+    "mlx_mtp": "mtp", "llamacpp_mtp": "llamacpp_mtp", "mlx_plain": "none", "llamacpp": "none",
+}
+
 
 @dataclass
 class ServedModel:
     config: ModelConfig
     engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
+    refused: dict[str, str] = field(default_factory=dict)  # configured engine -> why not built
     policy: ModelPolicy | None = None
     error: str | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
@@ -30,9 +36,9 @@ class ServedModel:
 
     @property
     def engine(self) -> Engine | None:
-        """The plain engine: always present once loaded; it also owns the
-        tokenizer every engine of this model shares."""
-        return self.engines.get("mlx_plain")
+        """The front engine, present once loaded: it tokenizes for all of the
+        model's engines (they share one vocabulary) and sets its limits."""
+        return self.engines.get("mlx_plain") or next(iter(self.engines.values()), None)
 
     def live_state(self) -> LiveState:
         states = [e.live_state() for e in self.engines.values()]
@@ -48,11 +54,30 @@ def resolve_path(path: str) -> str:
         from engines.checkpoints.default_model import default_model_path
 
         return str(default_model_path())
+    if path == BUILTIN_DEMO_GGUF:
+        from engines.checkpoints.default_model import demo_gguf_path
+
+        return str(demo_gguf_path())
     return path
 
 
-def _build_engines(mc: ModelConfig) -> dict[str, Engine]:
-    """Blocking: loads weights (once per path) and builds the model's engines."""
+def _build_engines(
+    mc: ModelConfig, llama_server: LlamaServerConfig
+) -> tuple[dict[str, Engine], dict[str, str]]:
+    """Blocking: loads weights (once per path) and builds the model's engines,
+    with the configured ones it refused and why."""
+    if mc.is_gguf:
+        from pathlib import Path
+
+        from engines.llamacpp.build import build_llamacpp_engines
+
+        lc = mc.llamacpp
+        return build_llamacpp_engines(
+            mc.id, Path(resolve_path(mc.path)), list(mc.engines), depth=mc.mtp_depth,
+            max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
+            binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
+            threads=lc.threads, extra_args=lc.extra_args, read_timeout=lc.read_timeout_s,
+        )
     from engines.loading import load_mlx_model
     from engines.mlx_plain import MLXPlainEngine
 
@@ -76,12 +101,21 @@ def _build_engines(mc: ModelConfig) -> dict[str, Engine]:
         engines["mlx_mtp"] = MLXMTPEngine(
             mc.id, loaded, max_context=max_context, max_queue=mc.max_queue
         )
-    return engines
+    return engines, {}
+
+
+def _policy(served: ServedModel) -> ModelPolicy:
+    methods = {METHOD_OF_ENGINE[name]: name for name in METHOD_OF_ENGINE if name in served.engines}
+    refused = {METHOD_OF_ENGINE[name]: why for name, why in served.refused.items()}
+    # llama-server's draft depth is set when the process starts (see engines/llamacpp).
+    fixed = ("llamacpp_mtp",) if "llamacpp_mtp" in methods else ()
+    return ModelPolicy(served.id, methods, served.config.mtp_depth, refused, fixed)
 
 
 class ModelRegistry:
     def __init__(self, config: Config):
         self.models = {mc.id: ServedModel(mc) for mc in config.models}
+        self.llama_server = config.llama_server
 
     def get(self, model_id: str) -> ServedModel | None:
         return self.models.get(model_id)
@@ -94,14 +128,18 @@ class ModelRegistry:
         """Load models one after another (they share one machine's memory)."""
         for served in self.models.values():
             try:
-                engines = await asyncio.to_thread(_build_engines, served.config)
-                for engine in engines.values():
-                    await engine.start()
-                served.engines = engines
-                methods = {"none": "mlx_plain"}
-                if "mlx_mtp" in engines:
-                    methods["mtp"] = "mlx_mtp"
-                served.policy = ModelPolicy(served.id, methods, served.config.mtp_depth)
+                engines, refused = await asyncio.to_thread(
+                    _build_engines, served.config, self.llama_server
+                )
+                try:
+                    for engine in engines.values():
+                        await engine.start()
+                except BaseException:
+                    for engine in engines.values():
+                        await engine.stop()
+                    raise
+                served.engines, served.refused = engines, refused
+                served.policy = _policy(served)
                 log.info("model %s ready (%s)", served.id, ", ".join(engines))
             except Exception as e:  # one bad model must not take down the others
                 served.error = f"{type(e).__name__}: {e}"

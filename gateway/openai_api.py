@@ -187,7 +187,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     try:
-        prompt = engine.render_chat([m.as_template_input() for m in body.messages])
+        prompt = await engine.render_chat([m.as_template_input() for m in body.messages])
     except Exception as e:
         raise APIError(400, f"messages: the model's chat template rejected them: {e}",
                        param="messages") from None
@@ -232,7 +232,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     if isinstance(body.prompt, str):
-        prompt = engine.encode(body.prompt)
+        prompt = await engine.encode(body.prompt)
     else:
         prompt = list(body.prompt)
         bad = [t for t in prompt if t >= engine.vocab_size]

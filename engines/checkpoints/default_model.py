@@ -31,3 +31,23 @@ def default_model_path() -> Path:
             f"and name it in a config"
         )
     return PACKAGED_DEMO
+
+
+def demo_gguf_path() -> Path:
+    """The demo model as GGUF (MTP head as nextn), exported on first use.
+
+    Cached under SPECGATE_HOME by the weights' digest, so a new demo model
+    gets a new file and an interrupted export never leaves a partial one.
+    """
+    import hashlib
+
+    from engines.checkpoints.gguf_export import export_gguf
+
+    src = default_model_path()
+    digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()[:16]
+    out = specgate_home() / "models" / f"{DEFAULT_MODEL_ID}-{digest}.gguf"
+    if not out.is_file():
+        tmp = out.with_suffix(f".{os.getpid()}.partial")
+        export_gguf(src, tmp)
+        tmp.replace(out)
+    return out

@@ -180,6 +180,13 @@ class LlamaServer:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def exit_code(self) -> int | None:
+        """The exit code of the last process that died on its own, if one did."""
+        if self._proc is not None and self._proc.poll() is not None:
+            return self._proc.returncode
+        return self.last_exit_code
+
+    @property
     def command(self) -> list[str]:
         return [str(find_llama_server(self._binary_str())), *self.spec.args(self.port or 0)]
 

@@ -1,0 +1,113 @@
+"""Building a GGUF model's llamacpp engines: what the file can do, then the processes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.base import Engine
+from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.process import LlamaServer, ServerSpec
+
+log = logging.getLogger(__name__)
+
+# Token texts llama.cpp treats as end-of-generation even when the GGUF's
+# metadata does not name them (src/llama-vocab.cpp builds its EOG set the same
+# way); specgate's stop set must match the server's.
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
+})
+# llama-server allocates its KV cache up front; when neither the config nor a
+# smaller trained context says otherwise, a slot gets this many tokens.
+DEFAULT_SLOT_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class GgufFacts:
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    context_length: int | None
+    verdict: str  # `specgate inspect`'s verdict for the file
+    mtp_usable: bool
+    mtp_problem: str | None  # why draft-mtp cannot run, when it cannot
+
+
+def read_gguf_facts(path: Path) -> GgufFacts:
+    from gguf import GGUFReader
+
+    from engines.checkpoints.gguf_info import read_gguf
+    from engines.checkpoints.verdicts import judge_gguf
+
+    info = read_gguf(path)
+    judgement = judge_gguf(info)
+    reader = GGUFReader(info.files[0])
+
+    def scalar(key: str):
+        f = reader.get_field(key)
+        return f.contents() if f is not None else None
+
+    eos = {int(v) for k in ("eos", "eot", "eom") if (v := scalar(f"tokenizer.ggml.{k}_token_id")) is not None}
+    tokens = scalar("tokenizer.ggml.tokens") or []
+    eos |= {i for i, text in enumerate(tokens) if text in _EOG_TEXTS}
+    problem = None
+    if not judgement.mtp_usable:
+        found = "; ".join(p.message for p in judgement.problems) or "it has no MTP (nextn) layers"
+        problem = f"`specgate inspect` says {judgement.verdict}: {found}"
+    ctx = info.gguf.kv.get("context_length")
+    return GgufFacts(int(info.vocab_size or len(tokens)), frozenset(eos),
+                     int(ctx) if ctx else None, judgement.verdict, judgement.mtp_usable, problem)
+
+
+def build_llamacpp_engines(
+    model_id: str,
+    gguf: Path,
+    engines: list[str],
+    *,
+    depth: int,
+    max_context: int | None,
+    max_concurrent: int,
+    max_queue: int,
+    binary: str | None,
+    start_at_boot: bool,
+    idle_ttl: float | None,
+    threads: int | None,
+    extra_args: list[str],
+    read_timeout: float,
+) -> tuple[dict[str, Engine], dict[str, str]]:
+    """The model's engines by name, and the engines refused with why.
+
+    An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
+    refused (not started), and the model still serves through `llamacpp`.
+    """
+    facts = read_gguf_facts(gguf)
+    if facts.verdict == "incompatible":
+        raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
+    ctx = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
+    built: dict[str, Engine] = {}
+    refused: dict[str, str] = {}
+    for name in engines:
+        if name == "llamacpp_mtp" and not facts.mtp_usable:
+            refused[name] = f"draft-mtp needs MTP layers in the GGUF; {facts.mtp_problem}"
+            log.warning("model %s: llamacpp_mtp refused: %s", model_id, refused[name])
+            continue
+        spec = ServerSpec(
+            gguf,
+            # +16: llama-server keeps a little headroom (drafts, context-shift
+            # guard) beyond what one request may fill.
+            ctx_size=(ctx + 16) * max_concurrent,
+            parallel=max_concurrent,
+            spec={"type": "draft-mtp", "n_max": depth} if name == "llamacpp_mtp" else None,
+            extra_args=list(extra_args),
+            **({"threads": threads} if threads else {}),
+        )
+        server = LlamaServer(spec, binary=binary, ttl=idle_ttl)
+        built[name] = LlamaCppEngine(
+            model_id, server, method="llamacpp_mtp" if name == "llamacpp_mtp" else "none",
+            max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
+            max_queue=max_queue, start_at_boot=start_at_boot, read_timeout=read_timeout,
+        )
+    if not built:
+        raise ValueError(f"model {model_id}: no engine left to serve it: {'; '.join(refused.values())}")
+    return built, refused

@@ -174,19 +174,24 @@ class LlamaCppEngine:
                         if finished:
                             break
                 if not finished:
-                    raise EngineError(self._why_cut_short("the stream ended before the last token"))
+                    raise EngineError(await self._why_cut_short("the stream ended early"))
                 if self.speculative:
                     for stats in await self._rounds_since_last():
                         yield stats
         except (httpx.TransportError, json.JSONDecodeError) as e:
-            raise EngineError(self._why_cut_short(f"{type(e).__name__}: {e}")) from e
+            raise EngineError(await self._why_cut_short(f"{type(e).__name__}: {e}")) from e
         except LlamaServerError as e:
             raise EngineError(str(e)) from e
         finally:
             self._in_flight -= 1
 
-    def _why_cut_short(self, what: str) -> str:
+    async def _why_cut_short(self, what: str) -> str:
         msg = f"llama-server for {self.model_id} failed mid-request ({what})"
+        # A dead server's sockets close a moment before its exit can be reaped.
+        for _ in range(20):
+            if not self.server.alive:
+                break
+            await asyncio.sleep(0.05)
         if not self.server.alive:
             msg += f"; the process exited (code {self.server.exit_code}) and will be restarted"
         return msg

@@ -307,8 +307,8 @@ class LlamaServer:
         self._failures = 0
         self.touch()
         self._monitor = asyncio.create_task(self._watch(self._proc))
-        log.info("llama-server for %s ready at %s (pid %d)", self.spec.model, self.base_url,
-                 self._proc.pid)
+        log.info("llama-server for %s ready at %s (pid %d, log %s)", self.spec.model,
+                 self.base_url, self._proc.pid, self.log_path)
 
     async def _wait_healthy(self) -> None:
         assert self._proc is not None

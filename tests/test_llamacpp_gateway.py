@@ -1,0 +1,301 @@
+"""GGUF models served through specgate by real llama-server processes.
+
+The gateway is a real `specgate serve`; llama-server is specgate's own build
+(the llama_server_binary fixture runs `install-llama-server` once per
+machine); the client is the openai SDK. "demo-gguf" is the shipped demo
+model exported to GGUF with its trained MTP head as nextn layers, so
+draft-mtp really drafts, and some drafts are rejected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engines.checkpoints.gguf_export import export_gguf
+from tests.conftest import REPO, start_gateway, stop_gateway
+
+pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "Write a function that sorts a list.",
+    "import numpy as np\n\n",
+    "The river was",
+    "class Stack:\n    def __init__(self):",
+    "Explain recursion.",
+]
+
+
+@pytest.fixture(scope="module")
+def ar_gguf(tiny_model, tmp_path_factory) -> Path:
+    """A GGUF with no MTP layers (the trunk only)."""
+    return export_gguf(tiny_model, tmp_path_factory.mktemp("gguf") / "ar-only.gguf",
+                       include_mtp=False)
+
+
+def gguf_models(ar_gguf: Path) -> list[dict]:
+    return [
+        {"id": "demo-gguf", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_mtp"],
+         "mtp_depth": 3, "max_concurrent": 2, "max_context": 1024},
+        {"id": "ar-gguf", "path": str(ar_gguf), "engines": ["llamacpp", "llamacpp_mtp"],
+         "max_concurrent": 1, "max_context": 512},
+    ]
+
+
+@pytest.fixture(scope="module")
+def gw(ar_gguf, llama_server_binary, tmp_path_factory):
+    g = start_gateway(
+        {"llama_server": {"binary": str(llama_server_binary)},
+         "models": gguf_models(ar_gguf)
+         + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
+        tmp_path_factory.mktemp("gw-llamacpp"),
+    )
+    yield g
+    stop_gateway(g)
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+
+
+def llama_servers(gateway_pid: int) -> dict[str, int]:
+    """The gateway's llama-server children: 'plain' / 'mtp' (by model file) -> pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != gateway_pid or not cmd[0].endswith(b"llama-server"):
+            continue
+        model = Path(cmd[cmd.index(b"-m") + 1].decode()).stem
+        kind = "mtp" if b"draft-mtp" in cmd else "plain"
+        found[f"{model}:{kind}"] = int(entry.name)
+    return found
+
+
+def spec_counters(gw) -> dict[str, float]:
+    text = httpx.get(gw.base_url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("specgate_spec_decode") and 'method="llamacpp_mtp"' in line \
+                and 'model="demo-gguf"' in line and "_total" in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def greedy_ids(client, model: str, prompt: str, method: str, n: int = 64) -> list[int]:
+    r = client.completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        extra_headers={"X-Specgate-Method": method},
+    )
+    assert r.headers["x-specgate-plan"].startswith(f"method={method};")
+    return r.parse().choices[0].token_ids
+
+
+# -- serving ----------------------------------------------------------------------
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    r = client.chat.completions.with_raw_response.create(
+        model="demo-gguf", messages=msgs, max_tokens=24, temperature=0)
+    assert r.headers["x-specgate-plan"] == "method=llamacpp_mtp;depth=3;reason=spec_on"
+    full = r.parse()
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    text = full.choices[0].message.content
+    assert text
+
+    stream = client.chat.completions.create(
+        model="demo-gguf", messages=msgs, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # streamed
+
+
+def test_greedy_draft_mtp_equals_llama_server_without_speculation(client, gw):
+    before = spec_counters(gw)
+    for prompt in PROMPTS:
+        plain = greedy_ids(client, "demo-gguf", prompt, "none")
+        spec = greedy_ids(client, "demo-gguf", prompt, "llamacpp_mtp")
+        assert len(plain) == 64 and spec == plain, prompt
+    after = spec_counters(gw)
+
+    def grew(name):
+        key = f'specgate_spec_decode_{name}_total{{method="llamacpp_mtp",model="demo-gguf"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    drafted, accepted = grew("num_draft_tokens"), grew("num_accepted_tokens")
+    print(f"\ndraft-mtp over {len(PROMPTS)} prompts: {accepted:.0f}/{drafted:.0f} drafts accepted")
+    # The comparison means something only if drafts were both kept and thrown away.
+    assert 0 < accepted < drafted
+    per_pos = sum(v - before.get(k, 0) for k, v in after.items() if "per_pos" in k)
+    assert per_pos == accepted
+    assert grew("num_drafts") > 0
+
+
+def test_same_prompt_tokens_in_both_worlds(client):
+    """The demo served by MLX and by llama-server sees the same prompt tokens
+    (chat template and tokenizer agree), and starts its answer the same way."""
+    msgs = [{"role": "user", "content": "Write a function that sorts a list."}]
+    got = {}
+    for model in ("demo", "demo-gguf"):
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=8,
+                                           temperature=0, extra_body={"return_token_ids": True})
+        got[model] = (r.usage.prompt_tokens, r.choices[0].token_ids)
+    assert got["demo"][0] == got["demo-gguf"][0]
+    # bf16 MLX vs f32 llama.cpp: the first token is far from any tie on this prompt.
+    assert got["demo"][1][0] == got["demo-gguf"][1][0]
+
+
+def test_sampled_and_seeded(client):
+    kw = dict(model="demo-gguf", prompt="The river was", max_tokens=24, temperature=0.9,
+              top_p=0.95, seed=11)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same server: same sample
+    texts = {client.completions.create(**kw | {"seed": s}).choices[0].text for s in range(4)}
+    assert len(texts) > 1
+
+
+def test_what_llama_cpp_cannot_honour(client):
+    # No engine of this model applies OpenAI's presence penalty: a clear 400.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo-gguf", prompt="a", max_tokens=4, presence_penalty=0.5)
+    assert e.value.body["param"] == "presence_penalty" and "prompt" in e.value.body["message"]
+    # Logprobs: draft-mtp has none, so the plan falls back to the plain server.
+    r = client.chat.completions.with_raw_response.create(
+        model="demo-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=unsupported_params"
+    lps = r.parse().choices[0].logprobs.content
+    assert len(lps) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
+    # ... unless the request insists on draft-mtp.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="demo-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            logprobs=True, extra_headers={"X-Specgate-Method": "llamacpp_mtp"})
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="fixed when its server starts"):
+        client.completions.create(model="demo-gguf", prompt="a", max_tokens=4,
+                                  extra_headers={"X-Specgate-Depth": "5"})
+
+
+def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):
+    report = subprocess.run([sys.executable, "-m", "gateway.cli", "inspect", str(ar_gguf)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "ar-only" in report.stdout
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="ar-gguf", prompt="hello", max_tokens=4,
+                                  extra_headers={"X-Specgate-Method": "llamacpp_mtp"})
+    assert "refused" in e.value.body["message"] and "ar-only" in e.value.body["message"]
+    r = client.completions.with_raw_response.create(model="ar-gguf", prompt="hello",
+                                                    max_tokens=4, temperature=0)
+    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=no_drafter"
+    assert r.parse().usage.completion_tokens == 4
+
+
+def test_disconnect_aborts_the_upstream_request(client, gw):
+    with client.completions.create(model="demo-gguf", prompt="The river was", max_tokens=900,
+                                   temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}) as stream:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+    pid = llama_servers(gw.process.pid)
+    port = _port_of(pid[next(k for k in pid if k.endswith(":mtp") and "demo" in k)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        slots = httpx.get(f"http://127.0.0.1:{port}/slots").json()
+        if not any(s["is_processing"] for s in slots):
+            break
+        time.sleep(0.1)
+    assert not any(s["is_processing"] for s in slots), "llama-server still generating"
+
+
+def _port_of(pid: int) -> int:
+    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(cmd[cmd.index(b"--port") + 1])
+
+
+# -- faults: a gateway of its own, since these kill things --------------------------
+
+
+@pytest.fixture
+def fragile(ar_gguf, llama_server_binary, tmp_path):
+    g = start_gateway({"llama_server": {"binary": str(llama_server_binary)},
+                       "models": gguf_models(ar_gguf)}, tmp_path)
+    yield g
+    stop_gateway(g)
+
+
+def test_llama_server_killed_mid_stream(fragile):
+    client = openai.OpenAI(base_url=fragile.api, api_key="none", max_retries=0, timeout=60)
+    pids = llama_servers(fragile.process.pid)
+    mtp = next(pid for k, pid in pids.items() if k.endswith(":mtp"))
+    got = []
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as e:  # an error event, not a hang or a quiet end
+        stream = client.completions.create(model="demo-gguf", prompt="The river was",
+                                           max_tokens=900, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 3:
+                os.kill(mtp, signal.SIGKILL)
+    assert time.monotonic() - started < 30
+    assert "llama-server" in str(e.value) and "restarted" in str(e.value)
+    assert all(c.choices[0].finish_reason is None for c in got)  # never claimed to finish
+
+    # The next request is served by a restarted process.
+    r = client.completions.create(model="demo-gguf", prompt="def main():", max_tokens=8,
+                                  temperature=0, extra_headers={"X-Specgate-Method": "llamacpp_mtp"})
+    assert r.usage.completion_tokens == 8
+    again = llama_servers(fragile.process.pid)
+    assert mtp not in again.values() and len(again) == len(pids)
+
+    # Non-streaming: a 500 in OpenAI's shape, then service again.
+    pids = llama_servers(fragile.process.pid)
+    plain = next(pid for k, pid in pids.items() if k.startswith("specgate-demo") and k.endswith(":plain"))
+    os.kill(plain, signal.SIGKILL)
+    time.sleep(0.05)
+    try:
+        r = client.completions.create(model="demo-gguf", prompt="def main():", max_tokens=8,
+                                      extra_headers={"X-Specgate-Method": "none"})
+        assert r.usage.completion_tokens == 8  # the watcher restarted it first: also fine
+    except openai.InternalServerError as err:
+        assert "llama-server" in err.body["message"]
+    r = client.completions.create(model="demo-gguf", prompt="def main():", max_tokens=8,
+                                  extra_headers={"X-Specgate-Method": "none"})
+    assert r.usage.completion_tokens == 8
+
+
+def test_sigterm_leaves_no_llama_server(fragile):
+    pids = llama_servers(fragile.process.pid)
+    assert len(pids) == 3  # demo-gguf plain + mtp, ar-gguf plain (its mtp was refused)
+    os.killpg(fragile.process.pid, signal.SIGTERM)
+    fragile.process.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids.values()):
+        time.sleep(0.1)
+    left = [p for p in pids.values() if Path(f"/proc/{p}").exists()
+            and "llama-server" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    assert not left

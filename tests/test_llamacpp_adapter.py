@@ -16,9 +16,10 @@ from engines.llamacpp.adapter import (
 )
 
 PLAN = Plan("llamacpp_mtp", "llamacpp_mtp", 3, "spec_on")
+GREEDY = SamplingParams(temperature=0.0)
 
 
-def request(sampling=SamplingParams(temperature=0.0), stops=frozenset({9}), prompt=(1, 2, 3)):
+def request(sampling=GREEDY, stops=frozenset({9}), prompt=(1, 2, 3)):
     return GenerationRequest("r", "m", list(prompt), sampling, 16, PLAN, stops)
 
 

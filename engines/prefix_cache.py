@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 
@@ -42,5 +43,10 @@ class PrefixCache:
     def insert(self, tokens: list[int], cache: list[Any], kind: str = "assistant") -> None:
         if self._lru.max_size == 0 or not tokens:
             return
+        # Evaluate here, on the producing engine's thread: a lazy array's graph
+        # names that thread's stream (mlx-lm's generation stream is thread-local),
+        # and another engine's worker could not evaluate it ("There is no
+        # Stream(cpu, N) in current thread").
+        mx.eval([c.state for c in cache])
         with self._lock:
             self._lru.insert_cache(self.key, list(tokens), cache, cache_type=kind)

@@ -264,13 +264,15 @@ def test_prefix_cache_reuses_prompts_and_turns(client):
 def test_mtp_and_plain_give_the_same_text(gateway, client):
     prompt = "import os\nimport sys\n\n\ndef main():\n"
     texts, plans = {}, {}
-    for method in ("mtp", "none"):
+    # mtp again after plain: it then starts from the prefix cache the plain
+    # engine's thread filled (which once failed across threads).
+    for key, method in (("mtp", "mtp"), ("none", "none"), ("mtp again", "mtp")):
         raw = client.completions.with_raw_response.create(
             model="demo", prompt=prompt, max_tokens=48, temperature=0,
             extra_headers={"X-Specgate-Method": method})
         plans[method] = raw.headers["x-specgate-plan"]
-        texts[method] = raw.parse().choices[0].text
-    assert texts["mtp"] == texts["none"] and texts["mtp"]
+        texts[key] = raw.parse().choices[0].text
+    assert texts["mtp"] == texts["none"] == texts["mtp again"] and texts["mtp"]
     assert plans == {"mtp": "method=mtp;depth=3;reason=forced_by_request",
                      "none": "method=none;depth=0;reason=forced_by_request"}
     # Unforced and alone on the model, the policy speculates.

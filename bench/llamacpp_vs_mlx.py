@@ -1,0 +1,201 @@
+"""The demo model in both worlds, side by side in one run, through one gateway.
+
+    uv run python bench/llamacpp_vs_mlx.py [--max-tokens 128] [--depth 3] [--repeats 1]
+
+One `specgate serve` (a subprocess on a loopback port) serves the shipped
+demo model twice: as MLX ("demo": mlx_plain + mlx_mtp) and as its GGUF export
+("demo-gguf": llama-server plain + llama-server --spec-type draft-mtp). Each
+prompt is sent greedy to each of the four methods (forced with
+X-Specgate-Method), streaming, one at a time, so every method pays the same
+HTTP and gateway costs. Reported per content type (code: the demo's own
+domain; prose: outside it):
+
+- decode tokens/s (first streamed token to last; prefill excluded), median
+  over prompts, and its ratio to MLX plain and to the same backend's plain;
+- acceptance: accepted / drafted tokens and mean tokens per round, from
+  specgate's own /metrics (the same RoundStats path for both backends).
+
+Needs llama-server: `specgate install-llama-server` (or one on PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROMPTS = {
+    "code": [
+        "import os\nimport sys\n\n\ndef main():\n",
+        "class Stack:\n    def __init__(self):\n",
+        "def _check_arg(value, name):\n    if not isinstance(",
+        "try:\n    import _thread\nexcept ImportError:\n",
+        "for i in range(len(items)):\n",
+        "if __name__ == '__main__':\n",
+    ],
+    "prose": [
+        "The history of the river valley begins",
+        "Dear committee, I am writing to",
+        "She opened the door and saw",
+        "In the morning the market was",
+        "The recipe calls for three eggs and",
+        "Our findings suggest that the",
+    ],
+}
+# (label, model id, forced method)
+METHODS = [
+    ("mlx plain", "demo", "none"),
+    ("mlx mtp", "demo", "mtp"),
+    ("llama.cpp plain", "demo-gguf", "none"),
+    ("llama.cpp draft-mtp", "demo-gguf", "llamacpp_mtp"),
+]
+SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def start_gateway(depth: int, workdir: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "models": [
+            {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
+             "mtp_depth": depth},
+            {"id": "demo-gguf", "path": "builtin:demo-gguf",
+             "engines": ["llamacpp", "llamacpp_mtp"], "mtp_depth": depth, "max_concurrent": 1,
+             "max_context": 2048},
+        ],
+    }
+    (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
+    log = open(workdir / "gateway.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"gateway exited:\n{(workdir / 'gateway.log').read_text()[-3000:]}")
+        try:
+            r = httpx.get(url + "/ready", timeout=2)
+            if r.status_code == 200:
+                return proc, url
+            if "failed" in r.json().get("models", {}).values():
+                os.killpg(proc.pid, signal.SIGTERM)
+                sys.exit(f"a model failed to load: {r.json()['errors']}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    sys.exit("gateway not ready in 300 s")
+
+
+def stream_one(client: httpx.Client, model: str, method: str, prompt: str, n: int) -> tuple[int, float]:
+    """(tokens after the first, seconds from first to last token) for one greedy stream."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    times, count = [], 0
+    with client.stream("POST", "/v1/completions", json=body,
+                       headers={"X-Specgate-Method": method}) as r:
+        if r.status_code != 200:
+            sys.exit(f"{model}/{method}: HTTP {r.status_code}: {r.read().decode()}")
+        lines = r.iter_lines()  # keep a reference: dropping it closes the response
+        for line in lines:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if ids:
+                times.append(time.perf_counter())
+                count += len(ids)
+    assert count == n, f"{model}/{method}: {count} tokens, asked for {n}"
+    return count - 1, times[-1] - times[0]
+
+
+def spec_counts(client: httpx.Client, model: str, method: str) -> dict[str, float]:
+    out = dict.fromkeys(SPEC_METRICS, 0.0)
+    for line in client.get("/metrics").text.splitlines():
+        for name in SPEC_METRICS:
+            if line.startswith(f"specgate_spec_decode_{name}_total{{") \
+                    and f'method="{method}"' in line and f'model="{model}"' in line:
+                out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/llamacpp_vs_mlx.json")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_gateway(args.depth, Path(tmp))
+        try:
+            results = run(url, args)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    report(results, args)
+
+
+def run(url: str, args) -> dict:
+    results: dict = {}
+    with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:
+        for _, model, method in METHODS:  # warm-up: compile, load, first prompt cache
+            stream_one(client, model, method, "def f():", 8)
+        for content, prompts in PROMPTS.items():
+            for label, model, method in METHODS:
+                before = spec_counts(client, model, method)
+                rates = []
+                for _ in range(args.repeats):
+                    for p in prompts:
+                        toks, secs = stream_one(client, model, method, p, args.max_tokens)
+                        rates.append(toks / secs)
+                after = spec_counts(client, model, method)
+                grown = {k: after[k] - before[k] for k in SPEC_METRICS}
+                results[(content, label)] = {"tok_s": statistics.median(rates), **grown}
+                print(f"  {content:5s} {label:20s} {results[(content, label)]['tok_s']:8.1f} tok/s",
+                      flush=True)
+    return results
+
+
+def report(results: dict, args) -> None:
+    print(f"\ndemo model, greedy, {args.max_tokens} tokens, depth {args.depth}, "
+          f"{len(PROMPTS['code'])} prompts per content type, one stream at a time")
+    print("| content | method | decode tok/s | vs mlx plain | vs own plain | accepted/drafted "
+          "| tokens/round |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for content in PROMPTS:
+        mlx_plain = results[(content, "mlx plain")]["tok_s"]
+        for label, _, method in METHODS:
+            r = results[(content, label)]
+            own = results[(content, label.split()[0] + " plain")]["tok_s"]
+            acc = (f"{r['num_accepted_tokens'] / r['num_draft_tokens']:.3f}"
+                   if r["num_draft_tokens"] else "-")
+            per_round = (f"{1 + r['num_accepted_tokens'] / r['num_drafts']:.2f}"
+                         if r["num_drafts"] else "-")
+            print(f"| {content} | {label} | {r['tok_s']:.1f} | {r['tok_s'] / mlx_plain:.2f} "
+                  f"| {r['tok_s'] / own:.2f} | {acc} | {per_round} |")
+            rows.append({"content": content, "method": label, **r})
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

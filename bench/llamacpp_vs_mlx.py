@@ -183,7 +183,7 @@ def report(results: dict, args) -> None:
     rows = []
     for content in PROMPTS:
         mlx_plain = results[(content, "mlx plain")]["tok_s"]
-        for label, _, method in METHODS:
+        for label, _, _ in METHODS:
             r = results[(content, label)]
             own = results[(content, label.split()[0] + " plain")]["tok_s"]
             acc = (f"{r['num_accepted_tokens'] / r['num_draft_tokens']:.3f}"

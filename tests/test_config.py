@@ -26,6 +26,14 @@ def test_default_config_serves_the_demo_on_loopback():
     assert config.models[0].path == BUILTIN_DEMO
 
 
+def test_engines_default_by_format():
+    from gateway.config import parse_config
+
+    models = parse_config({"models": [{"id": "a", "path": "x/m.GGUF"}, {"id": "b", "path": "d"},
+                                      {"id": "c", "path": "builtin:demo-gguf"}]}).models
+    assert [m.engines for m in models] == [["llamacpp"], ["mlx_plain"], ["llamacpp"]]
+
+
 @pytest.mark.parametrize("text,needles", [
     ("models:\n  - id: a\n    path: p\n    max_concurrent: -1\n", ["models.0.max_concurrent", "greater than 0", "-1"]),
     ("models:\n  - id: a\n", ["models.0.path", "required"]),
@@ -34,6 +42,10 @@ def test_default_config_serves_the_demo_on_loopback():
     ("models:\n  - {id: a, path: p}\n  - {id: a, path: q}\n", ["unique", "a"]),
     ("models:\n  - {id: a, path: p, engines: [warp]}\n", ["models.0.engines.0", "mlx_plain"]),
     ("models: {id: a}\n", ["models", "list"]),
+    ("models:\n  - {id: a, path: m.gguf, engines: [mlx_mtp]}\n", ["models.0", "a GGUF file", "llamacpp"]),
+    ("models:\n  - {id: a, path: dir, engines: [llamacpp_mtp]}\n", ["MLX", "mlx_plain"]),
+    ("models:\n  - {id: a, path: m.gguf, engines: [llamacpp, llamacpp]}\n", ["twice"]),
+    ("models:\n  - {id: a, path: m.gguf, llamacpp: {start: later}}\n", ["llamacpp.start", "boot"]),
     ("", ["empty"]),
     ("models: [\n", ["not valid YAML"]),
 ])

@@ -34,9 +34,9 @@ from engines.checkpoints.default_model import default_model_path
 from engines.loading import LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
-from engines.mlx_mtp.trunk import Trunk, checkpoint, restore
 from engines.prefix_cache import PrefixCache
 from engines.sampling import sample
+from engines.trunk import Trunk, checkpoint, restore
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main():\n",

@@ -332,9 +332,20 @@ def test_dspark_copies_a_tied_targets_embedding_as_its_head(tmp_path):
 
 
 def test_drafters_refuse_non_qwen3_targets(tmp_path):
-    target = build_qwen35_hybrid(tmp_path / "t", tokenizer=False)
+    target = build_qwen35_moe(tmp_path / "t", tokenizer=False)
     with pytest.raises(ValueError, match="Qwen3"):
         build_dflash_drafter(tmp_path / "d", target=target)
+
+
+def test_dflash_drafter_for_a_hybrid_target_is_qwen3(tmp_path):
+    target = build_qwen35_hybrid(tmp_path / "t", tokenizer=False)
+    path = build_dflash_drafter(tmp_path / "d", target=target, tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    tc = json.loads((target / "config.json").read_text())["text_config"]
+    assert cfg["model_type"] == "qwen3" and cfg["num_target_layers"] == tc["num_hidden_layers"]
+    assert (cfg["hidden_size"], cfg["vocab_size"]) == (tc["hidden_size"], tc["vocab_size"])
+    assert _tensors(path)["fc.weight"].shape == (tc["hidden_size"],
+                                                 tc["hidden_size"] * len(cfg["dflash_config"]["target_layer_ids"]))
 
 
 def _gemma_shapes(*, ordered: bool) -> dict:

@@ -30,12 +30,12 @@ from engines import speculative
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.checkpoints.tiny import build_qwen35_hybrid
 from engines.loading import LoadedModel
-from engines.mlx_mtp import decoder as decoder_module
+from engines import spec_decoder as decoder_module  # where the acceptance rules are called
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
-from engines.mlx_mtp.trunk import Trunk
 from engines.prefix_cache import PrefixCache
 from engines.sampling import KeyStream, probabilities
+from engines.trunk import Trunk
 
 N = 20_000
 PARAMS = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0)

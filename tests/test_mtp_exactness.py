@@ -26,8 +26,8 @@ from engines.checkpoints.tiny import build_qwen3_next, build_qwen35_hybrid, buil
 from engines.loading import LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
-from engines.mlx_mtp.trunk import Trunk
 from engines.prefix_cache import PrefixCache
+from engines.trunk import Trunk
 
 BUILDERS = {"qwen35": build_qwen35_hybrid, "qwen35_moe": build_qwen35_moe, "qwen3_next": build_qwen3_next}
 N_TOKENS = 64

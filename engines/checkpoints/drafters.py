@@ -79,13 +79,37 @@ def _default_mask_token_id(vocab_size: int) -> int:
     return vocab_size - len(SPECIAL_TOKENS) - 1
 
 
+_QWEN3_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+               "num_hidden_layers", "bos_token_id", "eos_token_id")
+
+
 def _qwen3_target(target: Path) -> dict:
+    """The target's config as the Qwen3 config a drafter copies.
+
+    Drafters for hybrid Qwen3.5 targets are still Qwen3 networks (z-lab's
+    Qwen3.5 DFlash drafters are), with the target's width, heads and vocab.
+    """
     cfg = read_config(target)
-    if cfg.get("model_type") != "qwen3":
-        raise ValueError(
-            f"{target}: drafter builders take a dense Qwen3 target, got {cfg.get('model_type')!r}"
-        )
-    return cfg
+    kind = cfg.get("model_type")
+    if kind == "qwen3":
+        return cfg
+    if kind == "qwen3_5":
+        text = cfg.get("text_config", cfg)
+        rope = text.get("rope_parameters") or {}
+        return {k: text[k] for k in _QWEN3_KEYS if k in text} | {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rope_theta": rope.get("rope_theta", text.get("rope_theta", 1_000_000)),
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": text.get("dtype", cfg.get("dtype", "float32")),
+        }
+    raise ValueError(
+        f"{target}: drafter builders take a Qwen3 or Qwen3.5 target, got {kind!r}"
+    )
 
 
 def _check_layer_ids(ids: Sequence[int], num_target_layers: int, *, allow_embedding: bool) -> list:

@@ -16,6 +16,11 @@ state cannot be trimmed like a KV cache. Two small hooks record, while a
 Outside a tape both hooks do exactly what mlx-lm does. Rolling back is then
 picking a slice: no second forward, no weights read again.
 
+Block drafters (DFlash, DSpark) read more than the final hidden state: the
+outputs of named decoder layers. `capture(layer_ids)` records them during a
+forward, by the same kind of hook: each decoder layer instance gets a
+subclass whose __call__ also stores its output while a capture is active.
+
 The other way, `checkpoint` before the verify and `restore` + a replay
 forward over the accepted tokens after it, is kept for comparison
 (bench/spec_vs_plain.py measures both) and as an independent reference.
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta, qwen3_5, qwen3_next
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 _local = threading.local()
 
@@ -99,6 +104,46 @@ def _taping_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwarg
     return mx.stack(ys, axis=1), state
 
 
+@dataclass
+class Capture:
+    """Outputs of the wanted decoder layers (before the final norm), by index."""
+
+    wanted: frozenset[int]
+    outputs: dict[int, mx.array] = field(default_factory=dict)
+
+
+@contextmanager
+def capture(layer_ids):
+    """Record the outputs of decoder layers `layer_ids` during the block."""
+    _local.capture = Capture(frozenset(layer_ids))
+    try:
+        yield _local.capture
+    finally:
+        _local.capture = None
+
+
+def _capturing_call(self, *args, **kwargs):
+    out = super(type(self), self).__call__(*args, **kwargs)
+    c = getattr(_local, "capture", None)
+    if c is not None and self._specgate_layer in c.wanted:
+        c.outputs[self._specgate_layer] = out
+    return out
+
+
+_capturing_classes: dict[type, type] = {}
+
+
+def _install_capture(layers: list[nn.Module]) -> None:
+    for i, layer in enumerate(layers):
+        cls = type(layer)
+        if cls not in _capturing_classes.values():
+            sub = _capturing_classes.setdefault(
+                cls, type(f"Capturing{cls.__name__}", (cls,), {"__call__": _capturing_call})
+            )
+            layer.__class__ = sub
+        layer._specgate_layer = i
+
+
 def _install_hooks(model: nn.Module) -> None:
     qwen3_5.gated_delta_update = _taping_update
     qwen3_next.gated_delta_update = _taping_update
@@ -117,6 +162,19 @@ class Trunk:
         self.inner = text.model  # returns hidden states after the final norm
         self._lm_head = None if text.args.tie_word_embeddings else text.lm_head
         _install_hooks(model)
+        _install_capture(self.inner.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed(mx.array([[0]])).shape[-1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.embed_tokens.weight.shape[0]
 
     def hidden(self, tokens: mx.array, cache: list) -> mx.array:
         return self.inner(tokens, cache=cache)
@@ -130,7 +188,7 @@ class Trunk:
         return self.inner.embed_tokens(tokens)
 
     def make_cache(self) -> list:
-        return self.model.make_cache()
+        return make_prompt_cache(self.model)
 
 
 def rollback(cache: list, recorded: Tape, rejected: int, kept_steps: int) -> None:

@@ -1,0 +1,47 @@
+"""The DFlash engine: speculative decoding with a block drafter beside the target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engines.base import GenerationRequest
+from engines.loading import LoadedModel
+from engines.mlx_block.decoder import DFlashDecoder
+from engines.mlx_block.dflash import DFlashDrafter, load_dflash
+from engines.spec_engine import SpecEngine
+
+
+def check_pairing(drafter: DFlashDrafter, hidden_size: int, num_layers: int, vocab: int) -> None:
+    """A drafter built for another target fails here, by name, not with a shape error later."""
+    a = drafter.args
+    if a.hidden_size != hidden_size:
+        raise ValueError(f"DFlash drafter hidden_size {a.hidden_size} != target's {hidden_size}")
+    bad = [i for i in a.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"DFlash drafter reads target layers {bad}; the target has {num_layers}")
+    if not 0 <= a.mask_token_id < vocab:
+        raise ValueError(f"DFlash mask_token_id {a.mask_token_id} outside the target's vocab ({vocab})")
+    if a.block_size < 2:
+        raise ValueError(f"DFlash block_size {a.block_size}: needs at least 2")
+
+
+class MLXDFlashEngine(SpecEngine):
+    name = "mlx_dflash"
+    method = "dflash"
+
+    def __init__(self, model_id: str, loaded: LoadedModel, drafter_path: str | Path, *,
+                 max_context: int, max_queue: int = 64, prefill_step_size: int = 512):
+        super().__init__(model_id, loaded, max_context=max_context, max_queue=max_queue,
+                         prefill_step_size=prefill_step_size)  # fmt: skip
+        self.drafter = load_dflash(drafter_path)
+        check_pairing(self.drafter, self.trunk.hidden_size,
+                      self.trunk.num_layers, self.trunk.vocab_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.args.block_size
+
+    def make_decoder(self, request: GenerationRequest, cache: list | None,
+                     cached_tokens: int) -> DFlashDecoder:
+        return DFlashDecoder(self.trunk, self.drafter, request, cache, cached_tokens,
+                             self.tokenizer, self.prefill_step_size)  # fmt: skip

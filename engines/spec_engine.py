@@ -1,0 +1,167 @@
+"""The shell of every in-process speculative engine (MTP, DFlash, DSpark).
+
+Speculation serves one sequence at a time (batching is the plain engine's
+job: a policy sends concurrent load there). A worker thread owns the model
+work; requests queue FIFO behind the one being decoded, and the planner is
+asked for the depth at every round, so it can also switch speculation off
+(depth 0) between rounds. A subclass names its method and makes the
+decoder (engines/spec_decoder.py) for a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engines.base import (
+    EngineOverloaded,
+    GenerationRequest,
+    LiveState,
+    Method,
+    Planner,
+    RoundStats,
+    TokenEvent,
+)
+from engines.loading import DEVICE_LOCK, LoadedModel
+from engines.spec_decoder import SpecDecoder, Step
+from engines.trunk import Trunk
+from engines.worker import WorkerEngine, deliver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    planner: Planner
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: bool = False
+
+    def post(self, *items: Any) -> None:
+        self.loop.call_soon_threadsafe(deliver, [(self.out, item) for item in items])
+
+
+class SpecEngine(WorkerEngine):
+    name = "spec"
+    method: Method
+
+    def __init__(
+        self,
+        model_id: str,
+        loaded: LoadedModel,
+        *,
+        max_context: int,
+        max_queue: int = 64,
+        prefill_step_size: int = 512,
+    ):
+        super().__init__(model_id, loaded, max_context=max_context)
+        self.max_queue = max_queue
+        self.prefill_step_size = prefill_step_size
+        self.trunk = Trunk(loaded.model)
+
+    def make_decoder(
+        self, request: GenerationRequest, cache: list | None, cached_tokens: int
+    ) -> SpecDecoder:
+        raise NotImplementedError
+
+    def generate(
+        self, request: GenerationRequest, planner: Planner
+    ) -> AsyncIterator[TokenEvent | RoundStats]:
+        if self._in_flight > self.max_queue:
+            raise EngineOverloaded(
+                f"model '{self.model_id}' ({self.method}) has {self._in_flight} requests in flight "
+                f"(limit 1 decoding + {self.max_queue} queued)"
+            )
+        job = _Job(request, planner, asyncio.get_running_loop(), asyncio.Queue())
+
+        def abandon() -> None:
+            job.cancelled = True  # the worker checks this between rounds
+
+        return self._consume(job, job.out, abandon)
+
+    # -- worker thread ---------------------------------------------------------------
+
+    def _worker(self) -> None:
+        waiting: deque[_Job] = deque()
+        while True:
+            block = not waiting
+            try:
+                command, job = self._inbox.get(timeout=None if block else 0)
+            except queue.Empty:
+                command = None
+            if command == "stop":
+                break
+            if command == "submit":
+                waiting.append(job)
+                continue  # drain the inbox before starting work
+            if waiting:
+                self._serve(waiting.popleft(), waiting)
+        for job in waiting:
+            job.post(RuntimeError("engine stopped"))
+
+    def _serve(self, job: _Job, waiting: deque[_Job]) -> None:
+        if job.cancelled:
+            return
+        self._running = 1
+        try:
+            self._decode(job, waiting)
+        except Exception as exc:
+            log.exception("%s failed on request %s", self.name, job.request.request_id)
+            job.post(exc)
+        finally:
+            self._running = 0
+
+    def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
+        request = job.request
+        prefix = self.loaded.prefix_cache
+        cache, rest = prefix.fetch(request.prompt_tokens)
+        cached = len(request.prompt_tokens) - len(rest)
+        decoder = self.make_decoder(request, cache, cached)
+        detok = self.tokenizer.detokenizer
+        with DEVICE_LOCK:
+            step = decoder.prefill()
+        while True:
+            job.post(*self._events(step, detok, cached))
+            if step.finish_reason is not None:
+                prefix.insert(decoder.tokens[:-1], decoder.cache)
+                return
+            self._take_submits(waiting)
+            if job.cancelled:
+                return
+            plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
+            depth = plan.depth if plan.method == self.method else 0
+            with DEVICE_LOCK:
+                step = decoder.round(depth)
+
+    def _take_submits(self, waiting: deque[_Job]) -> None:
+        while True:
+            try:
+                command, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "submit":
+                waiting.append(job)
+            else:  # "stop": finish this request first, then stop
+                self._inbox.put((command, job))
+                return
+
+    @staticmethod
+    def _events(step: Step, detok, cached: int) -> list:
+        for t in step.tokens:
+            detok.add_token(t)
+        if step.finish_reason is not None:
+            detok.finalize()
+        event = TokenEvent(
+            token_ids=step.tokens,
+            text=detok.last_segment,
+            finish_reason=step.finish_reason,
+            logprobs=step.logprobs,
+            cached_tokens=cached,
+        )
+        return [step.stats, event] if step.stats is not None else [event]

@@ -17,7 +17,8 @@ from engines.checkpoints.default_model import DEFAULT_MODEL_ID
 BUILTIN_DEMO = "builtin:demo"
 # The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
 BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
-MLX_ENGINES = ("mlx_plain", "mlx_mtp")
+BUILTIN_DEMO_DFLASH = "builtin:demo-dflash"  # the demo's trained DFlash drafter
+MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash")
 LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
 
 
@@ -54,14 +55,19 @@ class ModelConfig(_Strict):
     # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
-    # speculative decoding with the checkpoint's own head. GGUF: llamacpp runs
+    # speculative decoding with the checkpoint's own head, mlx_dflash with the
+    # DFlash drafter at `drafter`. Speculative engines are preferred in the
+    # order listed. GGUF: llamacpp runs
     # a plain llama-server, llamacpp_mtp one with --spec-type draft-mtp; list
     # both to let the policy choose per request (two processes, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
-    engines: list[Literal["mlx_plain", "mlx_mtp", "llamacpp", "llamacpp_mtp"]] = Field(
-        default_factory=list
+    engines: list[Literal["mlx_plain", "mlx_mtp", "mlx_dflash", "llamacpp", "llamacpp_mtp"]] = (
+        Field(default_factory=list)
     )
     mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (llamacpp_mtp: --spec-draft-n-max)
+    # A DFlash drafter directory (z-lab layout) or "builtin:demo-dflash".
+    drafter: str | None = None
+    dflash_depth: int | None = Field(None, ge=1, le=63)  # drafts verified per round; default block-1
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
@@ -86,6 +92,8 @@ class ModelConfig(_Strict):
             )
         if len(set(self.engines)) != len(self.engines):
             raise ValueError(f"engines lists one twice: {self.engines}")
+        if ("mlx_dflash" in self.engines) != (self.drafter is not None):
+            raise ValueError("engine mlx_dflash and `drafter` (its checkpoint) go together")
         return self
 
 

@@ -7,7 +7,14 @@ import logging
 from dataclasses import dataclass, field
 
 from engines.base import Engine, LiveState, Method
-from gateway.config import BUILTIN_DEMO, BUILTIN_DEMO_GGUF, Config, LlamaServerConfig, ModelConfig
+from gateway.config import (
+    BUILTIN_DEMO,
+    BUILTIN_DEMO_DFLASH,
+    BUILTIN_DEMO_GGUF,
+    Config,
+    LlamaServerConfig,
+    ModelConfig,
+)
 from policies.decide import ModelPolicy
 
 log = logging.getLogger(__name__)
@@ -17,7 +24,8 @@ FALLBACK_MAX_CONTEXT = 4096
 
 # Which method each engine serves, in the policy's order of preference.
 METHOD_OF_ENGINE: dict[str, Method] = {
-    "mlx_mtp": "mtp", "llamacpp_mtp": "llamacpp_mtp", "mlx_plain": "none", "llamacpp": "none",
+    "mlx_mtp": "mtp", "mlx_dflash": "dflash", "llamacpp_mtp": "llamacpp_mtp",
+    "mlx_plain": "none", "llamacpp": "none",
 }
 
 
@@ -58,6 +66,10 @@ def resolve_path(path: str) -> str:
         from engines.checkpoints.default_model import demo_gguf_path
 
         return str(demo_gguf_path())
+    if path == BUILTIN_DEMO_DFLASH:
+        from engines.checkpoints.default_model import demo_dflash_path
+
+        return str(demo_dflash_path())
     return path
 
 
@@ -101,15 +113,28 @@ def _build_engines(
         engines["mlx_mtp"] = MLXMTPEngine(
             mc.id, loaded, max_context=max_context, max_queue=mc.max_queue
         )
+    if "mlx_dflash" in mc.engines:
+        from engines.mlx_block.engine import MLXDFlashEngine
+
+        engines["mlx_dflash"] = MLXDFlashEngine(
+            mc.id, loaded, resolve_path(mc.drafter), max_context=max_context,
+            max_queue=mc.max_queue,
+        )
     return engines, {}
 
 
 def _policy(served: ServedModel) -> ModelPolicy:
-    methods = {METHOD_OF_ENGINE[name]: name for name in METHOD_OF_ENGINE if name in served.engines}
+    # Speculative methods in the config's order, plain decoding last.
+    order = sorted(served.engines, key=lambda name: METHOD_OF_ENGINE[name] == "none")
+    methods = {METHOD_OF_ENGINE[name]: name for name in order}
     refused = {METHOD_OF_ENGINE[name]: why for name, why in served.refused.items()}
     # llama-server's draft depth is set when the process starts (see engines/llamacpp).
     fixed = ("llamacpp_mtp",) if "llamacpp_mtp" in methods else ()
-    return ModelPolicy(served.id, methods, served.config.mtp_depth, refused, fixed)
+    depths, caps = {}, {}
+    if "mlx_dflash" in served.engines:
+        caps["dflash"] = served.engines["mlx_dflash"].block_size - 1  # drafts per block
+        depths["dflash"] = min(served.config.dflash_depth or caps["dflash"], caps["dflash"])
+    return ModelPolicy(served.id, methods, served.config.mtp_depth, refused, fixed, depths, caps)
 
 
 class ModelRegistry:

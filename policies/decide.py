@@ -27,6 +27,11 @@ class ModelPolicy:
     # Methods whose depth is fixed when the engine starts (llama-server's
     # --spec-draft-n-max), so a request cannot change it.
     fixed_depth: tuple[Method, ...] = ()
+    depths: dict[Method, int] = field(default_factory=dict)  # per method, else max_depth
+    caps: dict[Method, int] = field(default_factory=dict)  # the most a drafter can draft
+
+    def depth(self, method: Method) -> int:
+        return self.depths.get(method, self.max_depth)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,6 @@ def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Pl
     """Choose the plan for a request (raises OverrideError on a bad override)."""
     available = policy.engines_by_method
     speculative = [m for m in available if m != "none"]
-    depth = policy.max_depth if request.forced_depth is None else request.forced_depth
     if request.forced_method is not None:
         method = request.forced_method
         if method not in METHODS:
@@ -57,6 +61,7 @@ def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Pl
                 f"available: {', '.join(available)}"
             )
         _check_depth(policy, method, request.forced_depth)
+        depth = policy.depth(method) if request.forced_depth is None else request.forced_depth
         return Plan(available[method], method, 0 if method == "none" else depth, "forced_by_request")
     if not speculative:
         if request.forced_depth is not None:
@@ -71,14 +76,20 @@ def decide(policy: ModelPolicy, request: RequestFeatures, live: LiveState) -> Pl
     # concurrency, which batching serves better (when the model can batch).
     if "none" in available and (live.active_requests or live.waiting_requests):
         return Plan(available["none"], "none", 0, "concurrency")
+    depth = policy.depth(method) if request.forced_depth is None else request.forced_depth
     return Plan(available[method], method, depth, "spec_on")
 
 
 def _check_depth(policy: ModelPolicy, method: Method, forced: int | None) -> None:
-    if forced is not None and method in policy.fixed_depth and forced != policy.max_depth:
+    if forced is not None and forced > policy.caps.get(method, forced):
+        raise OverrideError(
+            f"X-Specgate-Depth: method '{method}' of model '{policy.model_id}' drafts at most "
+            f"{policy.caps[method]} tokens per round"
+        )
+    if forced is not None and method in policy.fixed_depth and forced != policy.depth(method):
         raise OverrideError(
             f"X-Specgate-Depth: method '{method}' of model '{policy.model_id}' drafts "
-            f"{policy.max_depth} tokens per round, fixed when its server starts"
+            f"{policy.depth(method)} tokens per round, fixed when its server starts"
         )
 
 

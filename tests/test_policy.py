@@ -44,3 +44,23 @@ def test_overrides():
 def test_bad_overrides_say_why(policy, method, depth, needle):
     with pytest.raises(OverrideError, match=needle):
         decide(policy, features(method, depth), IDLE)
+
+
+def test_per_method_depths_caps_and_fixed_depths():
+    p = ModelPolicy("m", {"dflash": "mlx_dflash", "llamacpp_mtp": "llamacpp_mtp",
+                          "none": "mlx_plain"}, 2, fixed_depth=("llamacpp_mtp",),
+                    depths={"dflash": 7}, caps={"dflash": 7})
+    assert decide(p, features(), IDLE).header() == "method=dflash;depth=7;reason=spec_on"
+    assert decide(p, features("dflash", 3), IDLE).depth == 3
+    assert decide(p, features("llamacpp_mtp"), IDLE).depth == 2
+    with pytest.raises(OverrideError, match="at most 7"):
+        decide(p, features("dflash", 8), IDLE)
+    with pytest.raises(OverrideError, match="fixed when its server starts"):
+        decide(p, features("llamacpp_mtp", 3), IDLE)
+
+
+def test_refused_method_says_why():
+    p = ModelPolicy("m", {"none": "llamacpp"}, 2, refused={"llamacpp_mtp": "inspect says ar-only"})
+    with pytest.raises(OverrideError, match="refused.*ar-only"):
+        decide(p, features("llamacpp_mtp"), IDLE)
+    assert decide(p, features(), IDLE).reason == "no_drafter"

@@ -18,7 +18,7 @@ BUILTIN_DEMO = "builtin:demo"
 # The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
 BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
 BUILTIN_DEMO_DFLASH = "builtin:demo-dflash"  # the demo's trained DFlash drafter
-MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash")
+MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark")
 LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
 
 
@@ -55,19 +55,20 @@ class ModelConfig(_Strict):
     # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
-    # speculative decoding with the checkpoint's own head, mlx_dflash with the
-    # DFlash drafter at `drafter`. Speculative engines are preferred in the
+    # speculative decoding with the checkpoint's own head, mlx_dflash (or
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. Speculative engines are preferred in the
     # order listed. GGUF: llamacpp runs
     # a plain llama-server, llamacpp_mtp one with --spec-type draft-mtp; list
     # both to let the policy choose per request (two processes, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
-    engines: list[Literal["mlx_plain", "mlx_mtp", "mlx_dflash", "llamacpp", "llamacpp_mtp"]] = (
-        Field(default_factory=list)
-    )
+    engines: list[
+        Literal["mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark", "llamacpp", "llamacpp_mtp"]
+    ] = Field(default_factory=list)
     mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (llamacpp_mtp: --spec-draft-n-max)
-    # A DFlash drafter directory (z-lab layout) or "builtin:demo-dflash".
+    # The block engine's drafter: a DFlash (z-lab layout) or DSpark (DeepSpec)
+    # directory, or "builtin:demo-dflash".
     drafter: str | None = None
-    dflash_depth: int | None = Field(None, ge=1, le=63)  # drafts verified per round; default block-1
+    block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
@@ -92,8 +93,11 @@ class ModelConfig(_Strict):
             )
         if len(set(self.engines)) != len(self.engines):
             raise ValueError(f"engines lists one twice: {self.engines}")
-        if ("mlx_dflash" in self.engines) != (self.drafter is not None):
-            raise ValueError("engine mlx_dflash and `drafter` (its checkpoint) go together")
+        block = [e for e in self.engines if e in ("mlx_dflash", "mlx_dspark")]
+        if len(block) > 1:
+            raise ValueError("one block drafter per model: mlx_dflash or mlx_dspark, not both")
+        if bool(block) != (self.drafter is not None):
+            raise ValueError("a block engine (mlx_dflash / mlx_dspark) and `drafter` go together")
         return self
 
 

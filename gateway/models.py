@@ -24,7 +24,7 @@ FALLBACK_MAX_CONTEXT = 4096
 
 # Which method each engine serves, in the policy's order of preference.
 METHOD_OF_ENGINE: dict[str, Method] = {
-    "mlx_mtp": "mtp", "mlx_dflash": "dflash", "llamacpp_mtp": "llamacpp_mtp",
+    "mlx_mtp": "mtp", "mlx_dflash": "dflash", "mlx_dspark": "dspark", "llamacpp_mtp": "llamacpp_mtp",
     "mlx_plain": "none", "llamacpp": "none",
 }
 
@@ -113,13 +113,13 @@ def _build_engines(
         engines["mlx_mtp"] = MLXMTPEngine(
             mc.id, loaded, max_context=max_context, max_queue=mc.max_queue
         )
-    if "mlx_dflash" in mc.engines:
-        from engines.mlx_block.engine import MLXDFlashEngine
+    for name in ("mlx_dflash", "mlx_dspark"):
+        if name in mc.engines:
+            from engines.mlx_block.engine import MLXDFlashEngine, MLXDSparkEngine
 
-        engines["mlx_dflash"] = MLXDFlashEngine(
-            mc.id, loaded, resolve_path(mc.drafter), max_context=max_context,
-            max_queue=mc.max_queue,
-        )
+            cls = MLXDFlashEngine if name == "mlx_dflash" else MLXDSparkEngine
+            engines[name] = cls(mc.id, loaded, resolve_path(mc.drafter),
+                                max_context=max_context, max_queue=mc.max_queue)
     return engines, {}
 
 
@@ -131,9 +131,10 @@ def _policy(served: ServedModel) -> ModelPolicy:
     # llama-server's draft depth is set when the process starts (see engines/llamacpp).
     fixed = ("llamacpp_mtp",) if "llamacpp_mtp" in methods else ()
     depths, caps = {}, {}
-    if "mlx_dflash" in served.engines:
-        caps["dflash"] = served.engines["mlx_dflash"].block_size - 1  # drafts per block
-        depths["dflash"] = min(served.config.dflash_depth or caps["dflash"], caps["dflash"])
+    for name, method in (("mlx_dflash", "dflash"), ("mlx_dspark", "dspark")):
+        if name in served.engines:
+            caps[method] = served.engines[name].max_drafts
+            depths[method] = min(served.config.block_depth or caps[method], caps[method])
     return ModelPolicy(served.id, methods, served.config.mtp_depth, refused, fixed, depths, caps)
 
 

@@ -38,11 +38,11 @@ def prompts(vocab: int, n: int = 20, seed: int = 0) -> list[list[int]]:
 
 
 class Target:
-    def __init__(self, path, drafter_path):
+    def __init__(self, path, drafter_path, loader=load_dflash):
         model, _ = load_model(path)
         model.set_dtype(mx.float32)
         self.model, self.trunk = model, Trunk(model)
-        self.drafter = load_dflash(drafter_path)
+        self.drafter = loader(drafter_path)
         check_pairing(self.drafter, self.trunk.hidden_size, self.trunk.num_layers,
                       self.trunk.vocab_size)
         self.vocab = self.trunk.vocab_size

@@ -180,7 +180,7 @@ def build_dflash_drafter(
     dtype: str = "float32",
     tokenizer: bool = True,
 ) -> Path:
-    """Write a random z-lab DFlash drafter for the dense Qwen3 model at `target`.
+    """Write a random z-lab DFlash drafter for the Qwen3 / Qwen3.5 model at `target`.
 
     config.json is the target's Qwen3 config with the draft's depth, plus
     `block_size`, `num_target_layers` and `dflash_config{target_layer_ids,
@@ -238,7 +238,7 @@ def build_dspark_drafter(
     dtype: str = "float32",
     tokenizer: bool = True,
 ) -> Path:
-    """Write a random DeepSpec DSpark drafter for the dense Qwen3 model at `target`.
+    """Write a random DeepSpec DSpark drafter for the Qwen3 / Qwen3.5 model at `target`.
 
     config.json, as DeepSpec's `build_draft_config` makes it: the target's
     config with `architectures ["Qwen3DSparkModel"]`, the draft's depth,
@@ -290,9 +290,12 @@ def build_dspark_drafter(
     init = _Init(seed)
     tensors = _backbone(init, cfg, len(ids))
     tied = target_cfg.get("tie_word_embeddings", False)
-    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    copied = read_tensors(target, sorted({"model.embed_tokens.weight", head_name}))
-    tensors["embed_tokens.weight"] = copied["model.embed_tokens.weight"]
+    # Qwen3.5 keeps its text model under model.language_model.
+    prefix = "model.language_model." if read_config(target).get("model_type") == "qwen3_5" else "model."
+    embed = f"{prefix}embed_tokens.weight"
+    head_name = embed if tied else "lm_head.weight"
+    copied = read_tensors(target, sorted({embed, head_name}))
+    tensors["embed_tokens.weight"] = copied[embed]
     tensors["lm_head.weight"] = copied[head_name]
     if markov_rank:
         # Bias w2 . w1[prev] of std ~1, beside base logits of std ~3.

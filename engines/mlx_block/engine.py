@@ -1,4 +1,4 @@
-"""The DFlash engine: speculative decoding with a block drafter beside the target."""
+"""The block-drafter engines: DFlash and DSpark drafters beside the target."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from pathlib import Path
 
 from engines.base import GenerationRequest
 from engines.loading import LoadedModel
-from engines.mlx_block.decoder import DFlashDecoder
+from engines.mlx_block.decoder import DFlashDecoder, DSparkDecoder
 from engines.mlx_block.dflash import DFlashDrafter, load_dflash
+from engines.mlx_block.dspark import load_dspark
 from engines.spec_engine import SpecEngine
 
 
@@ -15,33 +16,51 @@ def check_pairing(drafter: DFlashDrafter, hidden_size: int, num_layers: int, voc
     """A drafter built for another target fails here, by name, not with a shape error later."""
     a = drafter.args
     if a.hidden_size != hidden_size:
-        raise ValueError(f"DFlash drafter hidden_size {a.hidden_size} != target's {hidden_size}")
-    bad = [i for i in a.target_layer_ids if not 0 <= i < num_layers]
+        raise ValueError(f"drafter hidden_size {a.hidden_size} != target's {hidden_size}")
+    bad = [i for i in a.target_layer_ids if not -1 <= i < num_layers]  # -1: embeddings
     if bad:
-        raise ValueError(f"DFlash drafter reads target layers {bad}; the target has {num_layers}")
+        raise ValueError(f"drafter reads target layers {bad}; the target has {num_layers}")
     if not 0 <= a.mask_token_id < vocab:
-        raise ValueError(f"DFlash mask_token_id {a.mask_token_id} outside the target's vocab ({vocab})")
+        raise ValueError(f"drafter mask_token_id {a.mask_token_id} outside the target's vocab ({vocab})")
+    if a.vocab_size is not None and a.vocab_size != vocab:
+        raise ValueError(f"drafter vocab_size {a.vocab_size} != target's {vocab}")
     if a.block_size < 2:
-        raise ValueError(f"DFlash block_size {a.block_size}: needs at least 2")
+        raise ValueError(f"drafter block_size {a.block_size}: needs at least 2")
 
 
 class MLXDFlashEngine(SpecEngine):
     name = "mlx_dflash"
     method = "dflash"
+    load_drafter = staticmethod(load_dflash)
 
     def __init__(self, model_id: str, loaded: LoadedModel, drafter_path: str | Path, *,
                  max_context: int, max_queue: int = 64, prefill_step_size: int = 512):
         super().__init__(model_id, loaded, max_context=max_context, max_queue=max_queue,
                          prefill_step_size=prefill_step_size)  # fmt: skip
-        self.drafter = load_dflash(drafter_path)
+        self.drafter = self.load_drafter(drafter_path)
         check_pairing(self.drafter, self.trunk.hidden_size,
                       self.trunk.num_layers, self.trunk.vocab_size)
 
     @property
-    def block_size(self) -> int:
-        return self.drafter.args.block_size
+    def max_drafts(self) -> int:
+        return self.drafter.args.block_size - 1  # the block's first position is the last token
 
     def make_decoder(self, request: GenerationRequest, cache: list | None,
                      cached_tokens: int) -> DFlashDecoder:
         return DFlashDecoder(self.trunk, self.drafter, request, cache, cached_tokens,
+                             self.tokenizer, self.prefill_step_size)  # fmt: skip
+
+
+class MLXDSparkEngine(MLXDFlashEngine):
+    name = "mlx_dspark"
+    method = "dspark"
+    load_drafter = staticmethod(load_dspark)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.drafter.args.block_size  # one proposal per block position
+
+    def make_decoder(self, request: GenerationRequest, cache: list | None,
+                     cached_tokens: int) -> DSparkDecoder:
+        return DSparkDecoder(self.trunk, self.drafter, request, cache, cached_tokens,
                              self.tokenizer, self.prefill_step_size)  # fmt: skip

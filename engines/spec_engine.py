@@ -50,6 +50,9 @@ class _Job:
 class SpecEngine(WorkerEngine):
     name = "spec"
     method: Method
+    # Whether a request may start from the model's shared prefix cache (it
+    # holds the trunk's caches only; every engine adds its finished requests).
+    reads_prefix_cache = True
 
     def __init__(
         self,
@@ -120,7 +123,10 @@ class SpecEngine(WorkerEngine):
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
         request = job.request
         prefix = self.loaded.prefix_cache
-        cache, rest = prefix.fetch(request.prompt_tokens)
+        if self.reads_prefix_cache:
+            cache, rest = prefix.fetch(request.prompt_tokens)
+        else:
+            cache, rest = None, request.prompt_tokens
         cached = len(request.prompt_tokens) - len(rest)
         decoder = self.make_decoder(request, cache, cached)
         detok = self.tokenizer.detokenizer

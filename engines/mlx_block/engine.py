@@ -32,6 +32,12 @@ class MLXDFlashEngine(SpecEngine):
     name = "mlx_dflash"
     method = "dflash"
     load_drafter = staticmethod(load_dflash)
+    # The drafter is conditioned on the target's layer outputs for every
+    # context token, which the shared prefix cache does not keep: starting
+    # from it would leave the drafter blind to the cached prefix. So block
+    # engines prefill the whole prompt (their finished caches still serve
+    # the other engines).
+    reads_prefix_cache = False
 
     def __init__(self, model_id: str, loaded: LoadedModel, drafter_path: str | Path, *,
                  max_context: int, max_queue: int = 64, prefill_step_size: int = 512):

@@ -1,21 +1,24 @@
-"""The demo model in both worlds, side by side in one run, through one gateway.
+"""Every way specgate can decode the demo model, side by side in one run, through one gateway.
 
-    uv run python bench/llamacpp_vs_mlx.py [--max-tokens 128] [--depth 3] [--repeats 1]
+    uv run python bench/demo_methods.py [--max-tokens 128] [--depth 3] [--repeats 1]
+        [--drafter builtin:demo-dflash] [--only "mlx plain,mlx dflash"]
 
 One `specgate serve` (a subprocess on a loopback port) serves the shipped
-demo model twice: as MLX ("demo": mlx_plain + mlx_mtp) and as its GGUF export
-("demo-gguf": llama-server plain + llama-server --spec-type draft-mtp). Each
-prompt is sent greedy to each of the four methods (forced with
-X-Specgate-Method), streaming, one at a time, so every method pays the same
-HTTP and gateway costs. Reported per content type (code: the demo's own
-domain; prose: outside it):
+demo model twice: as MLX ("demo": mlx_plain, mlx_mtp with its MTP head,
+mlx_dflash with its trained DFlash drafter) and as its GGUF export
+("demo-gguf": llama-server plain and llama-server --spec-type draft-mtp).
+Each prompt is sent greedy to each method (forced with X-Specgate-Method),
+streaming, one at a time, so every method pays the same HTTP and gateway
+costs. Reported per content type (code: the demo's own domain; prose:
+outside it):
 
 - decode tokens/s (first streamed token to last; prefill excluded), median
   over prompts, and its ratio to MLX plain and to the same backend's plain;
 - acceptance: accepted / drafted tokens and mean tokens per round, from
   specgate's own /metrics (the same RoundStats path for both backends).
 
-Needs llama-server: `specgate install-llama-server` (or one on PATH).
+The MTP depth is --depth; DFlash verifies its whole block (block_size - 1
+drafts). Needs llama-server: `specgate install-llama-server` (or one on PATH).
 """
 
 from __future__ import annotations
@@ -59,21 +62,23 @@ PROMPTS = {
 METHODS = [
     ("mlx plain", "demo", "none"),
     ("mlx mtp", "demo", "mtp"),
+    ("mlx dflash", "demo", "dflash"),
     ("llama.cpp plain", "demo-gguf", "none"),
     ("llama.cpp draft-mtp", "demo-gguf", "llamacpp_mtp"),
 ]
 SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def start_gateway(depth: int, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_gateway(depth: int, drafter: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = {
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
         "models": [
-            {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
-             "mtp_depth": depth},
+            {"id": "demo", "path": "builtin:demo",
+             "engines": ["mlx_plain", "mlx_mtp", "mlx_dflash"], "mtp_depth": depth,
+             "drafter": drafter},
             {"id": "demo-gguf", "path": "builtin:demo-gguf",
              "engines": ["llamacpp", "llamacpp_mtp"], "mtp_depth": depth, "max_concurrent": 1,
              "max_context": 2048},
@@ -140,11 +145,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
-    ap.add_argument("--json", type=Path, default=REPO / "bench/results/llamacpp_vs_mlx.json")
+    ap.add_argument("--drafter", default="builtin:demo-dflash", help="DFlash drafter for the demo")
+    ap.add_argument("--only", help="comma-separated method labels to run (default: all)")
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/demo_methods.json")
     args = ap.parse_args()
+    if args.only:
+        wanted = {m.strip() for m in args.only.split(",")}
+        METHODS[:] = [m for m in METHODS if m[0] in wanted or m[0].endswith("plain")]
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_gateway(args.depth, Path(tmp))
+        proc, url = start_gateway(args.depth, args.drafter, Path(tmp))
         try:
             results = run(url, args)
         finally:
@@ -175,7 +185,7 @@ def run(url: str, args) -> dict:
 
 
 def report(results: dict, args) -> None:
-    print(f"\ndemo model, greedy, {args.max_tokens} tokens, depth {args.depth}, "
+    print(f"\ndemo model, greedy, {args.max_tokens} tokens, mtp depth {args.depth}, "
           f"{len(PROMPTS['code'])} prompts per content type, one stream at a time")
     print("| content | method | decode tok/s | vs mlx plain | vs own plain | accepted/drafted "
           "| tokens/round |")

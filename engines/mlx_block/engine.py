@@ -8,7 +8,7 @@ from engines.base import GenerationRequest
 from engines.loading import LoadedModel
 from engines.mlx_block.decoder import DFlashDecoder, DSparkDecoder
 from engines.mlx_block.dflash import DFlashDrafter, load_dflash
-from engines.mlx_block.dspark import load_dspark
+from engines.mlx_block.dspark import DSparkDrafter, load_dspark
 from engines.spec_engine import SpecEngine
 
 
@@ -24,8 +24,9 @@ def check_pairing(drafter: DFlashDrafter, hidden_size: int, num_layers: int, voc
         raise ValueError(f"drafter mask_token_id {a.mask_token_id} outside the target's vocab ({vocab})")
     if a.vocab_size is not None and a.vocab_size != vocab:
         raise ValueError(f"drafter vocab_size {a.vocab_size} != target's {vocab}")
-    if a.block_size < 2:
-        raise ValueError(f"drafter block_size {a.block_size}: needs at least 2")
+    if a.block_size < (1 if isinstance(drafter, DSparkDrafter) else 2):
+        # A DFlash block's first position is the last committed token.
+        raise ValueError(f"drafter block_size {a.block_size} leaves nothing to propose")
 
 
 class MLXDFlashEngine(SpecEngine):

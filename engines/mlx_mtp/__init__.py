@@ -1,1 +1,1 @@
-"""In-process MTP speculative decoding: the MTP head and (to come) its engine."""
+"""In-process MTP speculative decoding: the head, its loader, its decoder and engine."""

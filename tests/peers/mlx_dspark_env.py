@@ -17,6 +17,7 @@ Run tests/peers/mlx_dspark_greedy.py with that python.
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import subprocess
 import sys
@@ -110,7 +111,8 @@ def mlx_dspark_python() -> Path:
     python = _venv_python(venv)
     if marker.is_file() and marker.read_text() == want and python.is_file():
         return python
-    uv = shutil.which("uv")
+    # `uv run` names itself in $UV (CI may have uv only as `python3 -m uv`).
+    uv = os.environ.get("UV") or shutil.which("uv")
     if uv is None:
         raise RuntimeError("`uv` is not on PATH: it is needed to build the mlx-dspark venv")
     root.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,12 @@ def _demo_model(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _demo_drafter(args: argparse.Namespace) -> int:
+    from engines.checkpoints.dflash_training import run_cli
+
+    return run_cli(args)
+
+
 def _install_llama_server(args: argparse.Namespace) -> int:
     from engines.llamacpp.install import run_cli
 
@@ -74,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_cli_arguments(demo)
     demo.set_defaults(run=_demo_model)
+    drafter = sub.add_parser("demo-drafter", help="train a DFlash block drafter for the demo model (MLX)")
+    from engines.checkpoints import dflash_training
+
+    dflash_training.add_cli_arguments(drafter)
+    drafter.set_defaults(run=_demo_drafter)
     llama = sub.add_parser("install-llama-server", help="build llama.cpp's llama-server")
     llama.add_argument("--force", action="store_true", help="rebuild even if already installed")
     llama.add_argument("--jobs", type=int, help="parallel compile jobs (default: all CPUs)")

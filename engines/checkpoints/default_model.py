@@ -33,6 +33,18 @@ def default_model_path() -> Path:
     return PACKAGED_DEMO
 
 
+def demo_dflash_path() -> Path:
+    """The shipped DFlash block drafter trained for the demo model
+    (`demo_dflash/`; `specgate demo-drafter` trains one, see dflash_training.py)."""
+    path = Path(__file__).parent / "demo_dflash"
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the demo DFlash drafter shipped with specgate is incomplete ({path}); reinstall "
+            f"specgate, or train one with `specgate demo-drafter`"
+        )
+    return path
+
+
 def demo_gguf_path() -> Path:
     """The demo model as GGUF (MTP head as nextn), exported on first use.
 

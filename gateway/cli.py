@@ -62,6 +62,12 @@ def _install_llama_server(args: argparse.Namespace) -> int:
     return run_cli(force=args.force, jobs=args.jobs)
 
 
+def _tune(args) -> int:
+    from gateway.tuning import run_cli
+
+    return run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
     dflash_training.add_cli_arguments(drafter)
     drafter.set_defaults(run=_demo_drafter)
+    tune = sub.add_parser("tune", help="measure this machine's costs for a model (the policy uses them)")
+    tune.add_argument("model", help="model directory or builtin:demo")
+    tune.add_argument("--drafter", help="a DFlash/DSpark drafter to time too (dir or builtin:demo-dflash)")
+    tune.add_argument("--reps", type=int, default=5, help="timed repetitions per shape")
+    tune.set_defaults(run=_tune)
     llama = sub.add_parser("install-llama-server", help="build llama.cpp's llama-server")
     llama.add_argument("--force", action="store_true", help="rebuild even if already installed")
     llama.add_argument("--jobs", type=int, help="parallel compile jobs (default: all CPUs)")

@@ -152,7 +152,8 @@ def plan_request(
     method, depth = _override(headers)
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth)
     try:
-        plan = decide(served.policy, features, served.live_state())
+        plan = decide(served.policy, features, served.live_state(), served.costs,
+                      served.acceptance.rates(served.id))
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
     plan = _honouring(served, plan, sampling)
@@ -204,6 +205,7 @@ async def run(
             async for event in events:
                 if isinstance(event, RoundStats):
                     metrics.round(event)
+                    served.acceptance.update(event)
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - start

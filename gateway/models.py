@@ -15,6 +15,8 @@ from gateway.config import (
     LlamaServerConfig,
     ModelConfig,
 )
+from policies.acceptance import AcceptanceTracker
+from policies.costs import CostModel
 from policies.decide import ModelPolicy
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class ServedModel:
     engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
     refused: dict[str, str] = field(default_factory=dict)  # configured engine -> why not built
     policy: ModelPolicy | None = None
+    costs: CostModel | None = None  # measured by `specgate tune` on this machine
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     error: str | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -166,6 +170,10 @@ class ModelRegistry:
                     raise
                 served.engines, served.refused = engines, refused
                 served.policy = _policy(served)
+                if not served.config.is_gguf:
+                    from gateway.tuning import costs_for
+
+                    served.costs = costs_for(resolve_path(served.config.path))
                 log.info("model %s ready (%s)", served.id, ", ".join(engines))
             except Exception as e:  # one bad model must not take down the others
                 served.error = f"{type(e).__name__}: {e}"

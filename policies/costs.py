@@ -41,6 +41,17 @@ class CostModel:
     draft: Mapping[str, DraftCost] = field(default_factory=dict)
     batched: Mapping[int, float] = field(default_factory=lambda: {1: 1.0})
 
+    @classmethod
+    def from_measurements(cls, data: Mapping) -> CostModel:
+        """From kernels/tune.py's saved form (JSON: keys are strings)."""
+        return cls(
+            verify={int(c): {int(m): float(v) for m, v in row.items()}
+                    for c, row in data["verify"].items()},
+            draft={k: DraftCost(float(d.get("per_round", 0.0)), float(d.get("per_token", 0.0)))
+                   for k, d in data.get("draft", {}).items()},
+            batched={int(b): float(g) for b, g in data.get("batched", {"1": 1.0}).items()},
+        )  # fmt: skip
+
     def verify_cost(self, width: int, context: int) -> float:
         contexts = sorted(self.verify)
         if context <= contexts[0]:

@@ -123,3 +123,19 @@ def test_chosen_plan_is_never_predicted_slower_than_another(
         assert plan.reason in ("concurrency", "long_context", "measured_loss")
     else:
         assert plan.reason == "spec_on"
+
+
+def test_acceptance_tracker_learns_conditional_rates():
+    from engines.base import RoundStats
+    from policies.acceptance import AcceptanceTracker
+
+    t = AcceptanceTracker(min_rounds=4)
+    # Position 1 accepted 3 of 4 times; position 2 reached 3 times, accepted once.
+    for flags in ([True, True], [True, False], [True, False], [False, False]):
+        t.update(RoundStats("m", "mtp", 2, flags))
+    assert t.rates("m") == {"mtp": [0.75]}  # position 2 reached only 3 times: not yet trusted
+    t.update(RoundStats("m", "mtp", 2, [True, True]))
+    rates = t.rates("m")["mtp"]
+    assert rates[0] == pytest.approx(4 / 5) and rates[1] == pytest.approx(2 / 4)
+    t.update(RoundStats("m", "mtp", 0, []))  # a plain round teaches nothing
+    assert t.rates("other") == {}

@@ -1,0 +1,51 @@
+"""Live acceptance per draft position, per model and method (EWMA).
+
+Fed every RoundStats the engines report; read by `decide` as the
+conditional rates a_j = P(draft j accepted | drafts before it accepted).
+Position j's rate only learns from rounds that reached it (every earlier
+draft accepted), which is what makes it conditional.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.base import Method, RoundStats
+
+
+@dataclass
+class _Rates:
+    values: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+class AcceptanceTracker:
+    def __init__(self, alpha: float = 0.05, min_rounds: int = 8):
+        self.alpha = alpha  # weight of the newest observation
+        self.min_rounds = min_rounds  # before a position's rate is trusted
+        self._rates: dict[tuple[str, Method], _Rates] = {}
+
+    def update(self, stats: RoundStats) -> None:
+        if stats.drafted == 0:
+            return
+        r = self._rates.setdefault((stats.model, stats.method), _Rates())
+        for j, ok in enumerate(stats.accepted_per_position):
+            if j == len(r.values):
+                r.values.append(float(ok))
+                r.counts.append(1)
+            else:
+                # Until min_rounds, a plain mean; then exponential forgetting.
+                weight = max(self.alpha, 1.0 / (r.counts[j] + 1))
+                r.values[j] += weight * (float(ok) - r.values[j])
+                r.counts[j] += 1
+            if not ok:
+                break  # later positions were not reached this round
+
+    def rates(self, model: str) -> dict[Method, list[float]]:
+        """Trusted per-position rates of each method measured on this model."""
+        out = {}
+        for (m, method), r in self._rates.items():
+            if m == model and r.counts and r.counts[0] >= self.min_rounds:
+                out[method] = [v for v, n in zip(r.values, r.counts, strict=True)
+                               if n >= self.min_rounds]  # fmt: skip
+        return out

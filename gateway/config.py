@@ -49,6 +49,36 @@ class LlamaCppConfig(_Strict):
     read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
 
 
+class PolicyConfig(_Strict):
+    """When speculation is used (policies/decide.py). "auto" defers to the cost
+    model that `specgate tune` measured on this machine, with live acceptance;
+    until it has run, a model speculates when idle and batches when busy."""
+
+    # Drafts per round: "auto" (the cost model picks 1..the configured depth)
+    # or a number (always that many, capped by what the drafter can draft).
+    depth: Literal["auto"] | int = "auto"
+    # Requests in flight (this one included) from which plain batched decoding
+    # is used: "auto" (the cost model; unmeasured: 2) or a number.
+    concurrency_threshold: Literal["auto"] | int = "auto"
+    # Requests with sampling penalties: "auto" (speculate when the drafter
+    # applies them per draft position, as every in-process engine does) or
+    # "plain" (always decode them plainly).
+    penalties: Literal["auto", "plain"] = "auto"
+    # Prompts longer than this decode plainly; "auto": the cost model decides.
+    long_context_tokens: Literal["auto"] | int = "auto"
+    # Speculate only for models with at least this many parameters.
+    min_params: int | None = Field(None, gt=0)
+    # Whether requests may choose (X-Specgate-Method / X-Specgate-Depth).
+    allow_overrides: bool = True
+
+    @field_validator("depth", "concurrency_threshold", "long_context_tokens")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be 'auto' or a number >= 1")
+        return v
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
@@ -56,10 +86,10 @@ class ModelConfig(_Strict):
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
-    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. Speculative engines are preferred in the
-    # order listed. GGUF: llamacpp runs
-    # a plain llama-server, llamacpp_mtp one with --spec-type draft-mtp; list
-    # both to let the policy choose per request (two processes, see
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. Speculative
+    # engines are preferred in the order listed. GGUF: llamacpp runs a plain
+    # llama-server, llamacpp_mtp one with --spec-type draft-mtp; list both to
+    # let the policy choose per request (two processes, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
     engines: list[
         Literal["mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark", "llamacpp", "llamacpp_mtp"]
@@ -75,6 +105,7 @@ class ModelConfig(_Strict):
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
     prefix_cache_size: int = Field(8, ge=0)  # cached prompt prefixes kept
     llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
     @property
     def is_gguf(self) -> bool:

@@ -139,7 +139,33 @@ def _policy(served: ServedModel) -> ModelPolicy:
         if name in served.engines:
             caps[method] = served.engines[name].max_drafts
             depths[method] = min(served.config.block_depth or caps[method], caps[method])
-    return ModelPolicy(served.id, methods, served.config.mtp_depth, refused, fixed, depths, caps)
+    pc = served.config.policy
+    if isinstance(pc.depth, int):  # a fixed depth for every in-process method
+        for method in ("mtp", "dflash", "dspark"):
+            depths[method] = min(pc.depth, caps.get(method, pc.depth))
+    return ModelPolicy(
+        served.id, methods, served.config.mtp_depth, refused, fixed, depths, caps,
+        penalty_capable=frozenset() if pc.penalties == "plain" else None,
+        long_context_tokens=_number(pc.long_context_tokens),
+        min_params=pc.min_params,
+        params=_parameter_count(served),
+        auto_depth=pc.depth == "auto",
+        concurrency_threshold=_number(pc.concurrency_threshold),
+        allow_overrides=pc.allow_overrides,
+    )
+
+
+def _number(value: str | int) -> int | None:
+    return value if isinstance(value, int) else None  # "auto": the cost model's call
+
+
+def _parameter_count(served: ServedModel) -> int | None:
+    loaded = getattr(served.engine, "loaded", None)
+    if loaded is None:
+        return None  # llama-server's model: not in this process
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
 
 
 class ModelRegistry:

@@ -47,6 +47,9 @@ class ModelPolicy:
     long_context_tokens: int | None = None  # beyond this prompt length: plain decoding
     min_params: int | None = None  # speculation only for models at least this big
     params: int | None = None  # this model's parameter count
+    auto_depth: bool = True  # the cost model may pick any depth up to the method's
+    concurrency_threshold: int | None = None  # requests in flight that mean batching
+    allow_overrides: bool = True
 
     def depth(self, method: Method) -> int:
         return self.depths.get(method, self.max_depth)
@@ -80,7 +83,7 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
             continue
         cap = min(policy.caps.get(method, policy.depth(method)), costs.max_width() - 1)
         depths = ([request.forced_depth] if request.forced_depth is not None
-                  else [policy.depth(method)] if method in policy.fixed_depth
+                  else [policy.depth(method)] if method in policy.fixed_depth or not policy.auto_depth
                   else range(1, cap + 1))  # fmt: skip
         for depth in depths:
             speed = speculative_speed(costs, method, acceptance[method], depth, request.prompt_tokens)
@@ -98,6 +101,9 @@ def decide(
     """Choose the plan for a request (raises OverrideError on a bad override)."""
     available = policy.engines_by_method
     speculative = [m for m in available if m != "none"]
+    if not policy.allow_overrides and (request.forced_method or request.forced_depth is not None):
+        raise OverrideError(f"model '{policy.model_id}' does not let requests choose the method "
+                            "or depth (policy.allow_overrides: false)")
     if request.forced_method is not None:
         return _forced(policy, request)
     if not speculative:
@@ -128,7 +134,13 @@ def decide(
             return plain("penalties")
     if policy.long_context_tokens is not None and request.prompt_tokens > policy.long_context_tokens:
         return plain("long_context")
-    busy = live.active_requests or live.waiting_requests
+    in_flight = live.active_requests + live.waiting_requests
+    if policy.concurrency_threshold is not None:
+        # A configured threshold is the whole concurrency rule.
+        if in_flight + 1 >= policy.concurrency_threshold:
+            return plain("concurrency")
+        live = LiveState(0, 0, live.context_tokens)
+    busy = live.active_requests + live.waiting_requests > 0
     measured = [m for m in speculative if acceptance and m in acceptance]
     if costs is None or not measured:
         # Unmeasured: speculation serves one sequence, batching the rest.

@@ -64,3 +64,31 @@ def test_refused_method_says_why():
     with pytest.raises(OverrideError, match="refused.*ar-only"):
         decide(p, features("llamacpp_mtp"), IDLE)
     assert decide(p, features(), IDLE).reason == "no_drafter"
+
+
+def test_configured_switches():
+    from gateway.config import parse_config
+
+    pc = parse_config({"models": [{"id": "a", "path": "d", "policy": {
+        "depth": 3, "concurrency_threshold": 4, "penalties": "plain",
+        "long_context_tokens": 8192, "min_params": 10, "allow_overrides": False}}]}).models[0].policy
+    assert (pc.depth, pc.concurrency_threshold, pc.penalties, pc.long_context_tokens) == (
+        3, 4, "plain", 8192)
+    p = ModelPolicy("m", {"mtp": "mlx_mtp", "none": "mlx_plain"}, 2, concurrency_threshold=4,
+                    penalty_capable=frozenset(), allow_overrides=False)
+    assert decide(p, features(), LiveState(2, 0, 0)).reason == "spec_on"  # 3 in flight < 4
+    assert decide(p, features(), LiveState(3, 0, 0)).reason == "concurrency"
+    assert decide(p, RequestFeatures(10, True), IDLE).reason == "penalties"
+    with pytest.raises(OverrideError, match="allow_overrides"):
+        decide(p, features("none"), IDLE)
+
+
+@pytest.mark.parametrize("policy,needle", [
+    ({"depth": 0}, "policy.depth"), ({"depth": "deep"}, "policy.depth"),
+    ({"penalties": "maybe"}, "policy.penalties"), ({"speed": 1}, "policy.speed"),
+])
+def test_bad_policy_config_says_where(policy, needle):
+    from gateway.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        parse_config({"models": [{"id": "a", "path": "d", "policy": policy}]})

@@ -137,6 +137,27 @@ class RoundStats:
         return sum(self.accepted_per_position)
 
 
+@dataclass
+class Handoff:
+    """A request moving to another engine of its model at a step boundary.
+
+    The last event an engine yields for a request it gives up (instead of a
+    final TokenEvent): everything the next engine needs to continue the same
+    sequence exactly. The trunk's caches hold tokens[:-1]; `pending` are
+    committed tokens the client has not seen yet (the receiving engine emits
+    them first). The sender evaluates every array in it first: a lazy MLX
+    graph names its thread's stream, which the receiving thread lacks.
+    """
+
+    plan: Plan  # where the request goes, and why
+    tokens: list[int]  # prompt + committed output
+    generated: int  # output tokens committed, pending included
+    cache: list  # the trunk's caches, as mlx-lm makes them
+    detokenizer: object  # so the text continues where it stopped
+    keys: object  # the request's random key stream (engines/sampling.KeyStream)
+    pending: list[int] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class LiveState:
     """What a planner sees of the engine at a round boundary."""
@@ -199,11 +220,12 @@ class Engine(Protocol):
     def eos_token_ids(self) -> frozenset[int]: ...
 
     def generate(
-        self, request: GenerationRequest, planner: Planner
-    ) -> AsyncIterator[TokenEvent | RoundStats]:
+        self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
         """Admit a request (raising EngineOverloaded at once if the engine is
         full) and return its stream; closing the stream cancels it at the
-        next step."""
+        next step. With `resume`, continue a sequence another engine of the
+        same model handed off; a stream may end in a Handoff of its own."""
         ...
 
     def live_state(self) -> LiveState: ...

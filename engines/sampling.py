@@ -120,6 +120,10 @@ class KeyStream:
     def __init__(self, seed: int | None):
         self._key = mx.random.key(seed) if seed is not None else None
 
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self._key is None else [self._key]
+
     def next(self) -> mx.array | None:
         if self._key is None:
             return None

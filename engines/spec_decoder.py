@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engines.base import GenerationRequest, Method, RoundStats, TokenLogprob, TopLogprob
+from engines.base import GenerationRequest, Handoff, Method, RoundStats, TokenLogprob, TopLogprob
 from engines.sampling import (
     KeyStream,
     PenaltyState,
@@ -81,6 +81,25 @@ class SpecDecoder:
         self.tokenizer = tokenizer
         self.prefill_step = prefill_step
         self.rollback_mode = rollback_mode  # "capture" (tape) or "replay"
+        self.cold = False  # resumed: the drafter has seen nothing yet
+
+    def resume(self, handoff: Handoff) -> Step:
+        """Continue a sequence another engine decoded (the decoder was made
+        with handoff.cache); commits its pending tokens. The drafter starts
+        blind, so the first round is a plain step that gives it context."""
+        n_pending = len(handoff.pending)
+        self.tokens = handoff.tokens[: len(handoff.tokens) - n_pending]
+        self.generated = handoff.generated - n_pending
+        self.keys = handoff.keys
+        if self.penalties is not None:
+            self.penalties = self.penalties.advance(self.tokens[len(self.request.prompt_tokens) :])
+        self.cold = True
+        return self._commit(list(handoff.pending), [])
+
+    def handoff(self, plan, detokenizer) -> Handoff:
+        """This sequence, ready for another engine (between rounds)."""
+        mx.eval([c.state for c in self.cache], self.keys.state)
+        return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer, self.keys)
 
     # -- what a drafter supplies -------------------------------------------------------
 
@@ -135,6 +154,8 @@ class SpecDecoder:
     def round(self, depth: int) -> Step:
         t0 = time.perf_counter()
         last = self.tokens[-1]
+        if self.cold:
+            depth, self.cold = 0, False
         # Drafting and verifying build one lazy graph: the only wait is for
         # the verdict, once per round.
         draft_arr, draft_probs = self._draft(last, depth) if depth > 0 else (None, [])

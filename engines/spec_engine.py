@@ -21,6 +21,7 @@ from typing import Any
 from engines.base import (
     EngineOverloaded,
     GenerationRequest,
+    Handoff,
     LiveState,
     Method,
     Planner,
@@ -41,6 +42,7 @@ class _Job:
     planner: Planner
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    resume: Handoff | None = None
     cancelled: bool = False
 
     def post(self, *items: Any) -> None:
@@ -74,14 +76,14 @@ class SpecEngine(WorkerEngine):
         raise NotImplementedError
 
     def generate(
-        self, request: GenerationRequest, planner: Planner
-    ) -> AsyncIterator[TokenEvent | RoundStats]:
+        self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
         if self._in_flight > self.max_queue:
             raise EngineOverloaded(
                 f"model '{self.model_id}' ({self.method}) has {self._in_flight} requests in flight "
                 f"(limit 1 decoding + {self.max_queue} queued)"
             )
-        job = _Job(request, planner, asyncio.get_running_loop(), asyncio.Queue())
+        job = _Job(request, planner, asyncio.get_running_loop(), asyncio.Queue(), resume)
 
         def abandon() -> None:
             job.cancelled = True  # the worker checks this between rounds
@@ -121,17 +123,19 @@ class SpecEngine(WorkerEngine):
             self._running = 0
 
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
-        request = job.request
+        request, resume = job.request, job.resume
         prefix = self.loaded.prefix_cache
-        if self.reads_prefix_cache:
+        if resume is not None:
+            cache, rest = resume.cache, []
+        elif self.reads_prefix_cache:
             cache, rest = prefix.fetch(request.prompt_tokens)
         else:
             cache, rest = None, request.prompt_tokens
-        cached = len(request.prompt_tokens) - len(rest)
+        cached = 0 if resume else len(request.prompt_tokens) - len(rest)
         decoder = self.make_decoder(request, cache, cached)
-        detok = self.tokenizer.detokenizer
+        detok = resume.detokenizer if resume else self.tokenizer.detokenizer
         with DEVICE_LOCK:
-            step = decoder.prefill()
+            step = decoder.resume(resume) if resume else decoder.prefill()
         while True:
             job.post(*self._events(step, detok, cached))
             if step.finish_reason is not None:
@@ -141,6 +145,9 @@ class SpecEngine(WorkerEngine):
             if job.cancelled:
                 return
             plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
+            if plan.engine != self.name:  # e.g. batching: another request arrived
+                job.post(decoder.handoff(plan, detok))
+                return
             depth = plan.depth if plan.method == self.method else 0
             with DEVICE_LOCK:
                 step = decoder.round(depth)

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from engines.base import EngineError, LiveState, Refusal, SamplingParams, TokenEvent
+from engines.base import EngineError, Handoff, LiveState, Refusal, SamplingParams, TokenEvent
 from engines.loading import LoadedModel
 
 
@@ -95,7 +95,9 @@ class WorkerEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise EngineError(str(item)) from item
-                if isinstance(item, TokenEvent) and item.finish_reason is not None:
+                if isinstance(item, Handoff) or (
+                    isinstance(item, TokenEvent) and item.finish_reason is not None
+                ):
                     finished = True
                 yield item
                 if finished:

@@ -19,6 +19,8 @@ from engines.base import (
     EngineError,
     EngineOverloaded,
     GenerationRequest,
+    Handoff,
+    LiveState,
     Plan,
     RoundStats,
     SamplingParams,
@@ -182,6 +184,32 @@ def _honouring(served: ServedModel, plan: Plan, sampling: SamplingParams) -> Pla
                         f"{refusal.message}", param=refusal.param, code="unsupported_parameter")
 
 
+class PolicyPlanner:
+    """Asks the model's policy again at every round boundary, so a stream can
+    move between speculation and batching as other requests come and go.
+    Called from engine worker threads; the model-wide state counts, less
+    this request itself."""
+
+    def __init__(self, served: ServedModel, features: RequestFeatures):
+        self.served, self.features = served, features
+
+    def plan(self, state: LiveState) -> Plan:
+        s = self.served
+        live = s.live_state()
+        others = LiveState(max(0, live.active_requests - 1), live.waiting_requests,
+                           state.context_tokens)  # fmt: skip
+        return decide(s.policy, self.features, others, s.costs, s.acceptance.rates(s.id))
+
+
+def planner_for(served: ServedModel, request: GenerationRequest):
+    """A request that chose its method keeps it; the rest follow the policy."""
+    plan = request.plan
+    if plan.reason in ("forced_by_request", "no_drafter", "unsupported_params", "penalties"):
+        return FixedPlanner(plan)
+    features = RequestFeatures(len(request.prompt_tokens), request.sampling.has_penalties)
+    return PolicyPlanner(served, features)
+
+
 def plan_headers(plan: Plan) -> dict[str, str]:
     return {PLAN_HEADER: plan.header()}
 
@@ -195,32 +223,49 @@ async def run(
 ) -> AsyncIterator[Piece]:
     """Stream a request as sendable pieces; closing this iterator cancels it."""
     matcher = StopMatcher(stops)
-    engine = served.engines[request.plan.engine]
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
+    method, last_token_at = request.plan.method, None
+    planner = planner_for(served, request)
     try:
         # Admission happens here: an engine at its limit raises at once.
-        events = engine.generate(request, FixedPlanner(request.plan))
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, RoundStats):
-                    metrics.round(event)
-                    served.acceptance.update(event)
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                usage.completion_tokens += len(event.token_ids)
-                usage.cached_tokens = event.cached_tokens
-                text = matcher.feed(event.text)
-                if matcher.stopped:
-                    status = "ok"
-                    yield Piece(text, event.token_ids, event.logprobs, "stop")
-                    return
-                if event.finish_reason is not None:
-                    text += matcher.flush()
-                    status = "ok"
-                if text or event.token_ids or event.finish_reason:
-                    yield Piece(text, event.token_ids, event.logprobs, event.finish_reason)
+        events = served.engines[request.plan.engine].generate(request, planner)
+        while events is not None:
+            handoff = None
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, Handoff):
+                        handoff = event
+                        break
+                    if isinstance(event, RoundStats):
+                        metrics.round(event)
+                        served.acceptance.update(event)
+                        continue
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    if event.token_ids:
+                        gap = None if last_token_at is None else now - last_token_at
+                        metrics.tokens(request.model, method, len(event.token_ids), gap)
+                        last_token_at = now
+                    usage.completion_tokens += len(event.token_ids)
+                    usage.cached_tokens = event.cached_tokens or usage.cached_tokens
+                    text = matcher.feed(event.text)
+                    if matcher.stopped:
+                        status = "ok"
+                        yield Piece(text, event.token_ids, event.logprobs, "stop")
+                        return
+                    if event.finish_reason is not None:
+                        text += matcher.flush()
+                        status = "ok"
+                    if text or event.token_ids or event.finish_reason:
+                        yield Piece(text, event.token_ids, event.logprobs, event.finish_reason)
+            events = None
+            if handoff is not None:  # the stream continues on another engine
+                metrics.planned(request.model, handoff.plan)
+                method = handoff.plan.method
+                engine = served.engines[handoff.plan.engine]
+                events = engine.generate(request, planner, resume=handoff)
     except EngineOverloaded as e:
         status = "rejected"
         raise APIError(
@@ -234,6 +279,6 @@ async def run(
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None
     finally:
         metrics.finished(
-            request.model, request.plan, status, usage.prompt_tokens,
-            usage.completion_tokens, ttft, time.perf_counter() - start,
+            request.model, request.plan, status, usage.prompt_tokens, ttft,
+            time.perf_counter() - start,
         )

@@ -101,21 +101,25 @@ class Metrics:
     def planned(self, model: str, plan: Plan) -> None:
         self.plan_decisions.labels(model, plan.method, plan.reason).inc()
 
-    def token_gap(self, model: str, method: str, seconds: float, tokens: int = 1) -> None:
-        """`tokens` output tokens arrived `seconds` after the previous ones:
-        each is observed at seconds / tokens."""
-        if tokens > 0:
+    def tokens(self, model: str, method: str, count: int, gap: float | None) -> None:
+        """`count` output tokens arrived from `method`, `gap` seconds after the
+        previous ones (None for the first): each is observed at gap / count,
+        the per-token time a client sees. Counted as they come, by the method
+        that made them, so a stream that changes method is split truthfully."""
+        if count <= 0:
+            return
+        self.generation_tokens.labels(model, method).inc(count)
+        if gap is not None:
             child = self.itl.labels(model, method)
-            for _ in range(tokens):
-                child.observe(seconds / tokens)
+            for _ in range(count):
+                child.observe(gap / count)
 
     def finished(
-        self, model: str, plan: Plan, status: str, prompt_tokens: int, generated: int,
+        self, model: str, plan: Plan, status: str, prompt_tokens: int,
         ttft: float | None, seconds: float,
     ) -> None:
         self.requests.labels(model, plan.method, status).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.generation_tokens.labels(model, plan.method).inc(generated)
         if ttft is not None:
             self.ttft.labels(model, plan.method).observe(ttft)
         self.e2e.labels(model, plan.method).observe(seconds)

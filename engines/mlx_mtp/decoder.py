@@ -96,7 +96,7 @@ class MTPDecoder(SpecDecoder):
                 c.trim(depth - 1)  # entries fed with the head's own outputs
         # Owed head entries: (d_j, trunk hidden before it) for accepted d_j,
         # or, at depth 0, (last, h_prev) which the head never saw.
-        if depth == 0:
+        if depth == 0 and self.h_prev is not None:  # None: just resumed, no history
             self.owed.tokens.append(last)
             self.owed.hidden.append(self.h_prev)
         self.owed.tokens += drafts[:accepted]

@@ -3,6 +3,13 @@
 The worker thread (engines/worker.py) owns the `BatchGenerator`; a request
 that arrives while others are decoding joins the running batch at the next
 step, and one that leaves (finished or cancelled) is removed from it there.
+
+A speculative engine of the same model may hand a sequence over (base.Handoff)
+when batching wins, and take it back: when a sequence is alone in the batch,
+its planner is asked again after each step. BatchGenerator decodes one step
+ahead (after a step its cache already holds the token it just returned, and
+the next token is sampled), so a sequence leaving takes that sampled token
+along as `pending`: it was drawn from the target's own distribution.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from engines.base import (
     EngineOverloaded,
     GenerationRequest,
+    Handoff,
+    LiveState,
     Planner,
     TokenEvent,
     TokenLogprob,
@@ -41,9 +50,9 @@ def greedy_batch_sampler(logprobs: mx.array) -> mx.array:
 class _RequestSampler:
     """A request's own sampler: its params and, if seeded, its own key stream."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, keys: KeyStream | None = None):
         self.params = request.sampling
-        self.keys = KeyStream(request.sampling.seed)
+        self.keys = keys or KeyStream(request.sampling.seed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         return sample(logprobs, self.params, self.keys.next())
@@ -79,9 +88,13 @@ class _Slot:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     detokenizer: Any
+    planner: Planner | None = None
+    resume: Handoff | None = None
     uid: int | None = None
     cached_tokens: int = 0
     started: bool = False
+    generated: int = 0  # output tokens so far, earlier engines' included
+    keys: KeyStream | None = None
 
     def post(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -111,10 +124,11 @@ class MLXPlainEngine(WorkerEngine):
         self._batch: BatchGenerator | None = None
 
     def generate(
-        self, request: GenerationRequest, planner: Planner | None = None
-    ) -> AsyncIterator[TokenEvent]:
-        """Stream one request. Plain decoding has no rounds to re-plan, so the
-        planner is not consulted here."""
+        self, request: GenerationRequest, planner: Planner | None = None,
+        resume: Handoff | None = None,
+    ) -> AsyncIterator[TokenEvent | Handoff]:
+        """Stream one request (or continue one handed over). The planner is
+        asked again only while the request is alone in the batch."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
             raise EngineOverloaded(
                 f"model '{self.model_id}' has {self._in_flight} requests in flight "
@@ -122,7 +136,8 @@ class MLXPlainEngine(WorkerEngine):
                 retry_after=1.0,
             )
         slot = _Slot(
-            request, asyncio.get_running_loop(), asyncio.Queue(), self.tokenizer.detokenizer
+            request, asyncio.get_running_loop(), asyncio.Queue(),
+            resume.detokenizer if resume else self.tokenizer.detokenizer, planner, resume,
         )
         return self._consume(slot, slot.out, lambda: self._inbox.put(("cancel", slot)))
 
@@ -156,6 +171,8 @@ class MLXPlainEngine(WorkerEngine):
                         by_loop.setdefault(slot.loop, []).append((slot.out, event))
                 for loop, items in by_loop.items():
                     loop.call_soon_threadsafe(deliver, items)
+                if len(self._slots) == 1:
+                    self._maybe_hand_off(next(iter(self._slots.values())))
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
                 for slot in self._slots.values():
@@ -192,28 +209,55 @@ class MLXPlainEngine(WorkerEngine):
                 return True
 
     def _insert(self, slot: _Slot) -> None:
-        request = slot.request
+        request, resume = slot.request, slot.resume
         prompt = request.prompt_tokens
-        cache, rest = self._prefix_cache.fetch(prompt)
-        slot.cached_tokens = len(prompt) - len(rest)
+        if resume is not None:
+            # The handed-over cache holds tokens[:-1]: feed the last one.
+            cache, rest, known = resume.cache, resume.tokens[-1:], resume.tokens[:-1]
+            slot.generated = resume.generated
+            slot.keys = resume.keys
+        else:
+            cache, rest = self._prefix_cache.fetch(prompt)
+            slot.cached_tokens = len(prompt) - len(rest)
+            known = prompt[: slot.cached_tokens]
         sampling = request.sampling
+        slot.keys = slot.keys or KeyStream(sampling.seed)
         sampler = (
             greedy_batch_sampler
             if sampling.greedy and sampling.seed is None
-            else _RequestSampler(request)
+            else _RequestSampler(request, slot.keys)
         )
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
         stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
         (slot.uid,) = self._batch.insert(
             [rest],
-            max_tokens=[request.max_tokens],
+            max_tokens=[request.max_tokens - slot.generated],
             caches=[cache],
-            all_tokens=[prompt[: slot.cached_tokens]],
+            all_tokens=[known],
             samplers=[sampler],
             logits_processors=[processors],
             stop_sequences=[stops],
         )
         self._slots[slot.uid] = slot
+
+    def _maybe_hand_off(self, slot: _Slot) -> None:
+        """Alone in the batch: ask the request's planner whether another
+        engine (speculation) should take it from here."""
+        if slot.planner is None or not slot.started or slot.request.sampling.logprobs:
+            return  # logprobs: the pending token's distribution is not kept
+        plan = slot.planner.plan(LiveState(1, 0, 0))
+        if plan.engine == self.name:
+            return
+        gen = self._batch._generation_batch  # mlx-lm internals, pinned version (uv.lock)
+        if slot.uid not in gen.uids:
+            return  # still in prompt processing: no step to hand over yet
+        pending = int(gen._next_tokens[gen.uids.index(slot.uid)].item())
+        (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
+        mx.eval([c.state for c in cache], slot.keys.state)  # see base.Handoff
+        del self._slots[slot.uid]
+        self._running -= 1
+        slot.post(Handoff(plan, [*tokens, pending], slot.generated + 1, cache, slot.detokenizer,
+                          slot.keys, [pending]))
 
     def _store_prompt_caches(self, prompt_responses: list) -> None:
         # The prompt minus its last token is a segment of its own; its cache
@@ -238,6 +282,7 @@ class MLXPlainEngine(WorkerEngine):
         if finish != "stop":  # an EOS token ends the text and is not part of it
             token_ids = [response.token]
             detok.add_token(response.token)
+            slot.generated += 1
         if finish is not None:
             detok.finalize()
         logprobs = None

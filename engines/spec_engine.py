@@ -137,16 +137,22 @@ class SpecEngine(WorkerEngine):
         with DEVICE_LOCK:
             step = decoder.resume(resume) if resume else decoder.prefill()
         while True:
-            job.post(*self._events(step, detok, cached))
             if step.finish_reason is not None:
+                # Not running any more before the client can hear so: its next
+                # request must not find this one still counted as in flight.
+                self._running = 0
+                job.post(*self._events(step, detok, cached))
                 prefix.insert(decoder.tokens[:-1], decoder.cache)
                 return
+            job.post(*self._events(step, detok, cached))
             self._take_submits(waiting)
             if job.cancelled:
                 return
             plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
             if plan.engine != self.name:  # e.g. batching: another request arrived
-                job.post(decoder.handoff(plan, detok))
+                handoff = decoder.handoff(plan, detok)
+                self._running = 0
+                job.post(handoff)
                 return
             depth = plan.depth if plan.method == self.method else 0
             with DEVICE_LOCK:

@@ -1,0 +1,163 @@
+"""specgate's plans vs always-speculate vs never-speculate vs the best fixed choice.
+
+    uv run python bench/policy_replay.py [--requests 8] [--max-tokens 64] [--skip-tune]
+
+A mixed workload on the demo model, regime by regime: one stream at a time
+(code prompts; with presence/frequency penalties; with ~2k-token prompts),
+and 4 and 8 concurrent streams. Every regime runs three times through one
+gateway: with no header (specgate's policy: `specgate tune` measurements of
+this machine, run first into a scratch SPECGATE_HOME, plus live acceptance),
+forced `X-Specgate-Method: mtp` (always speculate) and forced `none` (never).
+The oracle is the better of the two fixed choices per regime. Reported:
+aggregate generated tokens/s per regime, and the totals as ratios; the goal
+is >= 95% of the oracle and never more than 2% below never-speculate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CODE = [
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def _check_arg(value, name):\n    if not isinstance(",
+    "try:\n    import _thread\nexcept ImportError:\n",
+    "for i in range(len(items)):\n",
+    "if __name__ == '__main__':\n",
+    "    def __repr__(self):\n        return",
+    "from collections import",
+]
+LONG = "".join(Path(f).read_text(errors="replace") for f in sorted(
+    (Path(os.__file__).parent / "json").glob("*.py")))[:9000]  # ~2k demo tokens
+REGIMES = {  # name: (concurrency, extra body, prompt maker)
+    "1 stream": (1, {}, lambda i: CODE[i % len(CODE)]),
+    "1 stream, penalties": (1, {"presence_penalty": 0.3, "frequency_penalty": 0.2},
+                            lambda i: CODE[i % len(CODE)]),
+    "1 stream, long prompt": (1, {}, lambda i: LONG[i * 97 :] + "\ndef "),
+    "4 streams": (4, {}, lambda i: CODE[i % len(CODE)]),
+    "8 streams": (8, {}, lambda i: CODE[i % len(CODE)]),
+}
+VARIANTS = {"specgate": None, "always": "mtp", "never": "none"}
+
+
+def start_gateway(home: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+              "models": [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
+                          "mtp_depth": 3, "max_context": 8192}]}  # fmt: skip
+    (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
+    env = os.environ | {"SPECGATE_HOME": str(home)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
+        cwd=REPO, env=env, stdout=open(workdir / "gateway.log", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    sys.exit("gateway did not start: " + (workdir / "gateway.log").read_text()[-2000:])
+
+
+async def one(client: httpx.AsyncClient, prompt: str, body: dict, method: str | None, n: int):
+    headers = {"X-Specgate-Method": method} if method else {}
+    r = await client.post("/v1/completions", headers=headers, json={
+        "model": "demo", "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, **body})  # fmt: skip
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"], r.headers["x-specgate-plan"]
+
+
+async def regime(url: str, name: str, method: str | None, requests: int, n: int):
+    concurrency, body, prompt = REGIMES[name]
+    plans: Counter = Counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        await one(client, prompt(0), body, method, 8)  # warm this shape
+        queue = list(range(requests))
+        tokens = 0
+
+        async def worker():
+            nonlocal tokens
+            while queue:
+                i = queue.pop()
+                got, plan = await one(client, prompt(i), body, method, n)
+                tokens += got
+                plans[plan.split(";reason=")[1]] += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - t0), plans
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=8, help="requests per regime and variant")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--skip-tune", action="store_true", help="no measurements: the idle/busy rule")
+    ap.add_argument("--json", type=Path, default=REPO / "bench/results/policy_replay.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        home, work = Path(tmp) / "home", Path(tmp)
+        if not args.skip_tune:
+            print("specgate tune builtin:demo ...", flush=True)
+            subprocess.run([sys.executable, "-m", "gateway.cli", "tune", "builtin:demo"], cwd=REPO,
+                           env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+        proc, url = start_gateway(home, work)
+        try:
+            rows = {}
+            for name in REGIMES:
+                for variant, method in VARIANTS.items():
+                    tps, plans = asyncio.run(regime(url, name, method, args.requests, args.max_tokens))
+                    rows[(name, variant)] = (tps, plans)
+                    print(f"  {name:22s} {variant:9s} {tps:7.1f} tok/s  {dict(plans)}", flush=True)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    report(rows, args)
+
+
+def report(rows: dict, args) -> None:
+    print(f"\ndemo model, greedy, {args.max_tokens} tokens x {args.requests} requests per regime "
+          f"and variant, {'untuned' if args.skip_tune else 'tuned'}")
+    print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | specgate's plans |")
+    print("|---|---|---|---|---|---|---|")
+    totals = Counter()
+    out = []
+    for name in REGIMES:
+        s, a, n = (rows[(name, v)][0] for v in VARIANTS)
+        oracle = max(a, n)
+        totals.update({"specgate": s, "always": a, "never": n, "oracle": oracle})
+        plans = ", ".join(f"{k} {v}" for k, v in rows[(name, "specgate")][1].items())
+        print(f"| {name} | {s:.1f} | {a:.1f} | {n:.1f} | {oracle:.1f} | {s / oracle:.2f} | {plans} |")
+        out.append({"regime": name, "specgate": s, "always": a, "never": n, "oracle": oracle})
+    print(f"| **all (sum of tok/s)** | {totals['specgate']:.1f} | {totals['always']:.1f} | "
+          f"{totals['never']:.1f} | {totals['oracle']:.1f} | "
+          f"{totals['specgate'] / totals['oracle']:.2f} | vs never: "
+          f"{totals['specgate'] / totals['never']:.2f} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -462,7 +462,8 @@ def run_cli(args) -> int:
     cfg = DrafterConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size,
                         seq_len=args.seq_len, anchors=args.anchors, block_size=args.block_size,
                         num_layers=args.layers, target_layer_ids=args.target_layers,
-                        mask_token_id=args.mask_token_id, learning_rate=args.lr)  # fmt: skip
+                        mask_token_id=args.mask_token_id, learning_rate=args.lr,
+                        decay=args.decay)  # fmt: skip
     prepare(work, target, cfg, log=main_log)
     result = train(work, target, out, cfg, log=main_log, stop_after=args.stop_after,
                    until_step=args.until_step)  # fmt: skip
@@ -516,6 +517,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--mask-token-id", type=int,
                         help="default: the target tokenizer's byte token 0xC0, which no text produces")  # fmt: skip
     parser.add_argument("--lr", type=float, default=d.learning_rate)
+    parser.add_argument("--decay", type=float, default=d.decay,
+                        help="block position j weighs exp(-(j-1)/DECAY)")  # fmt: skip
     parser.add_argument("--stop-after", type=float, metavar="SECONDS",
                         help="save and stop after this long; the same command resumes")  # fmt: skip
     parser.add_argument("--eval-prompts", type=int, default=16,

@@ -17,10 +17,8 @@ from mlx_lm.models.cache import KVCache
 from engines.base import GenerationRequest
 from engines.mlx_mtp.head import MTPHead
 from engines.sampling import probabilities
-from engines.spec_decoder import SpecDecoder, Step
+from engines.spec_decoder import SpecDecoder
 from engines.trunk import Trunk
-
-__all__ = ["MTPDecoder", "Step"]
 
 
 @dataclass

@@ -37,6 +37,8 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta, qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from kernels.cache_undo import checkpoint, restore  # noqa: F401 - part of this module's API
+
 _local = threading.local()
 
 
@@ -209,18 +211,3 @@ def rollback(cache: list, recorded: Tape, rejected: int, kept_steps: int) -> Non
             c[1] = lt.states[kept_steps - 1]
         elif isinstance(c, KVCache) or hasattr(c, "trim"):
             c.trim(rejected)
-
-
-def checkpoint(cache: list) -> list:
-    """What `restore` needs to undo a forward: KV offsets, and the
-    GatedDeltaNet entries (replaced by each forward, never written in place,
-    so keeping the references is enough)."""
-    return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
-
-
-def restore(cache: list, saved: list) -> None:
-    for c, s in zip(cache, saved, strict=True):
-        if isinstance(c, ArraysCache):
-            c.cache = list(s)
-        else:
-            c.trim(c.offset - s)

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from kernels.cache_undo import checkpoint, restore
 
 CONTEXTS = (64, 1024, 4096)
 WIDTHS = tuple(range(1, 17))
@@ -56,21 +58,6 @@ def median_seconds(fn: Callable[[], None], reps: int = 5) -> float:
     return statistics.median(samples)
 
 
-# A forward appends to KV caches (trimmed back) and replaces the recurrent
-# layers' arrays (never written in place), so undoing one is cheap; the
-# engines' rollback (engines/trunk.py) rests on the same fact.
-def _snapshot(cache: list) -> list:
-    return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
-
-
-def _rewind(cache: list, saved: list) -> None:
-    for c, s in zip(cache, saved, strict=True):
-        if isinstance(c, ArraysCache):
-            c.cache = list(s)
-        else:
-            c.trim(c.offset - s)
-
-
 def measure_verify(model, vocab: int, *, contexts=CONTEXTS, widths=WIDTHS, reps: int = 5,
                    progress: Progress = print) -> dict[int, dict[int, float]]:
     """Seconds of a forward over M tokens after ctx tokens: {ctx: {M: s}}."""
@@ -82,9 +69,9 @@ def measure_verify(model, vocab: int, *, contexts=CONTEXTS, widths=WIDTHS, reps:
         row = {}
         for m in widths:
             def forward(m=m, ctx=ctx, cache=cache):
-                saved = _snapshot(cache)
+                saved = checkpoint(cache)
                 mx.eval(model(tokens[None, ctx : ctx + m], cache=cache))
-                _rewind(cache, saved)
+                restore(cache, saved)
             row[m] = median_seconds(forward, reps)
         out[ctx] = row
         progress(f"verify at context {ctx}: " + " ".join(f"{m}:{s * 1e3:.1f}" for m, s in row.items())
@@ -102,9 +89,9 @@ def measure_batched(model, vocab: int, *, batches=BATCHES, context: int = 128, r
         mx.eval(model(tokens[:b, :context], cache=cache), [c.state for c in cache])
 
         def step(b=b, cache=cache):
-            saved = _snapshot(cache)
+            saved = checkpoint(cache)
             mx.eval(model(tokens[:b, context:], cache=cache))
-            _rewind(cache, saved)
+            restore(cache, saved)
         out[b] = median_seconds(step, reps)
     progress("batched step: " + " ".join(f"B={b}:{s * 1e3:.1f}" for b, s in out.items()) + " ms")
     return out

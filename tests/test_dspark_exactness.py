@@ -19,8 +19,9 @@ import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy
 from test_dflash_exactness import BUILDERS, Target, exact_pairs, prompts
+from test_mtp_distribution import wrong_rule
 
-from engines import spec_decoder, speculative
+from engines import spec_decoder
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.checkpoints.drafters import build_dspark_drafter
 from engines.checkpoints.tiny import build_qwen35_hybrid
@@ -114,17 +115,6 @@ def small(tmp_path_factory):
                              mask_token_id=11, markov_rank=4, enable_confidence_head=False,
                              confidence_head_with_markov=False, tokenizer=False)
     return DSparkTarget(t, d)
-
-
-def wrong_rule(draft, draft_probs, target_probs, key=None):
-    """Leviathan acceptance with p and q swapped in the residual (as in the MTP test)."""
-    verdict = speculative.accept_sampled(draft, draft_probs, target_probs, key)
-    j = verdict.accepted
-    if j < len(draft):
-        dist = speculative.residual(draft_probs[j], target_probs[j])
-        token = int(mx.random.categorical(mx.log(dist), key=mx.random.split(key)[1]).item())
-        return speculative.Verdict(j, token)
-    return verdict
 
 
 @pytest.mark.parametrize("rule", ["leviathan", "wrong"])

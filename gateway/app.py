@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
+from gateway.anthropic_api import router as anthropic_router
 from gateway.config import Config
 from gateway.errors import install_error_handlers
 from gateway.limits import BodyLimitMiddleware
@@ -41,6 +42,7 @@ def create_app(config: Config) -> FastAPI:
     app.state.metrics = metrics = Metrics(registry)
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
 
     @app.get("/health")
     async def health():

@@ -1,6 +1,10 @@
-"""Errors in the OpenAI API's own shape.
+"""Errors in each API's own shape, chosen by the request's path.
 
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+OpenAI:    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
+
+Raise `APIError` anywhere below a route; code that answers before routing
+(ASGI middleware) calls `error_response(path, ...)` itself.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-_TYPES = {
+_OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -23,6 +27,24 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def api_of(path: str) -> str:
+    """Which API's error shape a path answers in: "anthropic" or "openai"."""
+    return "anthropic" if path.startswith(ANTHROPIC_PREFIX) else "openai"
 
 
 class APIError(Exception):
@@ -42,18 +64,26 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self, api: str = "openai") -> dict:
+        if api == "anthropic":
+            kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "type": _OPENAI_TYPES.get(self.status, "invalid_request_error"),
                 "param": self.param,
                 "code": self.code,
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, api: str = "openai") -> JSONResponse:
+        return JSONResponse(self.body(api), status_code=self.status, headers=self.headers)
+
+
+def error_response(path: str, status: int, message: str, **kwargs) -> JSONResponse:
+    """An error answer in the shape of the API that `path` belongs to."""
+    return APIError(status, message, **kwargs).response(api_of(path))
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -85,21 +115,22 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response(api_of(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return _validation_error(exc).response(api_of(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
             # FastAPI's words for a body it could not decode (e.g. bad UTF-8).
-            return APIError(
-                400, "request body is not valid UTF-8 JSON", code="invalid_json"
-            ).response()
-        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+            return error_response(
+                request.url.path, 400, "request body is not valid UTF-8 JSON", code="invalid_json"
+            )
+        return error_response(request.url.path, exc.status_code, str(exc.detail),
+                              headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from gateway.errors import error_response
 
 
 class BodyLimitMiddleware:
@@ -26,7 +26,7 @@ class BodyLimitMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    return await self._reject(send)
+                    return await self._reject(scope, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -35,7 +35,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(scope, send)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -50,26 +50,9 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send):
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"request body is larger than {self.max_bytes} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "body_too_large",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
+    async def _reject(self, scope, send):
+        response = error_response(
+            scope["path"], 413, f"request body is larger than {self.max_bytes} bytes",
+            code="body_too_large", headers={"connection": "close"},
         )
-        await send({"type": "http.response.body", "body": body})
+        await response(scope, None, send)

@@ -3,9 +3,12 @@
 - verify cost c(M, ctx)/c(1): a forward with logits for every row (what a
   verify computes) over M = 1..16 new tokens after ctx tokens of context, at
   a few context lengths, relative to one token at the shortest;
-- batched gain: one decoding step of B = 1..8 sequences together, as
-  aggregate tokens/s relative to one sequence;
-- drafter costs: whatever drafter step the caller hands in, timed the same way.
+- plain decoding steps: mlx-lm's BatchGenerator (what the plain engine
+  runs) decoding B = 1..8 sequences together, sampling and bookkeeping
+  included; B = 1 is the real cost of a plain token, which is more than a
+  bare forward (on a small model, much more);
+- speculative rounds: whatever round the caller hands in (the engines'
+  real decoders, gateway/tuning.py), timed per depth the same way.
 Medians of a few repetitions after a warm-up per shape (MLX compiles, and on
 a GPU JITs, each new shape once). Results are saved per machine and model
 under $SPECGATE_HOME/tune/; policies/costs.py reads them.
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kernels.cache_undo import checkpoint, restore
@@ -81,32 +85,60 @@ def measure_verify(model, vocab: int, *, contexts=CONTEXTS, widths=WIDTHS, reps:
 
 def measure_batched(model, vocab: int, *, batches=BATCHES, context: int = 128, reps: int = 5,
                     progress: Progress = print) -> dict[int, float]:
-    """Seconds of one decoding step of B sequences after `context` tokens each."""
-    tokens = mx.random.randint(0, vocab, (max(batches), context + 1), key=mx.random.key(1))
+    """Seconds of one plain decoding step of B sequences after `context`
+    tokens each, through BatchGenerator as the plain engine runs it."""
+    prompts = mx.random.randint(0, vocab, (max(batches), context), key=mx.random.key(1)).tolist()
     out = {}
     for b in batches:
-        cache = make_prompt_cache(model)
-        mx.eval(model(tokens[:b, :context], cache=cache), [c.state for c in cache])
-
-        def step(b=b, cache=cache):
-            saved = checkpoint(cache)
-            mx.eval(model(tokens[:b, context:], cache=cache))
-            restore(cache, saved)
-        out[b] = median_seconds(step, reps)
-    progress("batched step: " + " ".join(f"B={b}:{s * 1e3:.1f}" for b, s in out.items()) + " ms")
+        gen = BatchGenerator(model, completion_batch_size=b, prefill_batch_size=b,
+                             sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))  # fmt: skip
+        gen.insert(prompts[:b], max_tokens=[reps + 64] * b)
+        while len(gen.next()[1]) < b:  # prefill, until every sequence decodes
+            pass
+        out[b] = median_seconds(gen.next, reps)
+        gen.close()
+    progress("plain decoding step: " + " ".join(f"B={b}:{s * 1e3:.1f}" for b, s in out.items())
+             + " ms")  # fmt: skip
     return out
 
 
+def measure_rounds(round_at: Callable[[int], Callable[[], None]], depths, *, reps: int = 5,
+                   name: str = "", progress: Progress = print) -> dict[int, float]:
+    """Seconds of one speculative round at each depth; `round_at(k)` gives a
+    function that runs one round at depth k."""
+    out = {k: median_seconds(round_at(k), reps) for k in depths}
+    progress(f"{name} round: " + " ".join(f"{k}:{s * 1e3:.1f}" for k, s in out.items()) + " ms")
+    return out
+
+
+def draft_fit(rounds: dict[int, float], verify_short: dict[int, float], c1: float) -> dict:
+    """What a round costs beyond its verify forward, per_round + per_token * k
+    in units of c(1), least squares over the measured depths: the drafter,
+    and every fixed cost a round pays (sampling, acceptance, rollback)."""
+    ks = sorted(rounds)
+    extra = [rounds[k] / c1 - verify_short[k + 1] / c1 for k in ks]
+    if len(ks) == 1:
+        return {"per_round": extra[0], "per_token": 0.0}
+    mk, me = statistics.fmean(ks), statistics.fmean(extra)
+    slope = (sum((k - mk) * (e - me) for k, e in zip(ks, extra, strict=True))
+             / sum((k - mk) ** 2 for k in ks))  # fmt: skip
+    return {"per_round": me - slope * mk, "per_token": slope}
+
+
 def measurements(verify: dict[int, dict[int, float]], batched: dict[int, float],
-                 draft: dict[str, dict[str, float]], model_path: str) -> dict:
-    """The saved form: everything relative to c(1) at the shortest context."""
-    c1 = verify[min(verify)][1]
+                 rounds: dict[str, dict[int, float]], model_path: str) -> dict:
+    """The saved form: everything relative to c(1), a bare forward over one
+    token at the shortest context (raw seconds kept beside, for people)."""
+    short = verify[min(verify)]
+    c1 = short[1]
     return {
         "machine": machine_id(), "model": model_path, "measured_at": time.time(),
         "c1_seconds": c1,
         "verify": {ctx: {m: s / c1 for m, s in row.items()} for ctx, row in verify.items()},
-        "draft": {k: {part: s / c1 for part, s in d.items()} for k, d in draft.items()},
+        "plain_step": batched[1] / c1,
         "batched": {b: b * batched[1] / s for b, s in batched.items()},
+        "rounds_seconds": rounds,
+        "draft": {method: draft_fit(r, short, c1) for method, r in rounds.items()},
     }
 
 

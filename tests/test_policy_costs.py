@@ -139,3 +139,24 @@ def test_acceptance_tracker_learns_conditional_rates():
     assert rates[0] == pytest.approx(4 / 5) and rates[1] == pytest.approx(2 / 4)
     t.update(RoundStats("m", "mtp", 0, []))  # a plain round teaches nothing
     assert t.rates("other") == {}
+
+
+def test_fixed_step_costs_turn_a_textbook_win_into_a_measured_loss():
+    """`specgate tune` on the demo model (this CPU): a bare forward 11.5 ms,
+    a real plain step 7.7 ms, real MTP rounds 13.7/18.1/23.3 ms at depth
+    1/2/3. The verify curve alone predicts a win at acceptance 0.6; the
+    measured rounds say plain decoding wins, as the replay measured
+    (depth 1: 0.87x)."""
+    verify = {1: 11.5, 2: 14.9, 3: 17.6, 4: 20.2}
+    rounds = {1: 13.7, 2: 18.1, 3: 23.3}
+    bare = CostModel({0: {m: s / 11.5 for m, s in verify.items()}})
+    assert decide(POLICY, req(), IDLE, bare, {"mtp": [0.6] * 3}).method == "mtp"
+    from kernels.tune import draft_fit
+
+    fit = draft_fit(rounds, verify, 11.5)
+    measured = CostModel(bare.verify, draft={"mtp": DraftCost(**fit)}, plain_step=7.7 / 11.5)
+    for k, seconds in rounds.items():
+        assert speculative_speed(measured, "mtp", [0.6] * 3, k, 0) == pytest.approx(
+            expected_tokens([0.6] * 3, k) * 7.7 / seconds, rel=0.03)
+    plan = decide(POLICY, req(), IDLE, measured, {"mtp": [0.6] * 3})
+    assert (plan.method, plan.reason) == ("none", "measured_loss")

@@ -6,13 +6,84 @@ import argparse
 import logging
 import sys
 
-from gateway.config import ConfigError, default_config, load_config
+from gateway.config import Config, ConfigError, default_config, load_config
+
+
+def _unsafe_bind(config: Config) -> str | None:
+    """Why serving on this address without keys is refused, or None if fine.
+    Checked before anything binds or loads."""
+    from gateway.auth import KeyFileError, is_loopback, read_keys
+
+    host, path = config.server.host, config.auth.keys_path
+    if is_loopback(host):
+        return None
+    try:
+        if read_keys(path):
+            return None
+    except KeyFileError as e:
+        return f"specgate: {e}"
+    return (
+        f"specgate: refusing to listen on {host}: it is reachable from other machines and no "
+        f"API keys are configured ({path} has none), so anyone on the network could use it.\n"
+        f"Add a key first:  specgate keys add NAME   (then send it as 'Authorization: Bearer "
+        f"<key>' or 'x-api-key: <key>'),\nor listen on loopback only:  --host 127.0.0.1"
+    )
+
+
+def _keys_path(args: argparse.Namespace):
+    from pathlib import Path
+
+    if args.keys_file:
+        return Path(args.keys_file).expanduser()
+    config = load_config(args.config) if args.config else default_config()
+    return config.auth.keys_path
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from gateway.auth import KeyFileError, add_key, read_keys, revoke_key
+
+    try:
+        path = _keys_path(args)
+        if args.action == "add":
+            models = None  # every model; --models "" makes a key for /metrics alone
+            if args.models is not None:
+                models = [m.strip() for m in args.models.split(",") if m.strip()]
+            key = add_key(path, args.name, models=models, rpm=args.rpm, tpm=args.tpm,
+                          max_concurrent=args.max_concurrent, admin=args.admin)
+            print(f"Added key '{args.name}' to {path}. This is the only time it is shown; "
+                  "a running server picks it up on POST /admin/reload or restart:", file=sys.stderr)
+            print(key)
+        elif args.action == "list":
+            _print_keys(read_keys(path))
+        else:
+            if not revoke_key(path, args.name):
+                print(f"specgate: no key named '{args.name}' in {path}", file=sys.stderr)
+                return 1
+            print(f"Revoked '{args.name}'. A running server stops accepting it on "
+                  "POST /admin/reload or restart.", file=sys.stderr)
+    except (KeyFileError, ConfigError) as e:
+        print(f"specgate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _print_keys(records) -> None:
+    rows = [("NAME", "KEY", "MODELS", "RPM", "TPM", "CONCURRENT", "ADMIN", "CREATED")]
+    for r in records:
+        models = "*" if r.models is None else ",".join(r.models) or "(none)"
+        limits = (str(v) if v is not None else "-" for v in (r.rpm, r.tpm, r.max_concurrent))
+        rows.append((r.name, f"sg-{r.key_id}.…", models, *limits, "yes" if r.admin else "no",
+                     r.created))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.auth import KeyFileError
 
     try:
         config = load_config(args.config) if args.config else default_config()
@@ -23,13 +94,22 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    refusal = _unsafe_bind(config)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 3
     logging.basicConfig(
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # httpx logs every call specgate makes to its llama-servers at INFO.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    try:
+        app = create_app(config)
+    except KeyFileError as e:
+        print(f"specgate: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(
-        create_app(config),
+        app,
         host=config.server.host,
         port=config.server.port,
         log_level=config.server.log_level,
@@ -76,6 +156,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="bind address (overrides the config)")
     serve.add_argument("--port", type=int, help="port (overrides the config)")
     serve.set_defaults(run=_serve)
+    keys = sub.add_parser("keys", help="API keys: add, list, revoke")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--config", help="YAML config whose auth.keys_file to use")
+    where.add_argument("--keys-file", help="the keys file (default: $SPECGATE_HOME/keys)")
+    actions = keys.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", parents=[where], help="make a key; it is printed once")
+    add.add_argument("name", help="who or what uses it (shown in metrics and logs)")
+    add.add_argument("--models",
+                     help='comma-separated model ids it may use (default: all; "": none)')
+    add.add_argument("--rpm", type=int, help="requests per minute")
+    add.add_argument("--tpm", type=int, help="prompt + completion tokens per minute")
+    add.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    add.add_argument("--admin", action="store_true", help="may call /admin/* endpoints")
+    actions.add_parser("list", parents=[where], help="list keys (no secrets)")
+    revoke = actions.add_parser("revoke", parents=[where], help="delete a key by name")
+    revoke.add_argument("name")
+    keys.set_defaults(run=_keys)
     inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
     inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")

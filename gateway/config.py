@@ -33,6 +33,20 @@ class ServerConfig(_Strict):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
+class AuthConfig(_Strict):
+    """API keys (gateway/auth.py). With no keys the server is open, and only
+    a loopback bind is allowed."""
+
+    keys_file: str | None = None  # default: $SPECGATE_HOME/keys (`specgate keys add`)
+    metrics_requires_key: bool = False  # /metrics then needs a valid key (any key)
+
+    @property
+    def keys_path(self) -> Path:
+        from engines.checkpoints.default_model import specgate_home
+
+        return Path(self.keys_file).expanduser() if self.keys_file else specgate_home() / "keys"
+
+
 class LlamaServerConfig(_Strict):
     # llama-server to run; default: PATH, then `specgate install-llama-server`'s build.
     binary: str | None = None
@@ -103,6 +117,8 @@ class ModelConfig(_Strict):
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
+    # Longest wait in the admission queue before 503 + Retry-After.
+    max_queue_wait_s: float = Field(120.0, gt=0)
     prefix_cache_size: int = Field(8, ge=0)  # cached prompt prefixes kept
     llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
@@ -134,6 +150,7 @@ class ModelConfig(_Strict):
 
 class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
     models: list[ModelConfig] = Field(min_length=1)
 

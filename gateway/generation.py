@@ -26,9 +26,12 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from gateway.admission import QueueFull, QueueTimeout
+from gateway.auth import Principal, current_principal
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.models import ModelRegistry, ServedModel
+from gateway.quotas import Rejected
 from gateway.stops import StopMatcher
 from policies.decide import FixedPlanner, OverrideError, RequestFeatures, decide
 
@@ -65,6 +68,14 @@ def new_id(prefix: str) -> str:
 
 
 async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedModel, Engine]:
+    principal = current_principal()
+    if not principal.may_use(model_id):
+        # Checked before existence, so a key learns nothing of models beyond its own.
+        allowed = ", ".join(sorted(principal.models or ())) or "none"
+        raise APIError(
+            403, f"this API key may not use model '{model_id}'; its models: {allowed}",
+            param="model", code="model_not_allowed",
+        )
     served = registry.get(model_id)
     if served is None:
         raise APIError(
@@ -74,6 +85,8 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             code="model_not_found",
         )
     if served.engine is None:
+        if served.unloaded:
+            raise APIError(503, f"model '{model_id}' was unloaded by an admin")
         if served.error:
             raise APIError(503, f"model '{model_id}' failed to load: {served.error}")
         raise APIError(
@@ -214,6 +227,48 @@ def plan_headers(plan: Plan) -> dict[str, str]:
     return {PLAN_HEADER: plan.header()}
 
 
+QUEUE_TIMEOUT_RETRY_S = 5
+
+
+async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) -> None:
+    """Wait for a decoding slot on the model, or raise APIError: 429 when the
+    key is over a quota or the model's queue is full, 503 after the longest
+    wait. Once this returns, the caller owns a slot and one of the key's
+    streams, and must give both back."""
+    gate, key, now = served.gate, principal.name, time.monotonic()
+    try:
+        principal.usage.check(now)
+        place = gate.reserve(key)
+    except Rejected as e:
+        metrics.rejected(key, e.reason)
+        raise APIError(429, e.message, code="rate_limit_exceeded",
+                       headers={"Retry-After": e.retry_after_header}) from None
+    except QueueFull:
+        metrics.rejected(key, "queue_full")
+        raise APIError(
+            429, f"model '{served.id}' is busy: {gate.running} requests decoding and "
+                 f"{gate.waiting} waiting (limit {gate.max_queue})",
+            code="overloaded", headers={"Retry-After": "1"},
+        ) from None
+    principal.usage.start(now)
+    if place is None:
+        metrics.queued(served.id, 0.0)
+        return
+    try:
+        await gate.wait(key, place)
+    except QueueTimeout:
+        principal.usage.finish()
+        metrics.rejected(key, "queue_timeout")
+        raise APIError(
+            503, f"model '{served.id}' is busy: no slot within {gate.max_wait:g} s",
+            code="queue_timeout", headers={"Retry-After": str(QUEUE_TIMEOUT_RETRY_S)},
+        ) from None
+    except BaseException:  # cancelled: the client left while waiting
+        principal.usage.finish()
+        raise
+    metrics.queued(served.id, time.monotonic() - now)
+
+
 async def run(
     served: ServedModel,
     request: GenerationRequest,
@@ -221,15 +276,32 @@ async def run(
     usage: Usage,
     metrics: Metrics,
 ) -> AsyncIterator[Piece]:
-    """Stream a request as sendable pieces; closing this iterator cancels it."""
+    """Stream a request as sendable pieces; closing this iterator cancels it.
+    It first waits its turn in the model's admission queue (fair across
+    keys); an adapter awaiting the first piece sees quota and queue refusals
+    as APIError before any byte is sent."""
     matcher = StopMatcher(stops)
+    principal = current_principal()
+    key = principal.name
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
     method, last_token_at = request.plan.method, None
     planner = planner_for(served, request)
+    admitted = False
     try:
-        # Admission happens here: an engine at its limit raises at once.
-        events = served.engines[request.plan.engine].generate(request, planner)
+        try:
+            await _admit(served, principal, metrics)
+        except APIError:
+            status = "rejected"
+            raise
+        admitted = True
+        principal.usage.count_tokens(time.monotonic(), usage.prompt_tokens)
+        metrics.key_prompt_tokens(key, usage.prompt_tokens)
+        first = served.engines.get(request.plan.engine)
+        if first is None:  # unloaded by an admin while this request waited
+            raise APIError(503, f"model '{served.id}' was unloaded by an admin")
+        # An engine at its own limit raises at once.
+        events = first.generate(request, planner)
         while events is not None:
             handoff = None
             async with aclosing(events):
@@ -246,7 +318,8 @@ async def run(
                         ttft = now - start
                     if event.token_ids:
                         gap = None if last_token_at is None else now - last_token_at
-                        metrics.tokens(request.model, method, len(event.token_ids), gap)
+                        metrics.tokens(request.model, method, len(event.token_ids), gap, key)
+                        principal.usage.count_tokens(time.monotonic(), len(event.token_ids))
                         last_token_at = now
                     usage.completion_tokens += len(event.token_ids)
                     usage.cached_tokens = event.cached_tokens or usage.cached_tokens
@@ -278,7 +351,10 @@ async def run(
         status = "error"
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None
     finally:
+        if admitted:
+            served.gate.release()
+            principal.usage.finish()
         metrics.finished(
             request.model, request.plan, status, usage.prompt_tokens, ttft,
-            time.perf_counter() - start,
+            time.perf_counter() - start, key,
         )

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engines.base import Engine, LiveState, Method
+from gateway.admission import ModelGate
 from gateway.config import (
     BUILTIN_DEMO,
     BUILTIN_DEMO_DFLASH,
@@ -41,6 +42,12 @@ class ServedModel:
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     error: str | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    unloaded: bool = False  # by an admin (POST /admin/models/{id}/unload)
+    gate: ModelGate = field(init=False)  # admission, fair across keys
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.gate = ModelGate(c.max_concurrent, c.max_queue, c.max_queue_wait_s)
 
     @property
     def id(self) -> str:
@@ -178,34 +185,48 @@ class ModelRegistry:
 
     @property
     def ready(self) -> bool:
-        return all(m.engine is not None for m in self.models.values())
+        return all(m.engine is not None or m.unloaded for m in self.models.values())
 
     async def load_all(self) -> None:
         """Load models one after another (they share one machine's memory)."""
         for served in self.models.values():
-            try:
-                engines, refused = await asyncio.to_thread(
-                    _build_engines, served.config, self.llama_server
-                )
-                try:
-                    for engine in engines.values():
-                        await engine.start()
-                except BaseException:
-                    for engine in engines.values():
-                        await engine.stop()
-                    raise
-                served.engines, served.refused = engines, refused
-                served.policy = _policy(served)
-                if not served.config.is_gguf:
-                    from gateway.tuning import costs_for
+            await self.load(served)
 
-                    served.costs = costs_for(resolve_path(served.config.path))
-                log.info("model %s ready (%s)", served.id, ", ".join(engines))
-            except Exception as e:  # one bad model must not take down the others
-                served.error = f"{type(e).__name__}: {e}"
-                log.error("model %s failed to load: %s", served.id, served.error)
-            finally:
-                served.loaded.set()
+    async def load(self, served: ServedModel) -> None:
+        served.loaded.clear()
+        served.error, served.unloaded = None, False
+        try:
+            engines, refused = await asyncio.to_thread(
+                _build_engines, served.config, self.llama_server
+            )
+            try:
+                for engine in engines.values():
+                    await engine.start()
+            except BaseException:
+                for engine in engines.values():
+                    await engine.stop()
+                raise
+            served.engines, served.refused = engines, refused
+            served.policy = _policy(served)
+            if not served.config.is_gguf:
+                from gateway.tuning import costs_for
+
+                served.costs = costs_for(resolve_path(served.config.path))
+            log.info("model %s ready (%s)", served.id, ", ".join(engines))
+        except Exception as e:  # one bad model must not take down the others
+            served.error = f"{type(e).__name__}: {e}"
+            log.error("model %s failed to load: %s", served.id, served.error)
+        finally:
+            served.loaded.set()
+
+    async def unload(self, served: ServedModel) -> None:
+        """Stop its engines and let its memory go; requests decoding on it
+        end with an error. `load` brings it back."""
+        engines, served.engines, served.policy = served.engines, {}, None
+        served.unloaded = True
+        for engine in engines.values():
+            await engine.stop()
+        log.info("model %s unloaded", served.id)
 
     async def stop_all(self) -> None:
         for served in self.models.values():

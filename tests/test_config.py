@@ -20,6 +20,22 @@ def test_example_config_loads():
     assert config.models[0].path == BUILTIN_DEMO
 
 
+def test_example_config_documents_auth_and_admission():
+    config = load_config(REPO / "deploy/examples/specgate.yaml")
+    assert config.auth.keys_file is None and config.auth.metrics_requires_key is False
+    assert config.models[0].max_queue_wait_s == 120
+
+
+def test_keys_file_defaults_under_specgate_home(tmp_path, monkeypatch):
+    from gateway.config import parse_config
+
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
+    models = [{"id": "a", "path": "p"}]
+    assert parse_config({"models": models}).auth.keys_path == tmp_path / "keys"
+    named = parse_config({"auth": {"keys_file": "~/team-keys"}, "models": models})
+    assert named.auth.keys_path == Path.home() / "team-keys"
+
+
 def test_default_config_serves_the_demo_on_loopback():
     config = default_config()
     assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
@@ -46,6 +62,10 @@ def test_engines_default_by_format():
     ("models:\n  - {id: a, path: dir, engines: [llamacpp_mtp]}\n", ["MLX", "mlx_plain"]),
     ("models:\n  - {id: a, path: m.gguf, engines: [llamacpp, llamacpp]}\n", ["twice"]),
     ("models:\n  - {id: a, path: m.gguf, llamacpp: {start: later}}\n", ["llamacpp.start", "boot"]),
+    ("auth:\n  keys: x\nmodels:\n  - {id: a, path: p}\n", ["auth.keys", "not permitted"]),
+    ("auth:\n  metrics_requires_key: maybe\nmodels:\n  - {id: a, path: p}\n",
+     ["auth.metrics_requires_key", "boolean"]),
+    ("models:\n  - {id: a, path: p, max_queue_wait_s: 0}\n", ["max_queue_wait_s", "greater than 0"]),
     ("", ["empty"]),
     ("models: [\n", ["not valid YAML"]),
 ])

@@ -2,7 +2,9 @@
 
 Every query in deploy/grafana/dashboards/specgate.json must parse and return
 data once the gateway has served a few plain and speculative requests, so
-the dashboard cannot drift from the metric names. Prometheus is Debian's
+the dashboard cannot drift from the metric names. The gateway has API keys
+and keeps /metrics behind one, so Prometheus scrapes with a key as the
+shipped prometheus.yml explains, and the per-key panels see real keys. Prometheus is Debian's
 package (.ci/run installs it), on a loopback port, its data in tmp.
 """
 
@@ -22,6 +24,7 @@ import openai
 import pytest
 import yaml
 
+from gateway.auth import add_key
 from tests.conftest import REPO, free_port, start_gateway, stop_gateway
 
 DASHBOARD = REPO / "deploy/grafana/dashboards/specgate.json"
@@ -49,13 +52,18 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 @pytest.fixture
 def gw(tiny_model, tmp_path):
+    keys_file = tmp_path / "keys"
+    keys = {"team": add_key(keys_file, "team"), "scraper": add_key(keys_file, "scraper", models=[]),
+            "limited": add_key(keys_file, "limited", rpm=1)}
     gw = start_gateway(
-        {"models": [
+        {"auth": {"keys_file": str(keys_file), "metrics_requires_key": True},
+         "models": [
             {"id": "tiny", "path": str(tiny_model), "max_context": 2048},
             {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"]},
         ]},
         tmp_path,
     )
+    gw.keys = keys
     yield gw
     stop_gateway(gw)
 
@@ -69,6 +77,7 @@ def prometheus(gw, tmp_path):
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{
             "job_name": "specgate",
+            "authorization": {"type": "Bearer", "credentials": gw.keys["scraper"]},
             "static_configs": [{"targets": [gw.base_url.removeprefix("http://")]}],
         }],
     }))
@@ -121,8 +130,17 @@ def wait_scraped(prom: str, requests: int, timeout: float = 20) -> None:
 
 
 def serve_a_few(gw, salt: str) -> int:
-    """Plain and speculative, streamed and not; returns how many requests."""
-    client = openai.OpenAI(base_url=gw.api, api_key="unused", max_retries=0, timeout=60)
+    """Plain and speculative, streamed and not, one request over its key's
+    rpm and one with a bad key; returns how many requests finished."""
+    client = openai.OpenAI(base_url=gw.api, api_key=gw.keys["team"], max_retries=0, timeout=60)
+    limited = openai.OpenAI(base_url=gw.api, api_key=gw.keys["limited"], max_retries=0)
+    limited_requests = 0
+    with pytest.raises(openai.RateLimitError):  # rpm 1: within a minute, the second is refused
+        for _ in range(2):
+            limited_requests += 1
+            limited.completions.create(model="tiny", prompt=salt, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.api, api_key="sg-bad.key", max_retries=0).models.list()
     prompt = f"def {salt}(x):\n"
     mtp, plain = {"X-Specgate-Method": "mtp"}, {"X-Specgate-Method": "none"}
     client.completions.create(model="demo", prompt=prompt, max_tokens=48, temperature=0,
@@ -137,7 +155,7 @@ def serve_a_few(gw, salt: str) -> int:
     list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": salt}], max_tokens=16, stream=True))
     client.completions.create(model="tiny", prompt=prompt, max_tokens=16)
-    return 6
+    return 6 + limited_requests  # a refused one counts too, as status "rejected"
 
 
 @pytest.mark.timeout(120)

@@ -61,6 +61,11 @@ def test_keys_cli_add_list_revoke(tmp_path):
     assert "bob" in listing and "root" in listing and "tiny,tiny-b" in listing
     assert key not in listing and key.split(".")[1] not in listing
 
+    cli("keys", "add", "scraper", "--models", "", home=home)  # /metrics only
+    assert read_keys(path)[-1].models == []
+    assert "(none)" in cli("keys", "list", home=home).stdout
+    cli("keys", "revoke", "scraper", home=home)
+
     dup = cli("keys", "add", "bob", home=home, check=False)
     assert dup.returncode == 2 and "exists" in dup.stderr
     bad = cli("keys", "add", "no spaces", home=home, check=False)

@@ -118,7 +118,9 @@ class KeyStream:
     rerun, independent of what else is in the batch."""
 
     def __init__(self, seed: int | None):
-        self._key = mx.random.key(seed) if seed is not None else None
+        # Any integer is a seed (the APIs allow negative and huge ones); MLX
+        # keys take 64 bits, so seeds are taken modulo 2**64.
+        self._key = mx.random.key(seed % 2**64) if seed is not None else None
 
     @property
     def state(self) -> list[mx.array]:

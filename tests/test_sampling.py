@@ -67,6 +67,10 @@ def test_seeded_key_streams_repeat():
     xs = [sample(mx.array(LOGITS), params, a.next()).item() for _ in range(20)]
     ys = [sample(mx.array(LOGITS), params, b.next()).item() for _ in range(20)]
     assert xs == ys
+    # Every integer is a seed: negative and beyond 64 bits wrap, not fail.
+    for seed in (-1, 2**64 + 7, 10**30):
+        assert KeyStream(seed).next() is not None
+    assert KeyStream(2**64 + 7).next().tolist() == KeyStream(7).next().tolist()
 
 
 def test_penalties():

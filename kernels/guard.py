@@ -1,0 +1,274 @@
+"""Proof at first use: a custom kernel runs only where it was shown correct and faster.
+
+For every (kernel, shape, dtype, bits, group size) a caller meets, the
+guard, once per machine:
+1. runs the kernel on random inputs of exactly that shape (weights from
+   mx.quantize of normal(0, 1) values, x normal(0, 1)). A kernel that cannot
+   be built or launched here (Metal code without Metal, CUDA code on a CPU,
+   a compile error) or returns the wrong shape or dtype: `failed`.
+2. compares it with the exact answer, the stock `mx.quantized_matmul` in
+   float32 (same packed weights, scales and biases cast to float32), row by
+   row: error = max |kernel - exact| / max |exact| over each output row.
+   Bounds (TOLERANCE) per dtype: float32 2e-5, float16 2e-3 (4 ulp at the row's
+   largest value), bfloat16 1.6e-2 (4 ulp); any non-finite output is wrong.
+   Over the bound: `wrong`. (The stock path at the live dtype is measured the
+   same way and recorded as `reference_error`: on a CPU MLX's bf16 path is
+   itself off by up to ~1e-1, so it cannot serve as the yardstick.)
+3. times the kernel against the stock path at the live dtype: medians of
+   `reps` timings, each one eval of `inner` calls (on a GPU, over enough
+   copies of the weights to overflow the L2 cache, as a forward that streams
+   every layer's weights does), alternating the two. Enabled (`ok`) only if
+   the kernel's median is below `margin` (0.95) x the stock median; else
+   `slower`.
+The verdict (status, both times, the error and its bound) is written to
+$SPECGATE_HOME/kernels/<machine id>/qmm.json, keyed by kernel name and the
+hash of its source, and read back by later processes: the check runs once.
+A refused kernel costs one log line and the stock path is used; never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from kernels import qmm
+from kernels.tune import machine_id
+
+log = logging.getLogger("specgate.kernels")
+
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+STATUSES = ("ok", "wrong", "slower", "failed")
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def specgate_home() -> Path:
+    return Path(os.environ.get("SPECGATE_HOME") or Path.home() / ".specgate").expanduser()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A kernel that wants to replace the stock quantized matmul.
+
+    fn(x, wq, scales, biases, group_size, bits) -> y, like reference_qmm;
+    version changes whenever its code does (a changed kernel is re-proved)."""
+
+    name: str
+    version: str
+    fn: Callable[..., mx.array]
+    supports: Callable[..., bool] = qmm.supports
+
+
+def cuda_candidate() -> Candidate:
+    return Candidate("cuda_qmm", qmm.CUDA_VERSION, qmm.cuda_qmm)
+
+
+def metal_candidate() -> Candidate:
+    return Candidate("metal_qmm", qmm.METAL_VERSION, qmm.metal_qmm)
+
+
+def default_candidates() -> list[Candidate]:
+    """Both kernels everywhere: the one that cannot build here is recorded as
+    failed once, and the check decides about the other."""
+    return [metal_candidate(), cuda_candidate()] if mx.metal.is_available() else [
+        cuda_candidate(), metal_candidate()]  # fmt: skip
+
+
+@dataclass
+class Verdict:
+    kernel: str
+    version: str
+    shape: list[int]  # [M, K, N]
+    dtype: str
+    bits: int
+    group_size: int
+    status: str
+    max_error: float | None = None
+    bound: float | None = None
+    reference_error: float | None = None
+    kernel_us: float | None = None
+    reference_us: float | None = None
+    detail: str = ""
+    checked_at: float = field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def shape_key(name: str, version: str, m: int, k: int, n: int, dtype: str, bits: int,
+              group_size: int) -> str:  # fmt: skip
+    return f"{name}@{version}|M{m}|K{k}|N{n}|{dtype}|b{bits}|g{group_size}"
+
+
+def row_error(y: mx.array, exact: mx.array) -> float:
+    """max over rows of max|y - exact| / max|exact| (inf if y is not finite)."""
+    y = y.astype(mx.float32).reshape(-1, exact.shape[-1])
+    exact = exact.astype(mx.float32).reshape(-1, exact.shape[-1])
+    if not mx.all(mx.isfinite(y)).item():
+        return math.inf
+    num = mx.abs(y - exact).max(axis=-1)
+    den = mx.maximum(mx.abs(exact).max(axis=-1), 1e-30)
+    return (num / den).max().item()
+
+
+class Guard:
+    """Per-machine verdicts on small-M quantized-matmul kernels."""
+
+    def __init__(self, candidates: list[Candidate] | None = None, *, home: Path | None = None,
+                 machine: str | None = None, reps: int = 7, inner: int = 8,
+                 margin: float = 0.95, flush_bytes: int | None = None, seed: int = 0,
+                 record: bool = True):  # fmt: skip
+        self.candidates = default_candidates() if candidates is None else list(candidates)
+        self.machine = machine or machine_id()
+        self.path = (home or specgate_home()) / "kernels" / self.machine / "qmm.json"
+        self.reps, self.inner, self.margin, self.seed = reps, inner, margin, seed
+        self.record = record
+        gpu = mx.default_device() == mx.gpu
+        self.flush_bytes = (128 << 20 if gpu else 0) if flush_bytes is None else flush_bytes
+        self._lock = threading.RLock()
+        self._verdicts: dict[str, Verdict] | None = None
+        self._logged: set[tuple] = set()
+        self.checks_run = 0  # proofs run by this process (the rest were read back)
+
+    # ------------------------------------------------------------- storage
+    def _load(self) -> dict[str, Verdict]:
+        if self._verdicts is None:
+            self._verdicts = {}
+            try:
+                raw = json.loads(self.path.read_text())
+                self._verdicts = {k: Verdict(**v) for k, v in raw.get("verdicts", {}).items()}
+            except FileNotFoundError:
+                pass
+            except (ValueError, TypeError) as e:
+                log.warning("kernel verdicts %s unreadable (%s): checking again", self.path, e)
+        return self._verdicts
+
+    def _save(self, key: str, v: Verdict) -> None:
+        if not self.record:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # merge with what other processes wrote meanwhile
+            disk = json.loads(self.path.read_text()).get("verdicts", {})
+        except (FileNotFoundError, ValueError):
+            disk = {}
+        disk[key] = asdict(v)
+        out = {"machine": self.machine, "mlx": mx.__version__, "device": str(mx.default_device()),
+               "tolerance": TOLERANCE, "margin": self.margin, "verdicts": disk}  # fmt: skip
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+    def verdicts(self) -> dict[str, Verdict]:
+        with self._lock:
+            return dict(self._load())
+
+    # ------------------------------------------------------------- decisions
+    def verdict(self, cand: Candidate, m: int, k: int, n: int, dtype, bits: int,
+                group_size: int) -> Verdict | None:  # fmt: skip
+        """The recorded verdict, proving the kernel first if there is none.
+        None: the kernel is not written for this shape (stock path, nothing recorded)."""
+        dt = dtype_name(dtype)
+        if not cand.supports(m, k, n, dtype, bits, group_size):
+            return None
+        key = shape_key(cand.name, cand.version, m, k, n, dt, bits, group_size)
+        with self._lock:
+            known = self._load().get(key)
+            if known is not None:
+                return known
+            v = self.check(cand, m, k, n, dtype, bits, group_size)
+            self._verdicts[key] = v
+            self._save(key, v)
+        if not v.ok:
+            said = (cand.name, v.status, v.detail if v.status == "failed" else "")
+            if said not in self._logged:
+                self._logged.add(said)
+                log.warning("kernel %s not used for M=%d K=%d N=%d %s %d-bit g%d: %s%s; "
+                            "stock quantized_matmul instead", cand.name, m, k, n, dt, bits,
+                            group_size, v.status, f" ({v.detail})" if v.detail else "")  # fmt: skip
+        return v
+
+    def kernel_for(self, x, wq, scales, biases, group_size: int, bits: int):
+        """The first candidate proved ok for this call's shape, or None."""
+        m, k, n = math.prod(x.shape[:-1]), x.shape[-1], wq.shape[0]
+        for cand in self.candidates:
+            v = self.verdict(cand, m, k, n, x.dtype, bits, group_size)
+            if v is not None and v.ok:
+                return cand.fn
+        return None
+
+    # ------------------------------------------------------------- the proof
+    def check(self, cand: Candidate, m: int, k: int, n: int, dtype, bits: int,
+              group_size: int) -> Verdict:  # fmt: skip
+        self.checks_run += 1
+        dt = dtype_name(dtype)
+        v = Verdict(cand.name, cand.version, [m, k, n], dt, bits, group_size, "failed",
+                    bound=TOLERANCE.get(dt, 0.0))  # fmt: skip
+        keys = mx.random.split(mx.random.key(self.seed + 7919 * m + k + 31 * n), 2)
+        w = mx.random.normal((n, k), key=keys[0]).astype(dtype)
+        wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        x = mx.random.normal((m, k), key=keys[1]).astype(dtype)
+        mx.eval(wq, scales, biases, x)
+        del w
+        try:
+            y = cand.fn(x, wq, scales, biases, group_size, bits)
+            mx.eval(y)
+        except Exception as e:  # noqa: BLE001 - any failure to build or run refuses the kernel
+            v.detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            return v
+        if y.shape != (m, n) or y.dtype != dtype:
+            v.detail = f"returned {y.shape} {y.dtype}, expected {(m, n)} {dtype}"
+            return v
+        f32 = mx.float32
+        exact = qmm.reference_qmm(x.astype(f32), wq, scales.astype(f32), biases.astype(f32),
+                                  group_size, bits)  # fmt: skip
+        stock = qmm.reference_qmm(x, wq, scales, biases, group_size, bits)
+        v.max_error = row_error(y, exact)
+        v.reference_error = row_error(stock, exact)
+        if not v.max_error <= v.bound:
+            v.status = "wrong"
+            return v
+        try:
+            kt, rt = self._time(cand.fn, x, wq, scales, biases, group_size, bits)
+        except Exception as e:  # noqa: BLE001
+            v.detail = f"timing: {type(e).__name__}: {e}"[:300]
+            return v
+        v.kernel_us, v.reference_us = kt * 1e6, rt * 1e6
+        v.status = "ok" if kt < self.margin * rt else "slower"
+        return v
+
+    def _time(self, fn, x, wq, scales, biases, group_size, bits) -> tuple[float, float]:
+        nbytes = wq.nbytes + scales.nbytes + biases.nbytes
+        sets = [(wq, scales, biases)]
+        for _ in range(1, min(32, -(-self.flush_bytes // nbytes))):
+            sets.append(tuple(a + mx.zeros((), a.dtype) for a in (wq, scales, biases)))  # copies
+        mx.eval(sets)
+        calls = max(self.inner, len(sets))
+
+        def run(f):
+            mx.eval([f(x, *sets[i % len(sets)], group_size, bits) for i in range(calls)])
+
+        ref = qmm.reference_qmm
+        run(fn), run(ref)  # warm-up (compiles)
+        kt, rt = [], []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            run(fn)
+            kt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            run(ref)
+            rt.append(time.perf_counter() - t0)
+        return statistics.median(kt) / calls, statistics.median(rt) / calls

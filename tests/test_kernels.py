@@ -1,0 +1,251 @@
+"""kernels/qmm.py, guard.py, hook.py on the CPU: reference paths, the CUDA
+kernel's arithmetic (emulated), and the guard's refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import qwen3
+
+from kernels import hook, qmm
+from kernels.guard import TOLERANCE, Candidate, Guard, cuda_candidate, metal_candidate, row_error
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def quantized(n, k, dtype, bits, gs, seed=0):
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(dtype)
+    return mx.quantize(w, group_size=gs, bits=bits)
+
+
+def exact(x, wq, s, b, gs, bits):
+    f = mx.float32
+    return qmm.reference_qmm(x.astype(f), wq, s.astype(f), b.astype(f), gs, bits)
+
+
+def make_guard(tmp_path, candidates, **kw):
+    kw.setdefault("reps", 3)
+    kw.setdefault("inner", 2)
+    return Guard(candidates, home=tmp_path, machine="test-machine", **kw)
+
+
+def test_reference_is_stock_quantized_matmul():
+    for bits in qmm.BITS:
+        for gs in qmm.GROUP_SIZES:
+            for dtype in DTYPES:
+                wq, s, b = quantized(48, 256, dtype, bits, gs)
+                x = mx.random.normal((1, 3, 256)).astype(dtype)
+                want = mx.quantized_matmul(x, wq, scales=s, biases=b, transpose=True,
+                                           group_size=gs, bits=bits)  # fmt: skip
+                assert mx.array_equal(qmm.reference_qmm(x, wq, s, b, gs, bits), want)
+                assert mx.array_equal(qmm.verify_qmm(x, wq, s, b, gs, bits), want)  # no guard
+
+
+def test_packing_order_is_mlx_dequantize():
+    """Value j of a word sits at bits [bits*j, bits*(j+1)), low first (what the kernels assume)."""
+    for bits in qmm.BITS:
+        wq, s, b = quantized(8, 128, mx.float32, bits, 32)
+        words = np.array(wq)
+        per = 32 // bits
+        q = np.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], -1)
+        q = q.reshape(8, 128).astype(np.float32)
+        deq = q.reshape(8, 4, 32) * np.array(s)[..., None] + np.array(b)[..., None]
+        np.testing.assert_allclose(deq.reshape(8, 128),
+                                   np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits)),
+                                   rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", qmm.BITS)
+@pytest.mark.parametrize("gs", qmm.GROUP_SIZES)
+def test_cuda_kernel_arithmetic_emulated(bits, gs):
+    """The CUDA kernel's tiling, word/shift/scale indexing and summation order
+    (emulate_qmm) against the exact product: ragged N (not a multiple of 32),
+    K whose chunks split unevenly over the warps, leading batch dims, M 2..16."""
+    for dtype in DTYPES:
+        for m, k, n in ((2, 128, 33), (5, 640, 97), (16, 1024, 64), (7, 256, 8)):
+            wq, s, b = quantized(n, k, dtype, bits, gs, seed=m)
+            x = mx.random.normal((1, m, k), key=mx.random.key(k)).astype(dtype)
+            y = qmm.emulate_qmm(x, wq, s, b, gs, bits)
+            assert y.shape == (1, m, n) and y.dtype == dtype
+            bound = TOLERANCE[str(dtype).split(".")[-1]]
+            assert row_error(y, exact(x, wq, s, b, gs, bits)) <= bound
+
+
+def test_emulation_catches_an_indexing_slip():
+    """The emulated check is sharp: off-by-one-group scales fail it."""
+    wq, s, b = quantized(40, 256, mx.float32, 4, 32)
+    x = mx.random.normal((4, 256))
+    s2 = mx.concatenate([s[:, 1:], s[:, :1]], axis=1)
+    assert row_error(qmm.emulate_qmm(x, wq, s2, b, 32, 4), exact(x, wq, s, b, 32, 4)) > 1e-2
+
+
+def test_supports_and_launch_config():
+    assert qmm.supports(2, 4096, 12288, mx.bfloat16, 4, 64)
+    assert not qmm.supports(1, 4096, 12288, mx.bfloat16, 4, 64)  # M = 1: stock
+    assert not qmm.supports(17, 4096, 12288, mx.bfloat16, 4, 64)
+    assert not qmm.supports(4, 4000, 12288, mx.bfloat16, 4, 64)  # K not a multiple of 64
+    assert not qmm.supports(4, 4096, 12288, mx.bfloat16, 3, 64)
+    for m in range(2, 17):
+        w, cpl = qmm.launch_config(m, 4096, 12288)
+        assert 1 <= w <= 8 and w * m * qmm.KC * 4 <= 48 * 1024 and cpl in (1, 2)
+        w, _ = qmm.launch_config(m, 4096, 4096, max_shared=32 * 1024)
+        assert w * m * qmm.KC * 4 <= 32 * 1024
+
+
+def _shape(m=4, k=256, n=64, dtype=mx.float32, bits=4, gs=64):
+    return m, k, n, dtype, bits, gs
+
+
+def test_guard_refuses_wrong_kernels(tmp_path):
+    def off_a_little(x, wq, s, b, gs, bits):
+        y = qmm.reference_qmm(x, wq, s, b, gs, bits)
+        return y + 0.05 * mx.abs(y).max() * (mx.arange(y.shape[-1]) == 3)
+
+    def rows_swapped(x, wq, s, b, gs, bits):
+        y = qmm.reference_qmm(x, wq, s, b, gs, bits)
+        return mx.concatenate([y[1:2], y[0:1], y[2:]], axis=0)
+
+    def nan_row(x, wq, s, b, gs, bits):
+        y = qmm.reference_qmm(x, wq, s, b, gs, bits)
+        return mx.where(mx.arange(y.shape[0])[:, None] == 1, mx.nan, y)
+
+    cands = [Candidate(f.__name__, "1", f) for f in (off_a_little, rows_swapped, nan_row)]
+    guard = make_guard(tmp_path, cands, margin=float("inf"))
+    for dtype in DTYPES:
+        for c in cands:
+            v = guard.verdict(c, *_shape(dtype=dtype))
+            assert v.status == "wrong" and v.max_error > v.bound, (c.name, dtype, v)
+    x = mx.random.normal((4, 256))
+    wq, s, b = quantized(64, 256, mx.float32, 4, 64)
+    assert guard.kernel_for(x, wq, s, b, 64, 4) is None
+    assert mx.array_equal(qmm.verify_qmm(x, wq, s, b, 64, 4, guard=guard),
+                          qmm.reference_qmm(x, wq, s, b, 64, 4))  # fmt: skip
+    saved = json.loads(guard.path.read_text())["verdicts"]
+    assert guard.path == tmp_path / "kernels" / "test-machine" / "qmm.json"
+    assert sorted({v["status"] for v in saved.values()}) == ["wrong"] and len(saved) == 9
+    one = saved["off_a_little@1|M4|K256|N64|bfloat16|b4|g64"]
+    assert one["bound"] == TOLERANCE["bfloat16"] and one["max_error"] > one["bound"]
+
+
+def test_guard_failed_kernel_falls_back(tmp_path, caplog):
+    calls = []
+
+    def broken(*a):
+        calls.append(1)
+        raise RuntimeError("nvrtc: error: identifier 'bogus' is undefined\nmore")
+
+    guard = make_guard(tmp_path, [Candidate("broken", "1", broken), cuda_candidate(),
+                                  metal_candidate()])  # fmt: skip
+    x = mx.random.normal((1, 4, 256))
+    wq, s, b = quantized(64, 256, mx.float32, 4, 64)
+    with caplog.at_level(logging.WARNING, logger="specgate.kernels"):
+        y = qmm.verify_qmm(x, wq, s, b, 64, 4, guard=guard)
+        qmm.verify_qmm(x * 2, wq, s, b, 64, 4, guard=guard)  # known shape: no new check, no log
+    assert mx.array_equal(y, qmm.reference_qmm(x, wq, s, b, 64, 4))
+    assert len(calls) == 1
+    vs = guard.verdicts()
+    assert [v.status for v in vs.values()] == ["failed"] * 3
+    assert "identifier 'bogus'" in vs["broken@1|M4|K256|N64|float32|b4|g64"].detail
+    # on this CPU-only machine neither backend exists: both real kernels failed to build
+    assert any("No CUDA" in v.detail for v in vs.values())
+    assert any("No Metal" in v.detail for v in vs.values())
+    lines = [r for r in caplog.records if r.name == "specgate.kernels"]
+    assert len(lines) == 3 and all("stock quantized_matmul instead" in r.message for r in lines)
+
+
+def test_guard_refuses_a_correct_but_slower_kernel(tmp_path):
+    def slow(x, wq, s, b, gs, bits):
+        time.sleep(0.003)
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+    guard = make_guard(tmp_path, [Candidate("slow", "1", slow)])
+    v = guard.verdict(guard.candidates[0], *_shape())
+    assert v.status == "slower" and v.max_error == 0.0
+    assert v.kernel_us > v.reference_us > 0
+
+
+def test_guard_enables_a_correct_faster_kernel_and_reads_verdicts_back(tmp_path):
+    calls = []
+
+    def good(x, wq, s, b, gs, bits):
+        calls.append(x.shape)
+        return qmm.emulate_qmm(x, wq, s, b, gs, bits)
+
+    cand = Candidate("good", "1", good)
+    guard = make_guard(tmp_path, [cand], margin=float("inf"))  # correct is enough here
+    v = guard.verdict(cand, *_shape(dtype=mx.bfloat16))
+    assert v.ok and v.max_error <= v.bound and guard.checks_run == 1
+    n_calls = len(calls)
+    again = make_guard(tmp_path, [cand], margin=float("inf"))  # a later process
+    x = mx.random.normal((4, 256)).astype(mx.bfloat16)
+    wq, s, b = quantized(64, 256, mx.bfloat16, 4, 64)
+    assert again.kernel_for(x, wq, s, b, 64, 4) is good
+    assert again.checks_run == 0 and len(calls) == n_calls  # read back, not re-proved
+    changed = Candidate("good", "2", good)  # new kernel code: proved again
+    assert make_guard(tmp_path, [changed], margin=float("inf")).verdict(changed, *_shape(
+        dtype=mx.bfloat16)).ok and len(calls) > n_calls  # fmt: skip
+    # shapes it is not written for get no verdict and no check
+    assert guard.verdict(cand, *_shape(m=1)) is None and guard.verdict(cand, *_shape(m=17)) is None
+
+
+def tiny_qwen3(bits=4, gs=64):
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, rms_norm_eps=1e-6,
+                           vocab_size=512, num_key_value_heads=2, max_position_embeddings=512,
+                           head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+    mx.random.seed(3)
+    model = qwen3.Model(args)
+    nn.quantize(model, group_size=gs, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("bits", qmm.BITS)
+def test_hook_routes_quantized_linears_and_output_is_unchanged(tmp_path, bits):
+    seen = []
+
+    def wrapping(x, wq, s, b, gs, bits):
+        seen.append(x.shape)
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+    model = tiny_qwen3(bits)
+    tokens = mx.array([[5, 9, 200, 7, 31, 4]])
+    stock = model(tokens)
+    guard = make_guard(tmp_path, [Candidate("wrap", "1", wrapping)], margin=float("inf"))
+    assert hook.install(model, guard) == 2 * 7 + 1  # q k v o gate up down per layer + lm_head
+    assert mx.array_equal(model(tokens), stock) and not seen  # off unless asked
+    with hook.kernels():
+        out = model(tokens)
+        one = model(tokens[:, :1])  # M = 1: the stock path
+    assert mx.array_equal(out, stock) and mx.array_equal(one, stock[:, :1])
+    routed = [s for s in seen if s[-2] == 6]
+    assert len(routed) >= 15 and all(s[-2] != 1 for s in seen)
+    shapes = {(v.shape[1], v.shape[2]) for v in guard.verdicts().values()}
+    assert shapes == {(128, 128), (128, 64), (128, 256), (256, 128), (128, 512)}
+    hook.uninstall(model)
+    assert all(type(m) is not hook._KernelQuantizedLinear for _, m in model.named_modules())
+
+
+def test_hook_uses_stock_path_where_guard_refused(tmp_path):
+    def wrong(x, wq, s, b, gs, bits):
+        return qmm.reference_qmm(x, wq, s, b, gs, bits) * 1.5
+
+    model = tiny_qwen3()
+    tokens = mx.array([[1, 2, 3, 4]])
+    stock = model(tokens)
+    hook.install(model, make_guard(tmp_path, [Candidate("wrong", "1", wrong)]))
+    with hook.kernels():
+        assert mx.array_equal(model(tokens), stock)
+    hook.set_default(True)
+    try:
+        assert mx.array_equal(model(tokens), stock)
+        with hook.kernels(False):
+            assert not hook.enabled()
+    finally:
+        hook.set_default(False)

@@ -133,7 +133,16 @@ class KeyStream:
         return sub
 
 
+LOGPROB_FLOOR = -9999.0  # what the APIs report for "no probability": JSON has no -inf
+
+
 def logprobs_of(logits: mx.array) -> mx.array:
     """Log-softmax in float32: what the API reports as a token's logprob."""
     logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return reportable(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def reportable(logprobs: mx.array) -> mx.array:
+    """Logprobs an API can send: extreme penalties push logits to +-inf,
+    whose log-softmax is -inf or NaN; both are reported as the floor."""
+    return mx.where(mx.isnan(logprobs), LOGPROB_FLOOR, mx.maximum(logprobs, LOGPROB_FLOOR))

@@ -73,6 +73,13 @@ def test_seeded_key_streams_repeat():
     assert KeyStream(2**64 + 7).next().tolist() == KeyStream(7).next().tolist()
 
 
+def test_logprobs_stay_reportable_under_extreme_logits():
+    from engines.sampling import LOGPROB_FLOOR, logprobs_of
+
+    lp = logprobs_of(mx.array([float("inf"), 1.0, float("-inf"), float("nan")]))
+    assert all(LOGPROB_FLOOR <= v <= 0.0 for v in lp.tolist())
+
+
 def test_penalties():
     state = PenaltyState.from_prompt([0, 1], len(LOGITS))
     later = state.advance([2, 2, 4])

@@ -35,7 +35,7 @@ from engines.base import (
     TopLogprob,
 )
 from engines.loading import DEVICE_LOCK, LoadedModel
-from engines.sampling import KeyStream, PenaltyState, apply_penalties, sample
+from engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
@@ -303,6 +303,7 @@ class MLXPlainEngine(WorkerEngine):
         return slot, event
 
     def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:
+        logprobs = reportable(logprobs)
         k = slot.request.sampling.top_logprobs
         top: tuple[TopLogprob, ...] = ()
         if k > 0:

@@ -130,7 +130,8 @@ def create_app(config: Config) -> FastAPI:
             raise APIError(500, f"model '{model_id}' failed to load: {served.error}")
         return {"id": model_id, "status": "ready"}
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
+                       body_timeout_s=config.server.body_timeout_s)
     # Outermost: a request without a valid key costs no body read.
     app.add_middleware(AuthMiddleware, keys=keys,
                        metrics_requires_key=config.auth.metrics_requires_key,

@@ -30,6 +30,7 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 

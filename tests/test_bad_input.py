@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import httpx
 import openai
 import pytest
@@ -91,6 +95,24 @@ def test_body_too_large(gateway):
     resp = httpx.post(gateway.api + COMP, content=chunked(), timeout=30,
                       headers={"content-type": "application/json"})
     assert_openai_error(resp, 413, None)
+
+
+def test_stalled_body_times_out(gateway):
+    """A client that stops sending its body gets a 408 after the server's
+    body_timeout_s (2 s in the test gateway) and its connection closed."""
+    host, port = gateway.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{\"model\": ")  # fmt: skip
+        t0 = time.monotonic()
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        waited = time.monotonic() - t0
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(body)["error"]["code"] == "body_timeout"
+    assert 1.5 < waited < 20
 
 
 @pytest.mark.parametrize("headers,needle", [

@@ -208,8 +208,17 @@ class Engine(Protocol):
 
     async def encode(self, text: str) -> list[int]: ...
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the model's chat template with the generation prompt."""
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template with the generation prompt.
+
+        `tools` are OpenAI-shaped function tools ({"type": "function",
+        "function": {...}}), handed to the template as its `tools` variable;
+        messages may carry `tool_calls` (arguments as dicts) and `tool` roles."""
+        ...
+
+    async def chat_template(self) -> str | None:
+        """The chat template's source text (None when there is no readable one):
+        the gateway reads from it whether and how the model calls tools."""
         ...
 
     def refusal(self, sampling: SamplingParams) -> Refusal | None:

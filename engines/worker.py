@@ -44,8 +44,17 @@ class WorkerEngine:
     async def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                               add_generation_prompt=True)
+        )
+
+    async def chat_template(self) -> str | None:
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: transformers uses "tool_use" for tools
+            template = template.get("tool_use") or template.get("default")
+        return template if isinstance(template, str) else None
 
     def refusal(self, sampling: SamplingParams) -> Refusal | None:
         return None  # engines/sampling.py is this engine's own: every parameter applies

@@ -125,11 +125,28 @@ class LlamaCppEngine:
         return (await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True}))["tokens"]
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
-        prompt = (await self._post("/apply-template", {"messages": messages}))["prompt"]
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        # llama-server renders with the GGUF's Jinja template (--jinja is its
+        # default), tools included.
+        body: dict = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        prompt = (await self._post("/apply-template", body))["prompt"]
         # The template already wrote the special tokens (BOS included, if any).
         return (await self._post("/tokenize", {"content": prompt, "add_special": False,
                                                "parse_special": True}))["tokens"]
+
+    async def chat_template(self) -> str | None:
+        assert self._client is not None, "engine not started"
+        try:
+            async with self.server.use() as url:
+                r = await self._client.get(url + "/props")
+        except (httpx.TransportError, LlamaServerError) as e:
+            raise EngineError(f"llama-server for {self.model_id} is not answering: {e}") from e
+        if r.status_code != 200:
+            return None
+        template = r.json().get("chat_template")
+        return template if isinstance(template, str) and template else None
 
     # -- generation ----------------------------------------------------------------
 

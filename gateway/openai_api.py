@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engines.base import TokenLogprob
+from gateway.chat import ClientGone, first_piece, render_chat, until_disconnect
 from gateway.errors import APIError
 from gateway.generation import (
     Piece,
@@ -25,28 +24,9 @@ from gateway.generation import (
     run,
 )
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.tools import ToolCall, split_output
 
 router = APIRouter()
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response started."""
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await work, cancelling it if the client goes away meanwhile."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def _usage(usage: Usage) -> dict:
@@ -105,10 +85,12 @@ async def _respond(
     stream: bool,
     include_usage: bool,
     usage: Usage,
-    chunk: Callable[[Piece, int], dict],
+    chunks: Callable[[Piece, int], list[dict]],
     final: Callable[[str, list[int], list[TokenLogprob] | None, str | None], dict],
     preamble: dict | None,
 ) -> Response:
+    """Answer whole or as SSE; `chunks` makes the events of one piece (a
+    chat stream parsing tool calls may hold a piece back or split it)."""
     if not stream:
         try:
             text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
@@ -116,16 +98,10 @@ async def _respond(
             return Response(status_code=499)
         return JSONResponse(final(text, ids, lps, finish), headers=headers)
 
-    # Wait for the first piece before answering, so an overload or engine
-    # error still gets its own status code instead of a broken stream.
     try:
-        first = await until_disconnect(request, anext(pieces, None))
+        first = await first_piece(request, pieces)
     except ClientGone:
-        await pieces.aclose()
         return Response(status_code=499)
-    except BaseException:
-        await pieces.aclose()
-        raise
 
     async def events():
         sent = 0
@@ -134,7 +110,9 @@ async def _respond(
         try:
             piece = first
             while piece is not None:
-                yield head + _sse(chunk(piece, sent))
+                out = head + b"".join(_sse(c) for c in chunks(piece, sent))
+                if out:
+                    yield out
                 head = b""
                 sent += len(piece.text)
                 piece = await anext(pieces, None)
@@ -181,16 +159,27 @@ async def list_models(request: Request):
     }
 
 
+def _tool_calls(calls: list[ToolCall], first_index: int = 0, stream: bool = False) -> list[dict]:
+    out = []
+    for i, call in enumerate(calls, first_index):
+        entry = {"id": new_id("call"), "type": "function",
+                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        out.append({"index": i} | entry if stream else entry)
+    return out
+
+
+def _chat_finish(finish: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish == "stop" else finish
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    try:
-        prompt = await engine.render_chat([m.as_template_input() for m in body.messages])
-    except Exception as e:
-        raise APIError(400, f"messages: the model's chat template rejected them: {e}",
-                       param="messages") from None
+    chat = await render_chat(engine, body.model, [m.as_template_input() for m in body.messages],
+                             body.template_tools, body.parse_tools)
+    prompt = chat.tokens
     limit, limit_param = body.token_limit
     sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
     stops = check_stops(body.stop)
@@ -199,19 +188,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}
+    calls_stream = chat.tool_stream()
 
-    def chunk(piece: Piece, _offset: int) -> dict:
-        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
-                  "logprobs": _chat_logprobs(piece.logprobs) if piece.logprobs else None,
-                  "finish_reason": piece.finish_reason}
-        if body.return_token_ids:
-            choice["token_ids"] = piece.token_ids
-        return base | {"object": "chat.completion.chunk", "choices": [choice]}
+    def chunks(piece: Piece, _offset: int) -> list[dict]:
+        if calls_stream is None:
+            deltas = [{"content": piece.text}] if piece.text else []
+        else:
+            before = calls_stream.calls
+            events = calls_stream.feed(piece.text)
+            if piece.finish_reason is not None:
+                events += calls_stream.finish()
+            deltas, index = [], before
+            for e in events:
+                if isinstance(e, ToolCall):
+                    deltas.append({"tool_calls": _tool_calls([e], index, stream=True)})
+                    index += 1
+                else:
+                    deltas.append({"content": e})
+        called = calls_stream is not None and calls_stream.calls > 0
+        out = []
+        for i, delta in enumerate(deltas or [{}]):
+            last = i == max(len(deltas), 1) - 1
+            # The piece's tokens (logprobs, ids) go with its first event, its
+            # finish reason with its last.
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": _chat_logprobs(piece.logprobs) if piece.logprobs and i == 0
+                      else None,
+                      "finish_reason": _chat_finish(piece.finish_reason, called) if last
+                      else None}
+            if body.return_token_ids:
+                choice["token_ids"] = piece.token_ids if i == 0 else []
+            out.append(base | {"object": "chat.completion.chunk", "choices": [choice]})
+        return out
 
     def final(text, ids, lps, finish) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        calls = []
+        if chat.tool_format is not None:
+            text, calls = split_output(text, chat.tool_format, chat.parameter_types)
+        message = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls)
+        choice = {"index": 0, "message": message,
                   "logprobs": _chat_logprobs(lps) if body.logprobs else None,
-                  "finish_reason": finish}
+                  "finish_reason": _chat_finish(finish, bool(calls))}
         if body.return_token_ids:
             choice["token_ids"] = ids
         if not body.stream:
@@ -225,7 +244,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     }
     pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
-                          body.include_usage, usage, chunk, final, preamble)
+                          body.include_usage, usage, chunks, final, preamble)
 
 
 @router.post("/v1/completions")
@@ -256,9 +275,9 @@ async def completions(body: CompletionRequest, request: Request):
             c["token_ids"] = ids
         return c
 
-    def chunk(piece: Piece, offset: int) -> dict:
-        return base | {"choices": [choice(piece.text, piece.token_ids, piece.logprobs or [],
-                                          piece.finish_reason, offset)]}
+    def chunks(piece: Piece, offset: int) -> list[dict]:
+        return [base | {"choices": [choice(piece.text, piece.token_ids, piece.logprobs or [],
+                                           piece.finish_reason, offset)]}]
 
     def final(text, ids, lps, finish) -> dict:
         if not body.stream:
@@ -267,4 +286,4 @@ async def completions(body: CompletionRequest, request: Request):
 
     pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
-                          body.include_usage, usage, chunk, final, None)
+                          body.include_usage, usage, chunks, final, None)

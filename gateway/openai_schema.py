@@ -6,17 +6,25 @@ that specgate cannot honour yet are refused by name, never silently dropped.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from engines.base import SamplingParams
 
 # Fields we know and cannot honour yet, with what to tell the client.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
+    "functions": "the legacy `functions` field is not supported; send `tools`",
+    "function_call": "the legacy `function_call` field is not supported; send `tool_choice`",
     "response_format": "structured output (response_format) is not supported yet",
     "logit_bias": "logit_bias is not supported yet",
     "best_of": "best_of is not supported",
@@ -27,8 +35,8 @@ UNSUPPORTED = {
 }
 # Sent by common clients with a default meaning nothing to do.
 HARMLESS_DEFAULTS = {
-    "tools": ([], None),
-    "tool_choice": ("none", "auto", None),
+    "functions": ([], None),
+    "function_call": ("none", "auto", None),
     "response_format": ({"type": "text"}, None),
     "logit_bias": ({}, None),
     "best_of": (1, None),
@@ -97,12 +105,80 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+# OpenAI's own rule for function names.
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("strict")
+    @classmethod
+    def not_strict(cls, v):
+        if v:
+            raise ValueError("strict function calling needs constrained decoding, which "
+                             "specgate does not do; leave strict unset or false")
+        return v
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def as_template_input(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: StrictStr = Field(min_length=1)
+    arguments: StrictStr  # JSON text of an object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def json_object(cls, v: str):
+        try:
+            parsed = json.loads(v or "{}")
+        except json.JSONDecodeError:
+            raise ValueError("arguments must be JSON text of an object") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be JSON text of an object")
+        return v
+
+
+class AssistantToolCall(BaseModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def tool_fields_in_place(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -110,7 +186,18 @@ class ChatMessage(BaseModel):
         else:
             text = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            # Templates take arguments as a mapping (Qwen's iterate over its items).
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments or "{}")}}
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
 
 class ChatCompletionRequest(_Body):
@@ -118,6 +205,27 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a hint; the model decides how many it makes
+
+    @field_validator("tool_choice")
+    @classmethod
+    def honourable_tool_choice(cls, choice, info):
+        if not info.data.get("tools") and choice not in (None, "none", "auto"):
+            raise ValueError("the request has no tools to choose from")
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise ValueError("forcing a tool call needs constrained decoding, which specgate "
+                             "does not do; use \"auto\" or \"none\"")
+        return choice
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.as_template_input() for t in self.tools or []]
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def token_limit(self) -> tuple[int | None, str]:

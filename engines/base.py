@@ -89,6 +89,9 @@ class GenerationRequest:
     # Token ids that end generation (the model's EOS set). Stop *strings* are
     # matched on text by the gateway, which then closes the stream.
     stop_token_ids: frozenset[int] = frozenset()
+    # The gateway's label for the prompt's kind ("code", "prose"), which its
+    # acceptance bookkeeping is kept by; engines ignore it.
+    content_class: str = "prose"
 
 
 @dataclass(frozen=True)

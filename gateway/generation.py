@@ -33,6 +33,7 @@ from gateway.metrics import Metrics
 from gateway.models import ModelRegistry, ServedModel
 from gateway.quotas import Rejected
 from gateway.stops import StopMatcher
+from policies.content import content_class
 from policies.decide import FixedPlanner, OverrideError, RequestFeatures, decide
 
 METHOD_HEADER = "x-specgate-method"
@@ -140,8 +141,11 @@ def plan_request(
     max_tokens_param: str = "max_tokens",
     ignore_eos: bool = False,
     prompt_param: str = "messages",
+    prompt_text: str | None = None,
 ) -> GenerationRequest:
-    """Check limits, decide the plan, and build the engine's request."""
+    """Check limits, decide the plan, and build the engine's request.
+    `prompt_text` (the rendered prompt, or its last message) classifies the
+    content, whose acceptance the policy plans with."""
     n_prompt = len(prompt_tokens)
     if n_prompt == 0:
         raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -165,10 +169,11 @@ def plan_request(
             code="context_length_exceeded",
         )
     method, depth = _override(headers)
-    features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth)
+    content = content_class(prompt_text) if prompt_text else "prose"
+    features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content)
     try:
         plan = decide(served.policy, features, served.live_state(), served.costs,
-                      served.acceptance.rates(served.id))
+                      served.acceptance.rates(served.id, content))
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
     plan = _honouring(served, plan, sampling)
@@ -180,6 +185,7 @@ def plan_request(
         max_tokens=max_tokens,
         plan=plan,
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
+        content_class=content,
     )
 
 
@@ -211,7 +217,8 @@ class PolicyPlanner:
         live = s.live_state()
         others = LiveState(max(0, live.active_requests - 1), live.waiting_requests,
                            state.context_tokens)  # fmt: skip
-        return decide(s.policy, self.features, others, s.costs, s.acceptance.rates(s.id))
+        return decide(s.policy, self.features, others, s.costs,
+                      s.acceptance.rates(s.id, self.features.content))
 
 
 def planner_for(served: ServedModel, request: GenerationRequest):
@@ -219,7 +226,8 @@ def planner_for(served: ServedModel, request: GenerationRequest):
     plan = request.plan
     if plan.reason in ("forced_by_request", "no_drafter", "unsupported_params", "penalties"):
         return FixedPlanner(plan)
-    features = RequestFeatures(len(request.prompt_tokens), request.sampling.has_penalties)
+    features = RequestFeatures(len(request.prompt_tokens), request.sampling.has_penalties,
+                               content=request.content_class)  # fmt: skip
     return PolicyPlanner(served, features)
 
 
@@ -311,7 +319,7 @@ async def run(
                         break
                     if isinstance(event, RoundStats):
                         metrics.round(event)
-                        served.acceptance.update(event)
+                        served.acceptance.update(event, request.content_class)
                         continue
                     now = time.perf_counter()
                     if ttft is None:

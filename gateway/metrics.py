@@ -21,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from engines.base import Plan, RoundStats
 from gateway.models import ModelRegistry
+from policies.content import CONTENT_CLASSES
 
 # No *_created series: one per labelled counter/histogram, and nothing reads them.
 disable_created_metrics()
@@ -178,16 +179,17 @@ class Metrics:
         policy = GaugeMetricFamily(
             "specgate_policy_acceptance_rate",
             "Live conditional acceptance per draft position the policy plans with (EWMA)",
-            labels=["model", "method", "position"],
+            labels=["model", "method", "content", "position"],
         )
         for served in self.models.models.values():
             if served.engines:
                 state = served.live_state()
                 running.add_metric([served.id], state.active_requests)
                 waiting.add_metric([served.id], state.waiting_requests + served.gate.waiting)
-                for method, rates in served.acceptance.rates(served.id).items():
-                    for pos, rate in enumerate(rates):
-                        policy.add_metric([served.id, method, str(pos)], rate)
+                for content in CONTENT_CLASSES:
+                    for method, rates in served.acceptance.rates(served.id, content).items():
+                        for pos, rate in enumerate(rates):
+                            policy.add_metric([served.id, method, content, str(pos)], rate)
         rate = GaugeMetricFamily(
             "specgate_spec_decode_acceptance_rate",
             "Draft tokens accepted / proposed since start", labels=["model", "method"],

@@ -1,4 +1,4 @@
-"""Live acceptance per draft position, per model and method (EWMA).
+"""Live acceptance per draft position, per model, method and content class (EWMA).
 
 Fed every RoundStats the engines report; read by `decide` as the
 conditional rates a_j = P(draft j accepted | drafts before it accepted).
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engines.base import Method, RoundStats
+from policies.content import ContentClass
 
 
 @dataclass
@@ -23,12 +24,12 @@ class AcceptanceTracker:
     def __init__(self, alpha: float = 0.05, min_rounds: int = 8):
         self.alpha = alpha  # weight of the newest observation
         self.min_rounds = min_rounds  # before a position's rate is trusted
-        self._rates: dict[tuple[str, Method], _Rates] = {}
+        self._rates: dict[tuple[str, Method, ContentClass], _Rates] = {}
 
-    def update(self, stats: RoundStats) -> None:
+    def update(self, stats: RoundStats, content: ContentClass) -> None:
         if stats.drafted == 0:
             return
-        r = self._rates.setdefault((stats.model, stats.method), _Rates())
+        r = self._rates.setdefault((stats.model, stats.method, content), _Rates())
         for j, ok in enumerate(stats.accepted_per_position):
             if j == len(r.values):
                 r.values.append(float(ok))
@@ -41,11 +42,13 @@ class AcceptanceTracker:
             if not ok:
                 break  # later positions were not reached this round
 
-    def rates(self, model: str) -> dict[Method, list[float]]:
-        """Trusted per-position rates of each method measured on this model."""
+    def rates(self, model: str, content: ContentClass) -> dict[Method, list[float]]:
+        """Trusted per-position rates of each method measured on this model
+        and this kind of content. A class not measured yet has none, so the
+        policy speculates on it when idle and so learns it."""
         out = {}
-        for (m, method), r in self._rates.items():
-            if m == model and r.counts and r.counts[0] >= self.min_rounds:
+        for (m, method, c), r in self._rates.items():
+            if m == model and c == content and r.counts and r.counts[0] >= self.min_rounds:
                 out[method] = [v for v, n in zip(r.values, r.counts, strict=True)
                                if n >= self.min_rounds]  # fmt: skip
         return out

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engines.base import METHODS, LiveState, Method, Plan
+from policies.content import ContentClass
 from policies.costs import CostModel, speculative_speed
 
 
@@ -61,6 +62,7 @@ class RequestFeatures:
     has_penalties: bool
     forced_method: Method | None = None
     forced_depth: int | None = None
+    content: ContentClass = "prose"  # whose acceptance rates the caller plans with
 
 
 @dataclass(frozen=True)

@@ -132,13 +132,26 @@ def test_acceptance_tracker_learns_conditional_rates():
     t = AcceptanceTracker(min_rounds=4)
     # Position 1 accepted 3 of 4 times; position 2 reached 3 times, accepted once.
     for flags in ([True, True], [True, False], [True, False], [False, False]):
-        t.update(RoundStats("m", "mtp", 2, flags))
-    assert t.rates("m") == {"mtp": [0.75]}  # position 2 reached only 3 times: not yet trusted
-    t.update(RoundStats("m", "mtp", 2, [True, True]))
-    rates = t.rates("m")["mtp"]
+        t.update(RoundStats("m", "mtp", 2, flags), "code")
+    assert t.rates("m", "code") == {"mtp": [0.75]}  # position 2 reached 3 times: not yet trusted
+    t.update(RoundStats("m", "mtp", 2, [True, True]), "code")
+    rates = t.rates("m", "code")["mtp"]
     assert rates[0] == pytest.approx(4 / 5) and rates[1] == pytest.approx(2 / 4)
-    t.update(RoundStats("m", "mtp", 0, []))  # a plain round teaches nothing
-    assert t.rates("other") == {}
+    t.update(RoundStats("m", "mtp", 0, []), "code")  # a plain round teaches nothing
+    assert t.rates("other", "code") == {}
+    # Prose has its own rates: unmeasured until it has its own rounds.
+    assert t.rates("m", "prose") == {}
+
+
+def test_content_class():
+    from policies.content import content_class
+
+    assert content_class("import os\n\ndef main():\n    return os.getcwd()\n") == "code"
+    assert content_class("for (int i = 0; i < n; i++) { sum += a[i]; }") == "code"
+    assert content_class("Write me a short poem about the sea, please.") == "prose"
+    assert content_class("The meeting is at noon. Bring the notes from last week.\n"
+                         "Everyone should read the draft before then.") == "prose"
+    assert content_class("") == "prose"
 
 
 def test_fixed_step_costs_turn_a_textbook_win_into_a_measured_loss():

@@ -27,6 +27,7 @@ from engines.base import SamplingParams
 UNSUPPORTED = {
     "mcp_servers": "MCP connectors are not supported",
     "container": "code-execution containers are not supported",
+    "output_format": "structured outputs are not supported",
 }
 
 

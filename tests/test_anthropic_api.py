@@ -1,0 +1,183 @@
+"""The Anthropic Messages API end to end: real uvicorn, the real `anthropic` SDK."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "def fibonacci(n):"}]
+# anthropic 2.14's create() has no sampling arguments (newer Claude models
+# refuse them); the API still defines them, so they go in the body.
+GREEDY = {"extra_body": {"temperature": 0}}
+
+
+@pytest.fixture
+def client(gateway):
+    return anthropic.Anthropic(base_url=gateway.base_url, api_key="unused", max_retries=0,
+                               timeout=120)  # fmt: skip
+
+
+@pytest.fixture
+def oai(gateway):
+    return openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_non_streaming_message(client):
+    msg = client.messages.create(model="tiny", max_tokens=24, messages=MSG, metadata={"user_id": "someone"},
+                                 **GREEDY)  # fmt: skip
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == "tiny"
+    assert msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"]
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
+    assert msg.usage.input_tokens > 0 and 0 < msg.usage.output_tokens <= 24
+
+
+def test_greedy_equals_openai_endpoint(client, oai):
+    for max_tokens in (8, 40):
+        msg = client.messages.create(model="tiny", max_tokens=max_tokens, messages=MSG,
+                                     **GREEDY)  # fmt: skip
+        chat = oai.chat.completions.create(model="tiny", max_tokens=max_tokens, messages=MSG,
+                                           temperature=0)  # fmt: skip
+        assert msg.content[0].text == chat.choices[0].message.content
+        assert msg.usage.input_tokens == chat.usage.prompt_tokens
+        assert msg.usage.output_tokens == chat.usage.completion_tokens
+        want = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+        assert msg.stop_reason == want
+
+
+def test_max_tokens_stop_reason(client):
+    msg = client.messages.create(model="tiny", max_tokens=3, messages=MSG, **GREEDY,
+                                 extra_headers={"anthropic-version": "2023-06-01"})  # fmt: skip
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
+
+
+def test_stream_helper_equals_non_streaming(client):
+    kw = dict(model="tiny", max_tokens=32, messages=MSG, **GREEDY)
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_raw_stream_event_sequence(gateway, client):
+    kw = dict(model="tiny", max_tokens=16, messages=MSG, stream=True)
+    events = list(client.messages.create(**kw, **GREEDY))
+    kinds = [e.type for e in events]  # the SDK drops pings
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    assert events[0].message.usage.input_tokens > 0 and events[0].message.content == []
+    assert events[-2].delta.stop_reason in ("end_turn", "max_tokens")
+    assert events[-2].usage.output_tokens > 0
+    assert all(e.delta.type == "text_delta" for e in events if e.type == "content_block_delta")
+    # On the wire: each event named, the ping right after the first block starts.
+    with httpx.stream("POST", gateway.base_url + "/v1/messages", json=kw | GREEDY["extra_body"],
+                      headers={"anthropic-version": "2023-06-01"}, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        names = [line[7:] for line in resp.iter_lines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert [n for n in names if n != "ping"] == kinds
+
+
+def test_system_prompt_changes_prompt_tokens(client):
+    plain = client.messages.count_tokens(model="tiny", messages=MSG)
+    as_string = client.messages.count_tokens(model="tiny", messages=MSG, system="Be brief.")
+    as_blocks = client.messages.count_tokens(
+        model="tiny", messages=MSG, system=[{"type": "text", "text": "Be brief."}]
+    )
+    assert as_string.input_tokens == as_blocks.input_tokens > plain.input_tokens
+    msg = client.messages.create(model="tiny", max_tokens=4, messages=MSG, system="Be brief.",
+                                 **GREEDY)  # fmt: skip
+    assert msg.usage.input_tokens == as_string.input_tokens
+
+
+def test_count_tokens_equals_usage_for_block_content(client):
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "class Parser:"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": {
+            "type": "ephemeral"}}]},
+    ]  # fmt: skip
+    counted = client.messages.count_tokens(model="tiny", messages=messages)
+    msg = client.messages.create(model="tiny", max_tokens=4, messages=messages, **GREEDY)
+    assert counted.input_tokens == msg.usage.input_tokens
+
+
+def test_stop_sequences(client):
+    free = client.messages.create(model="tiny", max_tokens=40, messages=MSG, **GREEDY)
+    text = free.content[0].text
+    assert len(text) > 6, text
+    stop = text[3:6]
+    msg = client.messages.create(model="tiny", max_tokens=40, messages=MSG, **GREEDY,
+                                 stop_sequences=["never-there", stop])  # fmt: skip
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[: text.index(stop)]
+    with client.messages.stream(model="tiny", max_tokens=40, messages=MSG, **GREEDY,
+                                stop_sequences=[stop]) as stream:  # fmt: skip
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == msg.content[0].text
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
+def test_sampling_parameters_accepted(client):
+    msg = client.messages.create(model="tiny", max_tokens=8, messages=MSG,
+                                 extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 20})  # fmt: skip
+    assert msg.usage.output_tokens >= 1
+
+
+BAD = {
+    "empty messages": dict(messages=[]),
+    "max_tokens 0": dict(max_tokens=0),
+    "temperature above 1": dict(extra_body={"temperature": 1.5}),
+    "temperature below 0": dict(extra_body={"temperature": -0.1}),
+    "top_p above 1": dict(extra_body={"top_p": 1.2}),
+    "top_k negative": dict(extra_body={"top_k": -1}),
+    "system role in messages": dict(messages=[{"role": "system", "content": "x"}]),
+    "unknown block type": dict(messages=[{"role": "user", "content": [{"type": "video"}]}]),
+    "image block": dict(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}]),
+    "last message from assistant": dict(messages=[*MSG, {"role": "assistant", "content": "x"}]),
+    "tools on a template without tools": dict(tools=[{"name": "f", "input_schema": {
+        "type": "object"}}]),
+    "forced tool choice": dict(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                               tool_choice={"type": "any"}),
+    "thinking": dict(thinking={"type": "enabled", "budget_tokens": 1024}),
+    "too many stop sequences": dict(stop_sequences=[f"s{i}" for i in range(40)]),
+    "max_tokens beyond context": dict(max_tokens=10**6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_requests_are_anthropic_400s(client, case):
+    kw = dict(model="tiny", max_tokens=4, messages=MSG) | BAD[case]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(**kw)
+    body = err.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"]
+
+
+def test_error_shapes_and_still_serving(gateway, client):
+    with pytest.raises(anthropic.NotFoundError) as err:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=MSG)
+    assert err.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=MSG)
+    # max_tokens is required; the SDK enforces it too, so send the body raw.
+    raw = httpx.post(gateway.base_url + "/v1/messages", json={"model": "tiny", "messages": MSG})
+    assert raw.status_code == 400 and raw.json()["type"] == "error"
+    assert "max_tokens" in raw.json()["error"]["message"]
+    bad_json = httpx.post(gateway.base_url + "/v1/messages", content=b"{nope",
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == (
+        "invalid_request_error")  # fmt: skip
+    msg = client.messages.create(model="tiny", max_tokens=4, messages=MSG, **GREEDY)
+    assert msg.usage.output_tokens >= 1
+    assert gateway.alive() and "Traceback" not in gateway.log()

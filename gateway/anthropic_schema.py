@@ -127,10 +127,11 @@ class Tool(BaseModel):
     type: Literal["custom"] | None = None  # Anthropic's server tools have other types
 
     def as_template_input(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        # OpenAI's key order: templates dump the tool as JSON, so order is tokens.
+        fn: dict[str, Any] = {"name": self.name}
         if self.description:
             fn["description"] = self.description
-        return {"type": "function", "function": fn}
+        return {"type": "function", "function": fn | {"parameters": self.input_schema}}
 
 
 class ToolChoice(BaseModel):

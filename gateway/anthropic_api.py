@@ -188,13 +188,13 @@ async def count_tokens(body: CountTokensRequest, request: Request):
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
-    chat = await render_chat(
-        engine, body.model, body.template_messages(), body.template_tools, body.parse_tools
-    )
+    messages = body.template_messages()
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
     stops = _NamedStops(_check_stop_sequences(body.stop_sequences))
     req = plan_request(
-        served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens
-    )
+        served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens,
+        prompt_text=messages[-1]["content"],
+    )  # fmt: skip
     usage = Usage(len(chat.tokens))
     outcome = _Outcome()
     head = {

@@ -177,14 +177,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    chat = await render_chat(engine, body.model, [m.as_template_input() for m in body.messages],
-                             body.template_tools, body.parse_tools)
+    messages = [m.as_template_input() for m in body.messages]
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
     prompt = chat.tokens
     limit, limit_param = body.token_limit
     sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
-                       body.ignore_eos)
+                       body.ignore_eos, prompt_text=messages[-1]["content"])
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}

@@ -34,7 +34,6 @@ from gateway.generation import (
     resolve_model,
     run,
 )
-from gateway.stops import StopMatcher
 from gateway.tools import ToolCall, ToolCallStream
 
 router = APIRouter()
@@ -44,20 +43,6 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-class _NamedStops(StopMatcher):
-    """A StopMatcher that remembers which stop sequence matched."""
-
-    matched: str | None = None
-
-    def feed(self, text: str) -> str:
-        buf = self._held + text
-        out = super().feed(text)
-        if self.stopped and self.matched is None:
-            # feed returned the text before the match: the stop starts there.
-            self.matched = next(s for s in self.stops if buf.startswith(s, len(out)))
-        return out
 
 
 def _check_stop_sequences(stops: list[str] | None) -> list[str]:
@@ -79,19 +64,15 @@ class _Outcome:
 
 async def _output(
     pieces: AsyncIterator[Piece],
-    stops: _NamedStops,
     calls: ToolCallStream | None,
     outcome: _Outcome,
 ) -> AsyncIterator[str | ToolCall]:
-    """The model's output as text and tool calls; sets `outcome` at the end.
-    A stop sequence closes `pieces`, which cancels the generation."""
+    """The model's output as text and tool calls; sets `outcome` at the end."""
     async with aclosing(pieces):
         async for piece in pieces:
-            text, finish = stops.feed(piece.text), piece.finish_reason
-            if stops.stopped:
+            text, finish = piece.text, piece.finish_reason
+            if piece.stop_sequence is not None:
                 finish = "stop_sequence"
-            elif finish is not None:
-                text += stops.flush()
             events = [text] if calls is None else calls.feed(text)
             if finish is not None and calls is not None:
                 events += calls.finish()
@@ -100,7 +81,7 @@ async def _output(
                     yield event
             if finish is not None:
                 if finish == "stop_sequence":
-                    outcome.stop_reason, outcome.stop_sequence = finish, stops.matched
+                    outcome.stop_reason, outcome.stop_sequence = finish, piece.stop_sequence
                 elif calls is not None and calls.calls and finish == "stop":
                     outcome.stop_reason = "tool_use"
                 else:
@@ -190,7 +171,7 @@ async def messages(body: MessagesRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
-    stops = _NamedStops(_check_stop_sequences(body.stop_sequences))
+    stops = _check_stop_sequences(body.stop_sequences)
     req = plan_request(
         served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens,
         prompt_text=messages[-1]["content"],
@@ -203,14 +184,14 @@ async def messages(body: MessagesRequest, request: Request):
         "role": "assistant",
         "model": body.model,
     }
-    pieces = run(served, req, [], usage, request.app.state.metrics)
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
     headers = plan_headers(req.plan)
 
     if not body.stream:
 
         async def collect() -> list[dict]:
             content: list[dict] = []
-            async for event in _output(pieces, stops, chat.tool_stream(), outcome):
+            async for event in _output(pieces, chat.tool_stream(), outcome):
                 if isinstance(event, ToolCall):
                     content.append(_tool_use(event))
                 elif content and content[-1]["type"] == "text":
@@ -248,7 +229,7 @@ async def messages(body: MessagesRequest, request: Request):
         }
         yield _sse({"type": "message_start", "message": start})
         blocks = _Blocks()
-        output = _output(_prepend(first, pieces), stops, chat.tool_stream(), outcome)
+        output = _output(_prepend(first, pieces), chat.tool_stream(), outcome)
         try:
             async with aclosing(output):
                 async for event in output:

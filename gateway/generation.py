@@ -51,6 +51,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
 
 @dataclass
@@ -334,7 +335,7 @@ async def run(
                     text = matcher.feed(event.text)
                     if matcher.stopped:
                         status = "ok"
-                        yield Piece(text, event.token_ids, event.logprobs, "stop")
+                        yield Piece(text, event.token_ids, event.logprobs, "stop", matcher.matched)
                         return
                     if event.finish_reason is not None:
                         text += matcher.flush()

@@ -262,7 +262,8 @@ async def completions(body: CompletionRequest, request: Request):
     sampling = body.sampling(want_lps, body.logprobs or 0)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens,
-                       ignore_eos=body.ignore_eos, prompt_param="prompt")
+                       ignore_eos=body.ignore_eos, prompt_param="prompt",
+                       prompt_text=body.prompt if isinstance(body.prompt, str) else None)
     usage = Usage(len(prompt))
     rid, created = new_id("cmpl"), int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}

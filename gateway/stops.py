@@ -13,14 +13,16 @@ class StopMatcher:
         self._longest = max((len(s) for s in self.stops), default=0)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Text that is safe to send now; sets `stopped` once a stop matched."""
         if not self.stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self._held, self.stopped = "", True
             return buf[:cut]
         # Hold back the longest tail that is a prefix of some stop string.

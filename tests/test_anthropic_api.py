@@ -109,7 +109,14 @@ def test_count_tokens_equals_usage_for_block_content(client):
     assert counted.input_tokens == msg.usage.input_tokens
 
 
-def test_stop_sequences(client):
+def _cancelled(gateway) -> float:
+    text = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("specgate_requests_total{") and 'status="cancelled"' in line)
+
+
+def test_stop_sequences(gateway, client):
+    cancelled = _cancelled(gateway)
     free = client.messages.create(model="tiny", max_tokens=40, messages=MSG, **GREEDY)
     text = free.content[0].text
     assert len(text) > 6, text
@@ -124,6 +131,7 @@ def test_stop_sequences(client):
         final = stream.get_final_message()
     assert streamed == msg.content[0].text
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert _cancelled(gateway) == cancelled  # a stop sequence is a finished request
 
 
 def test_sampling_parameters_accepted(client):

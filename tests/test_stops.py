@@ -26,6 +26,9 @@ def test_false_start_is_released():
 
 def test_earliest_of_several_stops_wins():
     assert feed_all(["world", "lo w"], ["hello world"]) == ("hel", True)
+    m = StopMatcher(["world", "lo w"])
+    m.feed("hello world")
+    assert m.matched == "lo w"  # named, for Anthropic's stop_sequence
 
 
 def test_held_text_flushed_at_end():

@@ -65,7 +65,7 @@ def launch_config(m: int, k: int, n: int, *, max_shared: int = 48 * 1024) -> tup
     at most 8 warps, so that a block's registers always fit (no launch bounds
     can be given to an mx.fast kernel)."""
     w = max(1, min(8, max_shared // (m * KC * 4), k // KC))
-    cpl = 2 if n >= 8192 else 1  # wide matrices: reuse each staged x value twice
+    cpl = 2  # each staged x value serves two columns (measured no worse at N = 4096)
     return w, cpl
 
 

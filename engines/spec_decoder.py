@@ -2,7 +2,8 @@
 
 A round at depth k:
 1. draft   the method's drafter proposes d_1..d_k (a subclass's `_draft`);
-2. verify  the trunk runs [last, d_1..d_k] in one forward;
+2. verify  the trunk runs [last, d_1..d_k] in one forward (through the
+           small-M kernels where the engine enabled them: kernels/wiring.py);
 3. accept  engines/speculative.py decides how many drafts stand and adds one
            target token, so each round commits accepted + 1 tokens;
 4. undo    what the rejected drafts left in the trunk's caches: KV trimmed,
@@ -40,6 +41,7 @@ from engines.sampling import (
 )
 from engines.speculative import accept_greedy, accept_sampled
 from engines.trunk import Trunk, checkpoint, restore, rollback, tape
+from kernels import hook
 
 
 @dataclass
@@ -165,9 +167,12 @@ class SpecDecoder:
             verify_arr = mx.concatenate([verify_arr, draft_arr.astype(verify_arr.dtype)])
         replay = self.rollback_mode == "replay"
         saved = checkpoint(self.cache) if replay else None
-        with nullcontext() if replay else tape() as recorded:
-            hidden = self._forward(verify_arr[None])
-        logits = self.trunk.logits(hidden)[0]
+        # The verify forward (and its logits): the only place the small-M
+        # kernels run, where the engine enabled them (kernels/wiring.py).
+        with hook.kernels(getattr(self.trunk, "kernels", False)):
+            with nullcontext() if replay else tape() as recorded:
+                hidden = self._forward(verify_arr[None])
+            logits = self.trunk.logits(hidden)[0]
         states = [self.penalties]
         for j in range(depth):
             states.append(self._advanced(states[-1], draft_arr[j : j + 1]))

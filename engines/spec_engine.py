@@ -64,11 +64,29 @@ class SpecEngine(WorkerEngine):
         max_context: int,
         max_queue: int = 64,
         prefill_step_size: int = 512,
+        kernels: str = "auto",
+        kernel_guard=None,
     ):
         super().__init__(model_id, loaded, max_context=max_context)
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
         self.trunk = Trunk(loaded.model)
+        self.kernels_setting = kernels
+        self.kernel_guard = kernel_guard  # None: kernels.wiring.shared_guard()
+        self.kernel_wiring = None  # set by wire_kernels, once the engine knows its depth
+
+    def wire_kernels(self, max_depth: int) -> None:
+        """Small-M kernels for this engine's verify forwards (kernels/wiring.py):
+        the hook on a quantized trunk unless `kernels: off`, every verify
+        width 2..max_depth+1 proved now, at load, not inside a request."""
+        from kernels import wiring
+
+        with DEVICE_LOCK:
+            self.kernel_wiring = wiring.prepare(self.loaded.model, self.kernels_setting,
+                                                range(2, max_depth + 2), guard=self.kernel_guard)  # fmt: skip
+        self.trunk.kernels = self.kernel_wiring.enabled
+        log.info("%s %s: verify %s", self.model_id, self.name,
+                 "through kernels/hook.py" if self.trunk.kernels else "stock")  # fmt: skip
 
     def make_decoder(
         self, request: GenerationRequest, cache: list | None, cached_tokens: int

@@ -163,6 +163,9 @@ class Trunk:
         self.model = model
         self.inner = text.model  # returns hidden states after the final norm
         self._lm_head = None if text.args.tie_word_embeddings else text.lm_head
+        # Whether verify forwards run through kernels/hook.py's proved kernels
+        # (set by the engine from kernels/wiring.py at load; off by default).
+        self.kernels = False
         _install_hooks(model)
         _install_capture(self.inner.layers)
 

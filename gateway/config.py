@@ -121,6 +121,10 @@ class ModelConfig(_Strict):
     # Longest wait in the admission queue before 503 + Retry-After.
     max_queue_wait_s: float = Field(120.0, gt=0)
     prefix_cache_size: int = Field(8, ge=0)  # cached prompt prefixes kept
+    # Small-M verify kernels (kernels/): "auto" routes a quantized model's
+    # speculative verify forwards through the kernels this machine proved
+    # correct and faster per shape (kernels/guard.py); "off": stock MLX always.
+    kernels: Literal["auto", "off"] = "auto"
     llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
 

@@ -122,7 +122,8 @@ def _build_engines(
         # Asked for by name: a checkpoint that cannot do MTP fails to load
         # with the reason, rather than quietly serving plain decoding.
         engines["mlx_mtp"] = MLXMTPEngine(
-            mc.id, loaded, max_context=max_context, max_queue=mc.max_queue
+            mc.id, loaded, max_context=max_context, max_queue=mc.max_queue,
+            kernels=mc.kernels, verify_depth=mc.mtp_depth,
         )
     for name in ("mlx_dflash", "mlx_dspark"):
         if name in mc.engines:
@@ -130,7 +131,8 @@ def _build_engines(
 
             cls = MLXDFlashEngine if name == "mlx_dflash" else MLXDSparkEngine
             engines[name] = cls(mc.id, loaded, resolve_path(mc.drafter),
-                                max_context=max_context, max_queue=mc.max_queue)
+                                max_context=max_context, max_queue=mc.max_queue,
+                                kernels=mc.kernels, verify_depth=mc.block_depth)
     return engines, {}
 
 
@@ -211,7 +213,7 @@ class ModelRegistry:
             if not served.config.is_gguf:
                 from gateway.tuning import costs_for
 
-                served.costs = costs_for(resolve_path(served.config.path))
+                served.costs = costs_for(resolve_path(served.config.path), served.config.kernels)
             log.info("model %s ready (%s)", served.id, ", ".join(engines))
         except Exception as e:  # one bad model must not take down the others
             served.error = f"{type(e).__name__}: {e}"

@@ -54,12 +54,22 @@ def kernels(on: bool = True):
         _local.on = prev
 
 
+_UNKNOWN = object()
+
+
 class _KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        guard = self.__dict__.get("_specgate_guard")
-        if guard is not None and enabled() and qmm.MIN_M <= math.prod(x.shape[:-1]) <= qmm.MAX_M:
-            fn = guard.kernel_for(x, self["weight"], self["scales"], self["biases"],
-                                  self.group_size, self.bits)  # fmt: skip
+        d = self.__dict__
+        guard = d.get("_specgate_guard")
+        m = math.prod(x.shape[:-1])
+        if guard is not None and enabled() and qmm.MIN_M <= m <= qmm.MAX_M:
+            # The guard's answer per (rows, dtype), kept on the module: a verify
+            # forward asks ~200 times, and a verdict never changes once given.
+            fns = d["_specgate_fns"]
+            fn = fns.get((m, x.dtype), _UNKNOWN)
+            if fn is _UNKNOWN:
+                fn = fns[(m, x.dtype)] = guard.kernel_for(
+                    x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             if fn is not None:
                 y = fn(x, self["weight"], self["scales"], self["biases"], self.group_size,
                        self.bits)  # fmt: skip
@@ -80,6 +90,7 @@ def install(model: nn.Module, guard) -> int:
         if eligible(module):
             module.__class__ = _KernelQuantizedLinear
             module.__dict__["_specgate_guard"] = guard
+            module.__dict__["_specgate_fns"] = {}
             count += 1
     return count
 
@@ -89,3 +100,4 @@ def uninstall(model: nn.Module) -> None:
         if type(module) is _KernelQuantizedLinear:
             module.__class__ = nn.QuantizedLinear
             module.__dict__.pop("_specgate_guard", None)
+            module.__dict__.pop("_specgate_fns", None)

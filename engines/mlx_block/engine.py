@@ -41,12 +41,18 @@ class MLXDFlashEngine(SpecEngine):
     reads_prefix_cache = False
 
     def __init__(self, model_id: str, loaded: LoadedModel, drafter_path: str | Path, *,
-                 max_context: int, max_queue: int = 64, prefill_step_size: int = 512):
+                 max_context: int, max_queue: int = 64, prefill_step_size: int = 512,
+                 kernels: str = "auto", verify_depth: int | None = None, kernel_guard=None):  # fmt: skip
+        """verify_depth: the most drafts a round verifies (the model's
+        block_depth; default the drafter's max_drafts); widths up to it + 1
+        are proved at load."""
         super().__init__(model_id, loaded, max_context=max_context, max_queue=max_queue,
-                         prefill_step_size=prefill_step_size)  # fmt: skip
+                         prefill_step_size=prefill_step_size, kernels=kernels,
+                         kernel_guard=kernel_guard)  # fmt: skip
         self.drafter = self.load_drafter(drafter_path)
         check_pairing(self.drafter, self.trunk.hidden_size,
                       self.trunk.num_layers, self.trunk.vocab_size)
+        self.wire_kernels(min(verify_depth or self.max_drafts, self.max_drafts))
 
     @property
     def max_drafts(self) -> int:

@@ -14,10 +14,15 @@ class MLXMTPEngine(SpecEngine):
     method = "mtp"
 
     def __init__(self, model_id: str, loaded: LoadedModel, *, max_context: int,
-                 max_queue: int = 64, prefill_step_size: int = 512):
+                 max_queue: int = 64, prefill_step_size: int = 512, kernels: str = "auto",
+                 verify_depth: int = 2, kernel_guard=None):  # fmt: skip
+        """verify_depth: the deepest round the policy plans (the model's
+        mtp_depth); verify widths up to it + 1 are proved at load."""
         super().__init__(model_id, loaded, max_context=max_context, max_queue=max_queue,
-                         prefill_step_size=prefill_step_size)  # fmt: skip
+                         prefill_step_size=prefill_step_size, kernels=kernels,
+                         kernel_guard=kernel_guard)  # fmt: skip
         self.head = load_mtp_head(loaded)
+        self.wire_kernels(verify_depth)
 
     def make_decoder(self, request: GenerationRequest, cache: list | None,
                      cached_tokens: int) -> MTPDecoder:

@@ -1,0 +1,168 @@
+"""Wiring the small-M kernels into an engine's verify forward, at load.
+
+`prepare(model, setting, widths)` is what an engine (and `specgate tune`,
+and bench/e2e_mtp_7b.py) calls once when it loads a model:
+
+- `setting` "off", or a model with no affine 4/8-bit `QuantizedLinear`:
+  nothing is installed, verify forwards stay stock.
+- each kernel of the guard is probed once at the model's first shape
+  (M = 2): a kernel that cannot be built on this device (CUDA code on a
+  CPU or a Mac, Metal code off Apple silicon, a compile error) gets its
+  `failed` verdict, recorded under SPECGATE_HOME like any other, and is
+  dropped for this process, so no later shape tries it again. If none is
+  left, the hook is not installed: one log line, the stock path.
+- otherwise kernels/hook.py is installed on the model and the guard proves
+  every (shape, width) the engine can verify (`widths`, M = 2..max depth+1)
+  now, so no proof lands inside a live request (verdicts on disk are read
+  back, not re-proved). Widths beyond these are proved at their first use.
+- the engine then runs each round's verify forward inside
+  `hook.kernels(wired.enabled)`; prefill and one-row steps are never routed.
+
+One guard per SPECGATE_HOME per process (`shared_guard`), so engines that
+share a model share verdicts and its log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.nn as nn
+
+from kernels import hook, qmm
+from kernels.guard import Guard, Verdict, dtype_name, specgate_home
+
+log = logging.getLogger("specgate.kernels")
+
+SETTINGS = ("auto", "off")
+
+_guards: dict[Path, Guard] = {}
+_guards_lock = threading.Lock()
+
+
+def shared_guard() -> Guard:
+    """This process's guard for $SPECGATE_HOME (the default kernels)."""
+    home = specgate_home()
+    with _guards_lock:
+        if home not in _guards:
+            _guards[home] = Guard(home=home)
+        return _guards[home]
+
+
+Shape = tuple  # (K, N, dtype, bits, group_size)
+
+
+def model_shapes(model: nn.Module) -> list[Shape]:
+    """Distinct (K, N, activation dtype, bits, group size) of the model's
+    hookable quantized linears, in first-met order."""
+    out: dict[Shape, None] = {}
+    for _, m in model.named_modules():
+        if hook.eligible(m):
+            n, words = m["weight"].shape
+            out[(words * 32 // m.bits, n, m["scales"].dtype, m.bits, m.group_size)] = None
+    return list(out)
+
+
+@dataclass
+class Wiring:
+    """What `prepare` decided for one model."""
+
+    enabled: bool  # verify forwards run inside hook.kernels()
+    reason: str  # one line, for logs and `specgate tune`
+    guard: Guard | None = None
+    shapes: list[Shape] = field(default_factory=list)
+    widths: tuple[int, ...] = ()
+    hooked: int = 0  # quantized linears routed through the hook
+    failed: dict[str, str] = field(default_factory=dict)  # kernel -> why it cannot build here
+
+    def verdicts(self) -> list[Verdict]:
+        """The recorded verdicts for this model's shapes at its widths (every usable kernel)."""
+        if self.guard is None:
+            return []
+        out = []
+        for k, n, dtype, bits, gs in self.shapes:
+            for m in self.widths:
+                for cand in self.guard.candidates:
+                    v = self.guard.verdict(cand, m, k, n, dtype, bits, gs)
+                    if v is not None:
+                        out.append(v)
+        return out
+
+    def in_use(self) -> int:
+        return sum(v.ok for v in self.verdicts())
+
+
+def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
+    """The guard's kernels that build on this device (probed at the first
+    shape they are written for, M = 2), and why the others do not."""
+    keep, failed = [], {}
+    for cand in guard.candidates:
+        v = None
+        for k, n, dtype, bits, gs in shapes:
+            v = guard.verdict(cand, qmm.MIN_M, k, n, dtype, bits, gs)
+            if v is not None:
+                break
+        if v is not None and v.status == "failed":
+            failed[cand.name] = v.detail or "failed"
+        else:
+            keep.append(cand)
+    return keep, failed
+
+
+def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
+            guard: Guard | None = None) -> Wiring:  # fmt: skip
+    """Install the hook on `model` and prove its verify shapes (see the module docstring).
+
+    Call it with the device to yourself (engines hold DEVICE_LOCK): the
+    proofs time kernels."""
+    if setting not in SETTINGS:
+        raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
+    if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
+        return Wiring(False, "kernels: off (config)")
+    shapes = model_shapes(model)
+    if not shapes:
+        return Wiring(False, "not quantized (affine 4/8-bit): stock verify")
+    guard = shared_guard() if guard is None else guard
+    widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
+    with guard._lock:
+        keep, failed = _usable(guard, shapes)
+        guard.candidates = keep
+    if not keep:
+        why = "; ".join(f"{name}: {d}" for name, d in failed.items())
+        wired = Wiring(False, f"no kernel builds on this device ({why}): stock verify",
+                       guard, shapes, widths, 0, failed)  # fmt: skip
+        log.info("%s", wired.reason)
+        return wired
+    hooked = hook.install(model, guard)
+    for k, n, dtype, bits, gs in shapes:  # the warm-up: kernel_for's order, per shape
+        for m in widths:
+            for cand in keep:
+                v = guard.verdict(cand, m, k, n, dtype, bits, gs)
+                if v is not None and v.ok:
+                    break
+    wired = Wiring(True, "", guard, shapes, widths, hooked, failed)
+    ok = wired.in_use()
+    total = len(shapes) * len(widths)
+    wired.reason = (f"{', '.join(c.name for c in keep)} on {hooked} quantized linears: "
+                    f"{ok} of {total} (shape, width) pairs at widths {widths[0]}..{widths[-1]} "
+                    f"proved faster than stock" if widths else "no verify widths to prove")  # fmt: skip
+    log.info("kernels: %s", wired.reason)
+    return wired
+
+
+def describe(v: Verdict) -> str:
+    """One verdict as a table row."""
+    m, k, n = v.shape
+
+    def f(a, spec):
+        return f"{a:{spec}}" if a is not None else "-"
+
+    return (f"{v.kernel:>10} M={m:<2d} K={k:<6d} N={n:<6d} {v.dtype:>8} {v.bits}b g{v.group_size:<3d} "
+            f"{v.status:>7}  err {f(v.max_error, '.1e')} (bound {f(v.bound, '.1e')})  "
+            f"kernel {f(v.kernel_us, '.1f')} us / stock {f(v.reference_us, '.1f')} us"
+            + (f"  {v.detail}" if v.detail else ""))  # fmt: skip
+
+
+__all__ = ["SETTINGS", "Wiring", "describe", "dtype_name", "model_shapes", "prepare", "shared_guard"]

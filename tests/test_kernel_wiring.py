@@ -1,0 +1,200 @@
+"""The small-M kernels wired into the engines' verify forward (kernels/wiring.py), on the CPU.
+
+A 4-bit tiny Qwen3.5 hybrid (mlx-lm's converter, float32 activations) with
+its MTP head, served by the real MLXMTPEngine:
+- with a guard whose only kernel is a correct one (the stock op, counted),
+  greedy MTP decoding equals plain greedy decoding token for token, the
+  kernel runs for every verify width and never for prefill or one-row
+  steps, and every verify shape was proved at load, none during decoding;
+- with `kernels: off` it never runs;
+- with the real kernels (CUDA, Metal) on this CPU both are recorded
+  `failed` once, with a log line, the hook is not installed, and the output
+  is unchanged; a later process reads the verdicts back instead of building.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import mlx.core as mx
+import pytest
+from greedy import assert_same_greedy, greedy_reference
+from mlx.utils import tree_flatten
+
+from engines.base import GenerationRequest, Plan, SamplingParams
+from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.loading import load_mlx_model
+from engines.mlx_mtp.decoder import MTPDecoder
+from engines.mlx_mtp.engine import MLXMTPEngine
+from engines.mlx_mtp.loading import load_mtp_head
+from gateway.config import ConfigError, parse_config
+from kernels import hook, qmm, wiring
+from kernels.guard import Candidate, Guard
+
+N_TOKENS = 24
+DEPTHS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    """A 4-bit (group 64) tiny hybrid with a float MTP head sidecar."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("kernel_wiring")
+    src = build_qwen35_hybrid(root / "f32", hidden_size=128, vocab_size=1024)
+    head = load_mtp_head(load_mlx_model(str(src)))
+    dest = root / "q4"
+    convert(str(src), mlx_path=str(dest), quantize=True, q_group_size=64, q_bits=4,
+            dtype="float32")  # fmt: skip
+    mx.save_safetensors(str(dest / "mtp.safetensors"), dict(tree_flatten(head.parameters())))
+    loaded = load_mlx_model(str(dest))
+    assert any(hook.eligible(m) for _, m in loaded.model.named_modules())
+    return loaded
+
+
+class Counting:
+    """A correct kernel: the stock op, with every call's row count noted."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+
+    def __call__(self, x, wq, s, b, gs, bits):
+        self.rows.append(x.size // x.shape[-1])
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+
+def counting_guard(tmp_path, kernel: Counting) -> Guard:
+    # margin inf: correct is enough to be enabled (wrapping stock is not faster)
+    return Guard([Candidate("count", "1", kernel)], home=tmp_path, machine="test-machine",
+                 reps=2, inner=1, margin=float("inf"))  # fmt: skip
+
+
+class InjectedDrafts(MTPDecoder):
+    """The head drafts; its proposals are replaced by the reference
+    continuation, one position corrupted (or none), so partial acceptance
+    and rollback run through the kernels too."""
+
+    def __init__(self, *args, reference, rng, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reference, self.rng = reference, rng
+
+    def _draft(self, last, depth):
+        _, probs = super()._draft(last, depth)
+        true = self.reference[self.generated : self.generated + depth]
+        true += [0] * (depth - len(true))
+        if (wrong := self.rng.randrange(depth + 1)) < depth:
+            true[wrong] = (true[wrong] + 1) % 7
+        return mx.array(true), probs
+
+
+def prompts(vocab: int, n: int = 4) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab - 3) for _ in range(rng.randint(3, 12))] for _ in range(n)]
+
+
+def decode(engine, prompt, depth, cls=MTPDecoder, kernel: Counting | None = None, **kw):
+    request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), N_TOKENS,
+                                Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
+    decoder = cls(engine.trunk, engine.head, request, None, 0, None, **kw)
+    step = decoder.prefill()
+    if kernel is not None:
+        assert kernel.rows == [], "prefill went through the kernel"
+    tokens, accepted = list(step.tokens), 0
+    while step.finish_reason is None:
+        step = decoder.round(depth)
+        tokens += step.tokens
+        accepted += step.stats.accepted
+    return tokens, accepted
+
+
+def check_equal_to_plain(loaded, engine, kernel: Counting | None = None) -> int:
+    """Greedy MTP (own drafts, and injected ones) equals plain greedy; returns accepted drafts."""
+    accepted = 0
+    for i, prompt in enumerate(prompts(loaded.vocab_size)):
+        want, margins = greedy_reference(loaded.model, prompt, N_TOKENS)
+        for depth in DEPTHS:
+            if kernel is not None:
+                kernel.rows.clear()
+            got, _ = decode(engine, prompt, depth, kernel=kernel)
+            assert_same_greedy(got, want, margins)
+            if kernel is not None:
+                assert kernel.rows and set(kernel.rows) == {depth + 1}, (depth, set(kernel.rows))
+                kernel.rows.clear()
+            got, acc = decode(engine, prompt, depth, InjectedDrafts, kernel=kernel,
+                              reference=want, rng=random.Random(i))  # fmt: skip
+            assert_same_greedy(got, want, margins)
+            accepted += acc
+            if kernel is not None:
+                assert set(kernel.rows) == {depth + 1}
+    return accepted
+
+
+def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+    engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=max(DEPTHS), kernel_guard=guard)
+    wired = engine.kernel_wiring
+    assert wired.enabled and engine.trunk.kernels and wired.hooked > 0
+    # warm-up at load: every verify shape at widths 2..max depth + 1 proved ok
+    assert wired.widths == (2, 3, 4)
+    shapes = wiring.model_shapes(q4.model)
+    assert wired.in_use() == len(shapes) * 3 == guard.checks_run
+    saved = json.loads(guard.path.read_text())["verdicts"]
+    assert len(saved) == len(shapes) * 3 and {v["status"] for v in saved.values()} == {"ok"}
+    checks = guard.checks_run
+    assert check_equal_to_plain(q4, engine, kernel) > 0  # partial and full acceptance happened
+    assert guard.checks_run == checks  # no proof inside a request
+    # one-row steps and plain decoding never use it
+    kernel.rows.clear()
+    greedy_reference(q4.model, [1, 2, 3, 4, 5], 4)
+    with hook.kernels():
+        q4.model(mx.array([[7]]))
+    assert kernel.rows == []
+
+
+def test_kernels_off_never_calls_the_kernel(q4, tmp_path):
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+    hook.install(q4.model, guard)  # even with a hook in place (another engine's), off is off
+    engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=max(DEPTHS), kernel_guard=guard,
+                          kernels="off")  # fmt: skip
+    assert not engine.trunk.kernels and not engine.kernel_wiring.enabled
+    assert guard.checks_run == 0
+    check_equal_to_plain(q4, engine)
+    assert kernel.rows == []
+
+
+def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path, monkeypatch,
+                                                                    caplog):  # fmt: skip
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
+    monkeypatch.setattr(wiring, "_guards", {})
+    with caplog.at_level(logging.INFO, logger="specgate.kernels"):
+        engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=2)
+    wired = engine.kernel_wiring
+    assert not wired.enabled and not engine.trunk.kernels
+    assert set(wired.failed) == {"cuda_qmm", "metal_qmm"}
+    assert "No CUDA" in wired.failed["cuda_qmm"] and "No Metal" in wired.failed["metal_qmm"]
+    guard = wiring.shared_guard()
+    assert guard.checks_run == 2 and guard.candidates == []  # one probe each, then dropped
+    saved = json.loads(guard.path.read_text())["verdicts"]
+    assert len(saved) == 2 and {v["status"] for v in saved.values()} == {"failed"}
+    said = [r.message for r in caplog.records if r.name == "specgate.kernels"]
+    assert sum("no kernel builds on this device" in m for m in said) == 1
+    check_equal_to_plain(q4, engine)
+
+    # A later process: the verdicts are read back, nothing is built again.
+    monkeypatch.setattr(wiring, "_guards", {})
+    again = MLXMTPEngine("m", q4, max_context=4096, verify_depth=2)
+    assert not again.trunk.kernels and wiring.shared_guard().checks_run == 0
+
+
+def test_config_kernels_setting():
+    base = {"id": "m", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"]}
+    assert parse_config({"models": [base]}).models[0].kernels == "auto"
+    assert parse_config({"models": [base | {"kernels": "off"}]}).models[0].kernels == "off"
+    with pytest.raises(ConfigError, match="kernels"):
+        parse_config({"models": [base | {"kernels": "fast"}]})
+    with pytest.raises(ValueError, match="kernels"):
+        wiring.prepare(None, "fast")

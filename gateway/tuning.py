@@ -3,21 +3,31 @@
 kernels/tune.py measures (mlx and mlx-lm only); this wires in the engines'
 own decoders, whose rounds it times at every depth, and saves the result
 per machine and model, where `costs_for` finds it when the model is served.
+A quantized model gets the small-M kernels as the engines do
+(kernels/wiring.py, `kernels: auto`): the guard's verdicts for its shapes are
+printed, and where any kernel is in use the verify curve is measured both
+ways and the kernels' one is saved as the curve the policy reads (the stock
+one beside it, for `kernels: off`); rounds are timed through the kernels.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from engines.checkpoints.default_model import specgate_home
-from kernels import tune
+from kernels import hook, tune
 from policies.costs import CostModel
 
 
-def costs_for(model_path: str | Path) -> CostModel | None:
-    """This model's measured costs on this machine, if `specgate tune` ran."""
+def costs_for(model_path: str | Path, kernels: str = "auto") -> CostModel | None:
+    """This model's measured costs on this machine, if `specgate tune` ran:
+    the verify curve of the path the engines use (`kernels: off` reads the
+    stock curve tune measured beside the kernels' one)."""
     data = tune.load(model_path, specgate_home())
+    if data and kernels == "off" and (stock := (data.get("kernels") or {}).get("verify_stock")):
+        data = {**data, "verify": stock}
     return CostModel.from_measurements(data) if data else None
 
 
@@ -25,7 +35,7 @@ MAX_TUNED_DEPTH = 8
 PROMPT_TOKENS = 64
 
 
-def _round_timers(model_path: Path, drafter: str | None) -> dict[str, tuple]:
+def _round_timers(model_path: Path, drafter: str | None, kernels: bool = False) -> dict[str, tuple]:
     """method -> (round_at, depths): round_at(k) runs one real round of that
     method's decoder at depth k, on a fresh sequence per depth (so every
     depth is timed at the same short context)."""
@@ -39,6 +49,7 @@ def _round_timers(model_path: Path, drafter: str | None) -> dict[str, tuple]:
 
     loaded = load_mlx_model(str(model_path))
     trunk = Trunk(loaded.model)
+    trunk.kernels = kernels  # rounds verify as the engines will
     prompt = mx.random.randint(0, loaded.vocab_size, (PROMPT_TOKENS,), key=mx.random.key(2)).tolist()
     makers = {}
     try:
@@ -75,6 +86,27 @@ def _round_timers(model_path: Path, drafter: str | None) -> dict[str, tuple]:
     return {m: (timer(make), range(1, depth + 1)) for m, (make, depth) in makers.items()}
 
 
+def _kernels(model, progress):
+    """The model's kernel wiring as the engines make it (kernels/wiring.py),
+    at every width tune measures; the guard's verdicts for its shapes printed."""
+    from kernels import wiring
+
+    wired = wiring.prepare(model, "auto", tune.WIDTHS)
+    progress(f"kernels: {wired.reason}")
+    for v in wired.verdicts():
+        progress("  " + wiring.describe(v))
+    return wired
+
+
+def _print_curves(stock: dict, kern: dict, progress) -> None:
+    """c(M)/c(1) stock vs through the kernels, per context, side by side."""
+    for ctx in stock:
+        c1 = stock[ctx][1]
+        progress(f"verify c(M)/c(1) at context {ctx} (c(1) {c1 * 1e3:.2f} ms), stock | kernels:")
+        for m in stock[ctx]:
+            progress(f"  M={m:2d}  {stock[ctx][m] / c1:6.2f} | {kern[ctx][m] / c1:6.2f}")
+
+
 def run_cli(args) -> int:
     from gateway.models import resolve_path  # builtin:demo and friends
 
@@ -89,12 +121,32 @@ def run_cli(args) -> int:
 
     loaded = load_mlx_model(str(path))
     vocab = loaded.vocab_size
-    verify = tune.measure_verify(loaded.model, vocab, reps=args.reps, progress=progress)
+    wired = _kernels(loaded.model, progress)
+    if wired.enabled and wired.in_use():
+        # Both curves; the one saved as "verify" (what the policy reads) is
+        # the one the engines use: through the kernels.
+        with hook.kernels(False):
+            stock = tune.measure_verify(loaded.model, vocab, reps=args.reps,
+                                        progress=lambda s: progress("stock " + s))  # fmt: skip
+        with hook.kernels():
+            verify = tune.measure_verify(loaded.model, vocab, reps=args.reps,
+                                         progress=lambda s: progress("kernels " + s))  # fmt: skip
+        _print_curves(stock, verify, progress)
+    else:
+        stock, verify = None, tune.measure_verify(loaded.model, vocab, reps=args.reps,
+                                                  progress=progress)  # fmt: skip
     batched = tune.measure_batched(loaded.model, vocab, reps=args.reps, progress=progress)
+    timers = _round_timers(path, drafter, kernels=wired.enabled)
     rounds = {method: tune.measure_rounds(round_at, depths, reps=args.reps, name=method,
                                           progress=progress)
-              for method, (round_at, depths) in _round_timers(path, drafter).items()}  # fmt: skip
+              for method, (round_at, depths) in timers.items()}  # fmt: skip
     result = tune.measurements(verify, batched, rounds, str(path))
+    result["kernels"] = {
+        "enabled": bool(wired.enabled and wired.in_use()), "why": wired.reason,
+        "verdicts": [asdict(v) for v in wired.verdicts()],
+        "verify_stock": ({ctx: {m: s / stock[min(stock)][1] for m, s in row.items()}
+                          for ctx, row in stock.items()} if stock else None),
+    }  # fmt: skip
     progress(f"plain step {result['plain_step']:.2f} x c(1); round beyond its verify (x c(1)): "
              + (", ".join(f"{m} {d['per_round']:.2f} + {d['per_token']:.2f} k"
                           for m, d in result["draft"].items()) or "none"))  # fmt: skip

@@ -198,3 +198,31 @@ def test_config_kernels_setting():
         parse_config({"models": [base | {"kernels": "fast"}]})
     with pytest.raises(ValueError, match="kernels"):
         wiring.prepare(None, "fast")
+
+
+def test_tune_shows_verdicts_and_measures_the_curve_in_use(q4, tmp_path, monkeypatch, capsys):
+    """`specgate tune` on a quantized model: the guard's verdicts for its shapes,
+    both verify curves, the kernels' one saved as the policy's, the stock one
+    beside it (read when the model is served with `kernels: off`)."""
+    from argparse import Namespace
+
+    from gateway import tuning
+
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
+    monkeypatch.setattr(wiring, "shared_guard", lambda: guard)
+    assert tuning.run_cli(Namespace(model=q4.path, drafter=None, reps=1)) == 0
+    out = capsys.readouterr().out
+    shapes = wiring.model_shapes(q4.model)
+    assert f": {len(shapes) * 15} of {len(shapes) * 15} (shape, width) pairs" in out
+    assert out.count("      count M=") == len(shapes) * 15  # a verdict row per shape and width
+    assert "stock | kernels" in out and "kernels verify at context 4096" in out
+    assert set(kernel.rows) >= set(range(2, 17)) and 1 not in kernel.rows
+    data = json.loads(next((tmp_path / "tune").rglob("*.json")).read_text())
+    k = data["kernels"]
+    assert k["enabled"] and len(k["verdicts"]) == len(shapes) * 15
+    assert k["verify_stock"]["64"]["1"] == 1.0 and len(k["verify_stock"]["64"]) == 16
+    auto, off = tuning.costs_for(q4.path, "auto"), tuning.costs_for(q4.path, "off")
+    assert auto.verify_cost(4, 64) == pytest.approx(data["verify"]["64"]["4"])
+    assert off.verify_cost(4, 64) == pytest.approx(k["verify_stock"]["64"]["4"])

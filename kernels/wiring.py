@@ -147,7 +147,7 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     total = len(shapes) * len(widths)
     wired.reason = (f"{', '.join(c.name for c in keep)} on {hooked} quantized linears: "
                     f"{ok} of {total} (shape, width) pairs at widths {widths[0]}..{widths[-1]} "
-                    f"proved faster than stock" if widths else "no verify widths to prove")  # fmt: skip
+                    f"enabled by the guard" if widths else "no verify widths to prove")  # fmt: skip
     log.info("kernels: %s", wired.reason)
     return wired
 

@@ -4,10 +4,12 @@
 
 A mixed workload on the demo model, regime by regime: one stream at a time
 (code prompts; with presence/frequency penalties; with ~2k-token prompts),
-and 4 and 8 concurrent streams. Every regime runs three times through one
+and 4 and 8 concurrent streams. Every regime runs three ways through one
 gateway: with no header (specgate's policy: `specgate tune` measurements of
 this machine, run first into a scratch SPECGATE_HOME, plus live acceptance),
-forced `X-Specgate-Method: mtp` (always speculate) and forced `none` (never).
+forced `X-Specgate-Method: mtp` (always speculate) and forced `none` (never),
+in --passes passes whose order rotates (this machine is shared: drift in its
+speed would otherwise favour whichever variant ran first).
 The oracle is the better of the two fixed choices per regime. Reported:
 aggregate generated tokens/s per regime, and the totals as ratios; the goal
 is >= 95% of the oracle and never more than 2% below never-speculate.
@@ -108,12 +110,13 @@ async def regime(url: str, name: str, method: str | None, requests: int, n: int)
                 plans[plan.split(";reason=")[1]] += 1
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return tokens / (time.perf_counter() - t0), plans
+        return tokens, time.perf_counter() - t0, plans
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=8, help="requests per regime and variant")
+    ap.add_argument("--requests", type=int, default=4, help="requests per regime, variant and pass")
+    ap.add_argument("--passes", type=int, default=3, help="passes per regime, variants rotating")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--skip-tune", action="store_true", help="no measurements: the idle/busy rule")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/policy_replay.json")
@@ -131,10 +134,19 @@ def main() -> None:
             for name in REGIMES:
                 # An untimed pass first: batch shapes compile once, for whichever variant.
                 asyncio.run(regime(url, name, "none", REGIMES[name][0], 8))
-                for variant, method in VARIANTS.items():
-                    tps, plans = asyncio.run(regime(url, name, method, args.requests, args.max_tokens))
-                    rows[(name, variant)] = (tps, plans)
-                    print(f"  {name:22s} {variant:9s} {tps:7.1f} tok/s  {dict(plans)}", flush=True)
+                totals = {v: [0, 0.0, Counter()] for v in VARIANTS}
+                for p in range(args.passes):
+                    order = list(VARIANTS)[p % 3:] + list(VARIANTS)[: p % 3]
+                    for variant in order:
+                        tokens, seconds, plans = asyncio.run(regime(
+                            url, name, VARIANTS[variant], args.requests, args.max_tokens))
+                        t = totals[variant]
+                        t[0], t[1] = t[0] + tokens, t[1] + seconds
+                        t[2].update(plans)
+                for variant, (tokens, seconds, plans) in totals.items():
+                    rows[(name, variant)] = (tokens / seconds, plans)
+                    print(f"  {name:22s} {variant:9s} {tokens / seconds:7.1f} tok/s  {dict(plans)}",
+                          flush=True)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -142,8 +154,8 @@ def main() -> None:
 
 
 def report(rows: dict, args) -> None:
-    print(f"\ndemo model, greedy, {args.max_tokens} tokens x {args.requests} requests per regime "
-          f"and variant, {'untuned' if args.skip_tune else 'tuned'}")
+    print(f"\ndemo model, greedy, {args.max_tokens} tokens x {args.requests} requests x "
+          f"{args.passes} passes per regime and variant, {'untuned' if args.skip_tune else 'tuned'}")
     print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | specgate's plans |")
     print("|---|---|---|---|---|---|---|")
     totals = Counter()

@@ -169,7 +169,7 @@ class SpecDecoder:
         saved = checkpoint(self.cache) if replay else None
         # The verify forward (and its logits): the only place the small-M
         # kernels run, where the engine enabled them (kernels/wiring.py).
-        with hook.kernels(getattr(self.trunk, "kernels", False)):
+        with hook.kernels(self.trunk.kernels):
             with nullcontext() if replay else tape() as recorded:
                 hidden = self._forward(verify_arr[None])
             logits = self.trunk.logits(hidden)[0]

@@ -143,6 +143,25 @@ def test_acceptance_tracker_learns_conditional_rates():
     assert t.rates("m", "prose") == {}
 
 
+def test_stale_rates_are_withheld_so_the_policy_measures_again():
+    from engines.base import RoundStats
+    from policies.acceptance import AcceptanceTracker
+
+    now = [0.0]
+    t = AcceptanceTracker(min_rounds=2, refresh_after_s=600, clock=lambda: now[0])
+    for _ in range(3):
+        t.update(RoundStats("m", "mtp", 1, [False]), "code")
+    measured = t.rates("m", "code")
+    assert measured == {"mtp": [0.0]}
+    # With these rates the policy plans plain decoding, so nothing feeds them...
+    assert decide(POLICY, req(), IDLE, STOCK_4BIT, measured).reason == "measured_loss"
+    now[0] = 601.0  # ...until they go stale: unmeasured, an idle model tries again
+    assert t.rates("m", "code") == {}
+    assert decide(POLICY, req(), IDLE, STOCK_4BIT, t.rates("m", "code")).method == "mtp"
+    t.update(RoundStats("m", "mtp", 1, [True]), "code")  # the new rounds refresh it
+    assert t.rates("m", "code")["mtp"][0] > 0.0
+
+
 def test_content_class():
     from policies.content import content_class
 

@@ -25,6 +25,12 @@ $SPECGATE_HOME/kernels/<machine id>/qmm.json, keyed by kernel name and the
 hash of its source, and read back by later processes: the check runs once.
 A refused kernel costs one log line and the stock path is used; never a
 wrong answer.
+
+The guard is generic over the op a family of kernels replaces (`Op`): the
+quantized matmul above is `QMM`, the default; another op (kernels/attention.py's
+`ATTENTION`) says how to name a shape, make random inputs of it, compute the
+exact answer and the stock one, and which inputs to copy to overflow L2. A
+Guard serves one op, its verdicts in $SPECGATE_HOME/kernels/<machine>/<op.name>.json.
 """
 
 from __future__ import annotations
@@ -59,6 +65,53 @@ def specgate_home() -> Path:
     return Path(os.environ.get("SPECGATE_HOME") or Path.home() / ".specgate").expanduser()
 
 
+class Op:
+    """What the guard needs to know about the stock op a family of kernels replaces.
+
+    A shape is a tuple whose items are ints and one dtype (for QMM: M, K, N,
+    dtype, bits, group size); kernels are called fn(*args) like `stock`."""
+
+    name = "qmm"  # verdicts file <name>.json
+    stock_name = "quantized_matmul"  # for the log line
+    heavy: tuple[int, ...] = (1, 2, 3)  # args copied to overflow L2 when timing
+
+    def shape_of(self, x, wq, scales, biases, group_size, bits) -> tuple:
+        return math.prod(x.shape[:-1]), x.shape[-1], wq.shape[0], x.dtype, bits, group_size
+
+    def dtype(self, m, k, n, dtype, bits, group_size):
+        return dtype
+
+    def key(self, name, version, m, k, n, dtype, bits, group_size) -> str:
+        return shape_key(name, version, m, k, n, dtype_name(dtype), bits, group_size)
+
+    def fields(self, m, k, n, dtype, bits, group_size) -> dict:
+        return {"shape": [m, k, n], "bits": bits, "group_size": group_size}
+
+    def describe(self, m, k, n, dtype, bits, group_size) -> str:
+        return f"M={m} K={k} N={n} {dtype_name(dtype)} {bits}-bit g{group_size}"
+
+    def inputs(self, seed, m, k, n, dtype, bits, group_size) -> tuple:
+        keys = mx.random.split(mx.random.key(seed + 7919 * m + k + 31 * n), 2)
+        w = mx.random.normal((n, k), key=keys[0]).astype(dtype)
+        wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        x = mx.random.normal((m, k), key=keys[1]).astype(dtype)
+        return x, wq, scales, biases, group_size, bits
+
+    def out_shape(self, m, k, n, dtype, bits, group_size) -> tuple:
+        return (m, n)
+
+    def stock(self, *args):
+        return qmm.reference_qmm(*args)
+
+    def exact(self, x, wq, scales, biases, group_size, bits):
+        f32 = mx.float32
+        return qmm.reference_qmm(x.astype(f32), wq, scales.astype(f32), biases.astype(f32),
+                                 group_size, bits)  # fmt: skip
+
+
+QMM = Op()
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A kernel that wants to replace the stock quantized matmul.
@@ -91,10 +144,10 @@ def default_candidates() -> list[Candidate]:
 class Verdict:
     kernel: str
     version: str
-    shape: list[int]  # [M, K, N]
+    shape: list[int]  # [M, K, N] (QMM; another op's shape, e.g. attention's [M, Hq, Hkv, L, D])
     dtype: str
-    bits: int
-    group_size: int
+    bits: int | None  # None where the op has none
+    group_size: int | None
     status: str
     max_error: float | None = None
     bound: float | None = None
@@ -126,15 +179,19 @@ def row_error(y: mx.array, exact: mx.array) -> float:
 
 
 class Guard:
-    """Per-machine verdicts on small-M quantized-matmul kernels."""
+    """Per-machine verdicts on the kernels that replace one op (default: the
+    small-M quantized matmul)."""
 
     def __init__(self, candidates: list[Candidate] | None = None, *, home: Path | None = None,
                  machine: str | None = None, reps: int = 7, inner: int = 8,
                  margin: float = 0.95, flush_bytes: int | None = None, seed: int = 0,
-                 record: bool = True):  # fmt: skip
+                 record: bool = True, op: Op = QMM):  # fmt: skip
+        self.op = op
+        if candidates is None and op is not QMM:
+            raise ValueError(f"no default candidates for op {op.name}: pass them")
         self.candidates = default_candidates() if candidates is None else list(candidates)
         self.machine = machine or machine_id()
-        self.path = (home or specgate_home()) / "kernels" / self.machine / "qmm.json"
+        self.path = (home or specgate_home()) / "kernels" / self.machine / f"{op.name}.json"
         self.reps, self.inner, self.margin, self.seed = reps, inner, margin, seed
         self.record = record
         gpu = mx.default_device() == mx.gpu
@@ -177,72 +234,68 @@ class Guard:
             return dict(self._load())
 
     # ------------------------------------------------------------- decisions
-    def verdict(self, cand: Candidate, m: int, k: int, n: int, dtype, bits: int,
-                group_size: int) -> Verdict | None:  # fmt: skip
-        """The recorded verdict, proving the kernel first if there is none.
+    def verdict(self, cand: Candidate, *shape) -> Verdict | None:
+        """The recorded verdict for `shape` (QMM: m, k, n, dtype, bits, group_size),
+        proving the kernel first if there is none.
         None: the kernel is not written for this shape (stock path, nothing recorded)."""
-        dt = dtype_name(dtype)
-        if not cand.supports(m, k, n, dtype, bits, group_size):
+        if not cand.supports(*shape):
             return None
-        key = shape_key(cand.name, cand.version, m, k, n, dt, bits, group_size)
+        key = self.op.key(cand.name, cand.version, *shape)
         with self._lock:
             known = self._load().get(key)
             if known is not None:
                 return known
-            v = self.check(cand, m, k, n, dtype, bits, group_size)
+            v = self.check(cand, *shape)
             self._verdicts[key] = v
             self._save(key, v)
         if not v.ok:
             said = (cand.name, v.status, v.detail if v.status == "failed" else "")
             if said not in self._logged:
                 self._logged.add(said)
-                log.warning("kernel %s not used for M=%d K=%d N=%d %s %d-bit g%d: %s%s; "
-                            "stock quantized_matmul instead", cand.name, m, k, n, dt, bits,
-                            group_size, v.status, f" ({v.detail})" if v.detail else "")  # fmt: skip
+                log.warning("kernel %s not used for %s: %s%s; stock %s instead", cand.name,
+                            self.op.describe(*shape), v.status,
+                            f" ({v.detail})" if v.detail else "", self.op.stock_name)  # fmt: skip
         return v
 
-    def kernel_for(self, x, wq, scales, biases, group_size: int, bits: int):
-        """The first candidate proved ok for this call's shape, or None."""
-        m, k, n = math.prod(x.shape[:-1]), x.shape[-1], wq.shape[0]
+    def kernel_for(self, *args):
+        """The first candidate proved ok for this call's shape, or None
+        (args as the stock op takes them; QMM: x, wq, scales, biases, group_size, bits)."""
+        shape = self.op.shape_of(*args)
         for cand in self.candidates:
-            v = self.verdict(cand, m, k, n, x.dtype, bits, group_size)
+            v = self.verdict(cand, *shape)
             if v is not None and v.ok:
                 return cand.fn
         return None
 
     # ------------------------------------------------------------- the proof
-    def check(self, cand: Candidate, m: int, k: int, n: int, dtype, bits: int,
-              group_size: int) -> Verdict:  # fmt: skip
+    def check(self, cand: Candidate, *shape) -> Verdict:
         self.checks_run += 1
+        op = self.op
+        dtype = op.dtype(*shape)
         dt = dtype_name(dtype)
-        v = Verdict(cand.name, cand.version, [m, k, n], dt, bits, group_size, "failed",
-                    bound=TOLERANCE.get(dt, 0.0))  # fmt: skip
-        keys = mx.random.split(mx.random.key(self.seed + 7919 * m + k + 31 * n), 2)
-        w = mx.random.normal((n, k), key=keys[0]).astype(dtype)
-        wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-        x = mx.random.normal((m, k), key=keys[1]).astype(dtype)
-        mx.eval(wq, scales, biases, x)
-        del w
+        v = Verdict(kernel=cand.name, version=cand.version, dtype=dt, status="failed",
+                    bound=TOLERANCE.get(dt, 0.0), **op.fields(*shape))  # fmt: skip
+        args = op.inputs(self.seed, *shape)
+        mx.eval([a for a in args if isinstance(a, mx.array)])
+        want = op.out_shape(*shape)
         try:
-            y = cand.fn(x, wq, scales, biases, group_size, bits)
+            y = cand.fn(*args)
             mx.eval(y)
         except Exception as e:  # noqa: BLE001 - any failure to build or run refuses the kernel
             v.detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
             return v
-        if y.shape != (m, n) or y.dtype != dtype:
-            v.detail = f"returned {y.shape} {y.dtype}, expected {(m, n)} {dtype}"
+        if tuple(y.shape) != tuple(want) or y.dtype != dtype:
+            v.detail = f"returned {y.shape} {y.dtype}, expected {tuple(want)} {dtype}"
             return v
-        f32 = mx.float32
-        exact = qmm.reference_qmm(x.astype(f32), wq, scales.astype(f32), biases.astype(f32),
-                                  group_size, bits)  # fmt: skip
-        stock = qmm.reference_qmm(x, wq, scales, biases, group_size, bits)
+        exact = op.exact(*args)
+        stock = op.stock(*args)
         v.max_error = row_error(y, exact)
         v.reference_error = row_error(stock, exact)
         if not v.max_error <= v.bound:
             v.status = "wrong"
             return v
         try:
-            kt, rt = self._time(cand.fn, x, wq, scales, biases, group_size, bits)
+            kt, rt = self._time(cand.fn, args)
         except Exception as e:  # noqa: BLE001
             v.detail = f"timing: {type(e).__name__}: {e}"[:300]
             return v
@@ -250,18 +303,22 @@ class Guard:
         v.status = "ok" if kt < self.margin * rt else "slower"
         return v
 
-    def _time(self, fn, x, wq, scales, biases, group_size, bits) -> tuple[float, float]:
-        nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-        sets = [(wq, scales, biases)]
+    def _time(self, fn, args: tuple) -> tuple[float, float]:
+        heavy = self.op.heavy
+        nbytes = sum(args[i].nbytes for i in heavy)
+        sets = [list(args)]
         for _ in range(1, min(32, -(-self.flush_bytes // nbytes))):
-            sets.append(tuple(a + mx.zeros((), a.dtype) for a in (wq, scales, biases)))  # copies
-        mx.eval(sets)
+            s = list(args)
+            for i in heavy:
+                s[i] = args[i] + mx.zeros((), args[i].dtype)  # a copy
+            sets.append(s)
+        mx.eval([[s[i] for i in heavy] for s in sets])
         calls = max(self.inner, len(sets))
 
         def run(f):
-            mx.eval([f(x, *sets[i % len(sets)], group_size, bits) for i in range(calls)])
+            mx.eval([f(*sets[i % len(sets)]) for i in range(calls)])
 
-        ref = qmm.reference_qmm
+        ref = self.op.stock
         run(fn), run(ref)  # warm-up (compiles)
         kt, rt = [], []
         for _ in range(self.reps):

@@ -25,20 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+from serving import REPO, serving
 
 PROMPTS = {
     "code": [
@@ -69,44 +63,15 @@ METHODS = [
 SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def start_gateway(depth: int, drafter: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-        "models": [
-            {"id": "demo", "path": "builtin:demo",
-             "engines": ["mlx_plain", "mlx_mtp", "mlx_dflash"], "mtp_depth": depth,
-             "drafter": drafter},
-            {"id": "demo-gguf", "path": "builtin:demo-gguf",
-             "engines": ["llamacpp", "llamacpp_mtp"], "mtp_depth": depth, "max_concurrent": 1,
-             "max_context": 2048},
-        ],
-    }
-    (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
-    log = open(workdir / "gateway.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"gateway exited:\n{(workdir / 'gateway.log').read_text()[-3000:]}")
-        try:
-            r = httpx.get(url + "/ready", timeout=2)
-            if r.status_code == 200:
-                return proc, url
-            if "failed" in r.json().get("models", {}).values():
-                os.killpg(proc.pid, signal.SIGTERM)
-                sys.exit(f"a model failed to load: {r.json()['errors']}")
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGTERM)
-    sys.exit("gateway not ready in 300 s")
+def models(depth: int, drafter: str) -> list[dict]:
+    return [
+        {"id": "demo", "path": "builtin:demo",
+         "engines": ["mlx_plain", "mlx_mtp", "mlx_dflash"], "mtp_depth": depth,
+         "drafter": drafter},
+        {"id": "demo-gguf", "path": "builtin:demo-gguf",
+         "engines": ["llamacpp", "llamacpp_mtp"], "mtp_depth": depth, "max_concurrent": 1,
+         "max_context": 2048},
+    ]  # fmt: skip
 
 
 def stream_one(client: httpx.Client, model: str, method: str, prompt: str, n: int) -> tuple[int, float]:
@@ -153,13 +118,9 @@ def main() -> None:
         wanted = {m.strip() for m in args.only.split(",")}
         METHODS[:] = [m for m in METHODS if m[0] in wanted or m[0].endswith("plain")]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_gateway(args.depth, args.drafter, Path(tmp))
-        try:
-            results = run(url, args)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+    with (tempfile.TemporaryDirectory() as tmp,
+          serving(models(args.depth, args.drafter), Path(tmp)) as (url, _)):
+        results = run(url, args)
     report(results, args)
 
 

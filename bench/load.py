@@ -24,47 +24,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
-import yaml
+from serving import REPO, serving
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Write a function that parses a date.", "def fib(n):", "class Queue:",
            "Explain what a context manager does.", "import os\n\ndef walk(root):"]  # fmt: skip
-
-
-def start_gateway(work: Path, max_concurrent: int, max_queue: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-              "models": [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
-                          "max_concurrent": max_concurrent, "max_queue": max_queue}]}  # fmt: skip
-    (work / "specgate.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(work / "specgate.yaml")],
-        cwd=REPO, env=os.environ | {"SPECGATE_HOME": str(work / "home")},
-        stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    sys.exit("gateway did not start: " + (work / "gateway.log").read_text()[-2000:])
 
 
 def rss_mib(pid: int) -> float:
@@ -139,23 +110,22 @@ def main() -> None:
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/load.json")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_gateway(Path(tmp), args.max_concurrent, args.max_queue)
+    model = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
+             "max_concurrent": args.max_concurrent, "max_queue": args.max_queue}
+    with (tempfile.TemporaryDirectory() as tmp,
+          serving([model], Path(tmp), Path(tmp) / "home") as (url, proc)):
         memory = [rss_mib(proc.pid)]
-        try:
-            async def sampled():
-                task = asyncio.ensure_future(drive(url, args.clients, args.seconds, args.max_tokens))
-                while not task.done():
-                    await asyncio.sleep(1)
-                    memory.append(rss_mib(proc.pid))
-                return await task
-            t0 = time.perf_counter()
-            results = asyncio.run(sampled())
-            wall = time.perf_counter() - t0
-            healthy = httpx.get(url + "/health", timeout=5).status_code == 200
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+
+        async def sampled():
+            task = asyncio.ensure_future(drive(url, args.clients, args.seconds, args.max_tokens))
+            while not task.done():
+                await asyncio.sleep(1)
+                memory.append(rss_mib(proc.pid))
+            return await task
+        t0 = time.perf_counter()
+        results = asyncio.run(sampled())
+        wall = time.perf_counter() - t0
+        healthy = httpx.get(url + "/health", timeout=5).status_code == 200
     report(results, wall, memory, healthy, args)
 
 

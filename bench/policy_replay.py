@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,9 +29,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import yaml
+from serving import REPO, serving
 
-REPO = Path(__file__).resolve().parents[1]
 CODE = [
     "import os\nimport sys\n\n\ndef main():\n",
     "class Stack:\n    def __init__(self):\n",
@@ -55,34 +52,6 @@ REGIMES = {  # name: (concurrency, extra body, prompt maker)
     "8 streams": (8, {}, lambda i: CODE[i % len(CODE)]),
 }
 VARIANTS = {"specgate": None, "always": "mtp", "never": "none"}
-
-
-def start_gateway(home: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-              "models": [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
-                          "mtp_depth": 3, "max_context": 8192,
-                          # Every variant sends the same prompts: a prefix cache would
-                          # hand the later ones free prefills.
-                          "prefix_cache_size": 0}]}  # fmt: skip
-    (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
-    env = os.environ | {"SPECGATE_HOME": str(home)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
-        cwd=REPO, env=env, stdout=open(workdir / "gateway.log", "wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    sys.exit("gateway did not start: " + (workdir / "gateway.log").read_text()[-2000:])
 
 
 async def one(client: httpx.AsyncClient, prompt: str, body: dict, method: str | None, n: int):
@@ -128,8 +97,12 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "gateway.cli", "tune", "builtin:demo"], cwd=REPO,
                            env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
                            stdout=subprocess.DEVNULL)  # fmt: skip
-        proc, url = start_gateway(home, work)
-        try:
+        model = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
+                 "mtp_depth": 3, "max_context": 8192,
+                 # Every variant sends the same prompts: a prefix cache would
+                 # hand the later ones free prefills.
+                 "prefix_cache_size": 0}
+        with serving([model], work, home) as (url, _):
             rows = {}
             for name in REGIMES:
                 # An untimed pass first: batch shapes compile once, for whichever variant.
@@ -147,9 +120,6 @@ def main() -> None:
                     rows[(name, variant)] = (tokens / seconds, plans)
                     print(f"  {name:22s} {variant:9s} {tokens / seconds:7.1f} tok/s  {dict(plans)}",
                           flush=True)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
     report(rows, args)
 
 

@@ -134,6 +134,10 @@ def part_curve(lengths, dtype, kernel_ok: bool, reps=5):
         mx.clear_cache()
 
 
+def _cell(x: float | None, fmt: str) -> str:
+    return f"{x:>9.{fmt}}" if x is not None else f"{'-':>9}"
+
+
 def part_guard(lengths, dtype, home, budget):
     say(f"\n== guard: cuda_attention verdicts (Hq 32, Hkv 8, D 128, {dtype_name(dtype)}) ==")
     guard = A.make_guard(candidates=[A.cuda_candidate()], home=home)
@@ -145,9 +149,9 @@ def part_guard(lengths, dtype, home, budget):
                 say(f"(budget of {budget:.0f} s spent: stopped)")
                 return
             v = guard.verdict(guard.candidates[0], m, 32, 8, length, 128, dtype)
-            f = (lambda x, p: f"{x:>9.{p}}" if x is not None else f"{'-':>9}")
-            say(f"{length:>6} {m:>3} | {v.status:>7} {f(v.max_error, '2e')} {v.bound:>8.1e} "
-                f"{f(v.reference_error, '2e')} | {f(v.kernel_us, '1f')} {f(v.reference_us, '1f')}"
+            say(f"{length:>6} {m:>3} | {v.status:>7} {_cell(v.max_error, '2e')} {v.bound:>8.1e} "
+                f"{_cell(v.reference_error, '2e')} | {_cell(v.kernel_us, '1f')} "
+                f"{_cell(v.reference_us, '1f')}"
                 + (f"  {v.detail}" if v.detail else ""))  # fmt: skip
     say(f"verdicts: {guard.path}")
 

@@ -1,0 +1,65 @@
+"""A real `specgate serve` for a benchmark: a free loopback port, a config
+written from the given models, ready before it is handed out, and stopped
+(the whole process group, llama-servers included) however the bench ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def serving(models: list[dict], workdir: Path, home: Path | None = None,
+            timeout: float = 300) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
+    """(base url, process) of a ready gateway serving `models`; exits the
+    bench with the gateway's log if it does not become ready. `home` is its
+    SPECGATE_HOME (default: the user's, where llama-server builds live)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+              "models": models}  # fmt: skip
+    (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
+    log = workdir / "gateway.log"
+    env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, proc, log, timeout)
+        yield url, proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"gateway exited:\n{log.read_text()[-3000:]}")
+        try:
+            r = httpx.get(url + "/ready", timeout=2)
+            if r.status_code == 200:
+                return
+            if "failed" in r.json().get("models", {}).values():
+                sys.exit(f"a model failed to load: {r.json()['errors']}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    sys.exit(f"gateway not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")

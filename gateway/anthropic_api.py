@@ -25,10 +25,9 @@ from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from gateway.chat import ClientGone, first_piece, render_chat, until_disconnect
 from gateway.errors import APIError
 from gateway.generation import (
-    MAX_STOP_LENGTH,
-    MAX_STOP_STRINGS,
     Piece,
     Usage,
+    check_stops,
     plan_headers,
     plan_request,
     resolve_model,
@@ -43,17 +42,6 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-def _check_stop_sequences(stops: list[str] | None) -> list[str]:
-    stops = list(stops or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop_sequences: at most {MAX_STOP_STRINGS} stop sequences",
-                       param="stop_sequences")  # fmt: skip
-    if any(len(s) > MAX_STOP_LENGTH for s in stops):
-        raise APIError(400, f"stop_sequences: each is at most {MAX_STOP_LENGTH} characters",
-                       param="stop_sequences")  # fmt: skip
-    return [s for s in stops if s]
 
 
 @dataclass
@@ -171,7 +159,7 @@ async def messages(body: MessagesRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
-    stops = _check_stop_sequences(body.stop_sequences)
+    stops = check_stops(body.stop_sequences, "stop_sequences")
     req = plan_request(
         served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens,
         prompt_text=messages[-1]["content"],

@@ -97,13 +97,15 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
     return served, served.engine
 
 
-def check_stops(stop: str | list[str] | None) -> list[str]:
+def check_stops(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """The request's stop strings, bounded in number and length (`param`
+    names the field in each API: OpenAI's `stop`, Anthropic's `stop_sequences`)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        raise APIError(400, f"{param}: at most {MAX_STOP_STRINGS} stop strings", param=param)
     if any(len(s) > MAX_STOP_LENGTH for s in stops):
         raise APIError(
-            400, f"stop: each stop string is at most {MAX_STOP_LENGTH} characters", param="stop"
+            400, f"{param}: each stop string is at most {MAX_STOP_LENGTH} characters", param=param
         )
     return [s for s in stops if s]
 

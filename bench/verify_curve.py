@@ -4,13 +4,14 @@
 
 matmul: one (M, 4096) x (4096, N)^T product, N = 12288 and 4096, M = 1..16:
         bf16 (x @ w.T), and 8-bit and 4-bit (group 64) through stock
-        mx.quantized_matmul and through kernels/qmm.py's CUDA kernel; each
+        mx.quantized_matmul, kernels/qmm.py's CUDA-core kernel (simt) and
+        kernels/qmm_mma.py's tensor-core kernel (mma); each
         time is the median of `reps` evals of `calls` products cycling over
         enough weight copies (>= 160 MiB) that no product finds its weights
         in L2, divided by `calls` (so MLX's per-op launch cost is included,
         as in a forward). Ratios are to the stock M=1 time of that precision.
 guard:  kernels/guard.py's proof (error vs float32 stock, timing vs stock)
-        for the CUDA kernel over bits x group size x dtype at M = 4, and at
+        for both CUDA kernels over bits x group size x dtype at M = 4, and at
         M = 2, 8, 16 for bf16 / group 64, verdicts printed as recorded.
 model:  a 7B-class qwen3 (mlx_lm.models.qwen3, random weights: hidden 4096,
         28 layers, 32 heads / 8 KV heads, MLP 12288, vocab 151936), a
@@ -18,7 +19,7 @@ model:  a 7B-class qwen3 (mlx_lm.models.qwen3, random weights: hidden 4096,
         for every row (what a verify computes), undone after each timing;
         bf16, 8-bit and 4-bit (nn.quantize, group 64), kernels/hook.py off
         and on (on: every quantized linear of 2..16 rows goes through the
-        kernel where the guard proved it for that shape, else stock).
+        fastest kernel the guard proved for that shape, else stock).
 Tables are printed and, with --out, written to a file; verdicts land under
 --home/kernels/<machine>/qmm.json.
 """
@@ -38,9 +39,9 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import hook, qmm  # noqa: E402
+from kernels import hook, qmm, qmm_mma  # noqa: E402
 from kernels.cache_undo import checkpoint, restore  # noqa: E402
-from kernels.guard import Guard, cuda_candidate  # noqa: E402
+from kernels.guard import Guard, cuda_candidate, cuda_mma_candidate  # noqa: E402
 
 WIDTHS = list(range(1, 17))
 LINES: list[str] = []
@@ -90,21 +91,26 @@ def part_matmul(reps: int, calls: int, gs: int = 64) -> dict:
                        for m in WIDTHS}  # fmt: skip
         for bits in (8, 4):
             sets = weight_sets(mx.quantize(w, group_size=gs, bits=bits))
-            stock, kern = {}, {}
+            stock, simt, mma = {}, {}, {}
+            gpu = mx.default_device() == mx.gpu
             for m in WIDTHS:
                 x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
                 stock[m] = per_call(lambda x, a, b, c, bits=bits: qmm.reference_qmm(x, a, b, c, gs, bits),
                                     x, sets, calls, reps)  # fmt: skip
-                if qmm.supports(m, k, n, x.dtype, bits, gs) and mx.default_device() == mx.gpu:
-                    kern[m] = per_call(lambda x, a, b, c, bits=bits: qmm.cuda_qmm(x, a, b, c, gs, bits),
+                if qmm.supports(m, k, n, x.dtype, bits, gs) and gpu:
+                    simt[m] = per_call(lambda x, a, b, c, bits=bits: qmm.cuda_qmm(x, a, b, c, gs, bits),
                                        x, sets, calls, reps)  # fmt: skip
-            res[f"{bits}b stock"], res[f"{bits}b kernel"] = stock, kern
+                if qmm_mma.supports(m, k, n, x.dtype, bits, gs) and gpu:
+                    mma[m] = per_call(lambda x, a, b, c, bits=bits: qmm_mma.cuda_qmm_mma(x, a, b, c, gs, bits),
+                                      x, sets, calls, reps)  # fmt: skip
+            res[f"{bits}b stock"], res[f"{bits}b simt"], res[f"{bits}b mma"] = stock, simt, mma
             del sets
             gc.collect()
         out[n] = res
         say(f"\n(a) one product (M, {k}) x ({k}, {n})^T, bf16 activations, group {gs}: "
             f"c(M)/c(1), c(1) in us; kernel and best-of ratios are to stock c(1)")  # fmt: skip
-        cols = ["bf16", "8b stock", "8b kernel", "8b best", "4b stock", "4b kernel", "4b best"]
+        cols = ["bf16", "8b stock", "8b simt", "8b mma", "8b best", "4b stock", "4b simt", "4b mma",
+                "4b best"]
         say("  M | " + " | ".join(f"{c:>9}" for c in cols))
         for m in WIDTHS:
             cells = []
@@ -112,12 +118,12 @@ def part_matmul(reps: int, calls: int, gs: int = 64) -> dict:
                 p = c.split()[0]
                 base = res["bf16"][1] if p == "bf16" else res[f"{p} stock"][1]
                 if c.endswith("best"):
-                    v = min(res[f"{p} stock"][m], res[f"{p} kernel"].get(m, float("inf")))
+                    v = min(res[f"{p} {s}"].get(m, float("inf")) for s in ("stock", "simt", "mma"))
                 else:
                     v = res[c].get(m)
                 if v is None:
                     cells.append(f"{'-':>9}")
-                elif m == 1 and not c.endswith("kernel"):
+                elif m == 1 and c.endswith(("bf16", "stock")):
                     cells.append(f"{v * 1e6:7.1f}us")
                 else:
                     cells.append(f"{v / base:9.2f}")
@@ -129,23 +135,24 @@ def part_matmul(reps: int, calls: int, gs: int = 64) -> dict:
 
 
 def part_guard(guard: Guard) -> list[dict]:
-    cand = guard.candidates[0]
     rows = []
-    say("\nguard verdicts (cuda_qmm vs stock; error = max over rows of max|y - exact| / max|exact|,"
+    say("\nguard verdicts (each kernel vs stock; error = max over rows of max|y - exact| / max|exact|,"
         " exact = stock in float32)")  # fmt: skip
-    say(f"{'M':>3} {'K':>5} {'N':>6} {'dtype':>8} {'bits':>4} {'gs':>4} {'status':>7} "
+    say(f"{'kernel':>12} {'M':>3} {'K':>5} {'N':>6} {'dtype':>8} {'bits':>4} {'gs':>4} {'status':>7} "
         f"{'error':>9} {'bound':>8} {'stock err':>9} {'kernel us':>9} {'stock us':>9}")  # fmt: skip
     grid = [(4, 4096, 4096, dt, bits, gs) for bits in (4, 8) for gs in (32, 64, 128)
             for dt in (mx.bfloat16, mx.float16, mx.float32)]  # fmt: skip
     grid += [(m, 4096, 12288, mx.bfloat16, bits, 64) for bits in (4, 8) for m in (2, 8, 16)]
-    for m, k, n, dt, bits, gs in grid:
+    for (m, k, n, dt, bits, gs), cand in [(g, c) for g in grid for c in guard.candidates]:
         v = guard.verdict(cand, m, k, n, dt, bits, gs)
+        if v is None:
+            continue
         rows.append(v.__dict__)
 
         def f(a, spec="9.2e"):
             return f"{a:{spec}}" if a is not None else f"{'-':>9}"
 
-        say(f"{m:3d} {k:5d} {n:6d} {v.dtype:>8} {bits:4d} {gs:4d} {v.status:>7} {f(v.max_error)} "
+        say(f"{cand.name:>12} {m:3d} {k:5d} {n:6d} {v.dtype:>8} {bits:4d} {gs:4d} {v.status:>7} {f(v.max_error)} "
             f"{v.bound:8.1e} {f(v.reference_error)} {f(v.kernel_us, '9.1f')} "
             f"{f(v.reference_us, '9.1f')}" + (f"  {v.detail}" if v.detail else ""))  # fmt: skip
     return rows
@@ -230,8 +237,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     a = ap.parse_args()
     parts = a.part.split(",")
-    say(f"mlx {mx.__version__} on {mx.default_device()}; kernel cuda_qmm@{qmm.CUDA_VERSION}")
-    guard = Guard([cuda_candidate()], home=a.home)
+    say(f"mlx {mx.__version__} on {mx.default_device()}; kernels cuda_qmm@{qmm.CUDA_VERSION}, "
+        f"cuda_qmm_mma@{qmm_mma.VERSION}")  # fmt: skip
+    guard = Guard([cuda_mma_candidate(), cuda_candidate()], home=a.home)
     say(f"verdicts: {guard.path}")
     data = {}
     t0 = time.perf_counter()

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kernels import qmm
+from kernels import qmm, qmm_mma
 from kernels.tune import machine_id
 
 log = logging.getLogger("specgate.kernels")
@@ -129,15 +129,19 @@ def cuda_candidate() -> Candidate:
     return Candidate("cuda_qmm", qmm.CUDA_VERSION, qmm.cuda_qmm)
 
 
+def cuda_mma_candidate() -> Candidate:
+    return Candidate("cuda_qmm_mma", qmm_mma.VERSION, qmm_mma.cuda_qmm_mma, qmm_mma.supports)
+
+
 def metal_candidate() -> Candidate:
     return Candidate("metal_qmm", qmm.METAL_VERSION, qmm.metal_qmm)
 
 
 def default_candidates() -> list[Candidate]:
-    """Both kernels everywhere: the one that cannot build here is recorded as
-    failed once, and the check decides about the other."""
-    return [metal_candidate(), cuda_candidate()] if mx.metal.is_available() else [
-        cuda_candidate(), metal_candidate()]  # fmt: skip
+    """Every kernel everywhere: those that cannot build here are recorded as
+    failed once, and the check decides about the others."""
+    cuda = [cuda_mma_candidate(), cuda_candidate()]
+    return [metal_candidate(), *cuda] if mx.metal.is_available() else [*cuda, metal_candidate()]
 
 
 @dataclass
@@ -258,14 +262,15 @@ class Guard:
         return v
 
     def kernel_for(self, *args):
-        """The first candidate proved ok for this call's shape, or None
+        """The fastest candidate proved ok for this call's shape, or None
         (args as the stock op takes them; QMM: x, wq, scales, biases, group_size, bits)."""
         shape = self.op.shape_of(*args)
+        best, best_us = None, math.inf
         for cand in self.candidates:
             v = self.verdict(cand, *shape)
-            if v is not None and v.ok:
-                return cand.fn
-        return None
+            if v is not None and v.ok and (v.kernel_us or 0.0) < best_us:
+                best, best_us = cand.fn, v.kernel_us or 0.0
+        return best
 
     # ------------------------------------------------------------- the proof
     def check(self, cand: Candidate, *shape) -> Verdict:

@@ -91,12 +91,15 @@ class Wiring:
         return out
 
     def in_use(self) -> int:
-        return sum(v.ok for v in self.verdicts())
+        """(shape, width) pairs where some kernel is enabled."""
+        return len({(tuple(v.shape), v.dtype, v.bits, v.group_size) for v in self.verdicts() if v.ok})
 
 
 def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
     """The guard's kernels that build on this device (probed at the first
-    shape they are written for, M = 2), and why the others do not."""
+    shape they are written for, M = 2), and why the others do not. A kernel
+    written for none of the model's shapes (e.g. tensor cores at float32)
+    is dropped without a word."""
     keep, failed = [], {}
     for cand in guard.candidates:
         v = None
@@ -106,7 +109,7 @@ def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
                 break
         if v is not None and v.status == "failed":
             failed[cand.name] = v.detail or "failed"
-        else:
+        elif v is not None:
             keep.append(cand)
     return keep, failed
 
@@ -136,12 +139,10 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
         log.info("%s", wired.reason)
         return wired
     hooked = hook.install(model, guard)
-    for k, n, dtype, bits, gs in shapes:  # the warm-up: kernel_for's order, per shape
+    for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
         for m in widths:
             for cand in keep:
-                v = guard.verdict(cand, m, k, n, dtype, bits, gs)
-                if v is not None and v.ok:
-                    break
+                guard.verdict(cand, m, k, n, dtype, bits, gs)
     wired = Wiring(True, "", guard, shapes, widths, hooked, failed)
     ok = wired.in_use()
     total = len(shapes) * len(widths)

@@ -1,5 +1,6 @@
-"""kernels/qmm.py, guard.py, hook.py on the CPU: reference paths, the CUDA
-kernel's arithmetic (emulated), and the guard's refusals."""
+"""kernels/qmm.py, qmm_mma.py, guard.py, hook.py on the CPU: reference paths,
+the CUDA kernels' arithmetic (emulated / simulated lane by lane), and the
+guard's refusals and choices."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from kernels import hook, qmm
+from kernels import hook, qmm, qmm_mma
 from kernels.guard import TOLERANCE, Candidate, Guard, cuda_candidate, metal_candidate, row_error
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -192,6 +193,67 @@ def test_guard_enables_a_correct_faster_kernel_and_reads_verdicts_back(tmp_path)
         dtype=mx.bfloat16)).ok and len(calls) > n_calls  # fmt: skip
     # shapes it is not written for get no verdict and no check
     assert guard.verdict(cand, *_shape(m=1)) is None and guard.verdict(cand, *_shape(m=17)) is None
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "dtype", "bits", "gs", "w", "nt"),
+    [(3, 256, 20, mx.bfloat16, 4, 64, None, None), (1, 256, 16, mx.float16, 4, 32, 2, 2),
+     (9, 512, 24, mx.bfloat16, 8, 128, 2, 1), (16, 128, 8, mx.float16, 8, 32, None, None),
+     (8, 384, 40, mx.bfloat16, 4, 128, 3, 2), (5, 256, 16, mx.bfloat16, 8, 64, None, None)],
+)  # fmt: skip
+def test_tensor_core_kernel_simulated_lane_by_lane(m, k, n, dtype, bits, gs, w, nt):
+    """Loads, masks, x permutation, fragment layout, split-K (w warps, some
+    with no K block when w does not divide it), ragged N and 16-row tiles."""
+    wq, s, b = quantized(n, k, dtype, bits, gs, seed=m + n)
+    x = mx.random.normal((1, m, k), key=mx.random.key(k + m)).astype(dtype)
+    y = qmm_mma.simulate_qmm(x, wq, s, b, gs, bits, w=w, nt=nt)
+    assert y.shape == (1, m, n) and y.dtype == dtype
+    err = row_error(y, exact(x, wq, s, b, gs, bits))
+    assert err <= TOLERANCE[str(dtype).rsplit(".", 1)[-1]] / 2, err
+
+
+def test_tensor_core_simulation_catches_a_pairing_slip(monkeypatch):
+    """x pairs that do not match the weight pairs the mask takes out: wrong."""
+    good = qmm_mma._mma_plan
+
+    def swapped(bits):
+        return [(wd, p2, p0, sh) for wd, p0, p2, sh in good(bits)]
+
+    monkeypatch.setattr(qmm_mma, "_mma_plan", swapped)
+    wq, s, b = quantized(16, 256, mx.bfloat16, 4, 64)
+    x = mx.random.normal((3, 256)).astype(mx.bfloat16)
+    assert row_error(qmm_mma.simulate_qmm(x, wq, s, b, 64, 4), exact(x, wq, s, b, 64, 4)) > 0.1
+
+
+def test_tensor_core_supports_launch_and_compact_source():
+    assert qmm_mma.supports(1, 4096, 1024, mx.bfloat16, 4, 64)
+    assert not qmm_mma.supports(4, 4096, 1024, mx.float32, 4, 64)  # tensor cores: 16-bit x
+    assert not qmm_mma.supports(4, 4160, 1024, mx.bfloat16, 4, 64)  # K not a multiple of 128
+    assert qmm_mma.supports(4, 4160, 1024, mx.bfloat16, 8, 64)  # 8-bit: multiples of 64
+    assert not qmm_mma.supports(17, 4096, 1024, mx.float16, 4, 64)
+    for m, k, n in ((4, 4096, 1024), (8, 4096, 12288), (2, 12288, 4096), (16, 4096, 151936)):
+        w, nt = qmm_mma.launch_config(m, k, n, 4)
+        assert 1 <= w <= 8 and nt in (2, 4) and k // qmm_mma.k_block(4) >= w
+        assert w * nt * 128 * 4 <= 48 * 1024  # the split-K buffer fits static shared memory
+    src = qmm_mma.compact(qmm_mma._SOURCE)
+    assert "//" not in src and "mma16816<BF>" in src and len(src) < len(qmm_mma._SOURCE)
+    assert all(line == line.strip() for line in src.splitlines())
+
+
+def test_guard_picks_the_fastest_proven_kernel(tmp_path):
+    def sleepy(delay):
+        def fn(x, wq, s, b, gs, bits):
+            time.sleep(delay)
+            return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+        return fn
+
+    slow, fast = sleepy(0.004), sleepy(0.0)
+    cands = [Candidate("slow", "1", slow), Candidate("fast", "1", fast)]
+    guard = make_guard(tmp_path, cands, margin=float("inf"))
+    x = mx.random.normal((4, 256)).astype(mx.float32)
+    wq, s, b = quantized(64, 256, mx.float32, 4, 64)
+    assert guard.kernel_for(x, wq, s, b, 64, 4) is fast  # listed second, chosen for its time
 
 
 def tiny_qwen3(bits=4, gs=64):

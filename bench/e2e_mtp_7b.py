@@ -181,7 +181,7 @@ def run_precision(prec: str, model, head, sigma, a, guard) -> list[dict]:
     t0 = time.perf_counter()
     trunk = Trunk(model)
     depths = [int(d) for d in a.depths.split(",")]
-    wired = wiring.prepare(model, "auto", range(2, max(depths) + 2), guard=guard)
+    wired = wiring.prepare(model, a.kernels, range(2, max(depths) + 2), guard=guard)
     say(f"\n[{prec}] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
     if wired.enabled:
         for v in wired.verdicts():
@@ -267,6 +267,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU check of the bench)")
     ap.add_argument("--test-kernel", action="store_true",
                     help="use qmm.emulate_qmm as the kernel, enabled when correct (CPU check)")
+    ap.add_argument("--kernels", default="auto", choices=wiring.SETTINGS,
+                    help="off: no hook at all (stock only)")
     ap.add_argument("--home", type=Path, default=None, help="SPECGATE_HOME for the verdicts")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)

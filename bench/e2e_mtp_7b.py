@@ -32,7 +32,7 @@ that the greedy output is known and stable:
   acceptance (accepted / positions reached) is printed next to a.
 The speculative output must equal the plain output token for token
 (exactness, checked for every run). Kernels: kernels/wiring.prepare, as the
-MTP engine does at load (the guard proves every verify width 2..max depth+1
+MTP engine does at load, sibling linears fused (the guard proves every verify width 2..max depth+1
 on this machine first; bf16 has no quantized linears: stock only).
 Tokens/s count the tokens after the first (prefill and its token excluded),
 each run after a warm-up decode at the same depth and kernel setting.
@@ -59,7 +59,7 @@ from engines.mlx_mtp.decoder import MTPDecoder  # noqa: E402
 from engines.mlx_mtp.head import MTPHead  # noqa: E402
 from engines.trunk import Trunk  # noqa: E402
 from kernels import qmm, wiring  # noqa: E402
-from kernels.guard import Candidate, Guard  # noqa: E402
+from kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
 
 OUT: list = []  # the --out file, written line by line (a run cut short keeps what it said)
 
@@ -175,13 +175,13 @@ def first_diff(got: list[int], want: list[int]) -> int | None:
 # ---------------------------------------------------------------- the run
 
 
-def run_precision(prec: str, model, head, sigma, a, guard) -> list[dict]:
+def run_precision(prec: str, model, head, sigma, a, guard, fused) -> list[dict]:
     rng = random.Random(a.seed + 7)
     prompt = [rng.randrange(a.vocab) for _ in range(a.prompt)]
     t0 = time.perf_counter()
     trunk = Trunk(model)
     depths = [int(d) for d in a.depths.split(",")]
-    wired = wiring.prepare(model, a.kernels, range(2, max(depths) + 2), guard=guard)
+    wired = wiring.prepare(model, a.kernels, range(2, max(depths) + 2), guard=guard, fused_guard=fused)
     say(f"\n[{prec}] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
     if wired.enabled:
         for v in wired.verdicts():
@@ -283,6 +283,7 @@ def main() -> None:
                       reps=2, inner=1)  # fmt: skip
     else:
         guard = Guard(home=a.home)
+    fused = None if a.test_kernel else Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
     say(f"mlx {mx.__version__} on {mx.default_device()}; qwen3 hidden {a.hidden}, {a.layers} layers, "
         f"{a.heads}/{a.kv_heads} heads, MLP {a.mlp}, vocab {a.vocab}; prompt {a.prompt}, "
         f"{a.tokens} tokens; verdicts {guard.path}")  # fmt: skip
@@ -297,7 +298,7 @@ def main() -> None:
             nn.quantize(head, group_size=64, bits=4)
             mx.eval(model.parameters(), head.parameters())
         say(f"\n[{prec}] built in {time.perf_counter() - t0:.1f} s")
-        rows += run_precision(prec, model, head, sigma, a, guard)
+        rows += run_precision(prec, model, head, sigma, a, guard, fused)
         del model, head
         gc.collect()
         mx.clear_cache()

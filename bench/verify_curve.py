@@ -41,7 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import hook, qmm, qmm_mma  # noqa: E402
 from kernels.cache_undo import checkpoint, restore  # noqa: E402
-from kernels.guard import Guard, cuda_candidate, cuda_mma_candidate  # noqa: E402
+from kernels.guard import (  # noqa: E402
+    FUSED_QMM,
+    Guard,
+    cuda_candidate,
+    cuda_mma_candidate,
+    cuda_mma_fused_candidate,
+)
 
 WIDTHS = list(range(1, 17))
 LINES: list[str] = []
@@ -191,9 +197,10 @@ def forward_curve(model, ctx: int, reps: int) -> dict[int, float]:
     return out
 
 
-def part_model(guard: Guard, layers: int, hidden: int, ctx: int, reps: int, gs: int = 64) -> dict:
+def part_model(guard: Guard, fused: Guard, layers: int, hidden: int, ctx: int, reps: int, gs: int = 64,
+               precisions=("bf16", "8b", "4b")) -> dict:  # fmt: skip
     res = {}
-    for prec in ("bf16", "8b", "4b"):
+    for prec in precisions:
         t0 = time.perf_counter()
         model = qwen3_7b(layers, hidden)
         if prec != "bf16":
@@ -201,7 +208,7 @@ def part_model(guard: Guard, layers: int, hidden: int, ctx: int, reps: int, gs: 
             mx.eval(model.parameters())
         res[f"{prec} stock"] = forward_curve(model, ctx, reps)
         if prec != "bf16":
-            n = hook.install(model, guard)
+            n = hook.install(model, guard, fused)
             with hook.kernels():
                 res[f"{prec} kernel"] = forward_curve(model, ctx, reps)
             say(f"  {prec}: {n} quantized linears hooked; built and measured in "
@@ -212,7 +219,7 @@ def part_model(guard: Guard, layers: int, hidden: int, ctx: int, reps: int, gs: 
     nparams = f"hidden {hidden}, {layers} layers, MLP {3 * hidden}, 32/8 heads, vocab 151936"
     say(f"\n(b) qwen3 7B-class forward ({nparams}), {ctx}-token KV cache, M new tokens with "
         f"logits for all: c(M)/c(1), c(1) in ms (kernel: hook on; ratios to stock c(1))")  # fmt: skip
-    cols = ["bf16 stock", "8b stock", "8b kernel", "4b stock", "4b kernel"]
+    cols = [c for c in ("bf16 stock", "8b stock", "8b kernel", "4b stock", "4b kernel") if c in res]
     say("  M | " + " | ".join(f"{c:>10}" for c in cols))
     for m in WIDTHS:
         cells = []
@@ -227,6 +234,8 @@ def part_model(guard: Guard, layers: int, hidden: int, ctx: int, reps: int, gs: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="matmul,guard,model")
+    ap.add_argument("--precisions", default="bf16,8b,4b", help="model part: which of bf16,8b,4b")
+    ap.add_argument("--max-m", type=int, default=16, help="widths 1..max-m")
     ap.add_argument("--home", type=Path, default=None, help="SPECGATE_HOME for the verdicts")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--json", type=Path, default=None)
@@ -240,6 +249,8 @@ def main() -> None:
     say(f"mlx {mx.__version__} on {mx.default_device()}; kernels cuda_qmm@{qmm.CUDA_VERSION}, "
         f"cuda_qmm_mma@{qmm_mma.VERSION}")  # fmt: skip
     guard = Guard([cuda_mma_candidate(), cuda_candidate()], home=a.home)
+    fused = Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
+    WIDTHS[:] = range(1, a.max_m + 1)
     say(f"verdicts: {guard.path}")
     data = {}
     t0 = time.perf_counter()
@@ -250,7 +261,8 @@ def main() -> None:
         data["guard"] = part_guard(guard)
         say(f"[guard part {time.perf_counter() - t0:.0f} s]")
     if "model" in parts:
-        data["model"] = part_model(guard, a.layers, a.hidden, a.ctx, a.reps)
+        data["model"] = part_model(guard, fused, a.layers, a.hidden, a.ctx, a.reps,
+                                   precisions=a.precisions.split(","))  # fmt: skip
         say(f"[model part {time.perf_counter() - t0:.0f} s; guard checks run: {guard.checks_run}]")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,13 @@ class Op:
     stock_name = "quantized_matmul"  # for the log line
     heavy: tuple[int, ...] = (1, 2, 3)  # args copied to overflow L2 when timing
 
+    def heavy_args(self, args: tuple) -> tuple[int, ...]:
+        return self.heavy
+
+    def joined(self, y):
+        """One array from what a kernel (or stock) returns, to be compared."""
+        return y
+
     def shape_of(self, x, wq, scales, biases, group_size, bits) -> tuple:
         return math.prod(x.shape[:-1]), x.shape[-1], wq.shape[0], x.dtype, bits, group_size
 
@@ -112,6 +119,61 @@ class Op:
 QMM = Op()
 
 
+class FusedQMM(Op):
+    """2 or 3 quantized matmuls that share x (a layer's q/k/v or gate/up) in
+    one launch. Args: x, wq0, s0, b0, wq1, s1, b1[, wq2, s2, b2], group_size,
+    bits; shape (M, K, (N0, N1[, N2]), dtype, bits, group_size); kernels and
+    stock return one output per part, compared side by side (concatenated)."""
+
+    name = "qmm_fused"
+    stock_name = "quantized_matmul per part"
+
+    def heavy_args(self, args: tuple) -> tuple[int, ...]:
+        return tuple(range(1, len(args) - 2))
+
+    def joined(self, y):
+        return mx.concatenate(list(y), axis=-1) if isinstance(y, (list, tuple)) else y
+
+    def shape_of(self, x, *args) -> tuple:
+        ns = tuple(wq.shape[0] for wq in args[:-2:3])
+        return math.prod(x.shape[:-1]), x.shape[-1], ns, x.dtype, args[-1], args[-2]
+
+    def key(self, name, version, m, k, ns, dtype, bits, group_size) -> str:
+        return shape_key(name, version, m, k, "+".join(map(str, ns)), dtype_name(dtype), bits,
+                         group_size)  # fmt: skip
+
+    def fields(self, m, k, ns, dtype, bits, group_size) -> dict:
+        return {"shape": [m, k, *ns], "bits": bits, "group_size": group_size}
+
+    def describe(self, m, k, ns, dtype, bits, group_size) -> str:
+        return f"M={m} K={k} N={'+'.join(map(str, ns))} {dtype_name(dtype)} {bits}-bit g{group_size}"
+
+    def inputs(self, seed, m, k, ns, dtype, bits, group_size) -> tuple:
+        keys = mx.random.split(mx.random.key(seed + 7919 * m + k + 31 * sum(ns)), len(ns) + 1)
+        flat = []
+        for n, key in zip(ns, keys[1:], strict=True):
+            w = mx.random.normal((n, k), key=key).astype(dtype)
+            flat += mx.quantize(w, group_size=group_size, bits=bits)
+        x = mx.random.normal((m, k), key=keys[0]).astype(dtype)
+        return (x, *flat, group_size, bits)
+
+    def out_shape(self, m, k, ns, dtype, bits, group_size) -> tuple:
+        return (m, sum(ns))
+
+    def stock(self, x, *args):
+        gs, bits = args[-2:]
+        return [qmm.reference_qmm(x, *args[i : i + 3], gs, bits) for i in range(0, len(args) - 2, 3)]
+
+    def exact(self, x, *args):
+        f32, gs, bits = mx.float32, args[-2], args[-1]
+        return mx.concatenate([qmm.reference_qmm(x.astype(f32), args[i], args[i + 1].astype(f32),
+                                                 args[i + 2].astype(f32), gs, bits)
+                               for i in range(0, len(args) - 2, 3)], axis=-1)  # fmt: skip
+
+
+FUSED_QMM = FusedQMM()
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A kernel that wants to replace the stock quantized matmul.
@@ -131,6 +193,12 @@ def cuda_candidate() -> Candidate:
 
 def cuda_mma_candidate() -> Candidate:
     return Candidate("cuda_qmm_mma", qmm_mma.VERSION, qmm_mma.cuda_qmm_mma, qmm_mma.supports)
+
+
+def cuda_mma_fused_candidate() -> Candidate:
+    """For a Guard(op=FUSED_QMM)."""
+    return Candidate("cuda_qmm_mma_fused", qmm_mma.FUSED_VERSION, qmm_mma.cuda_qmm_mma_fused,
+                     qmm_mma.supports_fused)  # fmt: skip
 
 
 def metal_candidate() -> Candidate:
@@ -166,7 +234,7 @@ class Verdict:
         return self.status == "ok"
 
 
-def shape_key(name: str, version: str, m: int, k: int, n: int, dtype: str, bits: int,
+def shape_key(name: str, version: str, m: int, k: int, n: int | str, dtype: str, bits: int,
               group_size: int) -> str:  # fmt: skip
     return f"{name}@{version}|M{m}|K{k}|N{n}|{dtype}|b{bits}|g{group_size}"
 
@@ -284,7 +352,7 @@ class Guard:
         mx.eval([a for a in args if isinstance(a, mx.array)])
         want = op.out_shape(*shape)
         try:
-            y = cand.fn(*args)
+            y = op.joined(cand.fn(*args))
             mx.eval(y)
         except Exception as e:  # noqa: BLE001 - any failure to build or run refuses the kernel
             v.detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
@@ -293,7 +361,7 @@ class Guard:
             v.detail = f"returned {y.shape} {y.dtype}, expected {tuple(want)} {dtype}"
             return v
         exact = op.exact(*args)
-        stock = op.stock(*args)
+        stock = op.joined(op.stock(*args))
         v.max_error = row_error(y, exact)
         v.reference_error = row_error(stock, exact)
         if not v.max_error <= v.bound:
@@ -309,7 +377,7 @@ class Guard:
         return v
 
     def _time(self, fn, args: tuple) -> tuple[float, float]:
-        heavy = self.op.heavy
+        heavy = self.op.heavy_args(args)
         nbytes = sum(args[i].nbytes for i in heavy)
         sets = [list(args)]
         for _ in range(1, min(32, -(-self.flush_bytes // nbytes))):

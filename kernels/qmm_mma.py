@@ -143,23 +143,24 @@ __device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
     r.z = h[4] | (uint32_t(h[5]) << 16); r.w = h[6] | (uint32_t(h[7]) << 16);
     return r;
 }
-"""
 
-_SOURCE = r"""
-    // T activations; S scales/biases; BF 1 for bf16, 0 for f16; M rows;
-    // BITS; GS group size; W warps splitting K; NT column tiles of 8 a warp.
+// One block's NT * 8 output columns of y = x @ dequantize(wq)^T.
+// T activations; S scales/biases; BF 1 for bf16, 0 for f16; M rows; BITS;
+// GS group size; W warps splitting K; NT column tiles of 8 a warp.
+template <typename T, typename S, int BF, int M, int BITS, int GS, int W, int NT>
+__device__ __forceinline__ void qmm_tile(const T* x, const char* wq, const S* scales,
+                                         const S* biases, T* y, int K, int N, int blk) {
+
     constexpr int VPL = 128 / BITS;          // values in a lane's 16 weight bytes
     constexpr int KB = 4 * VPL;              // K values a warp covers per step
     constexpr int XV = VPL / 8;              // 16-byte x pieces per row per step
     __shared__ float red[W * NT * 128];
 
-    const int K = wq_shape[1] * (32 / BITS);
-    const int N = wq_shape[0];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int n_base = blockIdx.x * (NT * 8);
+    const int n_base = blk * (NT * 8);
     const int nkb = K / KB;
     const int per = (nkb + W - 1) / W;
     const int kb0 = warp * per;
@@ -279,10 +280,35 @@ _SOURCE = r"""
             y[(size_t)m * N + n] = static_cast<T>(sum);
         }
     }
+}
 """
 
+_SOURCE = r"""
+    qmm_tile<T, S, BF, M, BITS, GS, W, NT>(x, reinterpret_cast<const char*>(wq), scales, biases, y,
+                                           wq_shape[1] * (32 / BITS), wq_shape[0], blockIdx.x);
+"""
+
+
+def _fused_source(parts: int) -> str:
+    """A launch over 2 or 3 matrices that share x (q/k/v, gate/up): blocks
+    are dealt to the matrices in order, each running the same tile code."""
+    lines = ["    const int K = wq0_shape[1] * (32 / BITS);", "    int blk = blockIdx.x;"]
+    for i in range(parts):
+        call = (f"qmm_tile<T, S, BF, M, BITS, GS, W, NT>(x, reinterpret_cast<const char*>(wq{i}), "
+                f"s{i}, b{i}, y{i}, K, wq{i}_shape[0], blk); return;")  # fmt: skip
+        if i < parts - 1:
+            lines.append(f"    {{ const int nb = (wq{i}_shape[0] + 8 * NT - 1) / (8 * NT);")
+            lines.append(f"      if (blk < nb) {{ {call} }} blk -= nb; }}")
+        else:
+            lines.append(f"    {call}")
+    return "\n".join(lines) + "\n"
+
+
+_FUSED_SOURCES = {g: _fused_source(g) for g in (2, 3)}
+
 VERSION = hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:12]
-_compiled: list = []
+FUSED_VERSION = hashlib.sha256((_HEADER + "".join(_FUSED_SOURCES.values())).encode()).hexdigest()[:12]
+_compiled: dict = {}
 
 
 def compact(src: str) -> str:
@@ -298,12 +324,18 @@ def compact(src: str) -> str:
     return "\n".join(out)
 
 
-def _kernel():
-    if not _compiled:
-        _compiled.append(mx.fast.cuda_kernel(
-            name=f"sg_mma_{VERSION}", input_names=["x", "wq", "scales", "biases"],
-            output_names=["y"], source=compact(_SOURCE), header=compact(_HEADER)))  # fmt: skip
-    return _compiled[0]
+def _kernel(parts: int = 1):
+    """The mx.fast kernel over 1 matrix, or 2 / 3 sharing x; made once."""
+    if parts not in _compiled:
+        if parts == 1:
+            names, outs, src, tag = ["x", "wq", "scales", "biases"], ["y"], _SOURCE, VERSION
+        else:
+            names = ["x"] + [f"{a}{i}" for i in range(parts) for a in ("wq", "s", "b")]
+            outs, src, tag = [f"y{i}" for i in range(parts)], _FUSED_SOURCES[parts], FUSED_VERSION
+        _compiled[parts] = mx.fast.cuda_kernel(
+            name=f"sg_mma{parts}_{tag}", input_names=names, output_names=outs,
+            source=compact(src), header=compact(_HEADER))  # fmt: skip
+    return _compiled[parts]
 
 
 def _check(x, wq, scales, group_size, bits) -> tuple[int, int, int]:
@@ -341,6 +373,38 @@ def cuda_qmm_mma(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, 
     # x keeps its leading dims: the kernel reads x_shape[ndim - 1] as K and
     # writes rows in order, so no reshape (one op fewer per call).
     return _kernel()(inputs=[x, wq, scales, biases], **launch)[0]
+
+
+def supports_fused(m: int, k: int, ns: tuple, dtype, bits: int, group_size: int) -> bool:
+    """2 or 3 matrices sharing x, each a shape the single kernel is written for."""
+    return len(ns) in (2, 3) and all(supports(m, k, n, dtype, bits, group_size) for n in ns)
+
+
+def cuda_qmm_mma_fused(x, *args) -> list:
+    """[x @ dequantize(wq_i)^T for each part] in one launch (mx.fast.cuda_kernel).
+
+    args: wq0, s0, b0, wq1, s1, b1[, wq2, s2, b2], group_size, bits; the parts
+    share K, bits, group size and dtypes (q/k/v, or gate/up, of one layer)."""
+    group_size, bits = args[-2], args[-1]
+    flat = args[:-2]
+    key = (x.shape, x.dtype, tuple(a.shape for a in flat), flat[1].dtype, group_size, bits)
+    launch = _launches.get(key)
+    if launch is None:
+        parts = [flat[i : i + 3] for i in range(0, len(flat), 3)]
+        ns = []
+        for wq, sc, _ in parts:
+            m, k, n = _check(x, wq, sc, group_size, bits)
+            ns.append(n)
+        if not supports_fused(m, k, tuple(ns), x.dtype, bits, group_size):
+            raise ValueError(f"no fused tensor-core kernel for M={m} K={k} N={ns}")
+        w, nt = launch_config(m, k, sum(ns), bits)
+        blocks = sum(-(-n // (8 * nt)) for n in ns)
+        launch = _launches[key] = dict(
+            template=[("T", x.dtype), ("S", flat[1].dtype), ("BF", int(x.dtype == mx.bfloat16)),
+                      ("M", m), ("BITS", bits), ("GS", group_size), ("W", w), ("NT", nt)],
+            grid=(blocks * w * 32, 1, 1), threadgroup=(w * 32, 1, 1),
+            output_shapes=[(*x.shape[:-1], n) for n in ns], output_dtypes=[x.dtype] * len(ns))  # fmt: skip
+    return _kernel(len(flat) // 3)(inputs=[x, *flat], **launch)
 
 
 # ------------------------------------------------------------ simulation ---

@@ -32,23 +32,32 @@ from pathlib import Path
 import mlx.nn as nn
 
 from kernels import hook, qmm
-from kernels.guard import Guard, Verdict, dtype_name, specgate_home
+from kernels.guard import (
+    FUSED_QMM,
+    Guard,
+    Verdict,
+    cuda_mma_fused_candidate,
+    dtype_name,
+    specgate_home,
+)
 
 log = logging.getLogger("specgate.kernels")
 
 SETTINGS = ("auto", "off")
 
-_guards: dict[Path, Guard] = {}
+_guards: dict[tuple[Path, str], Guard] = {}
 _guards_lock = threading.Lock()
 
 
-def shared_guard() -> Guard:
-    """This process's guard for $SPECGATE_HOME (the default kernels)."""
+def shared_guard(op: str = "qmm") -> Guard:
+    """This process's guard for $SPECGATE_HOME: the default kernels ("qmm"),
+    or the fused sibling-linear kernel ("qmm_fused")."""
     home = specgate_home()
     with _guards_lock:
-        if home not in _guards:
-            _guards[home] = Guard(home=home)
-        return _guards[home]
+        if (home, op) not in _guards:
+            _guards[(home, op)] = (Guard(home=home) if op == "qmm" else Guard(
+                [cuda_mma_fused_candidate()], home=home, op=FUSED_QMM))  # fmt: skip
+        return _guards[(home, op)]
 
 
 Shape = tuple  # (K, N, dtype, bits, group_size)
@@ -76,6 +85,8 @@ class Wiring:
     widths: tuple[int, ...] = ()
     hooked: int = 0  # quantized linears routed through the hook
     failed: dict[str, str] = field(default_factory=dict)  # kernel -> why it cannot build here
+    fused_guard: Guard | None = None  # proves sibling groups (q/k/v, gate/up) in one launch
+    groups: list[tuple] = field(default_factory=list)  # their shapes (K, Ns, dtype, bits, gs)
 
     def verdicts(self) -> list[Verdict]:
         """The recorded verdicts for this model's shapes at its widths (every usable kernel)."""
@@ -93,6 +104,17 @@ class Wiring:
     def in_use(self) -> int:
         """(shape, width) pairs where some kernel is enabled."""
         return len({(tuple(v.shape), v.dtype, v.bits, v.group_size) for v in self.verdicts() if v.ok})
+
+
+def group_shapes(model: nn.Module) -> list[tuple]:
+    """Distinct (K, (N0, N1[, N2]), dtype, bits, group size) of the model's
+    sibling groups (hook.FUSE_GROUPS), in first-met order."""
+    out: dict[tuple, None] = {}
+    for group in hook.fuse_groups(model):
+        m = group[0]
+        k = m["weight"].shape[1] * 32 // m.bits
+        out[(k, tuple(g["weight"].shape[0] for g in group), m["scales"].dtype, m.bits, m.group_size)] = None
+    return list(out)
 
 
 def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
@@ -115,11 +137,13 @@ def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
-            guard: Guard | None = None) -> Wiring:  # fmt: skip
+            guard: Guard | None = None, fused_guard: Guard | None = None) -> Wiring:  # fmt: skip
     """Install the hook on `model` and prove its verify shapes (see the module docstring).
 
-    Call it with the device to yourself (engines hold DEVICE_LOCK): the
-    proofs time kernels."""
+    Without a `guard`, this process's shared guards are used (both the
+    per-linear and the fused one); with one, sibling groups are fused only
+    if a `fused_guard` is given too. Call it with the device to yourself
+    (engines hold DEVICE_LOCK): the proofs time kernels."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -127,7 +151,8 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     shapes = model_shapes(model)
     if not shapes:
         return Wiring(False, "not quantized (affine 4/8-bit): stock verify")
-    guard = shared_guard() if guard is None else guard
+    if guard is None:
+        guard, fused_guard = shared_guard(), shared_guard("qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
     with guard._lock:
         keep, failed = _usable(guard, shapes)
@@ -138,29 +163,47 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
                        guard, shapes, widths, 0, failed)  # fmt: skip
         log.info("%s", wired.reason)
         return wired
-    hooked = hook.install(model, guard)
+    groups = group_shapes(model) if fused_guard is not None else []
+    if groups:
+        with fused_guard._lock:
+            fused_guard.candidates, fused_failed = _usable(fused_guard, groups)
+        failed.update(fused_failed)
+        if not fused_guard.candidates:
+            fused_guard, groups = None, []
+    hooked = hook.install(model, guard, fused_guard)
     for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
         for m in widths:
             for cand in keep:
                 guard.verdict(cand, m, k, n, dtype, bits, gs)
+    fused_ok = 0
+    for k, ns, dtype, bits, gs in groups:
+        for m in widths:
+            for cand in fused_guard.candidates:
+                v = fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)
+                fused_ok += v is not None and v.ok
     wired = Wiring(True, "", guard, shapes, widths, hooked, failed)
     ok = wired.in_use()
     total = len(shapes) * len(widths)
     wired.reason = (f"{', '.join(c.name for c in keep)} on {hooked} quantized linears: "
                     f"{ok} of {total} (shape, width) pairs at widths {widths[0]}..{widths[-1]} "
                     f"enabled by the guard" if widths else "no verify widths to prove")  # fmt: skip
+    if groups:
+        wired.reason += (f"; sibling groups fused in one launch: {fused_ok} of "
+                         f"{len(groups) * len(widths)} (group, width) pairs")  # fmt: skip
+    wired.fused_guard, wired.groups = fused_guard, groups
     log.info("kernels: %s", wired.reason)
     return wired
 
 
 def describe(v: Verdict) -> str:
     """One verdict as a table row."""
-    m, k, n = v.shape
+    m, k, *ns = v.shape
+    n = "+".join(map(str, ns))  # a fused group's N is N0+N1[+N2]
 
     def f(a, spec):
         return f"{a:{spec}}" if a is not None else "-"
 
-    return (f"{v.kernel:>10} M={m:<2d} K={k:<6d} N={n:<6d} {v.dtype:>8} {v.bits}b g{v.group_size:<3d} "
+    return (f"{v.kernel:>10} M={m:<2d} K={k:<6d} N={n:<6} {v.dtype:>8} {v.bits}b g{v.group_size:<3d} "
             f"{v.status:>7}  err {f(v.max_error, '.1e')} (bound {f(v.bound, '.1e')})  "
             f"kernel {f(v.kernel_us, '.1f')} us / stock {f(v.reference_us, '.1f')} us"
             + (f"  {v.detail}" if v.detail else ""))  # fmt: skip

@@ -15,7 +15,15 @@ import pytest
 from mlx_lm.models import qwen3
 
 from kernels import hook, qmm, qmm_mma
-from kernels.guard import TOLERANCE, Candidate, Guard, cuda_candidate, metal_candidate, row_error
+from kernels.guard import (
+    FUSED_QMM,
+    TOLERANCE,
+    Candidate,
+    Guard,
+    cuda_candidate,
+    metal_candidate,
+    row_error,
+)
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -235,8 +243,8 @@ def test_tensor_core_supports_launch_and_compact_source():
         w, nt = qmm_mma.launch_config(m, k, n, 4)
         assert 1 <= w <= 8 and nt in (2, 4) and k // qmm_mma.k_block(4) >= w
         assert w * nt * 128 * 4 <= 48 * 1024  # the split-K buffer fits static shared memory
-    src = qmm_mma.compact(qmm_mma._SOURCE)
-    assert "//" not in src and "mma16816<BF>" in src and len(src) < len(qmm_mma._SOURCE)
+    src = qmm_mma.compact(qmm_mma._HEADER)
+    assert "//" not in src and "mma16816<BF>" in src and len(src) < len(qmm_mma._HEADER)
     assert all(line == line.strip() for line in src.splitlines())
 
 
@@ -311,3 +319,82 @@ def test_hook_uses_stock_path_where_guard_refused(tmp_path):
             assert not hook.enabled()
     finally:
         hook.set_default(False)
+
+
+def per_part_reference(x, *args):
+    """A 'fused kernel' that is the stock op per part (routing is under test here)."""
+    gs, bits = args[-2:]
+    return [qmm.reference_qmm(x, *args[i : i + 3], gs, bits) for i in range(0, len(args) - 2, 3)]
+
+
+def test_fused_op_guard_proves_and_refuses(tmp_path):
+    shape = (4, 256, (64, 32, 32), mx.float32, 4, 64)
+    good = Candidate("fused", "1", per_part_reference, lambda *s: True)  # float32 on a CPU
+
+    def swapped(x, *args):  # k and v outputs exchanged: same shapes, wrong answer
+        y = per_part_reference(x, *args)
+        return [y[0], y[2], y[1]]
+
+    bad = Candidate("swapped", "1", swapped, lambda *s: True)
+    guard = make_guard(tmp_path, [good, bad], op=FUSED_QMM, margin=float("inf"))
+    assert guard.verdict(good, *shape).ok
+    assert guard.verdict(bad, *shape).status == "wrong"
+    assert guard.path.name == "qmm_fused.json"
+    key = next(k for k in json.loads(guard.path.read_text())["verdicts"] if k.startswith("fused@"))
+    assert "|N64+32+32|" in key
+    assert qmm_mma.supports_fused(4, 4096, (4096, 1024, 1024), mx.bfloat16, 4, 64)
+    assert not qmm_mma.supports_fused(4, 4096, (4096,), mx.bfloat16, 4, 64)
+
+
+def test_hook_fuses_sibling_linears_and_output_is_unchanged(tmp_path):
+    singles, fused = [], []
+
+    def single(x, wq, s, b, gs, bits):
+        singles.append(wq.shape[0])
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+    def group(x, *args):
+        fused.append(tuple(a.shape[0] for a in args[:-2:3]))
+        return per_part_reference(x, *args)
+
+    model = tiny_qwen3()
+    assert sorted(len(g) for g in hook.fuse_groups(model)) == [2, 2, 3, 3]  # q/k/v, gate/up a layer
+    tokens = mx.array([[5, 9, 200, 7, 31, 4]])
+    stock = model(tokens)
+    guard = make_guard(tmp_path, [Candidate("single", "1", single)], margin=float("inf"))
+    fguard = make_guard(tmp_path, [Candidate("group", "1", group, lambda *s: True)],
+                        op=FUSED_QMM, margin=float("inf"))  # fmt: skip
+    hook.install(model, guard, fguard)
+    with hook.kernels():
+        assert mx.array_equal(model(tokens), stock)  # proves each shape (many calls)
+        fused.clear(), singles.clear()
+        assert mx.array_equal(model(tokens), stock)
+    # each layer: one launch for q/k/v (128+64+64), one for gate/up; o, down and lm_head alone
+    assert fused == [(128, 64, 64), (256, 256)] * 2
+    assert sorted(singles) == [128] * 4 + [512]  # o_proj and down_proj a layer, lm_head
+    # a sibling called with another x than its group's first computes alone
+    attn = model.model.layers[0].self_attn
+    x = mx.random.normal((1, 3, 128))
+    with hook.kernels():
+        q, k_other = attn.q_proj(x), attn.k_proj(x + 1)
+    assert mx.array_equal(k_other, nn.QuantizedLinear.__call__(attn.k_proj, x + 1))
+    assert "_specgate_pending" not in attn.k_proj.__dict__ or attn.k_proj.__dict__["_specgate_pending"] is None
+    assert mx.array_equal(q, nn.QuantizedLinear.__call__(attn.q_proj, x))
+    hook.uninstall(model)
+    assert all("_specgate_group" not in m.__dict__ for _, m in model.named_modules())
+
+
+def test_prepare_proves_fused_groups_at_every_width(tmp_path):
+    from kernels import wiring
+
+    model = tiny_qwen3()
+    guard = make_guard(tmp_path, [Candidate("single", "1", qmm.reference_qmm)], margin=float("inf"))
+    fguard = make_guard(tmp_path, [Candidate("group", "1", per_part_reference, lambda *s: True)],
+                        op=FUSED_QMM, margin=float("inf"))  # fmt: skip
+    wired = wiring.prepare(model, "auto", range(2, 4), guard=guard, fused_guard=fguard)
+    assert sorted(g[:2] for g in wired.groups) == [(128, (128, 64, 64)), (128, (256, 256))]
+    assert "fused in one launch: 4 of 4 (group, width) pairs" in wired.reason
+    assert fguard.checks_run == 4 and wired.fused_guard is fguard
+    hook.uninstall(model)
+    # given only a per-linear guard, nothing is fused
+    assert wiring.prepare(model, "auto", range(2, 4), guard=guard).groups == []

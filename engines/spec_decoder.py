@@ -159,9 +159,11 @@ class SpecDecoder:
         if self.cold:
             depth, self.cold = 0, False
         # Drafting and verifying build one lazy graph: the only wait is for
-        # the verdict, once per round.
+        # the verdict, once per round (the drafts start computing early).
         draft_arr, draft_probs = self._draft(last, depth) if depth > 0 else (None, [])
         depth = 0 if draft_arr is None else draft_arr.shape[0]
+        if depth:  # the device drafts while this thread builds the verify graph
+            mx.async_eval(draft_arr, draft_probs)
         verify_arr = mx.array([last])
         if depth:
             verify_arr = mx.concatenate([verify_arr, draft_arr.astype(verify_arr.dtype)])

@@ -184,7 +184,7 @@ def run_precision(prec: str, model, head, sigma, a, guard, fused) -> list[dict]:
     wired = wiring.prepare(model, a.kernels, range(2, max(depths) + 2), guard=guard, fused_guard=fused)
     say(f"\n[{prec}] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
     if wired.enabled:
-        for v in wired.verdicts():
+        for v in wired.verdicts() + wired.fused_verdicts():
             say("   " + wiring.describe(v))
     modes = ["stock"] + (["kernels"] if wired.enabled and wired.in_use() else [])
 

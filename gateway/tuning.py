@@ -93,7 +93,7 @@ def _kernels(model, progress):
 
     wired = wiring.prepare(model, "auto", tune.WIDTHS)
     progress(f"kernels: {wired.reason}")
-    for v in wired.verdicts():
+    for v in wired.verdicts() + wired.fused_verdicts():
         progress("  " + wiring.describe(v))
     return wired
 

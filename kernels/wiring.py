@@ -15,6 +15,10 @@ and bench/e2e_mtp_7b.py) calls once when it loads a model:
   every (shape, width) the engine can verify (`widths`, M = 2..max depth+1)
   now, so no proof lands inside a live request (verdicts on disk are read
   back, not re-proved). Widths beyond these are proved at their first use.
+- sibling groups (a layer's q/k/v and gate/up, hook.FUSE_GROUPS) get the
+  fused tensor-core kernel through a second guard (guard.FUSED_QMM), proved
+  the same way per (group shape, width); where it is refused or cannot
+  build, each linear takes its own path as above.
 - the engine then runs each round's verify forward inside
   `hook.kernels(wired.enabled)`; prefill and one-row steps are never routed.
 
@@ -100,6 +104,14 @@ class Wiring:
                     if v is not None:
                         out.append(v)
         return out
+
+    def fused_verdicts(self) -> list[Verdict]:
+        """The recorded verdicts for its sibling groups at its widths."""
+        if self.fused_guard is None:
+            return []
+        return [v for k, ns, dtype, bits, gs in self.groups for m in self.widths
+                for cand in self.fused_guard.candidates
+                if (v := self.fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)) is not None]  # fmt: skip
 
     def in_use(self) -> int:
         """(shape, width) pairs where some kernel is enabled."""

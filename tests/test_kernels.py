@@ -395,6 +395,8 @@ def test_prepare_proves_fused_groups_at_every_width(tmp_path):
     assert sorted(g[:2] for g in wired.groups) == [(128, (128, 64, 64)), (128, (256, 256))]
     assert "fused in one launch: 4 of 4 (group, width) pairs" in wired.reason
     assert fguard.checks_run == 4 and wired.fused_guard is fguard
+    rows = [wiring.describe(v) for v in wired.fused_verdicts()]
+    assert len(rows) == 4 and any("N=128+64+64" in r for r in rows)
     hook.uninstall(model)
     # given only a per-linear guard, nothing is fused
     assert wiring.prepare(model, "auto", range(2, 4), guard=guard).groups == []

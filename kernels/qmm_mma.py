@@ -32,8 +32,11 @@ C c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols).
 
 `simulate_qmm` replays the kernel lane by lane in numpy (the same loads,
 masks, permutations, fragment layout, split-K and output order), so the
-index arithmetic is tested on a CPU; `cuda_qmm_mma` is the kernel, used
-only where kernels/guard.py proved it on the machine it runs on.
+index arithmetic is tested on a CPU; `cuda_qmm_mma` is the kernel, and
+`cuda_qmm_mma_fused` the same tile code over 2 or 3 matrices that share x
+(a layer's q/k/v, gate/up) in one launch, which saves MLX's per-launch host
+cost; each is used only where kernels/guard.py proved it on the machine it
+runs on (the fused one through guard.FUSED_QMM).
 """
 
 from __future__ import annotations

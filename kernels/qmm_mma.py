@@ -373,8 +373,8 @@ def cuda_qmm_mma(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, 
                       ("M", m), ("BITS", bits), ("GS", group_size), ("W", w), ("NT", nt)],
             grid=(-(-n // (8 * nt)) * w * 32, 1, 1), threadgroup=(w * 32, 1, 1),
             output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])  # fmt: skip
-    # x keeps its leading dims: the kernel reads x_shape[ndim - 1] as K and
-    # writes rows in order, so no reshape (one op fewer per call).
+    # x keeps its leading dims (the kernel takes K from wq's shape and writes
+    # rows in order): no reshape, one op fewer per call.
     return _kernel()(inputs=[x, wq, scales, biases], **launch)[0]
 
 

@@ -8,7 +8,6 @@ tensor-core kernel's launch configurations) at the 7B shapes.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verify_curve import per_call, weight_sets  # noqa: E402  (bench/, beside this file)
 
 from kernels import qmm, qmm_mma  # noqa: E402
 from kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
@@ -60,20 +61,6 @@ def correctness() -> bool:
     return ok
 
 
-def per_call(fn, args_sets, calls=24, reps=7):
-    def run():
-        mx.eval([fn(*args_sets[i % len(args_sets)]) for i in range(calls)])
-
-    run()
-    run()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / calls
-
-
 def timing(sweep: bool) -> None:
     shapes = [(4096, 12288), (12288, 4096), (4096, 4096), (4096, 1024), (4096, 151936)]
     for bits in (4, 8):
@@ -82,12 +69,9 @@ def timing(sweep: bool) -> None:
         )
         print(f"{'K':>6} {'N':>6} {'M':>3} | {'stock':>16} | {'simt':>16} | {'mma':>16} | cfg")
         for k, n in shapes:
-            x1, wq, s, b = inputs(1, k, n, mx.bfloat16, bits, 64)
+            _, wq, s, b = inputs(1, k, n, mx.bfloat16, bits, 64)
             nbytes = wq.nbytes + s.nbytes + b.nbytes
-            copies = max(1, -(-(200 << 20) // nbytes))
-            sets = [(wq, s, b)] + [tuple(a + mx.zeros((), a.dtype) for a in (wq, s, b))
-                                   for _ in range(copies - 1)]  # fmt: skip
-            mx.eval(sets)
+            sets = weight_sets((wq, s, b), 200 << 20)
             for m in (1, 2, 4, 8, 16):
                 x = mx.random.normal((m, k)).astype(mx.bfloat16)
                 cells = []
@@ -96,9 +80,8 @@ def timing(sweep: bool) -> None:
                     if name == "simt" and not qmm.supports(m, k, n, x.dtype, bits, 64):
                         cells.append(f"{'-':>16}")
                         continue
-                    t = per_call(
-                        lambda a, b_, c, fn=fn, x=x, bits=bits: fn(x, a, b_, c, 64, bits), sets
-                    )
+                    t = per_call(lambda x, a, b_, c, fn=fn, bits=bits: fn(x, a, b_, c, 64, bits),
+                                 x, sets, calls=24, reps=7)  # fmt: skip
                     cells.append(f"{t * 1e6:8.1f} ({nbytes / t / 1e12:4.2f})")
                 w, nt = qmm_mma.launch_config(m, k, n, bits)
                 print(
@@ -108,8 +91,8 @@ def timing(sweep: bool) -> None:
                     alts = []
                     for w in (1, 2, 4, 8):
                         for nt in (1, 2, 4):
-                            t = per_call(lambda a, b_, c, w=w, nt=nt, x=x, bits=bits: qmm_mma.cuda_qmm_mma(
-                                x, a, b_, c, 64, bits, w=w, nt=nt), sets, calls=16, reps=5)  # fmt: skip
+                            t = per_call(lambda x, a, b_, c, w=w, nt=nt, bits=bits: qmm_mma.cuda_qmm_mma(
+                                x, a, b_, c, 64, bits, w=w, nt=nt), x, sets, calls=16, reps=5)  # fmt: skip
                             alts.append(f"W{w}NT{nt}={t * 1e6:.1f}")
                     print("        sweep M=4: " + " ".join(alts), flush=True)
             del sets

@@ -321,22 +321,24 @@ def _kernel(kind: str):
     return _compiled[kind]
 
 
-def _check(x, wq, scales, group_size, bits):
+def check_shapes(x, wq, scales, group_size, bits, written_for=None, what="small-M kernel"):
+    """(M, K, N) of a call, or ValueError if the operands do not fit each
+    other or the kernel is not written for them (`written_for`, default
+    this module's `supports`)."""
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
     n = wq.shape[0]
     if wq.shape[-1] * 32 // bits != k or scales.shape != (n, k // group_size):
         raise ValueError(f"quantized weight {wq.shape} / scales {scales.shape} do not fit x {x.shape}"
                          f" at {bits} bits, group {group_size}")  # fmt: skip
-    if not supports(m, k, n, x.dtype, bits, group_size):
-        raise ValueError(f"no small-M kernel for M={m} K={k} N={n} {x.dtype} {bits}-bit "
-                         f"g{group_size}")  # fmt: skip
+    if not (written_for or supports)(m, k, n, x.dtype, bits, group_size):
+        raise ValueError(f"no {what} for M={m} K={k} N={n} {x.dtype} {bits}-bit g{group_size}")
     return m, k, n
 
 
 def _launch(kind: str, x, wq, scales, biases, group_size: int, bits: int,
             w: int | None = None, cpl: int | None = None):  # fmt: skip
-    m, k, n = _check(x, wq, scales, group_size, bits)
+    m, k, n = check_shapes(x, wq, scales, group_size, bits)
     dw, dcpl = launch_config(m, k, n, max_shared=48 * 1024 if kind == "cuda" else 32 * 1024)
     w, cpl = w or dw, cpl or dcpl
     x2 = x.reshape(m, k)
@@ -366,7 +368,7 @@ def emulate_qmm(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, w
     dequantization and accumulation, partial sums added in warp order, one
     rounding at the end. (Within a warp's range the emulation adds chunk by
     chunk as the kernel does, but a chunk's 64 products as one sum.)"""
-    m, k, n = _check(x, wq, scales, group_size, bits)
+    m, k, n = check_shapes(x, wq, scales, group_size, bits)
     dw, _ = launch_config(m, k, n)
     w = w or dw
     per_word = 32 // bits

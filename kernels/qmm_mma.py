@@ -42,10 +42,11 @@ runs on (the fused one through guard.FUSED_QMM).
 from __future__ import annotations
 
 import hashlib
-import math
 
 import mlx.core as mx
 import numpy as np
+
+from kernels import qmm
 
 MIN_M, MAX_M = 1, 16
 BITS = (4, 8)
@@ -342,16 +343,7 @@ def _kernel(parts: int = 1):
 
 
 def _check(x, wq, scales, group_size, bits) -> tuple[int, int, int]:
-    k = x.shape[-1]
-    m = math.prod(x.shape[:-1])
-    n = wq.shape[0]
-    if wq.shape[-1] * 32 // bits != k or scales.shape != (n, k // group_size):
-        raise ValueError(f"quantized weight {wq.shape} / scales {scales.shape} do not fit x {x.shape}"
-                         f" at {bits} bits, group {group_size}")  # fmt: skip
-    if not supports(m, k, n, x.dtype, bits, group_size):
-        raise ValueError(f"no tensor-core kernel for M={m} K={k} N={n} {x.dtype} {bits}-bit "
-                         f"g{group_size}")  # fmt: skip
-    return m, k, n
+    return qmm.check_shapes(x, wq, scales, group_size, bits, supports, "tensor-core kernel")
 
 
 _launches: dict[tuple, dict] = {}

@@ -34,9 +34,16 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify_curve import qwen3_7b  # noqa: E402  (bench/, beside this file)
+
 from kernels import hook  # noqa: E402
 from kernels.cache_undo import checkpoint, restore  # noqa: E402
-from kernels.guard import FUSED_QMM, Guard, cuda_candidate, cuda_mma_candidate, cuda_mma_fused_candidate  # noqa: E402
+from kernels.guard import (  # noqa: E402
+    FUSED_QMM,
+    Guard,
+    cuda_candidate,
+    cuda_mma_candidate,
+    cuda_mma_fused_candidate,
+)
 
 OUT: list = []
 

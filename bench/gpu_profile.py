@@ -13,8 +13,11 @@ specgate). The model is bench/verify_curve.py's 4-bit qwen3 (hidden 4096,
 - gpu: the kernels' summed device time per forward, and the busy time (the
   union of their intervals), so wall - busy is what the host costs;
 - the top kernels by device time, with calls per forward and us per call.
-Kernels: kernels/hook.py with the per-linear guard and the fused guard
-(verdicts under --home, shared with the other GPU benches).
+Modes: stock (hook off); kernels (kernels/hook.py with the per-linear
+guard and the fused guard, verdicts under --home, shared with the other GPU
+benches); mma (every quantized linear of 2..16 rows and every sibling group
+through the tensor-core kernels, whatever the guard's timing says: what the
+guard's choice is compared with). --pyprof: cProfile of one graph build.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def short(name: str) -> str:
     return name if len(name) <= 70 else name[:67] + "..."
 
 
-def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int):
+def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int, pyprof: bool):
     from torch.profiler import ProfilerActivity, profile
 
     def fwd():
@@ -93,6 +96,18 @@ def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int
         fwd()
     runs = [fwd() for _ in range(reps)]
     built = statistics.median(r[0] for r in runs)
+    if pyprof:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        saved = checkpoint(cache)
+        pr.enable()
+        out = model(tokens[None, ctx : ctx + m], cache=cache)
+        pr.disable()
+        mx.eval(out)
+        restore(cache, saved)
+        pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(12)
     wall = statistics.median(r[1] for r in runs)
     with tempfile.TemporaryDirectory() as d:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -109,6 +124,14 @@ def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int
             "per_name": per_name}  # fmt: skip
 
 
+def forced_mma() -> tuple[Guard, Guard]:
+    """Guards that enable the tensor-core kernels wherever they are correct
+    (nothing recorded: the timing verdict is what this mode overrides)."""
+    return (Guard([cuda_mma_candidate()], margin=float("inf"), record=False, reps=1, inner=1, flush_bytes=0),
+            Guard([cuda_mma_fused_candidate()], op=FUSED_QMM, margin=float("inf"), record=False,
+                  reps=1, inner=1, flush_bytes=0))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", default="1,2,5,8")
@@ -118,6 +141,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--pyprof", action="store_true")
     ap.add_argument("--home", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -133,7 +157,7 @@ def main() -> None:
     mx.eval(model.parameters())
     guard = Guard([cuda_mma_candidate(), cuda_candidate()], home=a.home)
     fused = Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
-    hook.install(model, guard, fused)
+    forced = forced_mma()
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.random.randint(0, 151936, (a.ctx + 16,), key=mx.random.key(1))
@@ -143,11 +167,13 @@ def main() -> None:
     rows = []
     for m in [int(w) for w in a.widths.split(",")]:
         for mode in a.modes.split(","):
-            if mode == "kernels" and m == 1:
+            if mode != "stock" and m == 1:
                 continue
+            hook.install(model, *(forced if mode == "mma" else (guard, fused)))
             t0 = time.perf_counter()
-            with hook.kernels(mode == "kernels"):
-                r = measure(model, cache, tokens, a.ctx, m, a.reps, a.profile_reps)
+            with hook.kernels(mode != "stock"):
+                r = measure(model, cache, tokens, a.ctx, m, a.reps, a.profile_reps,
+                            a.pyprof and mode != "stock")  # fmt: skip
             rows.append((m, mode, r))
             say(f"\nM={m} {mode}: wall {r['wall'] * 1e3:.2f} ms (graph built in {r['built'] * 1e3:.2f} ms), "
                 f"GPU busy {r['busy'] / 1e3:.2f} ms, kernel sum {r['sum'] / 1e3:.2f} ms, "
@@ -156,6 +182,13 @@ def main() -> None:
             for name, durs in top:
                 say(f"   {sum(durs) / a.profile_reps / 1e3:7.3f} ms  {len(durs) / a.profile_reps:5.0f}x "
                     f"{statistics.mean(durs):8.1f} us  {name}")  # fmt: skip
+    say("\nguard verdicts (per-linear and fused) at the widths measured:")
+    widths = {int(w) for w in a.widths.split(",")}
+    for g in (guard, fused):
+        for v in g.verdicts().values():
+            if v.shape[0] in widths:
+                say(f"   {v.kernel:>20} {v.shape} {v.status:>7} kernel {v.kernel_us or 0:.1f} us"
+                    f" / stock {v.reference_us or 0:.1f} us")  # fmt: skip
     say("\n  M | mode    | wall ms | built ms | GPU busy ms | host-bound ms (wall - busy) | kernels")
     for m, mode, r in rows:
         say(f"{m:3d} | {mode:7s} | {r['wall'] * 1e3:7.2f} | {r['built'] * 1e3:8.2f} | {r['busy'] / 1e3:11.2f} | "

@@ -17,6 +17,7 @@ from mlx_lm.models import qwen3
 from kernels import hook, qmm, qmm_mma
 from kernels.guard import (
     FUSED_QMM,
+    TIMING,
     TOLERANCE,
     Candidate,
     Guard,
@@ -201,6 +202,32 @@ def test_guard_enables_a_correct_faster_kernel_and_reads_verdicts_back(tmp_path)
         dtype=mx.bfloat16)).ok and len(calls) > n_calls  # fmt: skip
     # shapes it is not written for get no verdict and no check
     assert guard.verdict(cand, *_shape(m=1)) is None and guard.verdict(cand, *_shape(m=17)) is None
+    # verdicts timed by another method (an older specgate) are proved again
+    raw = json.loads(guard.path.read_text())
+    assert raw["timing"] == TIMING
+    guard.path.write_text(json.dumps(raw | {"timing": "independent calls"}))
+    later = make_guard(tmp_path, [cand], margin=float("inf"))
+    assert later.verdict(cand, *_shape(dtype=mx.bfloat16)).ok and later.checks_run == 1
+
+
+def test_guard_times_a_chain_of_dependent_calls(tmp_path):
+    """Each timed call's x waits on the previous call's output, as in a
+    forward (independent calls would overlap on a GPU)."""
+    seen = []
+
+    def spy(x, wq, s, b, gs, bits):
+        seen.append(x)
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+    cand = Candidate("spy", "1", spy)
+    guard = make_guard(tmp_path, [cand], margin=float("inf"), reps=1, inner=3)
+    args = guard.op.inputs(0, *_shape(dtype=mx.float32))
+    guard._time(spy, args)
+    x0 = args[0]
+    firsts = [x for x in seen if x is x0]
+    chained = [x for x in seen if x is not x0]
+    assert firsts and chained  # one fresh start per timed run, then inputs built from outputs
+    assert all(not mx.array_equal(x, x0).item() for x in chained)
 
 
 @pytest.mark.parametrize(

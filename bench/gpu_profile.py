@@ -7,7 +7,7 @@ profiler (CUPTI) sees every kernel of the process, MLX's included, so this
 bench needs `torch` there (it is a diagnostic, never a dependency of
 specgate). The model is bench/verify_curve.py's 4-bit qwen3 (hidden 4096,
 28 layers, MLP 12288, vocab 151936, group 64) with a 1024-token cache; per
-(width M, stock or kernels) it prints:
+(width M, mode) it prints:
 - wall: one forward with logits for every row, evaluated and undone (the
   median of --reps), and the time spent building its graph in Python;
 - gpu: the kernels' summed device time per forward, and the busy time (the

@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--home", type=Path, default=None, help="SPECGATE_HOME for the verdicts")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=11, help="timings per width (median); host jitter is ~+-20 %% a forward")
     ap.add_argument("--calls", type=int, default=24)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--hidden", type=int, default=4096)

@@ -176,12 +176,13 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
         log.info("%s", wired.reason)
         return wired
     groups = group_shapes(model) if fused_guard is not None else []
-    if groups:
+    fused_keep = []
+    if groups:  # (the guard is shared: its candidates stay; a failed build is a verdict)
         with fused_guard._lock:
-            fused_guard.candidates, fused_failed = _usable(fused_guard, groups)
+            fused_keep, fused_failed = _usable(fused_guard, groups)
         failed.update(fused_failed)
-        if not fused_guard.candidates:
-            fused_guard, groups = None, []
+    if not fused_keep:
+        fused_guard, groups = None, []
     hooked = hook.install(model, guard, fused_guard)
     for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
         for m in widths:
@@ -190,7 +191,7 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     fused_ok = 0
     for k, ns, dtype, bits, gs in groups:
         for m in widths:
-            for cand in fused_guard.candidates:
+            for cand in fused_keep:
                 v = fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)
                 fused_ok += v is not None and v.ok
     wired = Wiring(True, "", guard, shapes, widths, hooked, failed)

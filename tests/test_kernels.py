@@ -427,3 +427,10 @@ def test_prepare_proves_fused_groups_at_every_width(tmp_path):
     hook.uninstall(model)
     # given only a per-linear guard, nothing is fused
     assert wiring.prepare(model, "auto", range(2, 4), guard=guard).groups == []
+    hook.uninstall(model)
+    # a fused kernel written for none of this model's groups is not used for
+    # it, and stays a candidate of the (shared) guard for the next model
+    narrow = make_guard(tmp_path, [Candidate("group", "1", per_part_reference, lambda *s: False)],
+                        op=FUSED_QMM, margin=float("inf"))  # fmt: skip
+    wired = wiring.prepare(model, "auto", range(2, 4), guard=guard, fused_guard=narrow)
+    assert wired.groups == [] and wired.fused_guard is None and len(narrow.candidates) == 1

@@ -546,7 +546,9 @@ class AttentionOp(Op):
 
     name = "attention"
     stock_name = "scaled_dot_product_attention"
-    heavy = (1, 2)
+
+    def heavy_args(self, args: tuple) -> tuple[int, ...]:
+        return (1, 2)  # k, v
 
     def shape_of(self, q, k, v, scale):
         return q.shape[2], q.shape[1], k.shape[1], k.shape[2], q.shape[3], q.dtype

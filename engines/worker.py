@@ -78,6 +78,11 @@ class WorkerEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
+    def problem(self) -> str | None:
+        if self._thread is not None and not self._thread.is_alive():
+            return f"the {self.name} worker thread of model '{self.model_id}' has exited"
+        return None
+
     def live_state(self) -> LiveState:
         running = self._running
         return LiveState(running, max(0, self._in_flight - running), 0)

@@ -104,6 +104,9 @@ class LlamaCppEngine:
             await self._client.aclose()
             self._client = None
 
+    def problem(self) -> str | None:
+        return None
+
     def live_state(self) -> LiveState:
         active = min(self._in_flight, self.slots)
         return LiveState(active, self._in_flight - active, 0)

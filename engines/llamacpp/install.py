@@ -87,22 +87,14 @@ def cmake_flags() -> list[str]:
 
 
 def _pip_command() -> list[str]:
-    """A pip to download with: this interpreter's, else a python3 on PATH that has one.
-
-    uv-made virtualenvs have no pip module, and downloading an sdist is all we need.
-    """
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip"]
-    for name in ("python3", "python"):
-        exe = shutil.which(name)
-        if (
-            exe
-            and subprocess.run([exe, "-m", "pip", "--version"], capture_output=True).returncode == 0
-        ):
-            return [exe, "-m", "pip"]
-    raise InstallError(
-        "downloading the llama-cpp-python sources needs pip; install pip (`python3 -m ensurepip`)"
-    )
+    """This interpreter's pip: a dependency of specgate, so `uv run` venvs have it too
+    (a pip found on PATH may belong to another interpreter, or be the venv's pip-less one)."""
+    if importlib.util.find_spec("pip") is None:
+        raise InstallError(
+            f"downloading the llama-cpp-python sources needs pip in {sys.executable}'s "
+            "environment; reinstall specgate (pip is one of its dependencies)"
+        )
+    return [sys.executable, "-m", "pip"]
 
 
 def _sha256(path: Path) -> str:

@@ -1,12 +1,23 @@
-"""The `specgate` command."""
+"""The `specgate` command.
+
+Every subcommand imports what it needs when it runs: `specgate --help` and
+`specgate X --help` must not pay for MLX, mlx-lm or transformers (seconds).
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from typing import TYPE_CHECKING
 
-from gateway.config import Config, ConfigError, default_config, load_config
+if TYPE_CHECKING:
+    import socket
+
+    from gateway.config import Config
+
+# `serve` exits with this when it cannot start serving: a refused bind, an
+# address taken, a failed startup (uvicorn's own STARTUP_FAILURE code).
+EXIT_CANNOT_LISTEN = 3
 
 
 def _unsafe_bind(config: Config) -> str | None:
@@ -33,6 +44,8 @@ def _unsafe_bind(config: Config) -> str | None:
 def _keys_path(args: argparse.Namespace):
     from pathlib import Path
 
+    from gateway.config import default_config, load_config
+
     if args.keys_file:
         return Path(args.keys_file).expanduser()
     config = load_config(args.config) if args.config else default_config()
@@ -41,6 +54,7 @@ def _keys_path(args: argparse.Namespace):
 
 def _keys(args: argparse.Namespace) -> int:
     from gateway.auth import KeyFileError, add_key, read_keys, revoke_key
+    from gateway.config import ConfigError
 
     try:
         path = _keys_path(args)
@@ -79,11 +93,45 @@ def _print_keys(records) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to host:port (every address the name resolves to, as
+    uvicorn's own bind would), or OSError.
 
-    from gateway.app import create_app
-    from gateway.auth import KeyFileError
+    Bound before anything loads, and handed to uvicorn: uvicorn binds only
+    after the app's startup, which starts loading the models, so a taken port
+    used to end the process with a model loader thread still running MLX.
+    """
+    import socket
+
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # As uvicorn and asyncio do: a restart may reuse a port whose
+            # old connections are still in TIME_WAIT.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _cannot_listen(host: str, port: int, err: OSError) -> str:
+    reason = err.strerror or str(err)
+    reason = reason[:1].lower() + reason[1:]
+    hint = " (stop what uses it, or pick another --port)" if "in use" in reason else ""
+    return f"specgate: cannot listen on {host}:{port}: {reason}{hint}"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.config import ConfigError, default_config, load_config
 
     try:
         config = load_config(args.config) if args.config else default_config()
@@ -97,7 +145,28 @@ def _serve(args: argparse.Namespace) -> int:
     refusal = _unsafe_bind(config)
     if refusal:
         print(refusal, file=sys.stderr)
-        return 3
+        return EXIT_CANNOT_LISTEN
+    host, port = config.server.host, config.server.port
+    try:
+        sockets = _listen(host, port)
+    except OSError as e:
+        print(_cannot_listen(host, port, e), file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
+    try:
+        return _run_server(config, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _run_server(config: Config, sockets: list[socket.socket]) -> int:
+    import logging
+
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.auth import KeyFileError
+
     logging.basicConfig(
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -108,14 +177,21 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyFileError as e:
         print(f"specgate: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app,
         host=config.server.host,
         port=config.server.port,
         log_level=config.server.log_level,
         timeout_graceful_shutdown=5,
-    )
-    return 0
+    ))
+    # Given sockets, uvicorn says nothing about where it listens.
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        logging.getLogger("gateway.cli").info(
+            "listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    server.run(sockets=sockets)
+    # As uvicorn.run: an app whose startup failed never started serving.
+    return 0 if server.started else EXIT_CANNOT_LISTEN
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -148,8 +224,33 @@ def _tune(args) -> int:
     return run_cli(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specgate")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """--version, reading the installed package's metadata only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"specgate {_version()}")
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specgate", description=__doc__)
+    from engines.checkpoints import training_args
+
+    parser = argparse.ArgumentParser(
+        prog="specgate", description="An OpenAI/Anthropic-compatible LLM gateway over "
+        "speculative-decoding engines (MLX, llama.cpp).")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--config", help="YAML config (default: the embedded demo model)")
@@ -179,14 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=_inspect)
     demo = sub.add_parser("demo-model", help="train a demo model with a real MTP head (MLX)")
-    from engines.checkpoints.demo_training import add_cli_arguments
-
-    add_cli_arguments(demo)
+    training_args.add_demo_model_arguments(demo)
     demo.set_defaults(run=_demo_model)
     drafter = sub.add_parser("demo-drafter", help="train a DFlash block drafter for the demo model (MLX)")
-    from engines.checkpoints import dflash_training
-
-    dflash_training.add_cli_arguments(drafter)
+    training_args.add_demo_drafter_arguments(drafter)
     drafter.set_defaults(run=_demo_drafter)
     tune = sub.add_parser("tune", help="measure this machine's costs for a model (the policy uses them)")
     tune.add_argument("model", help="model directory or builtin:demo")

@@ -1,9 +1,17 @@
-"""`specgate serve` with no config serves the shipped demo model."""
+"""The `specgate` command: serve's defaults and its port, --help, --version."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+from importlib.metadata import version
+
 import openai
-from conftest import start_gateway, stop_gateway
+import pytest
+from conftest import REPO, start_gateway, stop_gateway
 
 from engines.checkpoints.default_model import DEFAULT_MODEL_ID
 
@@ -23,4 +31,76 @@ def test_serve_without_config_serves_the_demo(tmp_path):
         assert "\ufffd" not in out.choices[0].text
     finally:
         stop_gateway(gw)
+    assert f"listening on {gw.base_url}" in gw.log()  # uvicorn says nothing, given the socket
     assert not home.exists()  # nothing written: the model ships in the package
+
+
+# ---------------------------------------------------------------- --help, --version
+
+HEAVY = ("mlx", "mlx_lm", "transformers", "torch", "numpy", "tokenizers", "huggingface_hub",
+         "safetensors", "gguf")
+COMMANDS = [[], ["serve"], ["keys"], ["keys", "add"], ["keys", "list"], ["inspect"],
+            ["demo-model"], ["demo-drafter"], ["tune"], ["install-llama-server"]]
+
+# Runs main(argv) in a fresh interpreter; prints its exit code and the heavy
+# top-level packages it imported.
+_PROBE = """
+import json, sys
+from gateway.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(json.loads(sys.stdin.read())))
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def _probe(*argv: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=REPO, input=json.dumps(HEAVY),
+                          capture_output=True, text=True, timeout=60)
+    return proc, json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "specgate")
+def test_help_imports_no_heavy_module(command):
+    proc, probe = _probe(*command, "--help")
+    assert probe == {"code": 0, "heavy": []}, probe
+    assert "usage: specgate" in proc.stdout
+
+
+def test_demo_trainers_keep_their_options():
+    # The options moved out of the trainers: the trainers still read them.
+    from engines.checkpoints.training_args import DrafterConfig, TrainConfig
+
+    proc, _ = _probe("demo-model", "--help")
+    assert "--steps STEPS" in proc.stdout and "--size {default,large,tiny}" in proc.stdout
+    proc, _ = _probe("demo-drafter", "--help")
+    assert "--target-layers I,J,..." in proc.stdout and "--mask-token-id" in proc.stdout
+    assert TrainConfig().steps == 3000 and DrafterConfig().target_layer_ids == [1, 3, 5, 6]
+
+
+def test_version():
+    proc, probe = _probe("--version")
+    assert probe == {"code": 0, "heavy": []}
+    assert proc.stdout.strip() == f"specgate {version('specgate')}"
+
+
+# ---------------------------------------------------------------- serve: the port
+
+def test_port_in_use_is_one_line_and_exit_3(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], cwd=REPO,
+            capture_output=True, text=True, timeout=120,
+            env=os.environ | {"SPECGATE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 3
+    # Before anything loads (no uvicorn startup, no model loader thread), and
+    # nothing else: no uvicorn log, no traceback.
+    assert proc.stderr.splitlines() == [
+        f"specgate: cannot listen on 127.0.0.1:{port}: address already in use "
+        "(stop what uses it, or pick another --port)"]
+    assert proc.stdout == ""

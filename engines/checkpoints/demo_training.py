@@ -32,39 +32,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-SIZES = {
-    # ~8 M parameters: 16 MB in bfloat16, small enough to ship in the package.
-    "default": dict(hidden_size=256, num_hidden_layers=8, intermediate_size=512, vocab_size=4096,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                    linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=64, linear_value_head_dim=64),
-    # For a quick look (and the tests): trains in minutes on a CPU.
-    "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=1024,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                 linear_num_key_heads=1, linear_num_value_heads=2,
-                 linear_key_head_dim=32, linear_value_head_dim=32),
-    "large": dict(hidden_size=512, num_hidden_layers=12, intermediate_size=1536, vocab_size=8192,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                  linear_num_key_heads=4, linear_num_value_heads=8,
-                  linear_key_head_dim=64, linear_value_head_dim=64),
-}  # fmt: skip
+# Settings and CLI options live apart, so `specgate --help` need not import MLX.
+from engines.checkpoints.training_args import SIZES, TrainConfig
 
 HELDOUT_EVERY = 25  # every 25th stdlib file (sorted) is held out for evaluation
-
-
-@dataclass
-class TrainConfig:
-    size: str = "default"
-    seed: int = 0
-    steps: int = 3000
-    batch_size: int = 32
-    seq_len: int = 256
-    learning_rate: float = 2e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    mtp_weight: float = 0.5  # the head's loss weight in the joint objective
-    save_every: int = 250
-    dtype: str = "bfloat16"  # of the exported weights; training is float32
 
 
 # -- corpus ------------------------------------------------------------------------
@@ -380,21 +351,3 @@ def run_cli(args) -> int:
         main_log(f"GGUF with nextn tensors: {args.gguf}")
     print(result)
     return 0
-
-
-def add_cli_arguments(parser) -> None:
-    d = TrainConfig()
-    parser.add_argument("--out", help="output model directory (default: $SPECGATE_HOME/models/demo-SIZE)")
-    parser.add_argument("--work", help="corpus and resumable state (default: OUT.work)")
-    parser.add_argument("--size", choices=sorted(SIZES), default=d.size)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--steps", type=int, default=d.steps, help="length of the LR schedule")
-    parser.add_argument("--until-step", type=int, help="stop and export at this step")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
-    parser.add_argument("--seq-len", type=int, default=d.seq_len)
-    parser.add_argument("--lr", type=float, default=d.learning_rate)
-    parser.add_argument("--stop-after", type=float, metavar="SECONDS",
-                        help="save and stop after this long; the same command resumes")
-    parser.add_argument("--eval-tokens", type=int, default=20_000,
-                        help="held-out tokens to evaluate on at the end (0: skip)")
-    parser.add_argument("--gguf", metavar="PATH", help="also export a GGUF with nextn tensors")

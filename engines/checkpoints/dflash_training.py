@@ -38,7 +38,7 @@ import shutil
 import sysconfig
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -49,35 +49,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engines.checkpoints.demo_training import _save_state, _schedule, main_log, stdlib_files
+from engines.checkpoints.training_args import DrafterConfig
 from engines.mlx_block.dflash import DFlashAttention, DFlashDrafter, load_dflash
 from engines.trunk import Trunk, capture
-
-
-@dataclass
-class DrafterConfig:
-    seed: int = 0
-    steps: int = 460
-    # The target's forward over a window costs about as much as training 100
-    # blocks on a CPU, so each window gives many anchors. Short windows
-    # learned about twice as fast per step as 2 x 256 on the demo.
-    batch_size: int = 4  # windows per step
-    seq_len: int = 128  # tokens per window
-    anchors: int = 48  # blocks per window, distinct anchors
-    block_size: int = 8
-    num_layers: int = 1
-    # Spread over the demo's 8 layers, shallow to deep; a target of another
-    # depth needs its own.
-    target_layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5, 6])
-    mask_token_id: int | None = None  # None: a token id the tokenizer never emits
-    learning_rate: float = 2e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    # Position j of a block weighs exp(-(j-1)/decay). Short training makes
-    # mostly the first drafts right, so the first positions get most weight.
-    decay: float = 2.0
-    save_every: int = 50
-    dtype: str = "bfloat16"  # of the exported weights; training is float32
-
 
 # -- corpus and initial drafter ----------------------------------------------------
 
@@ -490,37 +464,3 @@ def run_cli(args) -> int:
     (result / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(result)
     return 0
-
-
-def _layer_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def add_cli_arguments(parser) -> None:
-    d = DrafterConfig()
-    parser.add_argument("--target", help="target model directory (default: the shipped demo model)")
-    parser.add_argument(
-        "--out", help="output drafter directory (default: $SPECGATE_HOME/models/demo-dflash)"
-    )
-    parser.add_argument("--work", help="corpus and resumable state (default: OUT.work)")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--steps", type=int, default=d.steps, help="length of the LR schedule")
-    parser.add_argument("--until-step", type=int, help="stop and export at this step")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
-    parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
-    parser.add_argument("--anchors", type=int, default=d.anchors, help="blocks per window")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--layers", type=int, default=d.num_layers, help="drafter decoder layers")
-    parser.add_argument("--target-layers", type=_layer_list, default=d.target_layer_ids,
-                        metavar="I,J,...", help="target layers the drafter reads "
-                        f"(default: {','.join(map(str, d.target_layer_ids))}, for the 8-layer demo)")  # fmt: skip
-    parser.add_argument("--mask-token-id", type=int,
-                        help="default: the target tokenizer's byte token 0xC0, which no text produces")  # fmt: skip
-    parser.add_argument("--lr", type=float, default=d.learning_rate)
-    parser.add_argument("--decay", type=float, default=d.decay,
-                        help="block position j weighs exp(-(j-1)/DECAY)")  # fmt: skip
-    parser.add_argument("--stop-after", type=float, metavar="SECONDS",
-                        help="save and stop after this long; the same command resumes")  # fmt: skip
-    parser.add_argument("--eval-prompts", type=int, default=16,
-                        help="held-out prompts decoded at the end, at every block length (0: skip)")  # fmt: skip
-    parser.add_argument("--eval-new-tokens", type=int, default=64)

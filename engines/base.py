@@ -201,6 +201,11 @@ class EngineError(RuntimeError):
     """The engine failed while serving a request; the gateway answers 500."""
 
 
+class EngineStopped(EngineError):
+    """The engine was stopped (shutdown, unload) while the request was in it;
+    the gateway answers 503 (an error event on a stream that had started)."""
+
+
 class Engine(Protocol):
     """One decoding engine serving one model."""
 

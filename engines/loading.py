@@ -3,13 +3,52 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
 
 from engines.prefix_cache import PrefixCache
+
+
+class FairLock:
+    """A mutex handed over in arrival order.
+
+    threading.Lock lets the thread that just released it take it straight
+    back, so an engine looping over prefill chunks would starve the other
+    engine of its model; here a release hands the lock to the longest waiter.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._waiters: deque[threading.Lock] = deque()
+        self._held = False
+
+    def acquire(self) -> None:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiters.append(turn)
+        turn.acquire()  # released by the holder's release(): the lock is ours
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().release()  # stays held, by the next waiter
+            else:
+                self._held = False
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass
@@ -19,6 +58,11 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     prefix_cache: PrefixCache  # shared by every engine serving this model
+    # Engines serving these weights take it around each step (a prefill
+    # chunk, a round, a batch step), so they never run MLX work on them at
+    # once. Engines of other models have their own and run alongside: a long
+    # prefill of one model does not hold up another's decoding.
+    lock: FairLock = field(default_factory=FairLock)
 
     @property
     def text_config(self) -> dict:
@@ -32,10 +76,6 @@ class LoadedModel:
     def max_position_embeddings(self) -> int | None:
         return self.text_config.get("max_position_embeddings")
 
-
-# One machine, one accelerator: engine workers take this around each step, so
-# two engines sharing one model's weights never run MLX work at once.
-DEVICE_LOCK = threading.Lock()
 
 _loaded: dict[str, LoadedModel] = {}
 _lock = threading.Lock()

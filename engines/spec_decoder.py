@@ -25,6 +25,7 @@ Two acceptance rules, chosen by the subclass:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ class SpecDecoder:
         self.prefill_step = prefill_step
         self.rollback_mode = rollback_mode  # "capture" (tape) or "replay"
         self.cold = False  # resumed: the drafter has seen nothing yet
+        self._prefill_hidden: mx.array | None = None  # the last prefill chunk's
 
     def resume(self, handoff: Handoff) -> Step:
         """Continue a sequence another engine decoded (the decoder was made
@@ -139,14 +141,28 @@ class SpecDecoder:
 
     def prefill(self) -> Step:
         """Feed the uncached prompt; commit the first generated token."""
+        for _ in self.prefill_chunks():
+            pass
+        return self.first_token()
+
+    def prefill_chunks(self) -> Iterator[int]:
+        """Feed the uncached prompt one chunk at a time, yielding how many
+        prompt tokens the cache holds after each: an engine takes its lock
+        per chunk and may stop between chunks (a cancelled request). Then
+        `first_token`."""
         prompt = self.request.prompt_tokens
-        hidden = None
         for s in range(self.cached_tokens, len(prompt), self.prefill_step):
             chunk = prompt[s : s + self.prefill_step]
             hidden = self._forward(mx.array([chunk]))
             self._after_prefill_chunk(s, chunk, hidden)
             mx.eval(hidden, [c.state for c in self.cache], self._extra_evals())
-        logits = self.trunk.logits(hidden[:, -1:])[0, -1]
+            self._prefill_hidden = hidden
+            yield s + len(chunk)
+
+    def first_token(self) -> Step:
+        """After the prompt is in the cache: sample and commit the first token."""
+        logits = self.trunk.logits(self._prefill_hidden[:, -1:])[0, -1]
+        self._prefill_hidden = None
         adjusted = self._adjust(logits, self.penalties)
         token = int(sample(adjusted, self.params, self.keys.next()).item())
         return self._commit([token], [adjusted])

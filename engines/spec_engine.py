@@ -28,7 +28,7 @@ from engines.base import (
     RoundStats,
     TokenEvent,
 )
-from engines.loading import DEVICE_LOCK, LoadedModel
+from engines.loading import LoadedModel
 from engines.spec_decoder import SpecDecoder, Step
 from engines.trunk import Trunk
 from engines.worker import WorkerEngine, deliver
@@ -81,7 +81,7 @@ class SpecEngine(WorkerEngine):
         width 2..max_depth+1 proved now, at load, not inside a request."""
         from kernels import wiring
 
-        with DEVICE_LOCK:
+        with self.loaded.lock:
             self.kernel_wiring = wiring.prepare(self.loaded.model, self.kernels_setting,
                                                 range(2, max_depth + 2), guard=self.kernel_guard)  # fmt: skip
         self.trunk.kernels = self.kernel_wiring.enabled
@@ -112,21 +112,26 @@ class SpecEngine(WorkerEngine):
 
     def _worker(self) -> None:
         waiting: deque[_Job] = deque()
-        while True:
+        while not self._stopping:
             block = not waiting
             try:
                 command, job = self._inbox.get(timeout=None if block else 0)
             except queue.Empty:
                 command = None
-            if command == "stop":
-                break
             if command == "submit":
                 waiting.append(job)
                 continue  # drain the inbox before starting work
             if waiting:
                 self._serve(waiting.popleft(), waiting)
+        while True:  # submitted after the stop, or never started
+            try:
+                command, job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command == "submit":
+                waiting.append(job)
         for job in waiting:
-            job.post(RuntimeError("engine stopped"))
+            job.post(self.stopped_error())
 
     def _serve(self, job: _Job, waiting: deque[_Job]) -> None:
         if job.cancelled:
@@ -140,9 +145,17 @@ class SpecEngine(WorkerEngine):
         finally:
             self._running = 0
 
+    def _gone(self, job: _Job) -> bool:
+        """Checked between steps: the client left, or the engine is stopping
+        (then the request ends with EngineStopped)."""
+        if self._stopping:
+            job.post(self.stopped_error())
+            return True
+        return job.cancelled
+
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
         request, resume = job.request, job.resume
-        prefix = self.loaded.prefix_cache
+        prefix, lock = self.loaded.prefix_cache, self.loaded.lock
         if resume is not None:
             cache, rest = resume.cache, []
         elif self.reads_prefix_cache:
@@ -152,8 +165,23 @@ class SpecEngine(WorkerEngine):
         cached = 0 if resume else len(request.prompt_tokens) - len(rest)
         decoder = self.make_decoder(request, cache, cached)
         detok = resume.detokenizer if resume else self.tokenizer.detokenizer
-        with DEVICE_LOCK:
-            step = decoder.resume(resume) if resume else decoder.prefill()
+        if resume is not None:
+            with lock:
+                step = decoder.resume(resume)
+        else:
+            # The lock is taken per chunk, and a request that went away stops
+            # within one chunk: a long prompt nobody waits for must not hold
+            # the model (or, through its lock, its plain engine) for minutes.
+            chunks, fed, total = decoder.prefill_chunks(), cached, len(request.prompt_tokens)
+            while fed < total:
+                if self._gone(job):
+                    log.info("%s %s: request %s stopped after prefilling %d of %d prompt tokens",
+                             self.model_id, self.name, request.request_id, fed, total)
+                    return
+                with lock:
+                    fed = next(chunks)
+            with lock:
+                step = decoder.first_token()
         while True:
             if step.finish_reason is not None:
                 # Not running any more before the client can hear so: its next
@@ -164,7 +192,7 @@ class SpecEngine(WorkerEngine):
                 return
             job.post(*self._events(step, detok, cached))
             self._take_submits(waiting)
-            if job.cancelled:
+            if self._gone(job):
                 return
             plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
             if plan.engine != self.name:  # e.g. batching: another request arrived
@@ -173,7 +201,7 @@ class SpecEngine(WorkerEngine):
                 job.post(handoff)
                 return
             depth = plan.depth if plan.method == self.method else 0
-            with DEVICE_LOCK:
+            with lock:
                 step = decoder.round(depth)
 
     def _take_submits(self, waiting: deque[_Job]) -> None:
@@ -184,9 +212,7 @@ class SpecEngine(WorkerEngine):
                 return
             if command == "submit":
                 waiting.append(job)
-            else:  # "stop": finish this request first, then stop
-                self._inbox.put((command, job))
-                return
+            # "stop": self._stopping is already set, the worker loop sees it
 
     @staticmethod
     def _events(step: Step, detok, cached: int) -> list:

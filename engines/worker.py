@@ -9,12 +9,27 @@ loop. So MLX never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from engines.base import EngineError, Handoff, LiveState, Refusal, SamplingParams, TokenEvent
+from engines.base import (
+    EngineError,
+    EngineStopped,
+    Handoff,
+    LiveState,
+    Refusal,
+    SamplingParams,
+    TokenEvent,
+)
 from engines.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# How long stop() waits for the worker to finish its current step (one prefill
+# chunk or decoding step, seconds on a big model) before giving up on it.
+STOP_JOIN_S = 30.0
 
 
 def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -36,6 +51,9 @@ class WorkerEngine:
         self._in_flight = 0  # admitted, not yet finished (event loop only)
         self._running = 0  # producing tokens now (worker writes, others read)
         self._thread: threading.Thread | None = None
+        # Set by stop(); the worker reads it between steps and ends every
+        # request it holds with EngineStopped, the current one included.
+        self._stopping = False
 
     # -- the model's tokenizer ------------------------------------------------------
 
@@ -67,16 +85,26 @@ class WorkerEngine:
 
     async def start(self) -> None:
         if self._thread is None:
+            self._stopping = False
             self._thread = threading.Thread(
                 target=self._worker, name=f"{self.name}-{self.model_id}", daemon=True
             )
             self._thread.start()
 
     async def stop(self) -> None:
+        """End every request in the engine (EngineStopped) and the worker,
+        within one step of its work."""
         if self._thread is not None:
+            self._stopping = True
             self._inbox.put(("stop", None))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+            thread, self._thread = self._thread, None
+            await asyncio.to_thread(thread.join, STOP_JOIN_S)
+            if thread.is_alive():  # a daemon thread: it cannot keep the process alive
+                log.error("%s of model %s did not stop within %g s", self.name,
+                          self.model_id, STOP_JOIN_S)  # fmt: skip
+
+    def stopped_error(self) -> EngineStopped:
+        return EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped")
 
     def problem(self) -> str | None:
         if self._thread is not None and not self._thread.is_alive():
@@ -108,6 +136,8 @@ class WorkerEngine:
                 item = await out.get()
                 if isinstance(item, BaseException):
                     finished = True
+                    if isinstance(item, EngineError):
+                        raise item
                     raise EngineError(str(item)) from item
                 if isinstance(item, Handoff) or (
                     isinstance(item, TokenEvent) and item.finish_reason is not None

@@ -71,6 +71,10 @@ class QueueTimeout(Exception):
     pass
 
 
+class GateClosed(Exception):
+    """The server is shutting down: nobody else is admitted."""
+
+
 class ModelGate:
     """`slots` requests decode at once; up to `max_queue` more wait, at most
     `max_wait` seconds each. Event loop only (no locks: nothing here awaits
@@ -81,6 +85,7 @@ class ModelGate:
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.running = 0
+        self.closed = False
         self._queue: FairQueue[asyncio.Future] = FairQueue()
 
     @property
@@ -89,8 +94,11 @@ class ModelGate:
 
     def reserve(self, key: str) -> asyncio.Future | None:
         """A slot now (None), or a place in the queue to `wait` on; QueueFull
-        when the queue is at its bound. Synchronous, so a caller can count
-        the request against its key's quota only once it is accepted."""
+        when the queue is at its bound, GateClosed once closed. Synchronous,
+        so a caller can count the request against its key's quota only once
+        it is accepted."""
+        if self.closed:
+            raise GateClosed
         if self.running < self.slots and not self._queue:
             self.running += 1
             return None
@@ -101,21 +109,31 @@ class ModelGate:
         return place
 
     async def wait(self, key: str, place: asyncio.Future) -> None:
-        """Until `place` is given a slot; QueueTimeout after max_wait. If the
-        waiter is cancelled (the client left) it leaves the queue."""
+        """Until `place` is given a slot; QueueTimeout after max_wait,
+        GateClosed if the gate closes. If the waiter is cancelled (the client
+        left) it leaves the queue."""
         try:
             # Not wait_for: on 3.11 it can swallow a cancel that races the grant.
             async with asyncio.timeout(self.max_wait):
                 await asyncio.shield(place)
         except BaseException as e:
             if place.done() and not place.cancelled():
-                self.release()  # the slot came as we gave up: pass it on
+                if place.exception() is None:
+                    self.release()  # the slot came as we gave up: pass it on
             else:
                 place.cancel()
                 self._queue.remove(key, place)
             if isinstance(e, TimeoutError):
                 raise QueueTimeout from None
             raise
+
+    def close(self) -> None:
+        """Admit nobody from now on: every waiter gets GateClosed at once;
+        requests holding a slot go on."""
+        self.closed = True
+        while (head := self._queue.pop()) is not None:
+            if not head[1].done():
+                head[1].set_exception(GateClosed())
 
     def release(self) -> None:
         """A slot holder finished: the slot goes to the next waiter in turn."""

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from engines.base import SamplingParams
+from gateway.openai_schema import refuse_lone_surrogates
 
 # Fields Anthropic defines that specgate cannot honour, with what to say.
 UNSUPPORTED = {
@@ -172,6 +173,8 @@ class _Conversation(BaseModel):
 
     # Anthropic adds fields often; known ones we cannot honour are refused.
     model_config = ConfigDict(extra="allow")
+
+    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
 
     model: StrictStr = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)

@@ -19,7 +19,14 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import openai_api
 from gateway.anthropic_api import router as anthropic_router
-from gateway.auth import AuthMiddleware, KeyFileError, KeyStore, current_principal, is_loopback
+from gateway.auth import (
+    AuthMiddleware,
+    KeyFileError,
+    KeyStore,
+    current_principal,
+    is_loopback,
+    presented_key,
+)
 from gateway.config import Config
 from gateway.errors import APIError, install_error_handlers
 from gateway.limits import BodyLimitMiddleware
@@ -74,17 +81,23 @@ def create_app(config: Config) -> FastAPI:
 
     @app.get("/ready")
     async def ready(request: Request):
-        models = {
-            m.id: ("ready" if m.engine else "failed" if m.error
-                   else "unloaded" if m.unloaded else "loading")
-            for m in registry.models.values()
-        }
-        errors = {m.id: m.error for m in registry.models.values() if m.error}
-        ok = registry.ready
-        return JSONResponse(
-            {"status": "ready" if ok else "not_ready", "models": models, "errors": errors},
-            status_code=200 if ok else 503,
-        )
+        """Open to anyone (load balancers, probes): ready or not. Each model's
+        state and errors (file paths, engine problems) only for an admin key,
+        or anyone on an open loopback server."""
+        ok = registry.ready and not registry.draining
+        body: dict = {"status": "ready" if ok else "not_ready"}
+        if registry.draining:
+            body["reason"] = "shutting_down"
+        if await _sees_details(request):
+            body["models"] = {m.id: m.state for m in registry.models.values()}
+            body["errors"] = {m.id: m.problem for m in registry.models.values() if m.problem}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _sees_details(request: Request) -> bool:
+        if keys.empty:
+            return keys.open_when_empty
+        principal = await keys.authenticate(presented_key(request.headers.raw))
+        return principal is not None and principal.admin
 
     @app.get("/metrics")
     async def prometheus():

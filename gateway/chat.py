@@ -40,6 +40,10 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     finally:
         if not task.done():
             task.cancel()
+            # Wait for the cancel to land: until then `work` (e.g. an anext of
+            # the request's stream) is still running, and closing that stream
+            # fails with "aclose(): asynchronous generator is already running".
+            await asyncio.wait({task})
 
 
 async def first_piece(request: Request, pieces: AsyncIterator[Piece]) -> Piece | None:

@@ -162,10 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_server(config: Config, sockets: list[socket.socket]) -> int:
     import logging
 
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.auth import KeyFileError
+    from gateway.server import make_server
 
     logging.basicConfig(
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -177,13 +176,7 @@ def _run_server(config: Config, sockets: list[socket.socket]) -> int:
     except KeyFileError as e:
         print(f"specgate: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level,
-        timeout_graceful_shutdown=5,
-    ))
+    server = make_server(app, config)  # bounded headers, a graceful drain (gateway/server.py)
     # Given sockets, uvicorn says nothing about where it listens.
     for sock in sockets:
         host, port = sock.getsockname()[:2]

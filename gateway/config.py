@@ -31,6 +31,9 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
+    # SIGTERM: running requests may finish for this long, then end with an error.
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 

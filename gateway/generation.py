@@ -18,6 +18,7 @@ from engines.base import (
     Engine,
     EngineError,
     EngineOverloaded,
+    EngineStopped,
     GenerationRequest,
     Handoff,
     LiveState,
@@ -26,7 +27,7 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
 )
-from gateway.admission import QueueFull, QueueTimeout
+from gateway.admission import GateClosed, QueueFull, QueueTimeout
 from gateway.auth import Principal, current_principal
 from gateway.errors import APIError
 from gateway.metrics import Metrics
@@ -78,6 +79,8 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             403, f"this API key may not use model '{model_id}'; its models: {allowed}",
             param="model", code="model_not_allowed",
         )
+    if registry.draining:
+        raise shutting_down()
     served = registry.get(model_id)
     if served is None:
         raise APIError(
@@ -95,6 +98,11 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             503, f"model '{model_id}' is still loading", headers={"Retry-After": "5"}
         )
     return served, served.engine
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later",
+                    code="shutting_down", headers={"Retry-After": "5"})  # fmt: skip
 
 
 def check_stops(stop: str | list[str] | None, param: str = "stop") -> list[str]:
@@ -250,6 +258,8 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
     try:
         principal.usage.check(now)
         place = gate.reserve(key)
+    except GateClosed:
+        raise shutting_down() from None
     except Rejected as e:
         metrics.rejected(key, e.reason)
         raise APIError(429, e.message, code="rate_limit_exceeded",
@@ -267,6 +277,10 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
         return
     try:
         await gate.wait(key, place)
+    except GateClosed:
+        principal.usage.finish()
+        metrics.rejected(key, "shutting_down")
+        raise shutting_down() from None
     except QueueTimeout:
         principal.usage.finish()
         metrics.rejected(key, "queue_timeout")
@@ -358,6 +372,12 @@ async def run(
             code="overloaded",
             headers={"Retry-After": str(max(1, round(e.retry_after)))},
         ) from None
+    except EngineStopped:
+        status = "error"
+        if served.gate.closed:
+            raise shutting_down() from None
+        raise APIError(503, f"model '{served.id}' was stopped (unloaded by an admin) while "
+                            "generating", code="model_stopped") from None  # fmt: skip
     except EngineError as e:
         status = "error"
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None

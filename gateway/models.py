@@ -59,6 +59,21 @@ class ServedModel:
         model's engines (they share one vocabulary) and sets its limits."""
         return self.engines.get("mlx_plain") or next(iter(self.engines.values()), None)
 
+    @property
+    def state(self) -> str:
+        """ready | unhealthy | failed | unloaded | loading, as /ready reports it."""
+        if self.engine is not None:
+            return "unhealthy" if self.problem else "ready"
+        return "failed" if self.error else "unloaded" if self.unloaded else "loading"
+
+    @property
+    def problem(self) -> str | None:
+        """Why the model cannot serve: its load error, or an engine's problem."""
+        if self.error:
+            return self.error
+        problems = [p for e in self.engines.values() if (p := e.problem())]
+        return "; ".join(problems) or None
+
     def live_state(self) -> LiveState:
         states = [e.live_state() for e in self.engines.values()]
         return LiveState(
@@ -181,13 +196,14 @@ class ModelRegistry:
     def __init__(self, config: Config):
         self.models = {mc.id: ServedModel(mc) for mc in config.models}
         self.llama_server = config.llama_server
+        self.draining = False  # shutting down: no new requests
 
     def get(self, model_id: str) -> ServedModel | None:
         return self.models.get(model_id)
 
     @property
     def ready(self) -> bool:
-        return all(m.engine is not None or m.unloaded for m in self.models.values())
+        return all(m.state in ("ready", "unloaded") for m in self.models.values())
 
     async def load_all(self) -> None:
         """Load models one after another (they share one machine's memory)."""
@@ -229,6 +245,23 @@ class ModelRegistry:
         for engine in engines.values():
             await engine.stop()
         log.info("model %s unloaded", served.id)
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new requests and the queued ones (503), let
+        those decoding finish for up to `grace_s`, then stop every engine, so
+        what still runs ends with an error the client can read."""
+        self.draining = True
+        for served in self.models.values():
+            served.gate.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(m.gate.running for m in self.models.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        busy = [m.id for m in self.models.values() if m.gate.running]
+        if busy:
+            log.warning("shutdown grace of %g s over: ending the requests still running on %s",
+                        grace_s, ", ".join(busy))  # fmt: skip
+        await self.stop_all()
 
     async def stop_all(self) -> None:
         for served in self.models.values():

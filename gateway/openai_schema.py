@@ -45,6 +45,30 @@ HARMLESS_DEFAULTS = {
 }
 
 
+def lone_surrogate_at(data: object, path: str = "") -> str | None:
+    """Where in a decoded JSON body a string holds a lone UTF-16 surrogate
+    (JSON's "\\ud800" escape allows one; it is no Unicode text, and a tokenizer
+    or a UTF-8 encoder fails on it deep inside), or None."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = lone_surrogate_at(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def refuse_lone_surrogates(data: object) -> object:
+    if (where := lone_surrogate_at(data)) is not None:
+        raise ValueError(f"{where}: contains a lone UTF-16 surrogate, which is not valid Unicode")
+    return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -73,6 +97,8 @@ class _Body(BaseModel):
     # generating past EOS (benchmarks need an exact number of tokens).
     return_token_ids: bool = False
     ignore_eos: bool = False
+
+    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
 
     @model_validator(mode="after")
     def refuse_unsupported(self):

@@ -154,8 +154,9 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
 
     Without a `guard`, this process's shared guards are used (both the
     per-linear and the fused one); with one, sibling groups are fused only
-    if a `fused_guard` is given too. Call it with the device to yourself
-    (engines hold DEVICE_LOCK): the proofs time kernels."""
+    if a `fused_guard` is given too. Call it holding the model's lock
+    (engines/loading.py); the proofs time kernels, so they are steadiest at
+    start, where models load one after another before any request."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)

@@ -324,7 +324,7 @@ def test_admin_unloads_and_loads_a_model(keyed):
     assert r.status_code == 403
     r = httpx.post(keyed.base_url + "/admin/models/tiny-b/unload", headers=admin, timeout=60)
     assert r.json() == {"id": "tiny-b", "status": "unloaded"}
-    assert httpx.get(keyed.base_url + "/ready").json()["models"]["tiny-b"] == "unloaded"
+    assert httpx.get(keyed.base_url + "/ready", headers=admin).json()["models"]["tiny-b"] == "unloaded"
     with pytest.raises(openai.InternalServerError) as err:
         chat(client(keyed, "admin"), model="tiny-b")
     assert err.value.status_code == 503 and "unloaded" in err.value.message

@@ -34,7 +34,7 @@ from engines.base import (
     TokenLogprob,
     TopLogprob,
 )
-from engines.loading import DEVICE_LOCK, LoadedModel
+from engines.loading import LoadedModel
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from engines.worker import WorkerEngine, deliver
 
@@ -160,7 +160,7 @@ class MLXPlainEngine(WorkerEngine):
                     break
                 if not self._slots:
                     continue
-                with DEVICE_LOCK:
+                with self.loaded.lock:
                     prompt_responses, generation_responses = self._batch.next()
                 self._store_prompt_caches(prompt_responses)
                 # One wake-up per event loop per step, not one per token.
@@ -180,8 +180,15 @@ class MLXPlainEngine(WorkerEngine):
                 self._slots.clear()
                 self._running = 0
                 self._batch = self._new_batch()
+        while True:  # submitted after the stop
+            try:
+                command, slot = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command == "submit":
+                slot.post(self.stopped_error())
         for slot in self._slots.values():
-            slot.post(RuntimeError("engine stopped"))
+            slot.post(self.stopped_error())
         self._slots.clear()
 
     def _take_commands(self, block: bool) -> bool:

@@ -142,3 +142,42 @@ def test_still_serving_after_all_that(gateway):
     assert out.usage.completion_tokens >= 1
     assert gateway.alive()
     assert "Traceback" not in gateway.log()
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    (COMP, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+     "messages.0.content"),
+    ("/messages", b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", '
+                  b'"content": [{"type": "text", "text": "x\\ud83d"}]}]}', "messages.0.content.0.text"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(gateway, path, raw, param):
+    """JSON may escape a lone UTF-16 surrogate; it is no text (a tokenizer fails on it)."""
+    resp = httpx.post(gateway.api + path, content=raw, timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "surrogate" in message and param in message
+
+
+def test_oversized_headers_get_431_and_the_server_keeps_serving(gateway):
+    host, port = gateway.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        reply = b""
+        try:
+            for _ in range(64):  # 4 MB of one header, in pieces, unless cut off first
+                sock.sendall(b"x-junk: " + b"a" * 65536 + b"\r\n")
+        except OSError:
+            pass  # the server closed the connection mid-send: what we want
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    # Headers under the limit are fine, and the server still answers.
+    ok = httpx.get(gateway.base_url + "/health", headers={"x-big": "b" * 30000}, timeout=30)
+    assert ok.status_code == 200

@@ -1,22 +1,31 @@
-"""Many clients at once: does every request get a full answer or a 429?
+"""Many clients at once, quiet and hostile: does every request get a full answer or a 429?
 
     uv run python bench/load.py [--clients 200] [--seconds 60] [--max-tokens 32]
+                                [--impatient 20] [--wrong-key 10] [--runs 1]
 
 Starts a real `specgate serve` on a loopback port serving the demo model
-(mlx_plain + mlx_mtp, the policy deciding) and runs --clients streaming chat
-clients for --seconds. Each client loops: send a request, read the stream to
-its end, and on a 429 sleep for the Retry-After it was given, then go on.
-Every request ends in exactly one of:
+(mlx_plain + mlx_mtp, the policy deciding), with API keys, and runs two
+mixes against it one after the other (alternating, --runs times each):
 
+- quiet: --clients well-behaved streaming chat clients for --seconds. Each
+  loops: send a request, read the stream to its end, and on a 429 sleep for
+  the Retry-After it was given, then go on. They use ten keys, as a team would.
+- hostile: the same clients, plus --impatient clients that send a long
+  prompt (a few thousand tokens) and hang up after 1-3 s, mid-prefill, and
+  --wrong-key clients that send a known key id with a wrong secret as fast as
+  they are answered (ignoring Retry-After, as an attacker would).
+
+A well-behaved request ends in exactly one of:
 - full: the stream ended with a finish_reason and `data: [DONE]`, or
 - refused: 429 with a Retry-After header, or
 - lost: anything else (5xx, a stream cut short, no Retry-After, a client
   timeout); the goal is none.
 
-Reported: counts, aggregate generated tokens/s, p50/p99 of request latency
-and time to first token of full answers, and the server's resident memory
-(sampled each second with `ps`, so it works on macOS too) at the start and
-at its peak.
+Reported per run: well-behaved full / 429 / lost, p50/p99 of their request
+latency and time to first token, with the hostile run's p50 as a ratio of
+the quiet run's (goal: within 1.5x); what the hostile clients got; whether
+/health answered throughout (polled every 0.5 s, slowest answer); and the
+server's resident memory at its peak.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import tempfile
@@ -34,8 +44,12 @@ from pathlib import Path
 import httpx
 from serving import REPO, serving
 
+from gateway.auth import add_key, split_key
+
 PROMPTS = ["Write a function that parses a date.", "def fib(n):", "class Queue:",
            "Explain what a context manager does.", "import os\n\ndef walk(root):"]  # fmt: skip
+TEAM_KEYS = 10
+LONG_PROMPT_TOKENS = 3000
 
 
 def rss_mib(pid: int) -> float:
@@ -43,13 +57,14 @@ def rss_mib(pid: int) -> float:
     return int(out.stdout.strip() or 0) / 1024
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, key: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0.7, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code == 429:
                 retry = r.headers.get("retry-after")
                 return {"outcome": "refused" if retry else "lost", "retry": float(retry or 1)}
@@ -78,27 +93,112 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
         return {"outcome": "lost", "why": type(e).__name__}
 
 
-async def drive(url: str, clients: int, seconds: float, max_tokens: int) -> list[dict]:
+async def impatient_request(client: httpx.AsyncClient, key: str, rng: random.Random) -> str:
+    """A long prompt, abandoned after 1-3 s (before its first token, mostly)."""
+    prompt = [rng.randrange(10, 4000) for _ in range(LONG_PROMPT_TOKENS)]
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "stream": True}
+    try:
+        async with asyncio.timeout(rng.uniform(1, 3)):
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                if r.status_code != 200:
+                    return f"status {r.status_code}"
+                async for _ in r.aiter_bytes():
+                    pass
+                return "finished"
+    except TimeoutError:
+        return "abandoned"
+    except httpx.HTTPError as e:
+        return type(e).__name__
+
+
+async def wrong_key_request(client: httpx.AsyncClient, key: str) -> str:
+    key_id, _ = split_key(key)
+    try:
+        r = await client.post("/v1/chat/completions", headers={
+            "Authorization": f"Bearer sg-{key_id}.{random.getrandbits(128):032x}"},
+            json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+        return str(r.status_code)
+    except httpx.HTTPError as e:
+        return type(e).__name__
+
+
+async def drive(url: str, keys: dict[str, str], args, hostile: bool) -> dict:
     results: list[dict] = []
-    deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    impatient: Counter = Counter()
+    wrong: Counter = Counter()
+    health: list[float | None] = []
+    deadline = time.perf_counter() + args.seconds
+    n_conn = args.clients + args.impatient + args.wrong_key + 16
+    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=30),
                                  limits=limits, trust_env=False) as client:  # fmt: skip
         async def client_loop(i: int):
-            n = 0
+            n, key = 0, keys[f"team-{i % TEAM_KEYS}"]
             while time.perf_counter() < deadline:
-                res = await one_request(client, PROMPTS[(i + n) % len(PROMPTS)], max_tokens)
+                res = await one_request(client, key, PROMPTS[(i + n) % len(PROMPTS)],
+                                        args.max_tokens)  # fmt: skip
                 results.append(res)
                 n += 1
                 if res["outcome"] == "refused":
                     await asyncio.sleep(min(res["retry"], max(0.0, deadline - time.perf_counter())))
-        await asyncio.gather(*(client_loop(i) for i in range(clients)))
-    return results
+
+        async def impatient_loop(i: int):
+            rng = random.Random(i)
+            while time.perf_counter() < deadline:
+                impatient[await impatient_request(client, keys["impatient"], rng)] += 1
+
+        async def wrong_key_loop():
+            while time.perf_counter() < deadline:
+                wrong[await wrong_key_request(client, keys["team-0"])] += 1
+                await asyncio.sleep(0.05)
+
+        async def health_loop():
+            async with httpx.AsyncClient(base_url=url, timeout=10, trust_env=False) as probe:
+                while time.perf_counter() < deadline:
+                    t0 = time.perf_counter()
+                    try:
+                        ok = (await probe.get("/health")).status_code == 200
+                        health.append(time.perf_counter() - t0 if ok else None)
+                    except httpx.HTTPError:
+                        health.append(None)
+                    await asyncio.sleep(0.5)
+
+        tasks = [client_loop(i) for i in range(args.clients)] + [health_loop()]
+        if hostile:
+            tasks += [impatient_loop(i) for i in range(args.impatient)]
+            tasks += [wrong_key_loop() for _ in range(args.wrong_key)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return {"results": results, "impatient": impatient, "wrong_key": wrong, "health": health,
+            "wall": wall}
 
 
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
-        values[0] if values else float("nan"))
+def pct(values: list[float], q: int) -> float:
+    if len(values) > 1:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+    return values[0] if values else float("nan")
+
+
+def summary(mix: str, run: dict, rss_peak: float) -> dict:
+    results = run["results"]
+    outcomes = Counter(r["outcome"] for r in results)
+    full = [r for r in results if r["outcome"] == "full"]
+    lat, ttft = [r["latency"] for r in full], [r["ttft"] for r in full]
+    answered = [h for h in run["health"] if h is not None]
+    return {
+        "mix": mix, "requests": len(results), "full": outcomes["full"],
+        "refused_429": outcomes["refused"], "lost": outcomes["lost"],
+        "tokens_per_s": round(sum(r["tokens"] for r in full) / run["wall"], 1),
+        "latency_p50_s": round(pct(lat, 50), 2), "latency_p99_s": round(pct(lat, 99), 2),
+        "ttft_p50_s": round(pct(ttft, 50), 2), "ttft_p99_s": round(pct(ttft, 99), 2),
+        "health_ok": f"{len(answered)}/{len(run['health'])}",
+        "health_max_s": round(max(answered, default=float("nan")), 2),
+        "rss_peak_mib": round(rss_peak),
+        "impatient": dict(run["impatient"]), "wrong_key": dict(run["wrong_key"]),
+        "lost_why": dict(Counter(r.get("why") for r in results if r["outcome"] == "lost")),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -108,50 +208,58 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-concurrent", type=int, default=8)
     ap.add_argument("--max-queue", type=int, default=64)
+    ap.add_argument("--impatient", type=int, default=20)
+    ap.add_argument("--wrong-key", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=1, help="quiet/hostile pairs, alternating")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/load.json")
     args = ap.parse_args()
     model = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
-             "max_concurrent": args.max_concurrent, "max_queue": args.max_queue}
-    with (tempfile.TemporaryDirectory() as tmp,
-          serving([model], Path(tmp), Path(tmp) / "home") as (url, proc)):
-        memory = [rss_mib(proc.pid)]
+             "max_context": 8192, "max_concurrent": args.max_concurrent,
+             "max_queue": args.max_queue}  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        keys = {name: add_key(home / "keys", name)
+                for name in [*(f"team-{i}" for i in range(TEAM_KEYS)), "impatient"]}
+        with serving([model], Path(tmp), home) as (url, proc):
+            for i in range(args.runs):
+                for mix in ("quiet", "hostile") if i % 2 == 0 else ("hostile", "quiet"):
+                    memory = [rss_mib(proc.pid)]
 
-        async def sampled():
-            task = asyncio.ensure_future(drive(url, args.clients, args.seconds, args.max_tokens))
-            while not task.done():
-                await asyncio.sleep(1)
-                memory.append(rss_mib(proc.pid))
-            return await task
-        t0 = time.perf_counter()
-        results = asyncio.run(sampled())
-        wall = time.perf_counter() - t0
-        healthy = httpx.get(url + "/health", timeout=5).status_code == 200
-    report(results, wall, memory, healthy, args)
+                    async def sampled(hostile=mix == "hostile"):
+                        task = asyncio.ensure_future(drive(url, keys, args, hostile))
+                        while not task.done():
+                            await asyncio.sleep(1)
+                            memory.append(rss_mib(proc.pid))
+                        return await task
+
+                    rows.append(summary(mix, asyncio.run(sampled()), max(memory)))
+                    print(json.dumps(rows[-1]), flush=True)
+    report(rows, args)
 
 
-def report(results: list[dict], wall: float, memory: list[float], healthy: bool, args) -> None:
-    outcomes = Counter(r["outcome"] for r in results)
-    full = [r for r in results if r["outcome"] == "full"]
-    lat, ttft = [r["latency"] for r in full], [r["ttft"] for r in full]
-    tokens = sum(r["tokens"] for r in full)
-    why = Counter(r.get("why") for r in results if r["outcome"] == "lost")
-    row = {"clients": args.clients, "seconds": round(wall, 1), "requests": len(results),
-           "full": outcomes["full"], "refused_429": outcomes["refused"], "lost": outcomes["lost"],
-           "tokens_per_s": round(tokens / wall, 1),
-           "latency_p50_s": round(pct(lat, 50), 2), "latency_p99_s": round(pct(lat, 99), 2),
-           "ttft_p50_s": round(pct(ttft, 50), 2), "ttft_p99_s": round(pct(ttft, 99), 2),
-           "rss_start_mib": round(memory[0]), "rss_peak_mib": round(max(memory)),
-           "health_after": healthy}  # fmt: skip
-    print(f"\ndemo model, {args.clients} streaming clients for {args.seconds:.0f} s, "
-          f"max_tokens {args.max_tokens}, max_concurrent {args.max_concurrent}, "
-          f"max_queue {args.max_queue}")
-    print("| " + " | ".join(row) + " |")
-    print("|" + "---|" * len(row))
-    print("| " + " | ".join(str(v) for v in row.values()) + " |")
-    if why:
-        print("lost:", dict(why))
+def report(rows: list[dict], args) -> None:
+    print(f"\ndemo model, {args.clients} well-behaved streaming clients for {args.seconds:.0f} s "
+          f"(+ {args.impatient} hanging up mid-prefill on {LONG_PROMPT_TOKENS}-token prompts "
+          f"+ {args.wrong_key} wrong-key in the hostile mix), max_tokens {args.max_tokens}, "
+          f"max_concurrent {args.max_concurrent}, max_queue {args.max_queue}")
+    quiet = statistics.median(r["latency_p50_s"] for r in rows if r["mix"] == "quiet")
+    cols = ["mix", "requests", "full", "refused_429", "lost", "tokens_per_s", "latency_p50_s",
+            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "health_ok", "health_max_s",
+            "rss_peak_mib"]  # fmt: skip
+    print("| " + " | ".join(cols) + " | p50 / quiet p50 |")
+    print("|" + "---|" * (len(cols) + 1))
+    for r in rows:
+        ratio = r["latency_p50_s"] / quiet if quiet else float("nan")
+        print("| " + " | ".join(str(r[c]) for c in cols) + f" | {ratio:.2f} |")
+    for r in rows:
+        if r["mix"] == "hostile":
+            print(f"hostile clients got: impatient {r['impatient']}, wrong key {r['wrong_key']}")
+        if r["lost_why"]:
+            print(f"{r['mix']} lost:", r["lost_why"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(row, indent=1))
+    args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -130,8 +130,9 @@ def gateway(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
-    """specgate's own llama-server build: made once per machine (minutes),
-    under the real SPECGATE_HOME so later runs reuse it."""
+    """specgate's own llama-server, as `specgate install-llama-server` builds
+    it under SPECGATE_HOME (minutes, the first time there): .ci/run gives each
+    run an empty one, so this is the install path itself, tested."""
     from engines.llamacpp.install import install_llama_server
 
     return install_llama_server()

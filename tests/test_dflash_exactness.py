@@ -175,6 +175,9 @@ def wrong_match(draft, target_tokens):
     return Verdict(n, int(draft[n]) if n < len(draft) else int(target_tokens[n]))
 
 
+# 6000 seeded decodes: ~2 minutes on a quiet 2-core machine, 5+ on a loaded
+# one; the timeout is a hang guard, not a speed check.
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("rule", ["match", "wrong"])
 def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch, capsys):
     """From one prefix, a depth-2 round's first two tokens over many seeds against

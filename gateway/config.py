@@ -43,6 +43,14 @@ class AuthConfig(_Strict):
 
     keys_file: str | None = None  # default: $SPECGATE_HOME/keys (`specgate keys add`)
     metrics_requires_key: bool = False  # /metrics then needs a valid key (any key)
+    # Wrong keys per client address (an IPv6 one by its /64) within the
+    # window; past that the address gets 429 + Retry-After for wrong keys and
+    # for keys needing the slow check of an old PBKDF2 record (valid fast keys
+    # still pass: a NAT may hide honest clients behind the same address).
+    failed_auth_limit: int = Field(10, ge=1)
+    failed_auth_window_s: float = Field(60.0, gt=0)
+    # Addresses tracked at most; beyond that, new ones share one allowance.
+    failed_auth_max_clients: int = Field(4096, ge=1)
 
     @property
     def keys_path(self) -> Path:

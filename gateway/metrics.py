@@ -102,6 +102,11 @@ class Metrics:
             "specgate_auth_failures", "Requests refused for a missing or invalid API key",
             ["reason"], registry=r,
         )
+        self.auth_rate_limited = Counter(
+            "specgate_auth_rate_limited",
+            "Requests answered 429 because their address sent too many wrong API keys",
+            registry=r,
+        )
         self.queue_time = Histogram(
             "specgate_request_queue_time_seconds", "Time waiting for a decoding slot",
             ["model"], buckets=_TTFT_BUCKETS, registry=r,
@@ -162,7 +167,13 @@ class Metrics:
         self.key_rejected.labels(key, reason).inc()
 
     def auth_failed(self, reason: str) -> None:
-        self.auth_failures.labels(reason).inc()
+        """A refusal by gateway/auth.py's middleware. "rate_limited" (429) is
+        counted apart: those are not more wrong keys, they are the limit
+        holding an address back, and the two rates tell different stories."""
+        if reason == "rate_limited":
+            self.auth_rate_limited.inc()
+        else:
+            self.auth_failures.labels(reason).inc()
 
     def queued(self, model: str, seconds: float) -> None:
         self.queue_time.labels(model).observe(seconds)

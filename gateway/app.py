@@ -21,6 +21,7 @@ from gateway import openai_api
 from gateway.anthropic_api import router as anthropic_router
 from gateway.auth import (
     AuthMiddleware,
+    FailedAuthLimiter,
     KeyFileError,
     KeyStore,
     current_principal,
@@ -121,7 +122,8 @@ def create_app(config: Config) -> FastAPI:
         try:
             count = keys.reload()
         except KeyFileError as e:
-            raise APIError(500, f"keys not reloaded, the old ones stay: {e}") from None
+            raise APIError(400, f"keys not reloaded, the old ones stay: {e}",
+                           code="bad_keys_file") from None
         log.info("reloaded %d API keys from %s", count, keys.path)
         return {"keys": count, "names": keys.names}
 
@@ -148,5 +150,6 @@ def create_app(config: Config) -> FastAPI:
     # Outermost: a request without a valid key costs no body read.
     app.add_middleware(AuthMiddleware, keys=keys,
                        metrics_requires_key=config.auth.metrics_requires_key,
-                       on_failure=metrics.auth_failed)
+                       on_failure=metrics.auth_failed,
+                       limiter=FailedAuthLimiter.from_config(config.auth))
     return app

@@ -576,7 +576,8 @@ class AuthMiddleware:
         self.keys = keys
         self.metrics_requires_key = metrics_requires_key
         self.on_failure = on_failure or (lambda reason: None)
-        self.limiter = limiter or FailedAuthLimiter.from_config(AuthConfig())
+        # `is None`, not `or`: an empty limiter has len() 0 and is falsy.
+        self.limiter = limiter if limiter is not None else FailedAuthLimiter.from_config(AuthConfig())
 
     def _guarded(self, path: str) -> bool:
         return (

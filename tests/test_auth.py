@@ -495,3 +495,16 @@ def test_no_keys_left_on_a_lan_bind_serves_nobody(tiny_model, tmp_path):
     assert r.status_code == 401 and "no API keys" in r.json()["error"]["message"]
     assert health.status_code == 200
     assert json.loads(keys_file.read_text())["keys"] == []
+
+
+def test_ready_shows_model_details_to_admin_keys_only(keyed):
+    """/ready is open to probes, but model ids and load errors (file paths)
+    are for admins: a key restricted to some models must not learn the rest."""
+    bare = httpx.get(keyed.base_url + "/ready")
+    assert bare.status_code == 200 and bare.json() == {"status": "ready"}
+    alice = httpx.get(keyed.base_url + "/ready",
+                      headers={"Authorization": f"Bearer {keyed.keys['alice']}"})
+    assert alice.json() == {"status": "ready"}
+    admin = httpx.get(keyed.base_url + "/ready",
+                      headers={"Authorization": f"Bearer {keyed.keys['admin']}"})
+    assert set(admin.json()["models"]) == {"tiny", "tiny-b", "fair", "narrow"}

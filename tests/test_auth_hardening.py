@@ -161,7 +161,7 @@ def test_reload_with_a_bad_file_keeps_the_old_keys(hardened):
     try:
         hardened.keys_file.write_text(json.dumps(data))
         r = reload(hardened)
-        assert r.status_code == 500
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_keys_file"
         message = r.json()["error"]["message"]
         assert "old ones stay" in message and "key 'old-b' (keys[1]): iterations" in message
         assert '"many"' in message
@@ -294,3 +294,19 @@ def test_client_address_groups_ipv6_by_64():
     assert client_of(scope("2001:db8:1:2:aaaa::1")) == client_of(scope("2001:db8:1:2:bbbb::9"))
     assert client_of(scope("2001:db8:1:2::1")) == "2001:db8:1:2::/64"
     assert client_of({"client": None}) == "unknown"
+
+
+def test_the_configured_wrong_key_limit_applies(tiny_model, tmp_path):
+    """auth.failed_auth_limit reaches the middleware: 2 allowed, the third is 429."""
+    keys_file = tmp_path / "keys"
+    key = add_key(keys_file, "alice")
+    gw = start_gateway({"auth": {"keys_file": str(keys_file), "failed_auth_limit": 2},
+                        "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 2048}]},
+                       tmp_path)  # fmt: skip
+    try:
+        wrong = {"Authorization": f"Bearer {key[:-4]}nope"}
+        codes = [httpx.post(gw.api + "/chat/completions", headers=wrong,
+                            json={"model": "tiny"}).status_code for _ in range(3)]  # fmt: skip
+    finally:
+        stop_gateway(gw)
+    assert codes == [401, 401, 429]

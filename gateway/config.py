@@ -11,13 +11,16 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from engines.checkpoints.default_model import DEFAULT_MODEL_ID
+from engines.checkpoints.default_model import (  # the builtin names: engines resolves them
+    BUILTIN_DEMO,
+    BUILTIN_DEMO_DFLASH,
+    BUILTIN_DEMO_GGUF,
+    BUILTIN_PREFIX,
+    DEFAULT_MODEL_ID,
+)
 
-BUILTIN_DEMO = "builtin:demo"
-# The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
-BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
-BUILTIN_DEMO_DFLASH = "builtin:demo-dflash"  # the demo's trained DFlash drafter
 MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark")
 LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
 
@@ -143,6 +146,18 @@ class ModelConfig(_Strict):
     def is_gguf(self) -> bool:
         return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
 
+    @field_validator("path")
+    @classmethod
+    def _path_is_there(cls, v: str) -> str:
+        # A hub repo id ("org/name") is looked up when the model loads.
+        return _checked_location(v, (BUILTIN_DEMO, BUILTIN_DEMO_GGUF))
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_is_there(cls, v: str | None) -> str | None:
+        # Drafters are read from a local directory only (engines/mlx_block).
+        return None if v is None else _checked_location(v, (BUILTIN_DEMO_DFLASH,), local_only=True)
+
     @model_validator(mode="after")
     def _engines_fit_the_format(self) -> ModelConfig:
         if not self.engines:
@@ -162,6 +177,27 @@ class ModelConfig(_Strict):
         if bool(block) != (self.drafter is not None):
             raise ValueError("a block engine (mlx_dflash / mlx_dspark) and `drafter` go together")
         return self
+
+
+def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool = False) -> str:
+    """`value` if it is one of `builtins`, a path that exists, or (unless
+    `local_only`) what can only be a hub repo id; else a config error that
+    says what is not there, so a typo fails at start and not as a hub error."""
+    from engines.checkpoints.locate import looks_local
+
+    if value.startswith(BUILTIN_PREFIX):
+        if value not in builtins:
+            raise PydanticCustomError("unknown_builtin", "no such builtin here; use {known}",
+                                      {"known": " or ".join(builtins)})
+        return value
+    local = Path(value).expanduser()
+    if (local_only or looks_local(value)) and not local.exists():
+        where = ("" if Path(value).is_absolute() else f" (as {local})" if value.startswith("~")
+                 else f" (relative to the working directory {Path.cwd()})")
+        also = "; a drafter must be a local directory" if local_only else ""
+        raise PydanticCustomError("path_missing", "does not exist{where}{also}",
+                                  {"where": where, "also": also})
+    return value
 
 
 class Config(_Strict):

@@ -8,14 +8,7 @@ from dataclasses import dataclass, field
 
 from engines.base import Engine, LiveState, Method
 from gateway.admission import ModelGate
-from gateway.config import (
-    BUILTIN_DEMO,
-    BUILTIN_DEMO_DFLASH,
-    BUILTIN_DEMO_GGUF,
-    Config,
-    LlamaServerConfig,
-    ModelConfig,
-)
+from gateway.config import Config, LlamaServerConfig, ModelConfig
 from policies.acceptance import AcceptanceTracker
 from policies.costs import CostModel
 from policies.decide import ModelPolicy
@@ -84,19 +77,10 @@ class ServedModel:
 
 
 def resolve_path(path: str) -> str:
-    if path == BUILTIN_DEMO:
-        from engines.checkpoints.default_model import default_model_path
+    """A config's path, with a builtin name turned into its local path."""
+    from engines.checkpoints.default_model import resolve_builtin
 
-        return str(default_model_path())
-    if path == BUILTIN_DEMO_GGUF:
-        from engines.checkpoints.default_model import demo_gguf_path
-
-        return str(demo_gguf_path())
-    if path == BUILTIN_DEMO_DFLASH:
-        from engines.checkpoints.default_model import demo_dflash_path
-
-        return str(demo_dflash_path())
-    return path
+    return resolve_builtin(path)
 
 
 def _build_engines(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.config import BUILTIN_DEMO, ConfigError, default_config, load_config
 
@@ -42,10 +44,12 @@ def test_default_config_serves_the_demo_on_loopback():
     assert config.models[0].path == BUILTIN_DEMO
 
 
-def test_engines_default_by_format():
+def test_engines_default_by_format(tmp_path):
     from gateway.config import parse_config
 
-    models = parse_config({"models": [{"id": "a", "path": "x/m.GGUF"}, {"id": "b", "path": "d"},
+    (tmp_path / "m.GGUF").touch()
+    models = parse_config({"models": [{"id": "a", "path": str(tmp_path / "m.GGUF")},
+                                      {"id": "b", "path": "d"},
                                       {"id": "c", "path": "builtin:demo-gguf"}]}).models
     assert [m.engines for m in models] == [["llamacpp"], ["mlx_plain"], ["llamacpp"]]
 
@@ -69,7 +73,9 @@ def test_engines_default_by_format():
     ("", ["empty"]),
     ("models: [\n", ["not valid YAML"]),
 ])
-def test_bad_config_says_where(tmp_path, text, needles):
+def test_bad_config_says_where(tmp_path, monkeypatch, text, needles):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").touch()  # there: these configs are wrong in other ways
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
@@ -87,3 +93,70 @@ def test_cli_refuses_bad_config(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "models.0.path" in proc.stderr and str(path) in proc.stderr
+
+
+# ---------------------------------------------------------------- paths that are not there
+
+
+@pytest.mark.parametrize("entry,where,needles", [
+    ({"path": "./models/qwen"}, "models.1.path", ["does not exist", "relative to the working "
+                                                  "directory", "'./models/qwen'"]),
+    ({"path": "../qwen"}, "models.1.path", ["does not exist", "'../qwen'"]),
+    ({"path": "~/no-such-specgate-model"}, "models.1.path", ["does not exist", str(Path.home())]),
+    ({"path": "ABS/none.gguf"}, "models.1.path", ["does not exist", "none.gguf"]),
+    ({"path": "m.gguf"}, "models.1.path", ["does not exist", "'m.gguf'"]),  # a .gguf is a file
+    ({"path": "models/qwen/v2"}, "models.1.path", ["does not exist"]),  # not org/name
+    ({"path": "builtin:demo-dflash"}, "models.1.path", ["no such builtin", "builtin:demo-gguf"]),
+    ({"path": "builtin:dmeo"}, "models.1.path", ["no such builtin", "builtin:demo"]),
+    ({"path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"], "drafter": "./drafters/x"},
+     "models.1.drafter", ["does not exist", "'./drafters/x'"]),
+    # A drafter is never a hub repo id: it is read from a local directory.
+    ({"path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"], "drafter": "z-lab/x"},
+     "models.1.drafter", ["does not exist", "must be a local directory"]),
+    ({"path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"], "drafter": "builtin:demo"},
+     "models.1.drafter", ["no such builtin", "builtin:demo-dflash"]),
+])
+def test_a_path_that_is_not_there_fails_at_start(tmp_path, monkeypatch, entry, where, needles):
+    monkeypatch.chdir(tmp_path)
+    entry = {k: v.replace("ABS", str(tmp_path)) if isinstance(v, str) else v
+             for k, v in entry.items()}
+    path = tmp_path / "specgate.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"id": "ok", "path": "builtin:demo"},
+                                               {"id": "bad", **entry}]}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: {where}: "), message
+    for needle in needles:
+        assert needle in message, message
+    assert len(message.splitlines()) == 1  # the one entry that is wrong, nothing else
+
+
+def test_paths_that_are_there_and_hub_ids_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+    (tmp_path / "m.gguf").touch()
+    models = [{"id": "a", "path": "./local"}, {"id": "b", "path": str(tmp_path / "local")},
+              {"id": "c", "path": "m.gguf"},
+              # Hub repo ids (and legacy bare names) are looked up when the model loads.
+              {"id": "d", "path": "Qwen/Qwen3.5-0.8B"}, {"id": "e", "path": "gpt2"},
+              {"id": "f", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"],
+               "drafter": "local"},
+              {"id": "g", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"],
+               "drafter": "builtin:demo-dflash"}]
+    from gateway.config import parse_config
+
+    assert [m.id for m in parse_config({"models": models}).models] == list("abcdefg")
+
+
+def test_cli_refuses_a_missing_model_before_loading(tmp_path):
+    path = tmp_path / "specgate.yaml"
+    missing = tmp_path / "models" / "qwen"
+    path.write_text(yaml.safe_dump({"models": [{"id": "demo", "path": "builtin:demo"},
+                                               {"id": "q", "path": str(missing)}]}))
+    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "specgate: bad config", f"{path}: models.1.path: does not exist (got '{missing}')"]

@@ -12,6 +12,13 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL_ID = "specgate-demo"
+# What a config or a command may name instead of a path (builtin_path).
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DEMO = "builtin:demo"
+# The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
+BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
+BUILTIN_DEMO_DFLASH = "builtin:demo-dflash"  # the demo's trained DFlash drafter
+BUILTINS = (BUILTIN_DEMO, BUILTIN_DEMO_GGUF, BUILTIN_DEMO_DFLASH)
 PACKAGED_DEMO = Path(__file__).parent / "demo"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -63,3 +70,18 @@ def demo_gguf_path() -> Path:
         export_gguf(src, tmp)
         tmp.replace(out)
     return out
+
+
+def builtin_path(name: str) -> Path:
+    """The directory or file a builtin name stands for (the GGUF is exported
+    on first use); ValueError for a name that is not one."""
+    where = {BUILTIN_DEMO: default_model_path, BUILTIN_DEMO_GGUF: demo_gguf_path,
+             BUILTIN_DEMO_DFLASH: demo_dflash_path}.get(name)
+    if where is None:
+        raise ValueError(f"{name}: no such builtin model (there are {', '.join(BUILTINS)})")
+    return where()
+
+
+def resolve_builtin(path: str) -> str:
+    """`path` as given, or the local path of the builtin it names."""
+    return str(builtin_path(path)) if path.startswith(BUILTIN_PREFIX) else path

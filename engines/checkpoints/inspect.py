@@ -3,27 +3,27 @@
     report = inspect_checkpoint("path/or/org-name", target=None)
     print(render_text(report))          # or json.dumps(report.to_dict())
 
-A path that does not exist is taken as a Hugging Face repo id and looked
-up only in the local hub cache: inspect never downloads.
+It takes what `specgate serve` takes: a builtin name (builtin:demo,
+builtin:demo-gguf, builtin:demo-dflash), a local path, or a Hugging Face
+repo id, looked up only in the local hub cache: inspect never downloads.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from .default_model import BUILTIN_PREFIX, builtin_path
+from .locate import REPO_ID, cached_snapshot, looks_local, not_downloaded
 from .reader import CheckpointError, CheckpointInfo, read_checkpoint
 from .verdicts import EngineFit, Judgement, Problem, judge_drafter, judge_gguf, judge_target
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 OK_VERDICTS = ("verified", "family-compatible", "ar-only")
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _ACT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
@@ -83,41 +83,22 @@ class Report:
 
 
 def resolve_local(source: str) -> Path:
-    """A local path, or the snapshot of a hub repo already in the local cache."""
+    """A builtin's path, a local path, or the snapshot of a hub repo already
+    in the local cache."""
+    if source.startswith(BUILTIN_PREFIX):
+        try:
+            return builtin_path(source)
+        except (ValueError, FileNotFoundError) as e:  # unknown name, incomplete install
+            raise UsageError(str(e)) from None
     path = Path(source).expanduser()
     if path.exists():
         return path
-    if not _REPO_ID.match(source):
+    if looks_local(source) or not REPO_ID.match(source):
         raise UsageError(f"{source}: no such file or directory")
-    snapshot = _cached_snapshot(source)
+    snapshot = cached_snapshot(source)
     if snapshot is None:
-        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise UsageError(
-            f"{source} is not a local path and is not downloaded: it is not in the local Hugging "
-            f"Face cache{offline}. specgate inspect never downloads; fetch it first "
-            f"(`hf download {source}`) or give a local path")
+        raise UsageError(not_downloaded(source, "specgate inspect never downloads. "))
     return snapshot
-
-
-def _cached_snapshot(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import scan_cache_dir, try_to_load_from_cache
-    except ImportError:
-        return None
-    # Both read only the cache directory; neither touches the network.
-    try:
-        hit = try_to_load_from_cache(repo_id, "config.json")
-        if isinstance(hit, str):
-            return Path(hit).parent
-        cache = scan_cache_dir()
-    except Exception:  # a name the hub rejects, no cache directory (CacheNotFound), ...
-        return None
-    for repo in cache.repos:
-        if repo.repo_id == repo_id and repo.repo_type == "model" and repo.revisions:
-            # Prefer what `main` points at, else the newest revision.
-            revs = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
-            return Path(revs[-1].snapshot_path)
-    return None
 
 
 # ---------------------------------------------------------------- memory

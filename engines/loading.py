@@ -85,13 +85,15 @@ def load_mlx_model(path: str) -> LoadedModel:
     """mlx-lm load, memoised by resolved path.
 
     `path` is a local directory or a hub repo id; only a hub repo id that is
-    not already in the local hub cache downloads anything.
+    not already in the local hub cache downloads anything (never while
+    HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
+    path, the download, the tokenizer (engines/checkpoints/mlx_load.py).
     """
-    from mlx_lm import load  # imported lazily: it pulls in transformers
+    from engines.checkpoints.mlx_load import load  # lazily: mlx-lm pulls in transformers
 
     key = str(Path(path).resolve()) if Path(path).exists() else path
     with _lock:
         if key not in _loaded:
-            model, tokenizer, config = load(path, return_config=True)
+            model, tokenizer, config = load(path)
             _loaded[key] = LoadedModel(key, model, tokenizer, config, PrefixCache(key))
         return _loaded[key]

@@ -107,6 +107,14 @@ async def render_chat(
             500, f"the model's chat template could not be applied: {e}", code="engine_error"
         ) from None
     except Exception as e:
+        if await engine.chat_template() is None:  # not the messages: no template at all
+            raise APIError(
+                400,
+                f"{messages_param}: model '{model_id}' has no chat template, so it cannot take "
+                "chat messages; send a plain prompt to /v1/completions instead",
+                param=messages_param,
+                code="chat_template_missing",
+            ) from None
         raise APIError(
             400,
             f"{messages_param}: the model's chat template rejected them: {e}",

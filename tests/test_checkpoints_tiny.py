@@ -1,4 +1,4 @@
-"""The tiny Qwen3.5 builder writes what Qwen publishes, and mlx-lm runs it."""
+"""The tiny Qwen3.5 builder writes what Qwen (and transformers) publish, and mlx-lm runs it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engines.checkpoints.tiny import build_qwen3_dense, build_qwen35_hybrid
+from engines.checkpoints.tiny import build_qwen3_dense, build_qwen35_hybrid, build_qwen35_moe
 from engines.checkpoints.tokenizer import ENDOFTEXT, IM_END, IM_START
 
 H, V, FF, HD = 128, 2048, 256, 32  # the builder's defaults
@@ -196,3 +196,59 @@ def test_qwen3_dense_loads_in_mlx_lm(tmp_path, tied):
     model, tokenizer = load(str(path))
     logits = np.array(model(mx.array([tokenizer.encode(PROMPTS[0])]))[0, -1])
     assert 1 < logits.std() < 6
+
+
+# ---------------------------------------------------------------- text-only saves
+
+# transformers' text-only classes save the text config flat; model_type names them.
+TEXT_ONLY = [
+    pytest.param(build_qwen35_hybrid, "qwen3_5_text", "Qwen3_5TextConfig", id="qwen3_5_text"),
+    pytest.param(build_qwen35_moe, "qwen3_5_moe_text", "Qwen3_5MoeTextConfig",
+                 id="qwen3_5_moe_text"),
+]
+
+
+@pytest.mark.parametrize("build,model_type,config_class", TEXT_ONLY)
+def test_text_only_save_is_what_transformers_writes(tmp_path, build, model_type, config_class):
+    import transformers
+
+    flat = build(tmp_path / "flat", text_only=True, tokenizer=False)
+    nested = build(tmp_path / "nested", tokenizer=False)
+    ours = json.loads((flat / "config.json").read_text())
+    assert ours["model_type"] == model_type and "text_config" not in ours
+    # transformers' own config class reads it and saves exactly that back.
+    config = getattr(transformers, config_class).from_pretrained(flat)
+    config.save_pretrained(tmp_path / "resaved")
+    theirs = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    del ours["transformers_version"], theirs["transformers_version"]
+    assert ours == theirs
+    # The nested release's weights, under the text model's `model.` and without
+    # the head transformers' *ForCausalLM ignores.
+    renamed = {k.replace("model.language_model.", "model.") for k in _tensors(nested)
+               if not k.startswith("mtp.")}
+    assert set(_tensors(flat)) == renamed
+
+
+@pytest.mark.parametrize("build,model_type,config_class", TEXT_ONLY)
+def test_text_only_save_loads_and_decodes_as_the_nested_one(tmp_path, build, model_type,
+                                                            config_class):
+    import mlx_lm
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    from engines.checkpoints.mlx_load import load
+
+    flat = build(tmp_path / "flat", text_only=True)
+    nested = build(tmp_path / "nested")
+    remapping = dict(MODEL_REMAPPING)
+    flat_model, tokenizer, config = load(str(flat))
+    nested_model, _, _ = load(str(nested))
+    for prompt in PROMPTS:
+        ids = mx.array([tokenizer.encode(prompt)])
+        assert mx.array_equal(flat_model(ids), nested_model(ids)), prompt
+    greedy = [[r.token for r in mlx_lm.stream_generate(m, tokenizer, PROMPTS[1], max_tokens=16)]
+              for m in (flat_model, nested_model)]
+    assert greedy[0] == greedy[1] and len(greedy[0]) == 16
+    # Named for that one load: mlx-lm itself is left as it was, and still refuses.
+    assert MODEL_REMAPPING == remapping
+    with pytest.raises(ValueError, match=f"Model type {model_type} not supported"):
+        mlx_lm.load(str(flat))

@@ -43,17 +43,17 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hybrid(models) -> Path:
-    return build_qwen35_hybrid(models / "hybrid", tokenizer=False)
+    return build_qwen35_hybrid(models / "hybrid")
 
 
 @pytest.fixture(scope="module")
 def stripped(models) -> Path:
-    return strip_mtp(build_qwen35_hybrid(models / "stripped", tokenizer=False))
+    return strip_mtp(build_qwen35_hybrid(models / "stripped"))
 
 
 @pytest.fixture(scope="module")
 def dense(models) -> Path:
-    return build_qwen3_dense(models / "dense", tokenizer=False)
+    return build_qwen3_dense(models / "dense")
 
 
 def codes(report) -> list[str]:
@@ -84,17 +84,26 @@ def test_qwen35_hybrid_with_mtp_is_verified(hybrid):
 
 
 @pytest.mark.parametrize("build", [
-    pytest.param(lambda d: build_qwen35_moe(d, tokenizer=False), id="qwen35_moe-fused"),
-    pytest.param(lambda d: build_qwen35_moe(d, experts="per_expert", tokenizer=False),
+    pytest.param(lambda d: build_qwen35_moe(d), id="qwen35_moe-fused"),
+    pytest.param(lambda d: build_qwen35_moe(d, experts="per_expert"),
                  id="qwen35_moe-per_expert"),
-    pytest.param(lambda d: build_qwen3_next(d, tokenizer=False), id="qwen3_next"),
-    pytest.param(lambda d: build_qwen3_next(d, mtp_config_keys=("num_nextn_predict_layers",),
-                                            tokenizer=False), id="qwen3_next-declared"),
+    pytest.param(lambda d: build_qwen3_next(d), id="qwen3_next"),
+    pytest.param(lambda d: build_qwen3_next(d, mtp_config_keys=("num_nextn_predict_layers",)), id="qwen3_next-declared"),
 ])
 def test_moe_and_next_with_mtp_are_verified(tmp_path, build):
     r = inspect_checkpoint(str(build(tmp_path / "m")))
     assert r.verdict == "verified", render_text(r)
     assert r.mtp["present"] == 1 and "mlx_mtp" in engines(r)
+
+
+@pytest.mark.parametrize("build", [build_qwen35_hybrid, build_qwen35_moe])
+def test_text_only_save_is_a_plain_target(tmp_path, build):
+    """As transformers saves Qwen3_5(Moe)ForCausalLM: flat qwen3_5(_moe)_text, no mtp.*."""
+    r = inspect_checkpoint(str(build(tmp_path / "m", text_only=True)))
+    assert r.model_type.endswith("_text") and r.family.startswith("Qwen3.5/3.6")
+    assert r.verdict == "no-mtp-heads" and codes(r) == ["mtp_stripped"]
+    assert "a text-only save drops them" in r.problems[0].message
+    assert engines(r)["mlx_plain"] == ["none"] and "mlx_mtp" not in engines(r)
 
 
 def test_mtp_declared_but_stripped_is_no_mtp_heads(stripped):
@@ -109,24 +118,23 @@ def test_mtp_declared_but_stripped_is_no_mtp_heads(stripped):
 
 
 def test_builder_without_mtp_is_the_same_trap(tmp_path):
-    r = inspect_checkpoint(str(build_qwen35_hybrid(tmp_path / "m", with_mtp=False, tokenizer=False)))
+    r = inspect_checkpoint(str(build_qwen35_hybrid(tmp_path / "m", with_mtp=False)))
     assert r.verdict == "no-mtp-heads" and codes(r) == ["mtp_stripped"]
 
 
 def test_qwen3_next_stripped(tmp_path):
     # Qwen3-Next releases declare nothing, so a stripped copy cannot be told
     # from a model without a head: plain decoding, with the suspicion named.
-    r = inspect_checkpoint(str(strip_mtp(build_qwen3_next(tmp_path / "a", tokenizer=False))))
+    r = inspect_checkpoint(str(strip_mtp(build_qwen3_next(tmp_path / "a"))))
     assert r.verdict == "ar-only" and codes(r) == ["mtp_maybe_stripped"]
-    declared = build_qwen3_next(tmp_path / "b", mtp_config_keys=("num_nextn_predict_layers",),
-                                tokenizer=False)
+    declared = build_qwen3_next(tmp_path / "b", mtp_config_keys=("num_nextn_predict_layers",))
     r = inspect_checkpoint(str(strip_mtp(declared)))
     assert r.verdict == "no-mtp-heads" and codes(r) == ["mtp_stripped"]
 
 
 @pytest.mark.parametrize("build", [build_qwen35_hybrid, build_qwen3_next])
 def test_norms_shifted_twice_is_named_and_not_verified(tmp_path, build):
-    r = inspect_checkpoint(str(apply_double_norm_shift(build(tmp_path / "m", tokenizer=False))))
+    r = inspect_checkpoint(str(apply_double_norm_shift(build(tmp_path / "m"))))
     assert r.verdict == "incompatible" and r.exit_code == 1
     assert "norms_shifted_twice" in codes(r)
     p = next(p for p in r.problems if p.code == "norms_shifted_twice")
@@ -218,6 +226,44 @@ def _copy(src: Path, dest: Path, **config) -> Path:
     return dest
 
 
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_no_tokenizer_is_incompatible(tmp_path):
+    # transformers would build an empty tokenizer here: every prompt encodes to nothing.
+    r = inspect_checkpoint(str(build_qwen35_hybrid(tmp_path / "m", tokenizer=False)))
+    assert r.verdict == "incompatible" and codes(r) == ["no_tokenizer"] and r.engines == []
+    assert "tokenizer.json / tokenizer_config.json missing" in r.problems[0].message
+    assert "tokenizer files" in r.problems[0].action
+
+
+def test_no_chat_template_serves_completions_only(hybrid, tmp_path):
+    m = _copy(hybrid, tmp_path / "m")
+    tcfg = json.loads((m / "tokenizer_config.json").read_text())
+    template = tcfg.pop("chat_template")
+    (m / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    r = inspect_checkpoint(str(m))
+    assert r.verdict == "family-compatible" and codes(r) == ["no_chat_template"]
+    assert "/v1/completions" in r.problems[0].message and "mlx_plain" in engines(r)
+    # Newer transformers save the template beside the config: that counts.
+    (m / "chat_template.jinja").write_text(template)
+    assert inspect_checkpoint(str(m)).verdict == "verified"
+
+
+def test_unusable_tokenizers(dense, tmp_path):
+    broken = _copy(dense, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text('{"model": ')
+    r = inspect_checkpoint(str(broken))
+    assert r.verdict == "incompatible" and codes(r) == ["tokenizer_unreadable"]
+    # A tokenizer whose ids run past the embedding (vocab 2048 on a 1024 model).
+    small = build_qwen3_dense(tmp_path / "small", vocab_size=1024, tokenizer=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (small / f).write_bytes((dense / f).read_bytes())
+    r = inspect_checkpoint(str(small))
+    assert r.verdict == "incompatible" and codes(r) == ["tokenizer_vocab"]
+    assert "ids up to 2047" in r.problems[0].message and "vocab_size 1024" in r.problems[0].message
+
+
 # ---------------------------------------------------------------- drafters
 
 
@@ -233,7 +279,7 @@ def test_dflash_drafter_with_its_target_is_verified(tmp_path, dense):
 def test_dflash_drafter_with_the_wrong_target_is_incompatible(tmp_path, dense):
     drafter = build_dflash_drafter(tmp_path / "dflash", target=dense, tokenizer=False)
     other = build_qwen3_dense(tmp_path / "other", hidden_size=64, vocab_size=1024,
-                              num_hidden_layers=6, tokenizer=False)
+                              num_hidden_layers=6)
     r = inspect_checkpoint(str(drafter), target=str(other))
     assert r.verdict == "incompatible" and r.engines == []
     assert codes(r) == ["target_hidden_size", "target_vocab", "target_layers"]
@@ -363,12 +409,29 @@ def test_cli_exit_codes(hybrid, stripped, dense, tmp_path):
     assert specgate("--no-such-flag", str(hybrid)).returncode == 2
 
 
+def test_builtin_names_as_serve_takes_them(tmp_path):
+    env = {"SPECGATE_HOME": str(tmp_path / "home")}
+    demo = specgate("builtin:demo", "--json", env=env)
+    assert demo.returncode == 0, demo.stderr
+    assert json.loads(demo.stdout)["verdict"] == "verified"
+    assert json.loads(demo.stdout)["source"] == "builtin:demo"
+    drafter = specgate("builtin:demo-dflash", "--target", "builtin:demo", "--json", env=env)
+    assert drafter.returncode == 0, drafter.stderr
+    assert json.loads(drafter.stdout)["target"]["verdict"] == "verified"
+    gguf = specgate("builtin:demo-gguf", "--json", env=env)  # exported on first use, as serve does
+    assert gguf.returncode == 0, gguf.stderr
+    assert json.loads(gguf.stdout)["format"] == "gguf"
+    unknown = specgate("builtin:nope", env=env)
+    assert unknown.returncode == 2 and "no such builtin model" in unknown.stderr
+    assert "builtin:demo-dflash" in unknown.stderr
+
+
 def test_hub_repo_ids_are_looked_up_in_the_local_cache_only(hybrid, tmp_path):
     cache = tmp_path / "hub"
     snapshot = cache / "models--acme--tiny" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
-    for f in ("config.json", "model.safetensors", "model.safetensors.index.json"):
-        (snapshot / f).symlink_to(hybrid / f)
+    for f in hybrid.iterdir():  # weights, config and tokenizer, as the hub cache links them
+        (snapshot / f.name).symlink_to(f)
     (cache / "models--acme--tiny" / "refs").mkdir()
     (cache / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
     found = specgate("acme/tiny", "--json", env={"HF_HUB_CACHE": str(cache)})
@@ -383,14 +446,16 @@ def write_nextn_checkpoint(dest: Path, model_type: str, *, with_head: bool = Tru
     """DeepSeek-V3's layout in miniature: the MTP layer is model.layers.{N}."""
     from safetensors.numpy import save_file
 
-    h, n = 32, 2
+    from engines.checkpoints.tokenizer import build_tokenizer
+
+    h, n, vocab = 32, 2, 512
     dest.mkdir(parents=True)
     cfg = {"model_type": model_type, "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": h,
            "num_hidden_layers": n, "num_attention_heads": 2, "num_key_value_heads": 2,
-           "vocab_size": 64, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+           "vocab_size": vocab, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
            "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
     (dest / "config.json").write_text(json.dumps(cfg))
-    t = {"model.embed_tokens.weight": np.zeros((64, h), np.float32),
+    t = {"model.embed_tokens.weight": np.zeros((vocab, h), np.float32),
          "model.norm.weight": np.ones(h, np.float32)}
     for i in range(n + (1 if with_head else 0)):
         t[f"model.layers.{i}.input_layernorm.weight"] = np.ones(h, np.float32)
@@ -400,6 +465,7 @@ def write_nextn_checkpoint(dest: Path, model_type: str, *, with_head: bool = Tru
               f"model.layers.{n}.hnorm.weight": np.ones(h, np.float32),
               f"model.layers.{n}.shared_head.norm.weight": np.ones(h, np.float32)}
     save_file(t, str(dest / "model.safetensors"))
+    build_tokenizer(dest, vocab_size=vocab)
     return dest
 
 

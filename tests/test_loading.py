@@ -1,3 +1,19 @@
+"""Loading a model: once per path; what cannot load says why; the layouts
+mlx-lm refuses as named but can read (a text-only save) are served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+from conftest import start_gateway, stop_gateway
+
+from engines.checkpoints.mlx_load import CheckpointLoadError
+from engines.checkpoints.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
 
 
@@ -6,3 +22,92 @@ def test_weights_load_once_per_path(tiny_model):
     b = load_mlx_model(str(tiny_model) + "/")  # same directory, spelled differently
     assert a is b and a.model is b.model
     assert a.vocab_size == 2048
+
+
+def test_a_checkpoint_without_tokenizer_is_refused(tmp_path):
+    # transformers would build an empty tokenizer from nothing: the model
+    # would load as ready and every prompt would encode to no tokens.
+    bare = build_qwen35_hybrid(tmp_path / "bare", tokenizer=False)
+    with pytest.raises(CheckpointLoadError,
+                       match=r"has no tokenizer \(tokenizer.json / tokenizer_config.json missing\)"):
+        load_mlx_model(str(bare))
+
+
+def test_a_hub_repo_not_downloaded_says_so_offline():
+    # conftest sets HF_HUB_OFFLINE=1 (after huggingface_hub read it: the check reads it now).
+    with pytest.raises(CheckpointLoadError) as err:
+        load_mlx_model("specgate-tests/never-downloaded")
+    message = str(err.value)
+    assert "is not a local path and is not downloaded" in message
+    assert "HF_HUB_OFFLINE is set" in message and "hf download specgate-tests/never-downloaded" in message
+
+
+def test_the_registry_reports_why_a_model_failed(tmp_path):
+    from gateway.config import parse_config
+    from gateway.models import ModelRegistry
+
+    bare = build_qwen35_hybrid(tmp_path / "bare", tokenizer=False)
+    registry = ModelRegistry(parse_config({"models": [
+        {"id": "bare", "path": str(bare)}, {"id": "hub", "path": "specgate-tests/absent"}]}))
+    asyncio.run(registry.load_all())
+    assert "has no tokenizer" in registry.get("bare").error
+    assert "is not downloaded" in registry.get("hub").error
+    assert registry.get("bare").engine is None and not registry.ready
+
+
+# ---------------------------------------------------------------- served
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_model, tmp_path_factory, request):
+    """A gateway serving tiny_model as saved three more ways: from a hub cache
+    (offline), as transformers saves the text model alone, and without a chat
+    template."""
+    root = tmp_path_factory.mktemp("layouts")
+    flat = build_qwen35_hybrid(root / "flat", seed=0, text_only=True)  # tiny_model's weights
+    bare_chat = root / "no-template"
+    shutil.copytree(tiny_model, bare_chat)
+    tcfg = json.loads((bare_chat / "tokenizer_config.json").read_text())
+    del tcfg["chat_template"]
+    (bare_chat / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    cache = root / "hub"
+    snapshot = cache / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in tiny_model.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_CACHE", str(cache))  # the gateway process inherits it
+    try:
+        gw = start_gateway({"models": [
+            {"id": "tiny", "path": str(tiny_model)}, {"id": "flat", "path": str(flat)},
+            {"id": "hub", "path": "acme/tiny"}, {"id": "no-template", "path": str(bare_chat)},
+        ]}, root)
+    finally:
+        mp.undo()
+    yield gw
+    stop_gateway(gw)
+
+
+def test_every_layout_serves_the_same_greedy_text(layouts):
+    client = openai.OpenAI(base_url=layouts.api, api_key="unused", max_retries=0)
+    texts = {m: client.completions.create(model=m, prompt="import os\n", max_tokens=16,
+                                          temperature=0).choices[0].text
+             for m in ("tiny", "flat", "hub", "no-template")}
+    assert texts["tiny"] and set(texts.values()) == {texts["tiny"]}, texts
+
+
+def test_chat_without_a_chat_template_is_a_clear_400(layouts):
+    client = openai.OpenAI(base_url=layouts.api, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="no-template", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    body = err.value.body
+    assert "no chat template" in body["message"] and "/v1/completions" in body["message"]
+    assert body["param"] == "messages" and body["code"] == "chat_template_missing"
+    # The same request to a model with a template works, and the server kept serving.
+    assert client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+        {"role": "user", "content": "hi"}]).choices[0].message.content is not None
+    assert httpx.get(layouts.base_url + "/ready").json()["status"] == "ready"
+    assert "Traceback" not in layouts.log()

@@ -50,8 +50,17 @@ UNKNOWN_QWEN3X = Family(f"Qwen3.x {_QWEN_HYBRID}, unknown variant", "qwen", True
                         "mtp_num_hidden_layers")
 
 
+# What transformers writes for a text-only save (its *ForCausalLM class: a
+# flat config, weights under `model.`), and the mlx-lm model that reads that
+# layout: Qwen3.5's ModelArgs takes a flat config as its text_config, and its
+# sanitize maps `model.*` to `language_model.model.*`. mlx-lm 0.32 has no
+# module under the text-only names, so it refuses them as they are.
+TEXT_ONLY_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
 def family_of(info: CheckpointInfo) -> Family | None:
     for mt in (info.model_type, info.text_model_type):
+        mt = TEXT_ONLY_MODEL_TYPES.get(mt, mt)
         if mt in FAMILIES:
             return FAMILIES[mt]
     for mt in (info.model_type, info.text_model_type):
@@ -80,15 +89,23 @@ def _mlx_lm_models() -> tuple[Path | None, dict[str, str]]:
     return pkg / "models", remap
 
 
-def mlx_lm_supports(model_type: str | None) -> bool:
-    """Whether mlx-lm (hence mlx_plain) has a model for this model_type."""
+def mlx_lm_module(model_type: str | None) -> str | None:
+    """The mlx-lm model module that loads this model_type (after mlx-lm's own
+    remapping, then specgate's text-only names), or None if there is none."""
     if not model_type:
-        return False
+        return None
     models, remap = _mlx_lm_models()
     if models is None:
-        return False
-    mt = remap.get(model_type, model_type).replace("-", "_")
-    return (models / f"{mt}.py").exists()
+        return None
+    for mt in (remap.get(model_type, model_type), TEXT_ONLY_MODEL_TYPES.get(model_type)):
+        if mt and (models / f"{mt.replace('-', '_')}.py").exists():
+            return mt
+    return None
+
+
+def mlx_lm_supports(model_type: str | None) -> bool:
+    """Whether mlx-lm (hence mlx_plain) has a model for this model_type."""
+    return mlx_lm_module(model_type) is not None
 
 
 # llama.cpp (vendored b11312) archs with an MTP graph (LLM_GRAPH_TYPE_DECODER_MTP),

@@ -127,6 +127,17 @@ class GgufMeta:
 
 
 @dataclass
+class TokenizerInfo:
+    """The tokenizer files beside a safetensors checkpoint (GGUF embeds its own)."""
+
+    vocab_files: list[str] = field(default_factory=list)  # tokenizer.json, tokenizer.model, ...
+    config_file: bool = False  # tokenizer_config.json is there
+    chat_template: str | None = None  # the file that holds it, None: no template
+    max_token_id: int | None = None  # the highest id tokenizer.json assigns
+    error: str | None = None  # why a file that is there cannot be read
+
+
+@dataclass
 class CheckpointInfo:
     path: str
     format: str  # "safetensors" | "gguf"
@@ -153,6 +164,7 @@ class CheckpointInfo:
     norms: NormEvidence | None = None
     layout: str = "unknown"  # "hf" | "mlx" | "gguf" | "unknown"
     gguf: GgufMeta | None = None
+    tokenizer: TokenizerInfo | None = None  # safetensors directories only
     errors: list[str] = field(default_factory=list)  # pieces that could not be read
 
     @property
@@ -311,6 +323,50 @@ def _count_params(info: CheckpointInfo) -> None:
             n = n * 32 // bits if bits else n  # packed: 32 / bits values per word
         info.params += n
         info.params_by_dtype[meta.dtype] = info.params_by_dtype.get(meta.dtype, 0) + n
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+# Files that hold a vocabulary, in the formats transformers' AutoTokenizer reads
+# (fast tokenizer, sentencepiece, BPE vocab + merges, tiktoken). Without any,
+# transformers still builds a tokenizer, an empty one that encodes every text
+# to no tokens.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+# Where transformers looks for a chat template besides tokenizer_config.json.
+_CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def read_tokenizer(root: Path) -> TokenizerInfo:
+    """What tokenizer a checkpoint directory has, read without building it."""
+    t = TokenizerInfo()
+    t.vocab_files = [n for n in TOKENIZER_VOCAB_FILES if (root / n).is_file()]
+    t.vocab_files += sorted(p.name for p in root.glob("*.tiktoken"))
+    config_path = root / "tokenizer_config.json"
+    t.config_file = config_path.is_file()
+    try:
+        if t.config_file:
+            tcfg = json.loads(config_path.read_text(encoding="utf-8"))
+            if isinstance(tcfg, dict) and tcfg.get("chat_template"):
+                t.chat_template = "tokenizer_config.json"
+        if (root / "tokenizer.json").is_file():
+            t.max_token_id = _max_token_id(json.loads((root / "tokenizer.json").read_bytes()))
+    except (OSError, ValueError) as e:
+        t.error = f"{e.__class__.__name__}: {e}"
+    if t.chat_template is None:
+        t.chat_template = next((n for n in _CHAT_TEMPLATE_FILES if (root / n).is_file()), None)
+    return t
+
+
+def _max_token_id(tok: dict) -> int | None:
+    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    ids = []
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        ids = [v for v in vocab.values() if isinstance(v, int)]
+    elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
+        ids = [len(vocab) - 1] if vocab else []
+    ids += [a["id"] for a in tok.get("added_tokens") or [] if isinstance(a.get("id"), int)]
+    return max(ids) if ids else None
 
 
 # ---------------------------------------------------------------- MTP and drafters
@@ -495,4 +551,5 @@ def _read_safetensors_dir(root: Path) -> CheckpointInfo:
     info.drafter = _find_drafter(info)
     info.layout, conv_shape = _layout(info)
     info.norms = _norm_evidence(info, info.layout, conv_shape)
+    info.tokenizer = read_tokenizer(root)
     return info

@@ -222,12 +222,37 @@ def _write_qwen35(
         "tie_word_embeddings": False,
     }
     write_json(dest / "config.json", config)
-    vocab_size = text_config["vocab_size"]
+    return _write_rest(dest, text_config["vocab_size"], tensors, dtype=dtype, tokenizer=tokenizer)
+
+
+def _write_rest(dest: Path, vocab_size: int, tensors: Tensors, *, dtype: str, tokenizer: bool) -> Path:
     write_generation_config(dest, vocab_size)
     save_safetensors(dest, tensors, dtype)
     if tokenizer:
         build_tokenizer(dest, vocab_size=vocab_size)
     return dest
+
+
+# What save_pretrained writes as transformers_version in a text-only save.
+_TRANSFORMERS_VERSION = "5.24.0"
+
+
+def _write_qwen35_text_only(
+    dest: Path, architecture: str, text_config: dict, tensors: Tensors, *, dtype: str,
+    tokenizer: bool,
+) -> Path:
+    """The text model saved alone, as transformers' Qwen3_5ForCausalLM (and
+    Qwen3_5MoeForCausalLM) save_pretrained writes it: the text config flat at
+    the top (model_type qwen3_5_text / qwen3_5_moe_text, keys sorted, the
+    rotary factor only inside rope_parameters), weights under `model.` and no
+    `mtp.*` (transformers ignores the head on load, so a re-save drops it;
+    mtp_num_hidden_layers stays in the config)."""
+    config = {k: v for k, v in text_config.items() if k != "partial_rotary_factor"}
+    config |= {"architectures": [architecture], "transformers_version": _TRANSFORMERS_VERSION}
+    write_json(dest / "config.json", dict(sorted(config.items())))
+    flat = {("model." + k[len(_TEXT):] if k.startswith(_TEXT) else k): v
+            for k, v in tensors.items() if not k.startswith("mtp.")}
+    return _write_rest(dest, text_config["vocab_size"], flat, dtype=dtype, tokenizer=tokenizer)
 
 
 def build_qwen35_hybrid(
@@ -251,6 +276,7 @@ def build_qwen35_hybrid(
     dtype: str = "float32",
     with_mtp: bool = True,
     tokenizer: bool = True,
+    text_only: bool = False,
 ) -> Path:
     """Write a random Qwen3.5 hybrid (GatedDeltaNet + gated attention) to dest.
 
@@ -259,6 +285,9 @@ def build_qwen35_hybrid(
     norms, HF conv1d layout. `with_mtp=False` keeps `mtp_num_hidden_layers` in
     the config but writes no `mtp.*` tensors, as some conversions do.
     `dtype` is float32, float16 or bfloat16. Deterministic in `seed`.
+    `text_only=True` writes the same weights as transformers saves the text
+    model alone (Qwen3_5ForCausalLM: flat config, `model.*`, no `mtp.*`; see
+    _write_qwen35_text_only).
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -280,6 +309,9 @@ def build_qwen35_hybrid(
         max_position_embeddings=max_position_embeddings,
     )
     tensors = _qwen35_tensors(seed, text_config, with_mtp)
+    if text_only:
+        return _write_qwen35_text_only(dest, "Qwen3_5ForCausalLM", text_config, tensors,
+                                       dtype=dtype, tokenizer=tokenizer)
     return _write_qwen35(
         dest,
         "Qwen3_5ForConditionalGeneration",
@@ -317,6 +349,7 @@ def build_qwen35_moe(
     dtype: str = "float32",
     with_mtp: bool = True,
     tokenizer: bool = True,
+    text_only: bool = False,
 ) -> Path:
     """Write a random Qwen3.5 MoE hybrid (Qwen3_5MoeForConditionalGeneration) to dest.
 
@@ -334,6 +367,8 @@ def build_qwen35_moe(
     stores the MTP experts fused too (`mtp_experts="fused"`). The FP8 release
     and re-saved derivatives store the trunk per expert (`experts="per_expert"`),
     which mlx-lm 0.32's qwen3_5_moe sanitize cannot load.
+    `text_only=True`: as Qwen3_5MoeForCausalLM saves it (flat config,
+    `model.*`, no `mtp.*`); transformers keeps its experts fused.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -371,6 +406,9 @@ def build_qwen35_moe(
         fused_experts=experts == "fused",
         mtp_fused_experts=mtp_experts == "fused",
     )
+    if text_only:
+        return _write_qwen35_text_only(dest, "Qwen3_5MoeForCausalLM", text_config, tensors,
+                                       dtype=dtype, tokenizer=tokenizer)
     return _write_qwen35(
         dest,
         "Qwen3_5MoeForConditionalGeneration",

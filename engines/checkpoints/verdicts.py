@@ -15,6 +15,7 @@ from .families import (
     GGUF_MTP_ARCHS,
     GGUF_MTP_VERIFIED,
     GGUF_SINGLE_HEAD,
+    TEXT_ONLY_MODEL_TYPES,
     Family,
     check_mtp_head,
     family_of,
@@ -135,10 +136,12 @@ def _judge_mtp(info: CheckpointInfo, fam: Family | None, j: Judgement) -> None:
     where = "model.layers.{N}.* nextn" if fam and fam.mtp_style == "nextn" else "mtp.*"
     if mtp.present == 0:
         if mtp.declared > 0:
+            how = ("a text-only save drops them (transformers' *ForCausalLM ignores mtp.* on "
+                   "load)" if info.model_type in TEXT_ONLY_MODEL_TYPES else
+                   "the converter stripped them (mlx-lm's sanitize drops mtp.*)")
             j.problem("mtp_stripped",
                       f"config declares {_layers(mtp.declared)} ({mtp.declared_key}) but the "
-                      f"weights hold no {where} tensors: the converter stripped them (mlx-lm's "
-                      "sanitize drops mtp.*)", _STRIP_ACTION, "no-mtp-heads")
+                      f"weights hold no {where} tensors: {how}", _STRIP_ACTION, "no-mtp-heads")
         elif fam and fam.mtp_style and fam.mtp_key is None:
             # Nothing to compare against: the releases declare no MTP layers.
             j.problem("mtp_maybe_stripped",
@@ -198,6 +201,41 @@ def _judge_mtp(info: CheckpointInfo, fam: Family | None, j: Judgement) -> None:
                   "prefer the original Hugging Face checkpoint for MTP", "family-compatible")
 
 
+_TOKENIZER_ACTION = "copy the original model's tokenizer files (tokenizer.json, tokenizer_config.json) into it"
+
+
+def _judge_tokenizer(info: CheckpointInfo, j: Judgement) -> None:
+    """A target tokenizes every request: without a usable tokenizer it cannot
+    serve, without a chat template it serves completions only."""
+    t = info.tokenizer
+    if t is None:  # a GGUF: llama.cpp reads the tokenizer embedded in it
+        return
+    if t.error:
+        j.problem("tokenizer_unreadable", f"the tokenizer files cannot be read ({t.error})",
+                  _TOKENIZER_ACTION, "incompatible")
+        return
+    if not t.vocab_files:
+        missing = "tokenizer.json" + ("" if t.config_file else " / tokenizer_config.json")
+        j.problem("no_tokenizer",
+                  f"no tokenizer ({missing} missing, no tokenizer.model or vocab.json either): "
+                  "specgate refuses to load it, as every prompt would encode to no tokens",
+                  _TOKENIZER_ACTION, "incompatible")
+        return
+    vocab = info.vocab_size
+    if t.max_token_id is not None and vocab and t.max_token_id >= vocab:
+        j.problem("tokenizer_vocab",
+                  f"the tokenizer has ids up to {t.max_token_id}, but the model's vocabulary ends "
+                  f"at {vocab - 1} (vocab_size {vocab}): those tokens have no embedding",
+                  "pair the checkpoint with the tokenizer it was trained with", "incompatible")
+    if t.chat_template is None:
+        j.problem("no_chat_template",
+                  "no chat template (none in tokenizer_config.json, no chat_template.jinja): "
+                  "it serves /v1/completions, but chat requests (/v1/chat/completions, "
+                  "/v1/messages) are refused",
+                  "copy the original model's chat template (tokenizer_config.json's "
+                  "chat_template, or chat_template.jinja) into it", "family-compatible")
+
+
 def judge_target(info: CheckpointInfo) -> Judgement:
     fam = family_of(info)
     j = Judgement(family=fam.name if fam else None)
@@ -210,6 +248,7 @@ def judge_target(info: CheckpointInfo) -> Judgement:
                   f"model_type {info.model_type!r} is not an architecture mlx-lm (hence specgate) "
                   "can load", "use a supported model, or a GGUF of it with the llamacpp engine",
                   "incompatible")
+    _judge_tokenizer(info, j)
     if fam and fam.zero_centred:
         _judge_norms(info, j)
     _judge_mtp(info, fam, j)

@@ -322,7 +322,7 @@ def test_target_flag_on_a_target_is_a_usage_error(hybrid, dense):
 
 
 def write_gguf(path: Path, *, nextn: int = 1, heads_at: list[int] | None = None,
-               arch: str = "qwen35", n_layer: int = 4) -> Path:
+               arch: str = "qwen35", n_layer: int = 4, tokenizer: bool = True) -> Path:
     """A tiny GGUF laid out as llama.cpp's converter writes an MTP model:
     block_count counts the nextn blocks, whose extra tensors are blk.N.nextn.*."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -337,6 +337,9 @@ def write_gguf(path: Path, *, nextn: int = 1, heads_at: list[int] | None = None,
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if nextn:
         w.add_nextn_predict_layers(nextn)
+    if tokenizer:  # llama.cpp reads the vocabulary from the file
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(256)])
     w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(64, np.float32))
@@ -368,6 +371,7 @@ def test_gguf_traps(tmp_path):
         "two-heads": ({"nextn": 2}, "incompatible", ["mtp_layer_count"]),
         "unknown-arch": ({"nextn": 0, "arch": "not-an-arch"}, "incompatible",
                          ["unsupported_architecture"]),
+        "no-tokenizer": ({"tokenizer": False}, "incompatible", ["no_tokenizer"]),
     }
     for name, (kw, verdict, problems) in cases.items():
         r = inspect_checkpoint(str(write_gguf(tmp_path / f"{name}.gguf", **kw)))

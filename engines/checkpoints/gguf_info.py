@@ -12,7 +12,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .reader import CheckpointError, CheckpointInfo, GgufMeta, MtpInfo, Quantization, TensorMeta
+from .reader import (
+    CheckpointError,
+    CheckpointInfo,
+    GgufMeta,
+    MtpInfo,
+    Quantization,
+    TensorMeta,
+    TokenizerInfo,
+)
 
 _NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
 # Split GGUFs: name-00001-of-00003.gguf; the first shard holds the keys.
@@ -83,6 +91,10 @@ def read_gguf(path: Path) -> CheckpointInfo:
         ftype_name = f"file_type {ftype}"
     info.gguf = GgufMeta(arch, block_count, nextn, nextn_blocks, ftype_name, types, kv)
 
+    # llama.cpp reads the vocabulary from the file itself; without it the model fails to load.
+    info.tokenizer = TokenizerInfo(
+        vocab_files=["tokenizer.ggml.tokens"] if readers[0].get_field("tokenizer.ggml.tokens") else [],
+        chat_template="tokenizer.chat_template" if value("tokenizer.chat_template") else None)
     info.hidden_size = kv.get("embedding_length")
     info.vocab_size = kv.get("vocab_size") or _vocab_from_tokens(readers[0])
     if block_count is not None:

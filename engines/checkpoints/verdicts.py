@@ -403,6 +403,10 @@ def judge_gguf(info: CheckpointInfo) -> Judgement:
                           f"llama.cpp has an MTP graph for {g.arch}, but specgate has only run "
                           "qwen35/qwen35moe heads end to end", "measure acceptance before relying "
                           "on it", "family-compatible")
+    if info.tokenizer is not None and not info.tokenizer.vocab_files:
+        j.problem("no_tokenizer", "no tokenizer (no tokenizer.ggml.tokens): llama-server cannot "
+                  "load it", "re-convert with llama.cpp's convert_hf_to_gguf.py from a checkpoint "
+                  "that has its tokenizer files", "incompatible")
     if j.verdict != "incompatible":
         j.engines.append(EngineFit("llamacpp", ["none"] + (["llamacpp_mtp"] if j.mtp_usable else [])))
     return j

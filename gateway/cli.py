@@ -212,9 +212,15 @@ def _install_llama_server(args: argparse.Namespace) -> int:
 
 
 def _tune(args) -> int:
+    from engines.checkpoints.default_model import UnknownBuiltin
+    from engines.checkpoints.mlx_load import CheckpointLoadError
     from gateway.tuning import run_cli
 
-    return run_cli(args)
+    try:
+        return run_cli(args)
+    except (UnknownBuiltin, CheckpointLoadError) as e:  # what was named is not a model here
+        print(f"specgate tune: {e}", file=sys.stderr)
+        return 2
 
 
 def _version() -> str:

@@ -104,3 +104,18 @@ def test_port_in_use_is_one_line_and_exit_3(tmp_path):
         f"specgate: cannot listen on 127.0.0.1:{port}: address already in use "
         "(stop what uses it, or pick another --port)"]
     assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------- tune: what is not there
+
+
+@pytest.mark.parametrize("model,needle", [
+    ("builtin:nope", "builtin:nope: no such builtin model (there are builtin:demo"),
+    ("/nonexistent/specgate-model", "/nonexistent/specgate-model does not exist"),
+])
+def test_tune_names_what_is_not_there(tmp_path, model, needle):
+    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "tune", model], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"SPECGATE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"specgate tune: {needle}") and "Traceback" not in proc.stderr

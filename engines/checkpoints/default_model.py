@@ -72,13 +72,17 @@ def demo_gguf_path() -> Path:
     return out
 
 
+class UnknownBuiltin(ValueError):
+    """A builtin: name that specgate does not ship."""
+
+
 def builtin_path(name: str) -> Path:
     """The directory or file a builtin name stands for (the GGUF is exported
-    on first use); ValueError for a name that is not one."""
+    on first use); UnknownBuiltin for a name that is not one."""
     where = {BUILTIN_DEMO: default_model_path, BUILTIN_DEMO_GGUF: demo_gguf_path,
              BUILTIN_DEMO_DFLASH: demo_dflash_path}.get(name)
     if where is None:
-        raise ValueError(f"{name}: no such builtin model (there are {', '.join(BUILTINS)})")
+        raise UnknownBuiltin(f"{name}: no such builtin model (there are {', '.join(BUILTINS)})")
     return where()
 
 

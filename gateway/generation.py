@@ -255,6 +255,14 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
     wait. Once this returns, the caller owns a slot and one of the key's
     streams, and must give both back."""
     gate, key, now = served.gate, principal.name, time.monotonic()
+    def busy() -> APIError:
+        metrics.rejected(key, "queue_full")
+        return APIError(
+            429, f"model '{served.id}' is busy: {gate.running} requests decoding and "
+                 f"{gate.waiting} waiting (limit {gate.max_queue})",
+            code="overloaded", headers={"Retry-After": "1"},
+        )
+
     try:
         principal.usage.check(now)
         place = gate.reserve(key)
@@ -265,12 +273,7 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
         raise APIError(429, e.message, code="rate_limit_exceeded",
                        headers={"Retry-After": e.retry_after_header}) from None
     except QueueFull:
-        metrics.rejected(key, "queue_full")
-        raise APIError(
-            429, f"model '{served.id}' is busy: {gate.running} requests decoding and "
-                 f"{gate.waiting} waiting (limit {gate.max_queue})",
-            code="overloaded", headers={"Retry-After": "1"},
-        ) from None
+        raise busy() from None
     principal.usage.start(now)
     if place is None:
         metrics.queued(served.id, 0.0)
@@ -281,6 +284,9 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
         principal.usage.finish()
         metrics.rejected(key, "shutting_down")
         raise shutting_down() from None
+    except QueueFull:  # its place went to another key's request
+        principal.usage.finish()
+        raise busy() from None
     except QueueTimeout:
         principal.usage.finish()
         metrics.rejected(key, "queue_timeout")
@@ -383,7 +389,7 @@ async def run(
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None
     finally:
         if admitted:
-            served.gate.release()
+            served.gate.release(key)
             principal.usage.finish()
         metrics.finished(
             request.model, request.plan, status, usage.prompt_tokens, ttft,

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from gateway.admission import FairQueue, ModelGate, QueueFull, QueueTimeout
+from gateway.admission import FairQueue, ModelGate, QueueFull, QueueTimeout, ServiceClock
 from gateway.quotas import KeyLimits, KeyUsage, Rejected, RequestWindow, TokenWindow
 
 # -- request window ---------------------------------------------------------------------------
@@ -181,11 +181,13 @@ def test_fair_queue_remove():
 
 def test_gate_hands_slots_round_robin_and_bounds_the_queue():
     async def main():
-        gate = ModelGate(slots=1, max_queue=4, max_wait=10)
+        # A clock that stands still: no key has held a slot for any time, so
+        # the order is the plain round-robin.
+        gate = ModelGate(slots=1, max_queue=4, max_wait=10, service=ServiceClock(clock=lambda: 0.0))
         assert gate.reserve("a") is None  # a slot at once
         places = [(k, gate.reserve(k)) for k in ("a", "a", "a", "b")]
-        with pytest.raises(QueueFull):
-            gate.reserve("c")
+        with pytest.raises(QueueFull):  # full, and "a" holds the most places
+            gate.reserve("a")
         order = []
 
         async def waiter(key, place):
@@ -195,12 +197,12 @@ def test_gate_hands_slots_round_robin_and_bounds_the_queue():
         tasks = [asyncio.create_task(waiter(k, p)) for k, p in places]
         await asyncio.sleep(0)
         for _ in range(4):
-            gate.release()
+            gate.release("a")
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         assert order == ["a", "b", "a", "a"]
         assert gate.running == 1 and gate.waiting == 0
-        gate.release()
+        gate.release("a")
         assert gate.running == 0
 
     asyncio.run(main())
@@ -218,7 +220,7 @@ def test_gate_cancelled_waiter_leaves_the_queue():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert gate.waiting == 0
-        gate.release()
+        gate.release("a")
         assert gate.running == 0  # nobody inherited the slot
 
     asyncio.run(main())
@@ -236,10 +238,85 @@ def test_gate_times_out_a_waiter_and_a_late_grant_is_passed_on():
         place = gate.reserve("c")
         task = asyncio.create_task(gate.wait("c", place))
         await asyncio.sleep(0)
-        gate.release()  # hands the slot to c ...
+        gate.release("a")  # hands the slot to c ...
         task.cancel()  # ... which is cancelled before it runs
         with pytest.raises(asyncio.CancelledError):
             await task
         assert gate.running == 0 and gate.waiting == 0
+
+    asyncio.run(main())
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_service_clock_counts_slots_held_and_halves_per_half_life():
+    clock = FakeClock()
+    service = ServiceClock(half_life_s=10, clock=clock)
+    service.start("a")
+    service.start("a")
+    clock.now = 3.0
+    assert service.of("a") == pytest.approx(6.0)  # two slots held 3 s each
+    service.stop("a")
+    assert service.of("a") == pytest.approx(6.0)  # the same total, one finished
+    service.stop("a")
+    clock.now = 13.0
+    assert service.of("a") == pytest.approx(3.0)  # one half-life later
+    assert service.of("b") == 0.0
+
+
+def test_slots_go_to_the_key_that_held_them_least():
+    """A key whose requests hold a slot 4 s against one whose requests hold
+    it 1 s, both always waiting: the slot's time is shared about evenly (by
+    turns it would be 80 % / 20 %: the long key's share grows with how long
+    its requests run, as a short key's grows with how often it returns)."""
+    clock = FakeClock()
+    service = ServiceClock(half_life_s=1e9, clock=clock)
+    queue = FairQueue(service.of)
+    held = {"short": 1.0, "long": 4.0}
+    slot_time = dict.fromkeys(held, 0.0)
+    holder = "long"
+    service.start(holder)
+    for _ in range(300):
+        for key in held:
+            if queue.waiting(key) == 0:
+                queue.push(key, object())
+        clock.now += held[holder]
+        slot_time[holder] += held[holder]
+        service.stop(holder)
+        holder, _ = queue.pop()
+        service.start(holder)
+    share = slot_time["short"] / sum(slot_time.values())
+    assert 0.45 < share < 0.55, slot_time
+
+
+def test_a_full_queue_makes_room_for_a_key_with_fewer_places():
+    """One key retrying at once after every 429 fills the queue; a key that
+    waited its Retry-After still gets a place, the hammering key's newest
+    gives its up (429), until the two hold about as many."""
+    async def main():
+        gate = ModelGate(slots=1, max_queue=4, max_wait=10)
+        gate.reserve("hammer")  # the slot
+        mine = [gate.reserve("hammer") for _ in range(4)]
+        waits = [asyncio.create_task(gate.wait("hammer", p)) for p in mine]
+        await asyncio.sleep(0)
+        polite = gate.reserve("polite")
+        assert polite is not None and gate.waiting == 4
+        with pytest.raises(QueueFull):
+            await waits[-1]  # the newest hammer request lost its place
+        gate.reserve("polite")  # hammer 3 vs polite 1: room again
+        with pytest.raises(QueueFull):  # 2 and 2: no more
+            gate.reserve("polite")
+        with pytest.raises(QueueFull):
+            gate.reserve("hammer")
+        for t in waits[:2]:
+            t.cancel()
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        assert [type(o) for o in outcomes[2:]] == [QueueFull, QueueFull]
 
     asyncio.run(main())

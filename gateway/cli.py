@@ -22,17 +22,12 @@ EXIT_CANNOT_LISTEN = 3
 
 def _unsafe_bind(config: Config) -> str | None:
     """Why serving on this address without keys is refused, or None if fine.
-    Checked before anything binds or loads."""
-    from gateway.auth import KeyFileError, is_loopback, read_keys
+    Checked before anything binds or loads; KeyFileError for a bad keys file."""
+    from gateway.auth import is_loopback, read_keys
 
     host, path = config.server.host, config.auth.keys_path
-    if is_loopback(host):
+    if is_loopback(host) or read_keys(path):
         return None
-    try:
-        if read_keys(path):
-            return None
-    except KeyFileError as e:
-        return f"specgate: {e}"
     return (
         f"specgate: refusing to listen on {host}: it is reachable from other machines and no "
         f"API keys are configured ({path} has none), so anyone on the network could use it.\n"
@@ -142,7 +137,13 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
-    refusal = _unsafe_bind(config)
+    from gateway.auth import KeyFileError
+
+    try:
+        refusal = _unsafe_bind(config)
+    except KeyFileError as e:  # the same exit as when the app reads the file
+        print(f"specgate: {e}", file=sys.stderr)
+        return 2
     if refusal:
         print(refusal, file=sys.stderr)
         return EXIT_CANNOT_LISTEN

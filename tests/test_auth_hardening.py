@@ -64,13 +64,14 @@ def test_bad_record_stops_serve_with_one_line_naming_the_field(tmp_path):
         broken = json.loads(json.dumps(data))
         broken["keys"][1][field] = value
         keys_file.write_text(json.dumps(broken))
-        proc = cli("serve", "--port", str(free_port()), home=home)
-        assert proc.returncode == 2, proc.stderr
-        assert "Traceback" not in proc.stderr
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("specgate:")]
-        assert len(lines) == 1, proc.stderr
-        assert str(keys_file) in lines[0] and "key 'old' (keys[1])" in lines[0]
-        assert f"{field}: " in lines[0] and f'"{value}"' in lines[0], lines[0]
+        for host in ("127.0.0.1", "0.0.0.0"):  # a LAN bind reads the keys before it binds
+            proc = cli("serve", "--host", host, "--port", str(free_port()), home=home)
+            assert proc.returncode == 2, (host, proc.stderr)
+            assert "Traceback" not in proc.stderr
+            lines = [line for line in proc.stderr.splitlines() if line.startswith("specgate:")]
+            assert len(lines) == 1, proc.stderr
+            assert str(keys_file) in lines[0] and "key 'old' (keys[1])" in lines[0]
+            assert f"{field}: " in lines[0] and f'"{value}"' in lines[0], lines[0]
 
 
 # -- a gateway with new and old keys ---------------------------------------------------------------

@@ -76,6 +76,16 @@ class LlamaCppConfig(_Strict):
     # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's.
     extra_args: list[str] = Field(default_factory=list)
     read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
+    # A request fails when llama-server makes no progress on it for this long:
+    # no token and no prompt progress (one event per batch of prompt, -b, 2048
+    # tokens by default). Raise it where one batch or one token takes longer.
+    progress_timeout_s: float = Field(60.0, gt=0)
+    # A running llama-server is asked GET /health every health_interval_s; one
+    # that misses health_failures answers in a row (health_timeout_s each) is
+    # stuck (e.g. SIGSTOPped): it is killed, its requests fail, it restarts.
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(3.0, gt=0)
+    health_failures: int = Field(3, ge=1)
 
 
 class PolicyConfig(_Strict):

@@ -91,7 +91,7 @@ def _build_engines(
     if mc.is_gguf:
         from pathlib import Path
 
-        from engines.llamacpp.build import build_llamacpp_engines
+        from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
 
         lc = mc.llamacpp
         return build_llamacpp_engines(
@@ -99,6 +99,8 @@ def _build_engines(
             max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
             binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
             threads=lc.threads, extra_args=lc.extra_args, read_timeout=lc.read_timeout_s,
+            progress_timeout=lc.progress_timeout_s,
+            health=HealthCheck(lc.health_interval_s, lc.health_timeout_s, lc.health_failures),
         )
     from engines.loading import load_mlx_model
     from engines.mlx_plain import MLXPlainEngine

@@ -81,6 +81,18 @@ def test_chunk_translation():
     assert read_chunk({"tokens": [], "stop": True, "stop_type": "eos"}, req).finish_reason == "stop"
 
 
+def test_prompt_progress_events_are_no_output():
+    # Asked for, so a long prefill shows progress; as llama-server b11312 sends
+    # them, with a placeholder token 0 that is no output.
+    assert completion_body(request())["return_progress"] is True
+    req = request(stops=frozenset({0}))
+    for progress in ({"total": 900, "cache": 0, "processed": 0, "time_ms": 0},
+                     {"total": 900, "cache": 0, "processed": 512, "time_ms": 40}):
+        got = read_chunk({"content": "", "tokens": [0], "stop": False,
+                          "prompt_progress": progress}, req)
+        assert (got.token_ids, got.text, got.finish_reason) == ([], "", None)
+
+
 def test_stop_token_ends_and_is_not_output():
     req = request(stops=frozenset({9}))
     got = read_chunk({"content": "x", "tokens": [4, 9, 6], "stop": False}, req)

@@ -75,6 +75,9 @@ def completion_body(request: GenerationRequest) -> dict:
         "n_predict": request.max_tokens,
         "stream": True,
         "return_tokens": True,
+        # An event per batch of prompt evaluated: the engine's progress deadline
+        # counts a long prefill as progress (engine.py).
+        "return_progress": True,
         "cache_prompt": True,
         "samplers": list(SAMPLER_ORDER),
         "temperature": s.temperature,
@@ -118,8 +121,11 @@ def read_chunk(chunk: dict, request: GenerationRequest) -> ChunkResult:
     """One streamed /completion chunk as specgate's tokens, text and finish reason.
 
     A token in the request's stop set ends generation and, as in the MLX
-    engines, is not part of the output.
+    engines, is not part of the output. A prompt-progress event carries no
+    output (llama-server fills its `tokens` with a placeholder 0).
     """
+    if "prompt_progress" in chunk:
+        return ChunkResult([], "", None, None)
     tokens = [int(t) for t in chunk.get("tokens") or []]
     text = chunk.get("content") or ""
     finish: FinishReason | None = None

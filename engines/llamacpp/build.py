@@ -25,6 +25,16 @@ DEFAULT_SLOT_CONTEXT = 8192
 
 
 @dataclass(frozen=True)
+class HealthCheck:
+    """How often a running llama-server is asked GET /health, how long each
+    answer may take, and after how many misses in a row it counts as stuck."""
+
+    interval: float = 2.0
+    timeout: float = 3.0
+    failures: int = 3
+
+
+@dataclass(frozen=True)
 class GgufFacts:
     vocab_size: int
     eos_token_ids: frozenset[int]
@@ -75,17 +85,21 @@ def build_llamacpp_engines(
     threads: int | None,
     extra_args: list[str],
     read_timeout: float,
+    progress_timeout: float = 60.0,
+    health: HealthCheck | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
     """The model's engines by name, and the engines refused with why.
 
     An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
     refused (not started), and the model still serves through `llamacpp`.
+    The engines tokenize through each other's processes when their own hangs.
     """
+    health = health or HealthCheck()
     facts = read_gguf_facts(gguf)
     if facts.verdict == "incompatible":
         raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
     ctx = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
-    built: dict[str, Engine] = {}
+    built: dict[str, LlamaCppEngine] = {}
     refused: dict[str, str] = {}
     for name in engines:
         if name == "llamacpp_mtp" and not facts.mtp_usable:
@@ -102,12 +116,16 @@ def build_llamacpp_engines(
             extra_args=list(extra_args),
             **({"threads": threads} if threads else {}),
         )
-        server = LlamaServer(spec, binary=binary, ttl=idle_ttl)
+        server = LlamaServer(spec, binary=binary, ttl=idle_ttl, health_interval=health.interval,
+                             health_timeout=health.timeout, health_failures=health.failures)
         built[name] = LlamaCppEngine(
             model_id, server, method="llamacpp_mtp" if name == "llamacpp_mtp" else "none",
             max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
             max_queue=max_queue, start_at_boot=start_at_boot, read_timeout=read_timeout,
+            progress_timeout=progress_timeout,
         )
     if not built:
         raise ValueError(f"model {model_id}: no engine left to serve it: {'; '.join(refused.values())}")
+    for engine in built.values():
+        engine.tokenize_with([e.server for e in built.values()])
     return built, refused

@@ -9,9 +9,20 @@ on the CPU the weights are one copy in the page cache and the second process
 costs its KV cache and compute buffers.
 
 Tokenization is the server's own (/tokenize, /apply-template): the GGUF's
-vocabulary and chat template, whatever model it is. Requests go to
-/completion as token ids and stream back chunk by chunk; closing the stream
-closes the connection, which makes llama-server drop the request. After each
+vocabulary and chat template exactly as llama.cpp reads them, whatever model
+it is (an in-process tokenizer would have to copy llama.cpp's dozens of
+pre-tokenizers and its chat-template handling to be exact). Every process of
+a model maps the same GGUF, so any of them tokenizes for all: each engine asks
+its own process first, then its siblings (`tokenize_with`), each within a
+short deadline, so one hung process does not hang the model's other engine.
+
+Requests go to /completion as token ids and stream back chunk by chunk;
+closing the stream closes the connection, which makes llama-server drop the
+request. A request fails when llama-server makes no progress on it for
+`progress_timeout` seconds: no token, and no prompt-progress event (asked for
+with return_progress; llama-server sends one per batch of prompt it
+evaluates, so a long prompt's prefill counts as progress, while its SSE pings,
+sent by the HTTP thread whatever the decoding loop does, do not). After each
 speculative request the server's `llamacpp:spec_decode_*` counters are read
 and their growth becomes RoundStats (see adapter.rounds_from_counters).
 """
@@ -21,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import httpx
 
@@ -49,6 +62,17 @@ from engines.llamacpp.process import LlamaServer, LlamaServerError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+# The longest wait for one process's /tokenize, /apply-template, /props or
+# /metrics: llama-server answers them from its HTTP threads in milliseconds,
+# even while it decodes, so a process that takes this long is hung and the
+# next one is asked.
+QUICK_TIMEOUT_S = 5.0
+# A process that left one unanswered is asked last for this long (by then the
+# health check has found it stuck and restarted it, or it was only slow).
+UNANSWERED_LAST_S = 30.0
+
 
 class LlamaCppEngine:
     def __init__(
@@ -63,6 +87,7 @@ class LlamaCppEngine:
         max_queue: int,
         start_at_boot: bool = True,
         read_timeout: float = 600.0,
+        progress_timeout: float = 60.0,
     ):
         self.name = "llamacpp_mtp" if method == "llamacpp_mtp" else "llamacpp"
         self.method: Method = method
@@ -75,6 +100,8 @@ class LlamaCppEngine:
         self._max_in_flight = self.slots + max_queue
         self._start_at_boot = start_at_boot
         self._timeout = httpx.Timeout(read_timeout, connect=10.0)
+        self.progress_timeout = progress_timeout
+        self._siblings: list[LlamaServer] = []  # the model's other processes, for tokenizing
         self._client: httpx.AsyncClient | None = None
         self._in_flight = 0
         self._counters = SpecCounters()
@@ -105,7 +132,8 @@ class LlamaCppEngine:
             self._client = None
 
     def problem(self) -> str | None:
-        return None
+        why = self.server.problem
+        return f"llama-server ({self.name}) for model '{self.model_id}': {why}" if why else None
 
     def live_state(self) -> LiveState:
         active = min(self._in_flight, self.slots)
@@ -113,13 +141,45 @@ class LlamaCppEngine:
 
     # -- the server's tokenizer ----------------------------------------------------
 
-    async def _post(self, path: str, body: dict) -> dict:
+    def tokenize_with(self, siblings: list[LlamaServer]) -> None:
+        """The model's other processes: they tokenize when this one cannot."""
+        self._siblings = [s for s in siblings if s is not self.server]
+
+    def _tokenizers(self) -> list[LlamaServer]:
+        """Who to ask, best first: running ones without a problem, this engine's
+        own first; then ones that must start first; then ones that just left a
+        request unanswered; last, ones with a problem (restarting: asking one
+        waits for its restart)."""
+        now = time.monotonic()
+
+        def rank(s: LlamaServer) -> tuple[bool, bool, bool]:
+            unanswered = s.unanswered_at is not None and now - s.unanswered_at < UNANSWERED_LAST_S
+            return s.problem is not None, unanswered, not s.running
+
+        return sorted([self.server, *self._siblings], key=rank)
+
+    async def _ask(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        """One answer from the first of the model's processes that gives one in time."""
         assert self._client is not None, "engine not started"
-        try:
-            async with self.server.use() as url:
-                r = await self._client.post(url + path, json=body)
-        except (httpx.TransportError, LlamaServerError) as e:
-            raise EngineError(f"llama-server for {self.model_id} is not answering: {e}") from e
+        failures = []
+        for server in self._tokenizers():
+            try:
+                async with server.use() as url:
+                    r = await self._client.request(method, url + path, json=body,
+                                                   timeout=QUICK_TIMEOUT_S)
+                server.unanswered_at = None
+                return r
+            except httpx.TimeoutException:
+                server.unanswered_at = time.monotonic()
+                failures.append(f"{_kind(server)}: no answer within {QUICK_TIMEOUT_S:g} s")
+            except (httpx.TransportError, LlamaServerError) as e:
+                failures.append(f"{_kind(server)}: {type(e).__name__}: {e}")
+            log.warning("llama-server %s for %s: %s", path, self.model_id, failures[-1])
+        raise EngineError(f"llama-server for model '{self.model_id}' is not answering: "
+                          + "; ".join(failures))
+
+    async def _post(self, path: str, body: dict) -> dict:
+        r = await self._ask("POST", path, body)
         if r.status_code != 200:
             raise ValueError(_error_message(r.text))
         return r.json()
@@ -140,12 +200,7 @@ class LlamaCppEngine:
                                                "parse_special": True}))["tokens"]
 
     async def chat_template(self) -> str | None:
-        assert self._client is not None, "engine not started"
-        try:
-            async with self.server.use() as url:
-                r = await self._client.get(url + "/props")
-        except (httpx.TransportError, LlamaServerError) as e:
-            raise EngineError(f"llama-server for {self.model_id} is not answering: {e}") from e
+        r = await self._ask("GET", "/props")
         if r.status_code != 200:
             return None
         template = r.json().get("chat_template")
@@ -170,20 +225,21 @@ class LlamaCppEngine:
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | RoundStats]:
         assert self._client is not None, "engine not started"
         finished = False
+        process = self.server.starts  # which process serves this request (set again below)
         self._in_flight += 1
         try:
             async with self.server.use() as url:
-                async with self._client.stream(
-                    "POST", url + "/completion", json=completion_body(request)
-                ) as resp:
+                process = self.server.starts
+                req = self._client.build_request("POST", url + "/completion",
+                                                 json=completion_body(request))
+                # llama-server sends the headers once a slot takes the request.
+                resp = await self._progress(self._client.send(req, stream=True))
+                try:
                     if resp.status_code != 200:
                         raise EngineError(f"llama-server answered {resp.status_code}: "
                                           f"{_error_message((await resp.aread()).decode())}")
                     lines = resp.aiter_lines()
-                    async for line in lines:
-                        if not line.startswith("data: "):
-                            continue  # blank separators, SSE comments (pings)
-                        chunk = json.loads(line[6:])
+                    while (chunk := await self._progress(_next_event(lines))) is not None:
                         if "error" in chunk:
                             raise EngineError(f"llama-server: {_error_message(chunk)}")
                         got = read_chunk(chunk, request)
@@ -193,32 +249,51 @@ class LlamaCppEngine:
                                              got.logprobs, got.cached_tokens)
                         if finished:
                             break
+                finally:
+                    await resp.aclose()
                 if not finished:
-                    raise EngineError(await self._why_cut_short("the stream ended early"))
+                    raise EngineError(await self._why_cut_short("the stream ended early", process))
                 if self.speculative:
                     for stats in await self._rounds_since_last():
                         yield stats
         except (httpx.TransportError, json.JSONDecodeError) as e:
-            raise EngineError(await self._why_cut_short(f"{type(e).__name__}: {e}")) from e
+            raise EngineError(await self._why_cut_short(f"{type(e).__name__}: {e}", process)) from e
         except LlamaServerError as e:
             raise EngineError(str(e)) from e
         finally:
             self._in_flight -= 1
 
-    async def _why_cut_short(self, what: str) -> str:
+    async def _progress(self, step: Awaitable[T]) -> T:
+        """The next step of a request, or EngineError if llama-server takes
+        longer than progress_timeout to make it."""
+        try:
+            async with asyncio.timeout(self.progress_timeout):
+                return await step
+        except TimeoutError:
+            msg = (f"llama-server for model '{self.model_id}' made no progress for "
+                   f"{self.progress_timeout:g} s (no token, no prompt progress)")
+            if self.server.problem:
+                msg += f"; {self.server.problem}"
+            raise EngineError(msg) from None
+
+    async def _why_cut_short(self, what: str, process: int) -> str:
         msg = f"llama-server for {self.model_id} failed mid-request ({what})"
+
+        def gone() -> bool:  # the process that served this request, that is
+            return self.server.starts != process or not self.server.alive
+
         # A dead server's sockets close a moment before its exit can be reaped.
         for _ in range(20):
-            if not self.server.alive:
+            if gone():
                 break
             await asyncio.sleep(0.05)
-        if not self.server.alive:
-            msg += f"; the process exited (code {self.server.exit_code}) and will be restarted"
+        if gone():
+            msg += f"; {self.server.death or 'the process exited'}, and it will be restarted"
         return msg
 
     async def _read_counters(self) -> SpecCounters:
         assert self._client is not None
-        r = await self._client.get(self.server.base_url + "/metrics")
+        r = await self._client.get(self.server.base_url + "/metrics", timeout=QUICK_TIMEOUT_S)
         r.raise_for_status()
         return parse_spec_counters(r.text)
 
@@ -239,6 +314,19 @@ class LlamaCppEngine:
             before = self._counters if self._counters_start == self.server.starts else SpecCounters()
             delta, self._counters, self._counters_start = now.minus(before), now, self.server.starts
         return rounds_from_counters(self.model_id, delta)
+
+
+def _kind(server: LlamaServer) -> str:
+    return f"the {'draft-mtp' if server.spec.spec else 'plain'} process"
+
+
+async def _next_event(lines: AsyncIterator[str]) -> dict | None:
+    """The next `data:` event of an SSE stream (None at its end), skipping the
+    blank separators and the `:` comments (llama-server's pings)."""
+    async for line in lines:
+        if line.startswith("data: "):
+            return json.loads(line[6:])
+    return None
 
 
 def _error_message(payload: str | dict) -> str:

@@ -1,10 +1,21 @@
 """One managed `llama-server` process per GGUF model.
 
 specgate starts llama-server on a free loopback port, waits for /health,
-notices when it dies, restarts it with backoff, stops it when idle (optional
-TTL) and never leaves it behind: the child runs in its own process group, and
-on Linux the kernel SIGKILLs it when the gateway dies (PR_SET_PDEATHSIG), even
-when the gateway itself is SIGKILLed and no Python cleanup runs.
+notices when it dies or hangs, restarts it with backoff, stops it when idle
+(optional TTL) and never leaves it behind: the child runs in its own process
+group, and on Linux the kernel SIGKILLs it when the gateway dies
+(PR_SET_PDEATHSIG), even when the gateway itself is SIGKILLed and no Python
+cleanup runs.
+
+A hung process (SIGSTOPped, wedged in the kernel, swapped to death) keeps its
+listening socket: connections are accepted and then nothing answers. So while
+it runs, GET /health is asked every `health_interval` seconds; a process that
+misses `health_failures` answers in a row (each within `health_timeout`) is
+declared stuck and SIGKILLed (the one signal a stopped process cannot hold
+back), which also fails the requests in flight on it at once, and restarted.
+llama-server answers /health from its HTTP threads, not from the loop that
+decodes, so a long prompt or a slow token does not make a process look stuck.
+While a process is stuck, dead or restarting, `problem` says why.
 
 macOS has no parent-death signal, and a watchdog inside the child would need
 a wrapper process around llama-server; there the guarantee is only stop() and
@@ -139,6 +150,9 @@ class LlamaServer:
         max_start_failures: int = 5,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
+        health_interval: float = 2.0,
+        health_timeout: float = 3.0,
+        health_failures: int = 3,
     ) -> None:
         self.spec = spec
         self._binary = binary
@@ -148,19 +162,30 @@ class LlamaServer:
         self.max_start_failures = max_start_failures
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.health_failures = health_failures
 
         self.port: int | None = None
         self.log_path: Path | None = None
         self.restarts = 0
         self.starts = 0
         self.last_exit_code: int | None = None  # returncode of the last unexpected exit
+        # When a quick request (a tokenization) last went unanswered, as its
+        # caller saw it: it asks other processes first for a while (engine.py).
+        self.unanswered_at: float | None = None
         self._proc: subprocess.Popen | None = None
+        self._healthy: subprocess.Popen | None = None  # _proc once it answered /health at start
         self._crashed = False  # the last process died without being asked to
+        self._problem: str | None = None  # why it cannot serve now (stuck, died, restarting)
+        self._death: str | None = None  # how the last process that died on its own ended
+        self._dead: subprocess.Popen | None = None  # ... and which process that was
         self._failures = 0  # consecutive failed starts
         self._retry_at = 0.0  # monotonic time before which ensure_running waits to retry
         self._last_used = time.monotonic()
         self._in_use = 0
         self._monitor: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None  # restarting a dead or stuck process
         self._lock = asyncio.Lock()
 
     # --- state --------------------------------------------------------------
@@ -178,6 +203,28 @@ class LlamaServer:
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def running(self) -> bool:
+        """Alive and started: it answered /health (a process still starting is alive, not running)."""
+        return self.alive and self._healthy is self._proc
+
+    @property
+    def problem(self) -> str | None:
+        """Why this server cannot serve now (stuck, died, restarting), or None.
+
+        None too while it is merely not started (start: first_use, or stopped
+        by the idle TTL): the next request starts it.
+        """
+        return self._problem
+
+    @property
+    def death(self) -> str | None:
+        """How the last process that ended without being asked to ended, if one did."""
+        proc = self._proc
+        if proc is not None and proc is not self._dead and proc.poll() is not None:
+            return f"the process exited (code {proc.returncode})"  # not yet seen by _watch
+        return self._death
 
     @property
     def exit_code(self) -> int | None:
@@ -235,11 +282,11 @@ class LlamaServer:
         gives up with a clear error after max_start_failures attempts.
         """
         self.touch()
-        if self.alive:
+        if self.running:
             return
         async with self._lock:
             attempts = 0
-            while not self.alive:
+            while not self.running:
                 wait = self._retry_at - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
@@ -257,18 +304,30 @@ class LlamaServer:
 
     async def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after the grace period. Idempotent."""
+        await self._cancel_recovery()
         async with self._lock:
             await self._stop_locked()
+        # The watcher may have seen a crash, and begun a restart, just before
+        # _stop_locked ended it.
+        await self._cancel_recovery()
+        self._problem = self._death = self._dead = None
+
+    async def _cancel_recovery(self) -> None:
+        recovery, self._recovery = self._recovery, None
+        if recovery is not None:
+            recovery.cancel()  # a restart under way kills what it started (_start_locked)
+            with contextlib.suppress(asyncio.CancelledError):
+                await recovery
 
     async def _start_locked(self) -> None:
-        if self.alive:
+        if self.running:
             return
-        if self._proc is not None:
+        if self._proc is not None and self._proc.poll() is not None:
             # stop() clears _proc, so a dead one still here died on its own,
             # whether or not the watcher has seen it yet.
             self._crashed = True
             self.last_exit_code = self._proc.returncode
-        await self._stop_locked()  # reap the dead one, end its monitor
+        await self._stop_locked()  # reap the dead one (or a half-started one), end its monitor
         binary = find_llama_server(self._binary_str())
         # Keep the port across restarts so base_url stays stable, unless it is taken.
         if self.port is None or not _port_is_free(self.port):
@@ -305,6 +364,8 @@ class LlamaServer:
             self.restarts += 1
         self._crashed = False
         self._failures = 0
+        self._healthy = self._proc
+        self._problem = self.unanswered_at = None
         self.touch()
         self._monitor = asyncio.create_task(self._watch(self._proc))
         log.info("llama-server for %s ready at %s (pid %d, log %s)", self.spec.model,
@@ -350,7 +411,7 @@ class LlamaServer:
                 await asyncio.sleep(0.05)
         self._kill_group(signal.SIGKILL)  # no-op when SIGTERM did it
         proc.wait()
-        self._proc = None
+        self._proc = self._healthy = None
         _LIVE.discard(self)
 
     def _kill_group(self, sig: int) -> None:
@@ -366,23 +427,69 @@ class LlamaServer:
             pass  # the group is already empty
 
     async def _watch(self, proc: subprocess.Popen) -> None:
-        """Notice an unexpected exit, and stop the server after `ttl` seconds idle."""
-        while True:
-            await asyncio.sleep(_POLL_S)
-            code = proc.poll()
-            if code is not None:
-                self._crashed = True
-                self.last_exit_code = code
-                log.warning("llama-server for %s exited unexpectedly (code %s); log tail:\n%s",
-                            self.spec.model, code, self.log_tail(10))
-                return
-            idle = time.monotonic() - self._last_used
-            if self.ttl is not None and self._in_use == 0 and idle >= self.ttl:
-                log.info("llama-server for %s idle %.0f s: stopping", self.spec.model, idle)
-                async with self._lock:
-                    if self._proc is proc:
-                        await self._stop_locked()
-                return
+        """Notice an unexpected exit or a hang, and stop the server after `ttl` seconds idle."""
+        misses = 0
+        next_check = time.monotonic() + self.health_interval
+        async with httpx.AsyncClient(trust_env=False, timeout=self.health_timeout) as client:
+            while True:
+                await asyncio.sleep(_POLL_S)
+                code = proc.poll()
+                if code is not None:
+                    self._died(proc, f"the process exited unexpectedly (code {code})")
+                    log.warning("llama-server for %s exited unexpectedly (code %s); log tail:\n%s",
+                                self.spec.model, code, self.log_tail(10))
+                    return
+                if time.monotonic() >= next_check:
+                    misses = 0 if await self._answers_health(client) else misses + 1
+                    next_check = time.monotonic() + self.health_interval
+                    if misses >= self.health_failures:
+                        await self._kill_stuck(proc, misses)
+                        return
+                idle = time.monotonic() - self._last_used
+                if self.ttl is not None and self._in_use == 0 and idle >= self.ttl:
+                    log.info("llama-server for %s idle %.0f s: stopping", self.spec.model, idle)
+                    async with self._lock:
+                        if self._proc is proc:
+                            await self._stop_locked()
+                    return
+
+    async def _answers_health(self, client: httpx.AsyncClient) -> bool:
+        try:
+            return (await client.get(self.base_url + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _kill_stuck(self, proc: subprocess.Popen, misses: int) -> None:
+        why = (f"the process (pid {proc.pid}) did not answer /health {misses} times in a row "
+               f"({self.health_timeout:g} s each): it was stuck, so it was killed")
+        log.warning("llama-server for %s: %s; restarting", self.spec.model, why)
+        # Said before the kill, so the requests it fails (at once: their
+        # connections close) can tell their clients why.
+        self._dead, self._death, self._problem = proc, why, f"{why}; restarting"
+        self._kill_group(signal.SIGKILL)  # the one signal a stopped process cannot hold back
+        while proc.poll() is None:  # brief: SIGKILL needs no cooperation
+            await asyncio.sleep(0.01)
+        self._died(proc, why)
+
+    def _died(self, proc: subprocess.Popen, why: str) -> None:
+        """The process ended without being asked to: say so, and restart it."""
+        self._crashed = True
+        self.last_exit_code = proc.returncode
+        self._dead, self._death, self._problem = proc, why, f"{why}; restarting"
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """Restart until it runs: /ready reports `problem` meanwhile, so waiting
+        for the next request to restart it could wait forever."""
+        while not self.running:
+            try:
+                await self.ensure_running()  # backs off between attempts, also across calls
+            except Exception as e:  # a restart that fails is retried, never lost
+                self._problem = f"{self._death}; restarting it fails: {e}"
+                log.warning("llama-server for %s: %s", self.spec.model, self._problem)
+                if not isinstance(e, LlamaServerError):  # no backoff was set (e.g. binary gone)
+                    await asyncio.sleep(self.backoff_max)
 
 
 def _port_is_free(port: int) -> bool:

@@ -1,0 +1,395 @@
+"""llama-server children that hang: found out, killed, restarted, and no hang for the model.
+
+A hung process keeps its listening socket, so connections are accepted and
+nothing answers. The hang is injected with SIGSTOP (the one fake here: a real
+llama-server, frozen by the kernel); everything else is real: specgate's own
+llama-server build, the demo GGUF, the engines as `specgate serve` builds
+them, and a real gateway with the openai SDK as its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
+from engines.checkpoints.gguf_export import export_gguf
+from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
+from engines.llamacpp.engine import LlamaCppEngine
+from engines.llamacpp.process import LlamaServer, ServerSpec
+from tests.conftest import start_gateway, stop_gateway
+from tests.test_llamacpp_gateway import llama_servers
+
+pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
+
+NEVER = HealthCheck(interval=3600.0)  # health checks off: what else catches the hang is tested
+FAST = HealthCheck(interval=0.3, timeout=1.0, failures=3)
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(llama_server_binary) -> Path:
+    # Resolved under the real SPECGATE_HOME (exported there once), before
+    # `home` points it at the test's own directory for the servers' logs.
+    from engines.checkpoints.default_model import demo_gguf_path
+
+    return demo_gguf_path()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, llama_server_binary) -> Path:
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@contextlib.contextmanager
+def frozen(*pids: int):
+    """SIGSTOP these processes; SIGCONT whichever still exist afterwards."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def gone(pid: int) -> bool:
+    """No such process (a zombie nobody has reaped yet counts as gone too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+async def until(cond, timeout: float, what: str, every: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(every)
+
+
+def engines_for(gguf: Path, binary: Path, names: list[str], *, health: HealthCheck,
+                progress_timeout: float = 600.0, max_context: int = 1024,
+                extra_args: tuple[str, ...] = ()) -> dict[str, LlamaCppEngine]:
+    built, refused = build_llamacpp_engines(
+        "demo-gguf", gguf, names, depth=2, max_context=max_context, max_concurrent=1,
+        # One thread: two would spin at each op's barrier, and on a shared
+        # machine wait for each other for seconds.
+        max_queue=0, binary=str(binary), start_at_boot=True, idle_ttl=None, threads=1,
+        extra_args=list(extra_args), read_timeout=600.0, progress_timeout=progress_timeout,
+        health=health,
+    )
+    assert not refused, refused
+    return built  # type: ignore[return-value]
+
+
+def run_engines(engines: dict[str, LlamaCppEngine], body, timeout: float = 120):
+    """Start the engines, run body(engines) with a hang guard, stop them either way."""
+
+    async def main():
+        try:
+            for engine in engines.values():
+                await engine.start()
+            return await asyncio.wait_for(body(engines), timeout)
+        finally:
+            for engine in engines.values():
+                await engine.stop()
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        for engine in engines.values():  # whatever a failed test left running
+            engine.server._kill_group(signal.SIGKILL)
+    assert all(e.server.pid is None for e in engines.values())  # stop() reaped them all
+    return result
+
+
+def request(prompt: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest("r", "demo-gguf", prompt, SamplingParams(temperature=0.0),
+                             max_tokens, Plan("llamacpp", "none", 0, "spec_on"))
+
+
+# -- the health check ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("llamacpp-faults")
+    return export_gguf(build_qwen35_hybrid(d / "hf", seed=0), d / "tiny.gguf", outtype="f32")
+
+
+def test_a_stopped_process_is_found_stuck_killed_and_restarted(tiny_gguf, home,
+                                                                llama_server_binary):
+    server = LlamaServer(ServerSpec(tiny_gguf, ctx_size=512, threads=2),
+                         binary=llama_server_binary, start_timeout=60, stop_grace=5,
+                         health_interval=FAST.interval, health_timeout=FAST.timeout,
+                         health_failures=FAST.failures)
+    seen: list[str] = []
+
+    async def main():
+        try:
+            await server.start()
+            first = server.pid
+            assert server.problem is None
+            with frozen(first):
+                # The restart takes at least one /health poll of the new process
+                # (0.2 s): long enough to see the problem while it lasts.
+                await until(lambda: server.problem is not None, 30, "the hang to be noticed")
+                seen.append(server.problem)
+                await until(lambda: server.running and server.pid != first, 60, "a restart")
+            assert gone(first) and server.problem is None and server.restarts == 1
+            async with httpx.AsyncClient(trust_env=False) as client:
+                r = await client.post(server.base_url + "/completion",
+                                      json={"prompt": "def main():", "n_predict": 4})
+            assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        server._kill_group(signal.SIGKILL)
+    assert "did not answer /health 3 times in a row" in seen[0] and "restarting" in seen[0]
+    assert not server.alive
+
+
+# -- requests on a hung process ------------------------------------------------------
+
+
+async def stream_until_frozen(engine: LlamaCppEngine, got: list[TokenEvent]) -> None:
+    """Stream a long generation, freezing the server after two events."""
+    pid = engine.server.pid
+    try:
+        async for event in engine.generate(request([1, 2, 3], 900)):
+            got.append(event)
+            if len(got) == 2:
+                os.kill(pid, signal.SIGSTOP)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_request_fails_when_llama_server_makes_no_progress(demo_gguf, home,
+                                                             llama_server_binary):
+    # Health checks off: the progress deadline alone ends the request.
+    engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp"], health=NEVER,
+                          progress_timeout=5.0)
+
+    async def body(engines):
+        engine, got = engines["llamacpp"], []
+        with pytest.raises(EngineError) as e:
+            await stream_until_frozen(engine, got)
+        assert "made no progress for 5 s" in str(e.value) and "demo-gguf" in str(e.value)
+        # (tokens already in the socket still arrive after the freeze)
+        assert len(got) >= 2 and all(ev.finish_reason is None for ev in got)
+
+    run_engines(engines, body, timeout=60)
+
+
+def test_requests_on_a_stuck_process_fail_promptly_and_it_restarts(demo_gguf, home,
+                                                                   llama_server_binary):
+    # No progress deadline to speak of: the health check ends the request.
+    engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp"], health=FAST,
+                          progress_timeout=600.0)
+    problems: list[str] = []
+
+    async def body(engines):
+        engine, got = engines["llamacpp"], []
+        first = engine.server.pid
+        assert engine.problem() is None
+        with pytest.raises(EngineError) as e:
+            await stream_until_frozen(engine, got)
+        msg = str(e.value)
+        assert "did not answer /health" in msg and "will be restarted" in msg, msg
+        # Restarting takes at least one /health poll of the new process (0.2 s).
+        problems.append(engine.problem())
+        await until(lambda: engine.server.running and engine.problem() is None, 60, "a restart")
+        assert gone(first) and engine.server.pid != first
+        events = [ev async for ev in engine.generate(request([1, 2, 3], 8))]
+        assert sum(len(ev.token_ids) for ev in events) == 8
+
+    run_engines(engines, body, timeout=90)
+    for p in problems:
+        assert p is not None and p.startswith("llama-server (llamacpp) for model 'demo-gguf': ") and "stuck" in p
+
+
+def test_a_long_prefill_is_progress(demo_gguf, home, llama_server_binary):
+    """llama-server streams nothing while it evaluates a prompt but its
+    progress events: a prefill longer than the deadline still completes."""
+    timeout = 2.0
+    # Small batches (one progress event each), and a prompt long enough that
+    # its prefill spans several of the pauses below.
+    engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp"], health=NEVER,
+                          progress_timeout=timeout, max_context=4200,
+                          extra_args=("-b", "8", "-ub", "8"))
+    prompt = [10 + i for i in range(4000)]
+
+    async def body(engines):
+        engine = engines["llamacpp"]
+        pid, first_token = engine.server.pid, asyncio.Event()
+        paused = 0.0
+
+        async def slow_down():
+            # Stretch the prefill in wall time, each pause well under the deadline.
+            nonlocal paused
+            while not first_token.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(0.5)
+                os.kill(pid, signal.SIGCONT)
+                paused += 0.5
+                await asyncio.sleep(0.2)
+
+        pauser = asyncio.create_task(slow_down())
+        n = 0
+        try:
+            async for event in engine.generate(request(prompt, 4)):
+                first_token.set()
+                n += len(event.token_ids)
+        finally:
+            first_token.set()
+            await pauser
+        assert n == 4
+        # The test means something only if the prefill outlasted the deadline.
+        assert paused > timeout, f"the prefill took only {paused:.1f} s of pauses: too fast"
+
+    run_engines(engines, body, timeout=300)
+
+
+# -- tokenizing when a process hangs -------------------------------------------------
+
+TEXTS = [
+    "def fibonacci(n):\n    return n",
+    "héllo wörld – naïve café, 日本語のテキスト, Ελληνικά 🎉👍🏽",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",  # special tokens
+    "  leading spaces\t\ttabs\r\n\n\ntrailing  ",
+    "",
+]
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Sort [3, 1, 2] — ünïcödé too."}]
+
+
+async def answers(engine: LlamaCppEngine) -> tuple:
+    return ([await engine.encode(t) for t in TEXTS], await engine.render_chat(MESSAGES),
+            await engine.chat_template())
+
+
+def test_tokenizing_survives_a_hung_process(demo_gguf, home, llama_server_binary):
+    # Health checks off, so the hung process stays hung: its sibling tokenizes.
+    engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp", "llamacpp_mtp"],
+                          health=NEVER)
+
+    async def body(engines):
+        plain, mtp = engines["llamacpp"], engines["llamacpp_mtp"]
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            own = []  # what llama-server's own /tokenize says
+            for text in TEXTS:
+                r = await client.post(plain.server.base_url + "/tokenize",
+                                      json={"content": text, "add_special": True,
+                                            "parse_special": True})
+                own.append(r.json()["tokens"])
+        assert len(own[2]) < len(TEXTS[2]) // 2  # the special tokens are single tokens
+        before = await answers(plain)
+        assert before[0] == own
+        with frozen(plain.server.pid):
+            # One call waits out the hung process (5 s); the rest ask the
+            # sibling first (before the fix, each call hung for read_timeout).
+            after = await asyncio.wait_for(answers(plain), 25)
+            assert after == before
+            assert plain.server.unanswered_at is not None
+            assert await mtp.encode(TEXTS[1]) == own[1]
+            with frozen(mtp.server.pid):  # no process answers: a clear error, in bounded time
+                with pytest.raises(EngineError) as e:
+                    await plain.encode("hello")
+        msg = str(e.value)
+        assert "demo-gguf" in msg and "the plain process: no answer within" in msg, msg
+        assert "the draft-mtp process: no answer within" in msg, msg
+
+    run_engines(engines, body, timeout=120)
+
+
+# -- through the gateway -------------------------------------------------------------
+
+
+def recovered(readiness: list[httpx.Response]) -> bool:
+    """/ready said not ready, and ready again since."""
+    codes = [r.status_code for r in list(readiness)]
+    return 503 in codes and 200 in codes[codes.index(503):]
+
+
+def test_gateway_serves_a_model_whose_plain_process_hangs(llama_server_binary, tmp_path):
+    gw = start_gateway(
+        {"llama_server": {"binary": str(llama_server_binary)},
+         "models": [{"id": "demo-gguf", "path": "builtin:demo-gguf",
+                     "engines": ["llamacpp", "llamacpp_mtp"], "max_concurrent": 2,
+                     "max_context": 1024,
+                     "llamacpp": {"health_interval_s": FAST.interval,
+                                  "health_timeout_s": FAST.timeout,
+                                  "health_failures": FAST.failures}}]},
+        tmp_path,
+    )
+    pids = llama_servers(gw.process.pid)
+    try:
+        client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Write a function that sorts a list."}]
+
+        def chat():
+            return client.chat.completions.create(model="demo-gguf", messages=msgs,
+                                                  max_tokens=8, temperature=0)
+
+        reference = chat()
+        plain = next(pid for k, pid in pids.items() if k.endswith(":plain"))
+        readiness: list[httpx.Response] = []
+        watching = threading.Event()
+
+        def watch_ready():
+            while not watching.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    readiness.append(httpx.get(gw.base_url + "/ready", timeout=5))
+
+        watcher = threading.Thread(target=watch_ready)
+        with frozen(plain):
+            watcher.start()
+            try:
+                # Tokenized by the draft-mtp process, decoded there: served as before.
+                r = chat()
+                assert r.choices[0].message.content == reference.choices[0].message.content
+                assert r.usage.prompt_tokens == reference.usage.prompt_tokens
+                deadline = time.monotonic() + 60
+                while not recovered(readiness):
+                    assert time.monotonic() < deadline, "the hung process was not replaced"
+                    time.sleep(0.1)
+            finally:
+                watching.set()
+                watcher.join()
+        unready = [r.json() for r in readiness if r.status_code == 503]
+        assert unready, "/ready never said the model had a problem"
+        assert "did not answer /health" in unready[0]["errors"]["demo-gguf"]
+        # The restarted plain process serves.
+        r = client.completions.create(model="demo-gguf", prompt="def main():", max_tokens=8,
+                                      temperature=0, extra_headers={"X-Specgate-Method": "none"})
+        assert r.usage.completion_tokens == 8
+        now = llama_servers(gw.process.pid)
+        assert len(now) == 2 and plain not in now.values()
+        pids |= {f"{k}:again": v for k, v in now.items()}
+    finally:
+        stop_gateway(gw)
+    assert "Traceback" not in gw.log()
+    deadline = time.monotonic() + 10
+    while not all(gone(p) for p in pids.values()):
+        assert time.monotonic() < deadline, "a llama-server outlived the gateway"
+        time.sleep(0.1)

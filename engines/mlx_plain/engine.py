@@ -113,11 +113,17 @@ class MLXPlainEngine(WorkerEngine):
         max_queue: int = 64,
         prefix_cache_size: int = 8,
         prefill_step_size: int = 512,
+        prefill_step_while_decoding: int = 128,
     ):
         super().__init__(model_id, loaded, max_context=max_context)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
+        # Each batch step decodes every running sequence and feeds one chunk
+        # of the prompts being prefilled: while sequences decode, smaller
+        # chunks keep a long prompt (or one whose client hangs up before its
+        # first token) from stretching everyone's next token by seconds.
+        self.prefill_step_while_decoding = min(prefill_step_while_decoding, prefill_step_size)
         self._prefix_cache = loaded.prefix_cache
         self._prefix_cache.resize(prefix_cache_size)
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
@@ -160,6 +166,9 @@ class MLXPlainEngine(WorkerEngine):
                     break
                 if not self._slots:
                     continue
+                self._batch.prefill_step_size = (
+                    self.prefill_step_while_decoding if self._running else self.prefill_step_size
+                )
                 with self.loaded.lock:
                     prompt_responses, generation_responses = self._batch.next()
                 self._store_prompt_caches(prompt_responses)

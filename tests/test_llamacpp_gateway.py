@@ -9,6 +9,7 @@ draft-mtp really drafts, and some drafts are rejected.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -299,3 +300,28 @@ def test_sigterm_leaves_no_llama_server(fragile):
     left = [p for p in pids.values() if Path(f"/proc/{p}").exists()
             and "llama-server" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
     assert not left
+
+
+def test_sigterm_ends_a_llama_server_stream_with_an_error_event_and_done(
+        ar_gguf, llama_server_binary, tmp_path):
+    """Past the grace (none here), a stream on llama-server ends as in-process ones do:
+    an error event saying the server is shutting down, then [DONE]."""
+    g = start_gateway({"server": {"shutdown_grace_s": 0},
+                       "llama_server": {"binary": str(llama_server_binary)},
+                       "models": gguf_models(ar_gguf)}, tmp_path)  # fmt: skip
+    events = []
+    try:
+        with httpx.stream("POST", g.api + "/completions", timeout=60, json={
+                "model": "demo-gguf", "prompt": "The river was", "max_tokens": 900,
+                "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    os.killpg(g.process.pid, signal.SIGTERM)
+        g.process.wait(timeout=30)
+    finally:
+        stop_gateway(g)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]

@@ -34,6 +34,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 import httpx
@@ -41,6 +42,7 @@ import httpx
 from engines.base import (
     EngineError,
     EngineOverloaded,
+    EngineStopped,
     GenerationRequest,
     LiveState,
     Method,
@@ -104,6 +106,7 @@ class LlamaCppEngine:
         self._siblings: list[LlamaServer] = []  # the model's other processes, for tokenizing
         self._client: httpx.AsyncClient | None = None
         self._in_flight = 0
+        self._stopping = False
         self._counters = SpecCounters()
         self._counters_start = 0  # which server start self._counters were read from
         self._counters_lock = asyncio.Lock()
@@ -119,6 +122,7 @@ class LlamaCppEngine:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
+        self._stopping = False
         self._client = httpx.AsyncClient(trust_env=False, timeout=self._timeout)
         if self._start_at_boot:
             await self.server.start()
@@ -126,6 +130,7 @@ class LlamaCppEngine:
                 self._counters, self._counters_start = await self._read_counters(), self.server.starts
 
     async def stop(self) -> None:
+        self._stopping = True  # what the stop cuts short ends with EngineStopped
         await self.server.stop()
         if self._client is not None:
             await self._client.aclose()
@@ -220,7 +225,19 @@ class LlamaCppEngine:
             raise EngineOverloaded(
                 f"model '{self.model_id}' is at capacity ({self._in_flight} requests in flight)"
             )
-        return self._stream(request)
+        return self._stopped_or(self._stream(request))
+
+    async def _stopped_or(self, stream: AsyncIterator) -> AsyncIterator:
+        """The stream, whose failure while the engine stops is EngineStopped
+        (the gateway's 503 'shutting down'), not a failed llama-server."""
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    yield item
+        except EngineError as e:
+            if self._stopping and not isinstance(e, EngineStopped):
+                raise EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped") from e
+            raise
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | RoundStats]:
         assert self._client is not None, "engine not started"

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 from serving import REPO, serving
 
-from gateway.auth import add_key, split_key
+from gateway.keys import add_key, split_key
 
 PROMPTS = ["Write a function that parses a date.", "def fib(n):", "class Queue:",
            "Explain what a context manager does.", "import os\n\ndef walk(root):"]  # fmt: skip
@@ -227,7 +227,7 @@ def main() -> None:
                 for mix in ("quiet", "hostile") if i % 2 == 0 else ("hostile", "quiet"):
                     memory = [rss_mib(proc.pid)]
 
-                    async def sampled(hostile=mix == "hostile"):
+                    async def sampled(hostile=mix == "hostile", memory=memory):
                         task = asyncio.ensure_future(drive(url, keys, args, hostile))
                         while not task.done():
                             await asyncio.sleep(1)

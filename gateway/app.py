@@ -22,7 +22,6 @@ from gateway.anthropic_api import router as anthropic_router
 from gateway.auth import (
     AuthMiddleware,
     FailedAuthLimiter,
-    KeyFileError,
     KeyStore,
     current_principal,
     is_loopback,
@@ -30,6 +29,7 @@ from gateway.auth import (
 )
 from gateway.config import Config
 from gateway.errors import APIError, install_error_handlers
+from gateway.keys import KeyFileError
 from gateway.limits import BodyLimitMiddleware
 from gateway.metrics import Metrics
 from gateway.models import ModelRegistry

@@ -23,7 +23,8 @@ EXIT_CANNOT_LISTEN = 3
 def _unsafe_bind(config: Config) -> str | None:
     """Why serving on this address without keys is refused, or None if fine.
     Checked before anything binds or loads; KeyFileError for a bad keys file."""
-    from gateway.auth import is_loopback, read_keys
+    from gateway.auth import is_loopback
+    from gateway.keys import read_keys
 
     host, path = config.server.host, config.auth.keys_path
     if is_loopback(host) or read_keys(path):
@@ -48,8 +49,8 @@ def _keys_path(args: argparse.Namespace):
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from gateway.auth import KeyFileError, add_key, read_keys, revoke_key
     from gateway.config import ConfigError
+    from gateway.keys import KeyFileError, add_key, read_keys, revoke_key
 
     try:
         path = _keys_path(args)
@@ -137,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
-    from gateway.auth import KeyFileError
+    from gateway.keys import KeyFileError
 
     try:
         refusal = _unsafe_bind(config)
@@ -164,7 +165,7 @@ def _run_server(config: Config, sockets: list[socket.socket]) -> int:
     import logging
 
     from gateway.app import create_app
-    from gateway.auth import KeyFileError
+    from gateway.keys import KeyFileError
     from gateway.server import make_server
 
     logging.basicConfig(

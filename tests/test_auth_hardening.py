@@ -25,7 +25,8 @@ import openai
 import pytest
 from conftest import REPO, free_port, start_gateway, stop_gateway
 
-from gateway.auth import FailedAuthLimiter, add_key, client_of, read_keys
+from gateway.auth import FailedAuthLimiter, client_of
+from gateway.keys import add_key, read_keys
 
 
 def cli(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:

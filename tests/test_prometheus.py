@@ -24,7 +24,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.auth import add_key
+from gateway.keys import add_key
 from tests.conftest import REPO, free_port, start_gateway, stop_gateway
 
 DASHBOARD = REPO / "deploy/grafana/dashboards/specgate.json"

@@ -11,9 +11,11 @@ mixes against it one after the other (alternating, --runs times each):
   loops: send a request, read the stream to its end, and on a 429 sleep for
   the Retry-After it was given, then go on. They use ten keys, as a team would.
 - hostile: the same clients, plus --impatient clients that send a long
-  prompt (a few thousand tokens) and hang up after 1-3 s, mid-prefill, and
-  --wrong-key clients that send a known key id with a wrong secret as fast as
-  they are answered (ignoring Retry-After, as an attacker would).
+  prompt (a few thousand tokens) and hang up after 1-3 s, mid-prefill (as
+  an agent that gives up does; on a 429 they wait its Retry-After, as the
+  SDKs do), and --wrong-key clients that send a known key id with a wrong
+  secret as fast as they are answered (ignoring Retry-After, as an attacker
+  would).
 
 A well-behaved request ends in exactly one of:
 - full: the stream ended with a finish_reason and `data: [DONE]`, or
@@ -93,8 +95,10 @@ async def one_request(client: httpx.AsyncClient, key: str, prompt: str, max_toke
         return {"outcome": "lost", "why": type(e).__name__}
 
 
-async def impatient_request(client: httpx.AsyncClient, key: str, rng: random.Random) -> str:
-    """A long prompt, abandoned after 1-3 s (before its first token, mostly)."""
+async def impatient_request(client: httpx.AsyncClient, key: str,
+                            rng: random.Random) -> tuple[str, float]:  # fmt: skip
+    """A long prompt, abandoned after 1-3 s (before its first token, mostly):
+    what happened, and how long to wait before the next (a 429's Retry-After)."""
     prompt = [rng.randrange(10, 4000) for _ in range(LONG_PROMPT_TOKENS)]
     body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "stream": True}
     try:
@@ -102,14 +106,14 @@ async def impatient_request(client: httpx.AsyncClient, key: str, rng: random.Ran
             async with client.stream("POST", "/v1/completions", json=body,
                                      headers={"Authorization": f"Bearer {key}"}) as r:
                 if r.status_code != 200:
-                    return f"status {r.status_code}"
+                    return f"status {r.status_code}", float(r.headers.get("retry-after", 0))
                 async for _ in r.aiter_bytes():
                     pass
-                return "finished"
+                return "finished", 0.0
     except TimeoutError:
-        return "abandoned"
+        return "abandoned", 0.0
     except httpx.HTTPError as e:
-        return type(e).__name__
+        return type(e).__name__, 0.0
 
 
 async def wrong_key_request(client: httpx.AsyncClient, key: str) -> str:
@@ -146,7 +150,9 @@ async def drive(url: str, keys: dict[str, str], args, hostile: bool) -> dict:
         async def impatient_loop(i: int):
             rng = random.Random(i)
             while time.perf_counter() < deadline:
-                impatient[await impatient_request(client, keys["impatient"], rng)] += 1
+                outcome, retry = await impatient_request(client, keys["impatient"], rng)
+                impatient[outcome] += 1
+                await asyncio.sleep(min(retry, max(0.0, deadline - time.perf_counter())))
 
         async def wrong_key_loop():
             while time.perf_counter() < deadline:

@@ -3,15 +3,17 @@ decode at once, the rest wait in a queue fair across keys.
 
 Engines keep their own FIFO queues; the gateway admits at most the model's
 `max_concurrent` requests into them, so the order in which requests reach an
-engine is decided here, fairly. A freed slot goes to the waiting key that has
-held the model's slots least lately (slot-seconds, in flight included, with
-a half-life of SERVICE_HALF_LIFE_S), FIFO within a key; keys tied (none has
-held a slot lately) take turns round-robin. So one key's fifty waiting
-requests do not put another key's single request behind all fifty, and a
-key whose clients hang up after a second or two cannot take more of the
-slots' time than any other key just by sending more, shorter requests:
-counting admissions instead let one such key take 40 % of the time against
-ten keys (bench/load.py's hostile mix).
+engine is decided here, fairly. A freed slot goes to the waiting key whose
+requests had the fewest tokens processed lately (prompt and generated
+tokens, with a half-life of WORK_HALF_LIFE_S), FIFO within a key; keys tied
+(none has used the model lately) take turns round-robin. This is the
+Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
+Models" (OSDI 2024), with decay in place of its counter lift. So one key's
+fifty waiting requests do not put another key's single request behind all
+fifty, and a key whose clients send long prompts and hang up mid-prefill
+cannot take more of the model's work than any other key: counting
+admissions (or slot time) instead let one such key halve the throughput
+of ten others (bench/load.py's hostile mix).
 """
 
 from __future__ import annotations
@@ -25,41 +27,29 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
-SERVICE_HALF_LIFE_S = 60.0
+WORK_HALF_LIFE_S = 60.0
 
 
-class ServiceClock:
-    """Slot-seconds held per key: those of finished requests, decaying with a
-    half-life, plus those of the key's requests holding a slot now."""
+class KeyWork:
+    """Tokens processed per key (charged by the gateway as it admits a
+    prompt and as tokens are generated), decaying with a half-life, so
+    use long past is forgiven."""
 
-    def __init__(self, half_life_s: float = SERVICE_HALF_LIFE_S, clock=time.monotonic):
+    def __init__(self, half_life_s: float = WORK_HALF_LIFE_S, clock=time.monotonic):
         self.rate = math.log(2) / half_life_s
         self.clock = clock
-        self._done: dict[str, tuple[float, float]] = {}  # key -> (slot-seconds, as of)
-        self._holding: dict[str, deque[float]] = {}  # key -> start times of its slots
+        self._work: dict[str, tuple[float, float]] = {}  # key -> (tokens, as of)
 
-    def start(self, key: str) -> None:
-        self._holding.setdefault(key, deque()).append(self.clock())
-
-    def stop(self, key: str) -> None:
-        # The key's earliest start, whichever of its requests ended: the key's
-        # total (done + holding) is the same either way.
-        starts = self._holding.get(key)
-        if not starts:
-            return
+    def charge(self, key: str, tokens: float) -> None:
         now = self.clock()
-        held = now - starts.popleft()
-        if not starts:
-            del self._holding[key]
-        self._done[key] = (self._decayed(key, now) + held, now)
+        self._work[key] = (max(0.0, self._decayed(key, now) + tokens), now)
 
     def _decayed(self, key: str, now: float) -> float:
-        value, since = self._done.get(key, (0.0, now))
-        return value * math.exp(-self.rate * (now - since))
+        tokens, since = self._work.get(key, (0.0, now))
+        return tokens * math.exp(-self.rate * (now - since))
 
     def of(self, key: str) -> float:
-        now = self.clock()
-        return self._decayed(key, now) + sum(now - t for t in self._holding.get(key, ()))
+        return self._decayed(key, self.clock())
 
 
 class FairQueue(Generic[T]):
@@ -141,14 +131,14 @@ class ModelGate:
     between reading and changing the counts)."""
 
     def __init__(self, slots: int, max_queue: int, max_wait: float,
-                 service: ServiceClock | None = None):  # fmt: skip
+                 work: KeyWork | None = None):  # fmt: skip
         self.slots = slots
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.running = 0
         self.closed = False
-        self.service = service or ServiceClock()
-        self._queue: FairQueue[asyncio.Future] = FairQueue(self.service.of)
+        self.work = work or KeyWork()  # charged by the slot holders (gateway/generation.py)
+        self._queue: FairQueue[asyncio.Future] = FairQueue(self.work.of)
 
     @property
     def waiting(self) -> int:
@@ -164,7 +154,6 @@ class ModelGate:
             raise GateClosed
         if self.running < self.slots and not self._queue:
             self.running += 1
-            self.service.start(key)
             return None
         if len(self._queue) >= self.max_queue:
             self._make_room(key)
@@ -184,7 +173,7 @@ class ModelGate:
         except BaseException as e:
             if place.done() and not place.cancelled():
                 if place.exception() is None:
-                    self.release(key)  # the slot came as we gave up: pass it on
+                    self.release()  # the slot came as we gave up: pass it on
             else:
                 place.cancel()
                 self._queue.remove(key, place)
@@ -213,13 +202,11 @@ class ModelGate:
             if not head[1].done():
                 head[1].set_exception(GateClosed())
 
-    def release(self, key: str) -> None:
-        """`key`'s slot holder finished: the slot goes to the next waiter in turn."""
-        self.service.stop(key)
+    def release(self) -> None:
+        """A slot holder finished: the slot goes to the next waiter in turn."""
         while (head := self._queue.pop()) is not None:
-            waiter, place = head
+            place = head[1]
             if not place.done():
-                self.service.start(waiter)
                 place.set_result(None)
                 return
         self.running -= 1

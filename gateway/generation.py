@@ -326,6 +326,8 @@ async def run(
             status = "rejected"
             raise
         admitted = True
+        work = served.gate.work  # the fair queue's measure: tokens this key had processed
+        work.charge(key, usage.prompt_tokens)
         principal.usage.count_tokens(time.monotonic(), usage.prompt_tokens)
         metrics.key_prompt_tokens(key, usage.prompt_tokens)
         first = served.engines.get(request.plan.engine)
@@ -353,6 +355,9 @@ async def run(
                         principal.usage.count_tokens(time.monotonic(), len(event.token_ids))
                         last_token_at = now
                     usage.completion_tokens += len(event.token_ids)
+                    if event.cached_tokens and not usage.cached_tokens:
+                        work.charge(key, -event.cached_tokens)  # served from the prefix cache
+                    work.charge(key, len(event.token_ids))
                     usage.cached_tokens = event.cached_tokens or usage.cached_tokens
                     text = matcher.feed(event.text)
                     if matcher.stopped:
@@ -389,7 +394,7 @@ async def run(
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None
     finally:
         if admitted:
-            served.gate.release(key)
+            served.gate.release()
             principal.usage.finish()
         metrics.finished(
             request.model, request.plan, status, usage.prompt_tokens, ttft,

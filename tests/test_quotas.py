@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from gateway.admission import FairQueue, ModelGate, QueueFull, QueueTimeout, ServiceClock
+from gateway.admission import FairQueue, KeyWork, ModelGate, QueueFull, QueueTimeout
 from gateway.quotas import KeyLimits, KeyUsage, Rejected, RequestWindow, TokenWindow
 
 # -- request window ---------------------------------------------------------------------------
@@ -181,9 +181,8 @@ def test_fair_queue_remove():
 
 def test_gate_hands_slots_round_robin_and_bounds_the_queue():
     async def main():
-        # A clock that stands still: no key has held a slot for any time, so
-        # the order is the plain round-robin.
-        gate = ModelGate(slots=1, max_queue=4, max_wait=10, service=ServiceClock(clock=lambda: 0.0))
+        # Nothing charged to any key: the order is the plain round-robin.
+        gate = ModelGate(slots=1, max_queue=4, max_wait=10)
         assert gate.reserve("a") is None  # a slot at once
         places = [(k, gate.reserve(k)) for k in ("a", "a", "a", "b")]
         with pytest.raises(QueueFull):  # full, and "a" holds the most places
@@ -197,12 +196,12 @@ def test_gate_hands_slots_round_robin_and_bounds_the_queue():
         tasks = [asyncio.create_task(waiter(k, p)) for k, p in places]
         await asyncio.sleep(0)
         for _ in range(4):
-            gate.release("a")
+            gate.release()
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         assert order == ["a", "b", "a", "a"]
         assert gate.running == 1 and gate.waiting == 0
-        gate.release("a")
+        gate.release()
         assert gate.running == 0
 
     asyncio.run(main())
@@ -220,7 +219,7 @@ def test_gate_cancelled_waiter_leaves_the_queue():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert gate.waiting == 0
-        gate.release("a")
+        gate.release()
         assert gate.running == 0  # nobody inherited the slot
 
     asyncio.run(main())
@@ -238,7 +237,7 @@ def test_gate_times_out_a_waiter_and_a_late_grant_is_passed_on():
         place = gate.reserve("c")
         task = asyncio.create_task(gate.wait("c", place))
         await asyncio.sleep(0)
-        gate.release("a")  # hands the slot to c ...
+        gate.release()  # hands the slot to c ...
         task.cancel()  # ... which is cancelled before it runs
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -255,44 +254,36 @@ class FakeClock:
         return self.now
 
 
-def test_service_clock_counts_slots_held_and_halves_per_half_life():
+def test_key_work_adds_up_and_halves_per_half_life():
     clock = FakeClock()
-    service = ServiceClock(half_life_s=10, clock=clock)
-    service.start("a")
-    service.start("a")
-    clock.now = 3.0
-    assert service.of("a") == pytest.approx(6.0)  # two slots held 3 s each
-    service.stop("a")
-    assert service.of("a") == pytest.approx(6.0)  # the same total, one finished
-    service.stop("a")
-    clock.now = 13.0
-    assert service.of("a") == pytest.approx(3.0)  # one half-life later
-    assert service.of("b") == 0.0
+    work = KeyWork(half_life_s=10, clock=clock)
+    work.charge("a", 3000)
+    work.charge("a", 32)
+    assert work.of("a") == pytest.approx(3032)
+    clock.now = 10.0
+    assert work.of("a") == pytest.approx(1516)  # one half-life later
+    work.charge("a", -5000)  # a refund never goes below nothing
+    assert work.of("a") == 0.0 and work.of("b") == 0.0
 
 
-def test_slots_go_to_the_key_that_held_them_least():
-    """A key whose requests hold a slot 4 s against one whose requests hold
-    it 1 s, both always waiting: the slot's time is shared about evenly (by
-    turns it would be 80 % / 20 %: the long key's share grows with how long
-    its requests run, as a short key's grows with how often it returns)."""
-    clock = FakeClock()
-    service = ServiceClock(half_life_s=1e9, clock=clock)
-    queue = FairQueue(service.of)
-    held = {"short": 1.0, "long": 4.0}
-    slot_time = dict.fromkeys(held, 0.0)
-    holder = "long"
-    service.start(holder)
-    for _ in range(300):
-        for key in held:
+def test_slots_go_to_the_key_whose_requests_cost_least():
+    """A key sending 3000-token prompts (its clients may hang up before the
+    first token) against one sending 60-token requests, both always waiting:
+    the tokens processed are shared about evenly. Round-robin over requests
+    gave the long key 98 % of the tokens."""
+    work = KeyWork(half_life_s=1e9, clock=FakeClock())
+    queue = FairQueue(work.of)
+    cost = {"long": 3000, "short": 60}
+    done = dict.fromkeys(cost, 0)
+    for _ in range(2000):
+        for key in cost:
             if queue.waiting(key) == 0:
                 queue.push(key, object())
-        clock.now += held[holder]
-        slot_time[holder] += held[holder]
-        service.stop(holder)
-        holder, _ = queue.pop()
-        service.start(holder)
-    share = slot_time["short"] / sum(slot_time.values())
-    assert 0.45 < share < 0.55, slot_time
+        key, _ = queue.pop()
+        work.charge(key, cost[key])
+        done[key] += cost[key]
+    share = done["short"] / sum(done.values())
+    assert 0.45 < share < 0.55, done
 
 
 def test_a_full_queue_makes_room_for_a_key_with_fewer_places():

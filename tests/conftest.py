@@ -73,20 +73,23 @@ def start_gateway(
         )
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not gw.alive():
-            raise RuntimeError(f"gateway exited early:\n{gw.log()}")
-        try:
-            ready = httpx.get(gw.base_url + "/ready", timeout=2)
-            if ready.status_code == 200:
-                return gw
-            if "failed" in ready.json().get("models", {}).values():
-                break  # no point waiting: a model will not load
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_gateway(gw)
-    raise RuntimeError(f"gateway not ready:\n{gw.log()}")
+    try:
+        while time.monotonic() < deadline:
+            if not gw.alive():
+                raise RuntimeError(f"gateway exited early:\n{gw.log()}")
+            try:
+                ready = httpx.get(gw.base_url + "/ready", timeout=2)
+                if ready.status_code == 200:
+                    return gw
+                if "failed" in ready.json().get("models", {}).values():
+                    break  # no point waiting: a model will not load
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"gateway not ready:\n{gw.log()}")
+    except BaseException:
+        stop_gateway(gw)  # whatever went wrong (a non-JSON 500 on /ready too), none is left behind
+        raise
 
 
 def stop_gateway(gw: Gateway) -> None:

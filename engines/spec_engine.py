@@ -123,13 +123,7 @@ class SpecEngine(WorkerEngine):
                 continue  # drain the inbox before starting work
             if waiting:
                 self._serve(waiting.popleft(), waiting)
-        while True:  # submitted after the stop, or never started
-            try:
-                command, job = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if command == "submit":
-                waiting.append(job)
+        waiting.extend(self._submitted())  # submitted after the stop
         for job in waiting:
             job.post(self.stopped_error())
 
@@ -191,7 +185,7 @@ class SpecEngine(WorkerEngine):
                 prefix.insert(decoder.tokens[:-1], decoder.cache)
                 return
             job.post(*self._events(step, detok, cached))
-            self._take_submits(waiting)
+            waiting.extend(self._submitted())
             if self._gone(job):
                 return
             plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
@@ -203,16 +197,6 @@ class SpecEngine(WorkerEngine):
             depth = plan.depth if plan.method == self.method else 0
             with lock:
                 step = decoder.round(depth)
-
-    def _take_submits(self, waiting: deque[_Job]) -> None:
-        while True:
-            try:
-                command, job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command == "submit":
-                waiting.append(job)
-            # "stop": self._stopping is already set, the worker loop sees it
 
     @staticmethod
     def _events(step: Step, detok, cached: int) -> list:

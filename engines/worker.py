@@ -103,6 +103,20 @@ class WorkerEngine:
                 log.error("%s of model %s did not stop within %g s", self.name,
                           self.model_id, STOP_JOIN_S)  # fmt: skip
 
+    def _submitted(self) -> list:
+        """The jobs submitted since the worker last looked. Other commands are
+        dropped: a stop is already in `_stopping`, and callers take this only
+        where cancels no longer matter (stopping) or never come (the
+        speculative engine cancels by a flag on the job)."""
+        jobs = []
+        while True:
+            try:
+                command, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return jobs
+            if command == "submit":
+                jobs.append(job)
+
     def stopped_error(self) -> EngineStopped:
         return EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped")
 

@@ -255,6 +255,7 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
     wait. Once this returns, the caller owns a slot and one of the key's
     streams, and must give both back."""
     gate, key, now = served.gate, principal.name, time.monotonic()
+
     def busy() -> APIError:
         metrics.rejected(key, "queue_full")
         return APIError(
@@ -263,11 +264,15 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
             code="overloaded", headers={"Retry-After": "1"},
         )
 
+    def closing() -> APIError:
+        metrics.rejected(key, "shutting_down")
+        return shutting_down()
+
     try:
         principal.usage.check(now)
         place = gate.reserve(key)
     except GateClosed:
-        raise shutting_down() from None
+        raise closing() from None
     except Rejected as e:
         metrics.rejected(key, e.reason)
         raise APIError(429, e.message, code="rate_limit_exceeded",
@@ -282,8 +287,7 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
         await gate.wait(key, place)
     except GateClosed:
         principal.usage.finish()
-        metrics.rejected(key, "shutting_down")
-        raise shutting_down() from None
+        raise closing() from None
     except QueueFull:  # its place went to another key's request
         principal.usage.finish()
         raise busy() from None

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engines.base import Engine, LiveState, Method
+from engines.checkpoints.default_model import resolve_builtin
 from gateway.admission import ModelGate
 from gateway.config import Config, LlamaServerConfig, ModelConfig
 from policies.acceptance import AcceptanceTracker
@@ -76,13 +77,6 @@ class ServedModel:
         )
 
 
-def resolve_path(path: str) -> str:
-    """A config's path, with a builtin name turned into its local path."""
-    from engines.checkpoints.default_model import resolve_builtin
-
-    return resolve_builtin(path)
-
-
 def _build_engines(
     mc: ModelConfig, llama_server: LlamaServerConfig
 ) -> tuple[dict[str, Engine], dict[str, str]]:
@@ -95,7 +89,7 @@ def _build_engines(
 
         lc = mc.llamacpp
         return build_llamacpp_engines(
-            mc.id, Path(resolve_path(mc.path)), list(mc.engines), depth=mc.mtp_depth,
+            mc.id, Path(resolve_builtin(mc.path)), list(mc.engines), depth=mc.mtp_depth,
             max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
             binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
             threads=lc.threads, extra_args=lc.extra_args, read_timeout=lc.read_timeout_s,
@@ -105,7 +99,7 @@ def _build_engines(
     from engines.loading import load_mlx_model
     from engines.mlx_plain import MLXPlainEngine
 
-    loaded = load_mlx_model(resolve_path(mc.path))
+    loaded = load_mlx_model(resolve_builtin(mc.path))
     max_context = mc.max_context or loaded.max_position_embeddings or FALLBACK_MAX_CONTEXT
     engines: dict[str, Engine] = {
         "mlx_plain": MLXPlainEngine(
@@ -131,7 +125,7 @@ def _build_engines(
             from engines.mlx_block.engine import MLXDFlashEngine, MLXDSparkEngine
 
             cls = MLXDFlashEngine if name == "mlx_dflash" else MLXDSparkEngine
-            engines[name] = cls(mc.id, loaded, resolve_path(mc.drafter),
+            engines[name] = cls(mc.id, loaded, resolve_builtin(mc.drafter),
                                 max_context=max_context, max_queue=mc.max_queue,
                                 kernels=mc.kernels, verify_depth=mc.block_depth)
     return engines, {}
@@ -215,7 +209,7 @@ class ModelRegistry:
             if not served.config.is_gguf:
                 from gateway.tuning import costs_for
 
-                served.costs = costs_for(resolve_path(served.config.path), served.config.kernels)
+                served.costs = costs_for(resolve_builtin(served.config.path), served.config.kernels)
             log.info("model %s ready (%s)", served.id, ", ".join(engines))
         except Exception as e:  # one bad model must not take down the others
             served.error = f"{type(e).__name__}: {e}"

@@ -108,13 +108,13 @@ def _print_curves(stock: dict, kern: dict, progress) -> None:
 
 
 def run_cli(args) -> int:
-    from gateway.models import resolve_path  # builtin:demo and friends
+    from engines.checkpoints.default_model import resolve_builtin  # builtin:demo and friends
 
     # Resolved to an absolute path when it names a directory here: Path("./m")
     # prints as "m", which mlx-lm would take for a hub repo id.
-    given = resolve_path(args.model)
+    given = resolve_builtin(args.model)
     path = Path(given).resolve() if Path(given).exists() else Path(given)
-    drafter = resolve_path(args.drafter) if args.drafter else None
+    drafter = resolve_builtin(args.drafter) if args.drafter else None
     t0 = time.perf_counter()
 
     def progress(line: str) -> None:

@@ -29,6 +29,7 @@ from engines.llamacpp.engine import LlamaCppEngine
 from engines.llamacpp.process import LlamaServer, ServerSpec
 from tests.conftest import start_gateway, stop_gateway
 from tests.test_llamacpp_gateway import llama_servers
+from tests.test_llamacpp_process import gone
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
 
@@ -62,18 +63,6 @@ def frozen(*pids: int):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-
-
-def gone(pid: int) -> bool:
-    """No such process (a zombie nobody has reaped yet counts as gone too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, IndexError):
-        return True
 
 
 async def until(cond, timeout: float, what: str, every: float = 0.01) -> None:

@@ -189,13 +189,8 @@ class MLXPlainEngine(WorkerEngine):
                 self._slots.clear()
                 self._running = 0
                 self._batch = self._new_batch()
-        while True:  # submitted after the stop
-            try:
-                command, slot = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if command == "submit":
-                slot.post(self.stopped_error())
+        for slot in self._submitted():  # submitted after the stop
+            slot.post(self.stopped_error())
         for slot in self._slots.values():
             slot.post(self.stopped_error())
         self._slots.clear()

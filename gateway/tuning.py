@@ -2,7 +2,8 @@
 
 kernels/tune.py measures (mlx and mlx-lm only); this wires in the engines'
 own decoders, whose rounds it times at every depth, and saves the result
-per machine and model, where `costs_for` finds it when the model is served.
+per machine and checkpoint, where `TuneFile` finds it, re-reading it when it
+changes (a tune run while the server runs is used by the next request).
 A quantized model gets the small-M kernels as the engines do
 (kernels/wiring.py, `kernels: auto`): the guard's verdicts for its shapes are
 printed, and where any kernel is in use the verify curve is measured both
@@ -12,6 +13,8 @@ one beside it, for `kernels: off`); rounds are timed through the kernels.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,15 +23,56 @@ from engines.checkpoints.default_model import specgate_home
 from kernels import hook, tune
 from policies.costs import CostModel
 
+log = logging.getLogger(__name__)
+
+
+class TuneFile:
+    """A model's tune results on this machine, re-read when the file changes,
+    so `specgate tune` run while the server runs is used by the next request."""
+
+    def __init__(self, model_path: str | Path, kernels: str = "auto", home: Path | None = None):
+        # The digest reads the checkpoint's header and sampled blocks: once,
+        # not per request.
+        self.path = tune.tune_path(model_path, home or specgate_home())
+        self.kernels = kernels
+        self._seen: tuple | None = None  # what os.stat said of the file last read
+        self._costs: CostModel | None = None
+
+    def costs(self) -> CostModel | None:
+        """The measured costs (None where the model was never tuned here):
+        the verify curve of the path the engines use (`kernels: off` reads the
+        stock curve tune measured beside the kernels' one)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen = self._costs = None
+            return None
+        # The inode too: tune.save replaces the file by rename, so a new
+        # tune is a new inode even within the filesystem's mtime granularity.
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self._seen:
+            self._seen = seen  # a bad file is not re-read (nor warned of) until it changes
+            self._read()
+        return self._costs
+
+    def _read(self) -> None:
+        try:
+            data = tune.read(self.path)
+            if self.kernels == "off" and (stock := (data.get("kernels") or {}).get("verify_stock")):
+                data = {**data, "verify": stock}
+            costs = CostModel.from_measurements(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("tune file %s unreadable (%s): %s", self.path, e,
+                        "keeping the costs read before" if self._costs else "no measured costs")  # fmt: skip
+            return
+        for warning in data["warnings"]:
+            log.warning("tune file %s: %s", self.path, warning)
+        self._costs = costs
+
 
 def costs_for(model_path: str | Path, kernels: str = "auto") -> CostModel | None:
-    """This model's measured costs on this machine, if `specgate tune` ran:
-    the verify curve of the path the engines use (`kernels: off` reads the
-    stock curve tune measured beside the kernels' one)."""
-    data = tune.load(model_path, specgate_home())
-    if data and kernels == "off" and (stock := (data.get("kernels") or {}).get("verify_stock")):
-        data = {**data, "verify": stock}
-    return CostModel.from_measurements(data) if data else None
+    """This model's measured costs on this machine, if `specgate tune` ran."""
+    return TuneFile(model_path, kernels).costs()
 
 
 MAX_TUNED_DEPTH = 8
@@ -143,13 +187,14 @@ def run_cli(args) -> int:
     rounds = {method: tune.measure_rounds(round_at, depths, reps=args.reps, name=method,
                                           progress=progress)
               for method, (round_at, depths) in timers.items()}  # fmt: skip
-    result = tune.measurements(verify, batched, rounds, str(path))
-    result["kernels"] = {
+    result = tune.measurements(verify, batched, rounds, str(path), kernels={
         "enabled": bool(wired.enabled and wired.in_use()), "why": wired.reason,
         "verdicts": [asdict(v) for v in wired.verdicts()],
         "verify_stock": ({ctx: {m: s / stock[min(stock)][1] for m, s in row.items()}
                           for ctx, row in stock.items()} if stock else None),
-    }  # fmt: skip
+    })  # fmt: skip
+    for warning in result["warnings"]:
+        progress(f"warning: {warning}")
     progress(f"plain step {result['plain_step']:.2f} x c(1); round beyond its verify (x c(1)): "
              + (", ".join(f"{m} {d['per_round']:.2f} + {d['per_token']:.2f} k"
                           for m, d in result["draft"].items()) or "none"))  # fmt: skip

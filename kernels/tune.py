@@ -270,11 +270,10 @@ def sanitize(data: dict) -> tuple[dict, list[str]]:
             out["draft"][method], msg = _clamped_fit(method, fit, out)
             msgs.append(msg)
 
-    # A plain step is at least a bare forward.
-    if "plain_step" in out and out["plain_step"] < 1.0:
-        msgs.append(f"plain step {out['plain_step']:.2f} x c(1) is less than a bare forward: "
-                    "measured noise, set to 1.00")  # fmt: skip
-        out["plain_step"] = 1.0
+    # A plain step may cost less than the bare forward c(1) is timed on
+    # (BatchGenerator overlaps a step's graph building with the last one's
+    # compute: the demo measured 7.7 vs 11.5 ms), so only a non-positive one
+    # is nonsense.
     return out, msgs
 
 

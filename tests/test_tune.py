@@ -184,11 +184,12 @@ def test_a_negative_per_round_draft_cost_is_refitted_with_zero():
     assert len(warnings) == 1 and "mtp: negative per-round" in warnings[0]
 
 
-def test_a_plain_step_below_a_bare_forward_is_clamped():
+def test_a_plain_step_below_a_bare_forward_is_kept():
+    """BatchGenerator overlaps steps, so its step can beat a synchronous bare
+    forward (the demo model: 7.7 vs 11.5 ms): physical, not repaired."""
     step = {b: C1 * (0.8 + 0.5 * (b - 1)) for b in range(1, 9)}
     data = _measured(step=step)
-    assert data["plain_step"] == 1.0
-    assert len(data["warnings"]) == 1 and "plain step 0.80 x c(1)" in data["warnings"][0]
+    assert data["plain_step"] == pytest.approx(0.8) and data["warnings"] == []
 
 
 def test_load_sanitizes_an_old_file(tmp_path):
@@ -196,10 +197,11 @@ def test_load_sanitizes_an_old_file(tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     data = _measured()
-    data["plain_step"] = 0.5
+    data["draft"]["mtp"] = {"per_round": 0.5, "per_token": -0.1}
     tune.save(data, tune.tune_path(model, tmp_path))
     loaded = tune.load(model, tmp_path)
-    assert loaded["plain_step"] == 1.0 and "plain step 0.50" in loaded["warnings"][0]
+    assert loaded["draft"]["mtp"]["per_token"] == 0.0
+    assert "negative per-token" in loaded["warnings"][0]
 
 
 # Timing: interleaved passes
@@ -256,10 +258,10 @@ def test_tune_file_is_read_when_it_changes(tmp_path, monkeypatch, caplog):
     assert len([r for r in caplog.records if "unreadable" in r.getMessage()]) == 1
 
     old = _measured()
-    old["plain_step"] = 0.5  # a file from before sanitize
+    old["draft"]["mtp"] = {"per_round": 0.5, "per_token": -0.1}  # a file from before sanitize
     tune.save(old, path)
-    assert live.costs().plain_step == 1.0 and live.costs().plain_step == 1.0
-    assert len([r for r in caplog.records if "plain step 0.50" in r.getMessage()]) == 1
+    assert live.costs().draft["mtp"].per_token == 0.0 and live.costs().draft["mtp"].per_token == 0.0
+    assert len([r for r in caplog.records if "negative per-token" in r.getMessage()]) == 1
 
     path.unlink()
     assert live.costs() is None

@@ -27,6 +27,12 @@ Reason = Literal[
     "unsupported_params",  # the speculative engine cannot honour a sampling parameter
 ]
 
+# Where a plan's numbers came from: a fixed rule (an override, a missing
+# drafter, a configured threshold, nothing measured yet), live estimates of
+# this model's costs on this machine, `specgate tune`'s prior, or exploration
+# (a request trying a plan the estimates do not favour, to keep them fresh).
+Source = Literal["rule", "live", "tune", "explore"]
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -70,10 +76,11 @@ class Plan:
     method: Method
     depth: int
     reason: Reason
+    source: Source = "rule"
 
     def header(self) -> str:
         """The value of the X-Specgate-Plan response header."""
-        return f"method={self.method};depth={self.depth};reason={self.reason}"
+        return f"method={self.method};depth={self.depth};reason={self.reason};source={self.source}"
 
 
 @dataclass
@@ -89,9 +96,6 @@ class GenerationRequest:
     # Token ids that end generation (the model's EOS set). Stop *strings* are
     # matched on text by the gateway, which then closes the stream.
     stop_token_ids: frozenset[int] = frozenset()
-    # The gateway's label for the prompt's kind ("code", "prose"), which its
-    # acceptance bookkeeping is kept by; engines ignore it.
-    content_class: str = "prose"
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,12 @@ class TokenEvent:
 
 @dataclass
 class RoundStats:
-    """One decoding round, as the metrics registry sees it."""
+    """One decoding round, as the metrics and the policy's live costs see it.
+
+    A speculative engine reports each round of one sequence; the plain engine
+    reports each batch step (method "none", drafted 0) with `batch`
+    sequences decoded together. `seconds` is 0 where the engine cannot time
+    its rounds (llama-server reports sums)."""
 
     model: str
     method: Method
@@ -134,6 +143,8 @@ class RoundStats:
     accepted_per_position: list[bool] = field(default_factory=list)
     verify_width: int = 1
     seconds: float = 0.0
+    context_tokens: int = 0  # tokens in the sequence's cache before the round
+    batch: int = 1
 
     @property
     def accepted(self) -> int:

@@ -170,7 +170,7 @@ class SpecDecoder:
     # -- rounds ---------------------------------------------------------------------
 
     def round(self, depth: int) -> Step:
-        t0 = time.perf_counter()
+        t0, context = time.perf_counter(), len(self.tokens)
         last = self.tokens[-1]
         if self.cold:
             depth, self.cold = 0, False
@@ -233,6 +233,7 @@ class SpecDecoder:
             accepted_per_position=[j < n for j in range(depth)],
             verify_width=depth + 1,
             seconds=time.perf_counter() - t0,
+            context_tokens=context,
         )
         return step
 

@@ -20,6 +20,7 @@ from engines.checkpoints.default_model import (  # the builtin names: engines re
     BUILTIN_PREFIX,
     DEFAULT_MODEL_ID,
 )
+from policies.config import PolicyConfig
 
 MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark")
 LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
@@ -86,36 +87,6 @@ class LlamaCppConfig(_Strict):
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(3.0, gt=0)
     health_failures: int = Field(3, ge=1)
-
-
-class PolicyConfig(_Strict):
-    """When speculation is used (policies/decide.py). "auto" defers to the cost
-    model that `specgate tune` measured on this machine, with live acceptance;
-    until it has run, a model speculates when idle and batches when busy."""
-
-    # Drafts per round: "auto" (the cost model picks 1..the configured depth)
-    # or a number (always that many, capped by what the drafter can draft).
-    depth: Literal["auto"] | int = "auto"
-    # Requests in flight (this one included) from which plain batched decoding
-    # is used: "auto" (the cost model; unmeasured: 2) or a number.
-    concurrency_threshold: Literal["auto"] | int = "auto"
-    # Requests with sampling penalties: "auto" (speculate when the drafter
-    # applies them per draft position, as every in-process engine does) or
-    # "plain" (always decode them plainly).
-    penalties: Literal["auto", "plain"] = "auto"
-    # Prompts longer than this decode plainly; "auto": the cost model decides.
-    long_context_tokens: Literal["auto"] | int = "auto"
-    # Speculate only for models with at least this many parameters.
-    min_params: int | None = Field(None, gt=0)
-    # Whether requests may choose (X-Specgate-Method / X-Specgate-Depth).
-    allow_overrides: bool = True
-
-    @field_validator("depth", "concurrency_threshold", "long_context_tokens")
-    @classmethod
-    def _positive(cls, v):
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be 'auto' or a number >= 1")
-        return v
 
 
 class ModelConfig(_Strict):

@@ -21,8 +21,8 @@ from engines.base import (
     EngineStopped,
     GenerationRequest,
     Handoff,
-    LiveState,
     Plan,
+    Planner,
     RoundStats,
     SamplingParams,
     TokenLogprob,
@@ -34,8 +34,9 @@ from gateway.metrics import Metrics
 from gateway.models import ModelRegistry, ServedModel
 from gateway.quotas import Rejected
 from gateway.stops import StopMatcher
-from policies.content import content_class
-from policies.decide import FixedPlanner, OverrideError, RequestFeatures, decide
+from policies.content import ContentClass, content_class
+from policies.decide import FixedPlanner, OverrideError, RequestFeatures
+from policies.model_policy import LivePolicy
 
 METHOD_HEADER = "x-specgate-method"
 DEPTH_HEADER = "x-specgate-depth"
@@ -153,7 +154,7 @@ def plan_request(
     ignore_eos: bool = False,
     prompt_param: str = "messages",
     prompt_text: str | None = None,
-) -> GenerationRequest:
+) -> Planned:
     """Check limits, decide the plan, and build the engine's request.
     `prompt_text` (the rendered prompt, or its last message) classifies the
     content, whose acceptance the policy plans with."""
@@ -183,12 +184,13 @@ def plan_request(
     content = content_class(prompt_text) if prompt_text else "prose"
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content)
     try:
-        plan = decide(served.policy, features, served.live_state(), served.costs,
-                      served.acceptance.rates(served.id, content))
+        plan, planner = served.policy.start(features, served.live_state())
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
-    plan = _honouring(served, plan, sampling)
-    return GenerationRequest(
+    honoured = _honouring(served, plan, sampling)
+    if honoured != plan:  # plain decoding, for a parameter speculation cannot apply
+        plan, planner = honoured, FixedPlanner(honoured)
+    request = GenerationRequest(
         request_id=new_id("req"),
         model=served.id,
         prompt_tokens=prompt_tokens,
@@ -196,8 +198,22 @@ def plan_request(
         max_tokens=max_tokens,
         plan=plan,
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
-        content_class=content,
     )
+    return Planned(request, planner, content, served.policy)
+
+
+@dataclass
+class Planned:
+    """A request ready to run: what the engine gets, and the policy's side."""
+
+    request: GenerationRequest
+    planner: Planner
+    content: ContentClass  # whose acceptance its rounds teach
+    policy: LivePolicy  # what its rounds teach (kept: an unload clears the model's)
+
+    @property
+    def plan(self) -> Plan:
+        return self.request.plan
 
 
 def _honouring(served: ServedModel, plan: Plan, sampling: SamplingParams) -> Plan:
@@ -206,40 +222,12 @@ def _honouring(served: ServedModel, plan: Plan, sampling: SamplingParams) -> Pla
     refusal = served.engines[plan.engine].refusal(sampling)
     if refusal is None:
         return plan
-    plain = served.policy.engines_by_method.get("none")
+    plain = served.policy.policy.engines_by_method.get("none")
     if plan.reason != "forced_by_request" and plain is not None and plain != plan.engine:
         if served.engines[plain].refusal(sampling) is None:
             return Plan(plain, "none", 0, refusal.reason)
     raise APIError(400, f"model '{served.id}' ({plan.engine}) cannot serve this request exactly: "
                         f"{refusal.message}", param=refusal.param, code="unsupported_parameter")
-
-
-class PolicyPlanner:
-    """Asks the model's policy again at every round boundary, so a stream can
-    move between speculation and batching as other requests come and go.
-    Called from engine worker threads; the model-wide state counts, less
-    this request itself."""
-
-    def __init__(self, served: ServedModel, features: RequestFeatures):
-        self.served, self.features = served, features
-
-    def plan(self, state: LiveState) -> Plan:
-        s = self.served
-        live = s.live_state()
-        others = LiveState(max(0, live.active_requests - 1), live.waiting_requests,
-                           state.context_tokens)  # fmt: skip
-        return decide(s.policy, self.features, others, s.costs,
-                      s.acceptance.rates(s.id, self.features.content))
-
-
-def planner_for(served: ServedModel, request: GenerationRequest):
-    """A request that chose its method keeps it; the rest follow the policy."""
-    plan = request.plan
-    if plan.reason in ("forced_by_request", "no_drafter", "unsupported_params", "penalties"):
-        return FixedPlanner(plan)
-    features = RequestFeatures(len(request.prompt_tokens), request.sampling.has_penalties,
-                               content=request.content_class)  # fmt: skip
-    return PolicyPlanner(served, features)
 
 
 def plan_headers(plan: Plan) -> dict[str, str]:
@@ -306,7 +294,7 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
 
 async def run(
     served: ServedModel,
-    request: GenerationRequest,
+    planned: Planned,
     stops: list[str],
     usage: Usage,
     metrics: Metrics,
@@ -315,13 +303,13 @@ async def run(
     It first waits its turn in the model's admission queue (fair across
     keys); an adapter awaiting the first piece sees quota and queue refusals
     as APIError before any byte is sent."""
+    request, planner = planned.request, planned.planner
     matcher = StopMatcher(stops)
     principal = current_principal()
     key = principal.name
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
     method, last_token_at = request.plan.method, None
-    planner = planner_for(served, request)
     admitted = False
     try:
         try:
@@ -348,7 +336,7 @@ async def run(
                         break
                     if isinstance(event, RoundStats):
                         metrics.round(event)
-                        served.acceptance.update(event, request.content_class)
+                        planned.policy.observe(event, planned.content)
                         continue
                     now = time.perf_counter()
                     if ttft is None:

@@ -50,7 +50,15 @@ class Metrics:
             "specgate_generation_tokens", "Tokens generated", ["model", "method"], registry=r
         )
         self.plan_decisions = Counter(
-            "specgate_plan_decisions", "Plans chosen", ["model", "method", "reason"], registry=r
+            "specgate_plan_decisions",
+            "Plans chosen (at a request's start and at every switch), with why and where the "
+            "numbers came from (source: rule, live, tune, explore)",
+            ["model", "method", "reason", "source"], registry=r,
+        )
+        self.explorations = Counter(
+            "specgate_policy_explorations",
+            "Requests that tried a plan the policy's estimates did not favour, to keep them fresh",
+            ["model", "method"], registry=r,
         )
         self.ttft = Histogram(
             "specgate_time_to_first_token_seconds", "Time to first token", ["model", "method"],
@@ -131,7 +139,9 @@ class Metrics:
         totals[2] += stats.accepted
 
     def planned(self, model: str, plan: Plan) -> None:
-        self.plan_decisions.labels(model, plan.method, plan.reason).inc()
+        self.plan_decisions.labels(model, plan.method, plan.reason, plan.source).inc()
+        if plan.source == "explore":
+            self.explorations.labels(model, plan.method).inc()
 
     def tokens(
         self, model: str, method: str, count: int, gap: float | None, key: str = "anonymous"
@@ -192,15 +202,31 @@ class Metrics:
             "Live conditional acceptance per draft position the policy plans with (EWMA)",
             labels=["model", "method", "content", "position"],
         )
+        costs = GaugeMetricFamily(
+            "specgate_policy_round_seconds",
+            "Live estimate of one round's cost the policy plans with: a plain step of `width` "
+            "sequences (method none) or a speculative round drafting `width` tokens, at contexts "
+            "in `context` (bucket k >= 1: 2^(k-1) to 2^k thousand tokens; 0: below 1024)",
+            labels=["model", "method", "width", "context"],
+        )
+        spread = GaugeMetricFamily(
+            "specgate_policy_round_seconds_spread",
+            "Relative standard deviation of those rounds: how noisy the estimate is",
+            labels=["model", "method", "width", "context"],
+        )
         for served in self.models.models.values():
-            if served.engines:
+            if served.engines and (live := served.policy) is not None:
                 state = served.live_state()
                 running.add_metric([served.id], state.active_requests)
                 waiting.add_metric([served.id], state.waiting_requests + served.gate.waiting)
                 for content in CONTENT_CLASSES:
-                    for method, rates in served.acceptance.rates(served.id, content).items():
+                    for method, rates in live.acceptance.rates(served.id, content).items():
                         for pos, rate in enumerate(rates):
                             policy.add_metric([served.id, method, content, str(pos)], rate)
+                for (method, width, bucket), e in live.costs.snapshot().items():
+                    labels = [served.id, method, str(width), str(bucket)]
+                    costs.add_metric(labels, e.mean)
+                    spread.add_metric(labels, e.spread)
         rate = GaugeMetricFamily(
             "specgate_spec_decode_acceptance_rate",
             "Draft tokens accepted / proposed since start", labels=["model", "method"],
@@ -213,7 +239,7 @@ class Metrics:
         for (model, method), (drafts, drafted, accepted) in list(self._spec.items()):
             rate.add_metric([model, method], accepted / drafted)
             length.add_metric([model, method], 1 + accepted / drafts)
-        yield from (running, waiting, policy, rate, length)
+        yield from (running, waiting, policy, costs, spread, rate, length)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

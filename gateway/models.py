@@ -5,35 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from engines.base import Engine, LiveState, Method
+from engines.base import Engine, LiveState
 from engines.checkpoints.default_model import resolve_builtin
 from gateway.admission import ModelGate
 from gateway.config import Config, LlamaServerConfig, ModelConfig
-from policies.acceptance import AcceptanceTracker
-from policies.costs import CostModel
-from policies.decide import ModelPolicy
+from policies.model_policy import LivePolicy, build_policy, timed_methods
 
 log = logging.getLogger(__name__)
 
 # Used when neither the config nor the checkpoint names a context length.
 FALLBACK_MAX_CONTEXT = 4096
 
-# Which method each engine serves, in the policy's order of preference.
-METHOD_OF_ENGINE: dict[str, Method] = {
-    "mlx_mtp": "mtp", "mlx_dflash": "dflash", "mlx_dspark": "dspark", "llamacpp_mtp": "llamacpp_mtp",
-    "mlx_plain": "none", "llamacpp": "none",
-}
-
-
 @dataclass
 class ServedModel:
     config: ModelConfig
     engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
     refused: dict[str, str] = field(default_factory=dict)  # configured engine -> why not built
-    policy: ModelPolicy | None = None
-    costs: CostModel | None = None  # measured by `specgate tune` on this machine
-    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    policy: LivePolicy | None = None  # once loaded
     error: str | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     unloaded: bool = False  # by an admin (POST /admin/models/{id}/unload)
@@ -83,8 +73,6 @@ def _build_engines(
     """Blocking: loads weights (once per path) and builds the model's engines,
     with the configured ones it refused and why."""
     if mc.is_gguf:
-        from pathlib import Path
-
         from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
 
         lc = mc.llamacpp
@@ -131,36 +119,20 @@ def _build_engines(
     return engines, {}
 
 
-def _policy(served: ServedModel) -> ModelPolicy:
-    # Speculative methods in the config's order, plain decoding last.
-    order = sorted(served.engines, key=lambda name: METHOD_OF_ENGINE[name] == "none")
-    methods = {METHOD_OF_ENGINE[name]: name for name in order}
-    refused = {METHOD_OF_ENGINE[name]: why for name, why in served.refused.items()}
-    # llama-server's draft depth is set when the process starts (see engines/llamacpp).
-    fixed = ("llamacpp_mtp",) if "llamacpp_mtp" in methods else ()
-    depths, caps = {}, {}
-    for name, method in (("mlx_dflash", "dflash"), ("mlx_dspark", "dspark")):
-        if name in served.engines:
-            caps[method] = served.engines[name].max_drafts
-            depths[method] = min(served.config.block_depth or caps[method], caps[method])
-    pc = served.config.policy
-    if isinstance(pc.depth, int):  # a fixed depth for every in-process method
-        for method in ("mtp", "dflash", "dspark"):
-            depths[method] = min(pc.depth, caps.get(method, pc.depth))
-    return ModelPolicy(
-        served.id, methods, served.config.mtp_depth, refused, fixed, depths, caps,
-        penalty_capable=frozenset() if pc.penalties == "plain" else None,
-        long_context_tokens=_number(pc.long_context_tokens),
-        min_params=pc.min_params,
-        params=_parameter_count(served),
-        auto_depth=pc.depth == "auto",
-        concurrency_threshold=_number(pc.concurrency_threshold),
-        allow_overrides=pc.allow_overrides,
-    )
+def _policy(served: ServedModel) -> LivePolicy:
+    mc = served.config
+    policy = build_policy(served.id, served.engines, served.refused, mc.policy,
+                          mtp_depth=mc.mtp_depth, block_depth=mc.block_depth,
+                          params=_parameter_count(served))  # fmt: skip
+    prior = lambda: None  # noqa: E731
+    path = Path(resolve_builtin(mc.path))
+    if not mc.is_gguf and path.is_dir():  # a hub id: tune measures local directories
+        from gateway.tuning import TuneFile
 
-
-def _number(value: str | int) -> int | None:
-    return value if isinstance(value, int) else None  # "auto": the cost model's call
+        # Read at every decision (one stat): a tune run while serving counts at once.
+        prior = TuneFile(path, mc.kernels).costs
+    return LivePolicy(policy, live_state=served.live_state, prior=prior,
+                      timed=timed_methods(served.engines), explore_every=mc.policy.explore_every)
 
 
 def _parameter_count(served: ServedModel) -> int | None:
@@ -206,10 +178,6 @@ class ModelRegistry:
                 raise
             served.engines, served.refused = engines, refused
             served.policy = _policy(served)
-            if not served.config.is_gguf:
-                from gateway.tuning import costs_for
-
-                served.costs = costs_for(resolve_builtin(served.config.path), served.config.kernels)
             log.info("model %s ready (%s)", served.id, ", ".join(engines))
         except Exception as e:  # one bad model must not take down the others
             served.error = f"{type(e).__name__}: {e}"

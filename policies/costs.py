@@ -48,6 +48,7 @@ class CostModel:
     draft: Mapping[str, DraftCost] = field(default_factory=dict)
     batched: Mapping[int, float] = field(default_factory=lambda: {1: 1.0})
     plain_step: float = 1.0
+    c1_seconds: float | None = None  # what c(1) took when measured: turns the prior into seconds
 
     @classmethod
     def from_measurements(cls, data: Mapping) -> CostModel:
@@ -59,6 +60,7 @@ class CostModel:
                    for k, d in data.get("draft", {}).items()},
             batched={int(b): float(g) for b, g in data.get("batched", {"1": 1.0}).items()},
             plain_step=float(data.get("plain_step", 1.0)),
+            c1_seconds=float(data["c1_seconds"]) if data.get("c1_seconds") else None,
         )  # fmt: skip
 
     def verify_cost(self, width: int, context: int) -> float:
@@ -81,6 +83,14 @@ class CostModel:
     def plain_cost(self, context: int) -> float:
         """One plain decoding step of one sequence after `context` tokens."""
         return self.plain_step + self.verify_cost(1, context) - self.verify_cost(1, 0)
+
+    def batch_step_cost(self, batch: int, context: int) -> float:
+        """One plain step of `batch` sequences decoded together."""
+        return batch * self.plain_cost(context) / self.batched_gain(batch)
+
+    def round_cost(self, method: str, depth: int, context: int) -> float:
+        """One speculative round at this depth: its verify and its drafting."""
+        return self.verify_cost(depth + 1, context) + self.draft.get(method, DraftCost())(depth)
 
 
 def _at(curve: Mapping[int, float], x: int) -> float:
@@ -110,5 +120,5 @@ def speculative_speed(costs: CostModel, method: str, acceptance: Sequence[float]
                       context: int) -> float:
     """One sequence's tokens/s at this depth, relative to plain decoding at
     the same context."""
-    cost = costs.verify_cost(depth + 1, context) + costs.draft.get(method, DraftCost())(depth)
+    cost = costs.round_cost(method, depth, context)
     return expected_tokens(acceptance, depth) * costs.plain_cost(context) / cost

@@ -1,17 +1,20 @@
 """The decision: which plan serves a request, and why.
 
-Pure code: no MLX, no HTTP. The gateway calls `decide` once per request and
-hands the engine a planner that asks again at every round boundary.
+Pure code: no MLX, no HTTP. policies/model_policy.py calls `decide` when a
+request arrives and again at every round boundary of its stream.
 
 In order: a request's forced method or depth; no drafter; a model below the
 size where speculation pays; penalties a drafter cannot apply per position;
-a context past the configured threshold. Then, with measured costs
-(policies/costs.py) and live acceptance, every candidate plan's expected
-aggregate tokens/s is compared and the best one wins; its reason says why
-plain decoding won when it did (`concurrency`: batching beats the best
-speculation; `long_context`: speculation would win at short context;
-`measured_loss`: it loses anyway). Without measurements yet, the rule is
-simple: speculate when the model is idle, batch when it is not.
+a context (the stream's length now, not only its prompt's) past the
+configured threshold. Then, with round costs (policies/live_costs.py: live
+estimates, or `specgate tune`'s prior) and live acceptance, every candidate
+plan's expected aggregate tokens/s is compared and the best one wins; its
+reason says why plain decoding won when it did (`concurrency`: batching
+beats the best speculation; `long_context`: speculation would win at short
+context; `measured_loss`: it loses anyway), its source whether the numbers
+were live or the prior's. With nothing to compare yet, the rule is simple:
+speculate when the model is idle, batch when it is not (exploration, in
+policies/explore.py, makes sure something gets measured).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engines.base import METHODS, LiveState, Method, Plan
+from engines.base import METHODS, LiveState, Method, Plan, Source
 from policies.content import ContentClass
-from policies.costs import CostModel, speculative_speed
+from policies.costs import CostModel, expected_tokens
+from policies.live_costs import CostView, prior_view
 
 
 class OverrideError(ValueError):
@@ -69,27 +73,41 @@ class RequestFeatures:
 class Candidate:
     method: Method
     depth: int
-    speed: float  # expected aggregate tokens/s relative to one plain sequence
+    speed: float  # expected aggregate tokens/s
+    source: Source  # where its round cost came from: "live" or "tune"
+
+
+# A stream already on one engine moves to another only for a plan predicted
+# this much faster: a handoff is not free, and estimates are noisy.
+SWITCH_MARGIN = 0.1
 
 
 def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestFeatures,
-               live: LiveState, costs: CostModel,
+               live: LiveState, costs: CostView | CostModel,
                acceptance: Mapping[Method, Sequence[float]]) -> list[Candidate]:
     """Plain decoding (batched with whatever is in flight) and every measured
-    speculative method at every depth it allows. Speculation decodes one
-    sequence at a time, so its speed is that sequence's."""
-    others = live.active_requests + live.waiting_requests
-    out = [Candidate("none", 0, costs.batched_gain(others + 1))]
+    speculative method at every depth it allows, those whose costs are known.
+    Speculation decodes one sequence at a time, so its speed is that
+    sequence's."""
+    view = prior_view(costs) if isinstance(costs, CostModel) else costs
+    context = max(request.prompt_tokens, live.context_tokens)
+    batch = live.active_requests + live.waiting_requests + 1
+    out = []
+    if (plain := view.plain(batch, context)) is not None:
+        out.append(Candidate("none", 0, batch / plain.seconds, plain.source))
     for method in methods:
         if method not in acceptance:
             continue
-        cap = min(policy.caps.get(method, policy.depth(method)), costs.max_width() - 1)
+        cap = policy.caps.get(method, policy.depth(method))
+        if view.prior is not None:
+            cap = min(cap, view.prior.max_width() - 1)
         depths = ([request.forced_depth] if request.forced_depth is not None
                   else [policy.depth(method)] if method in policy.fixed_depth or not policy.auto_depth
                   else range(1, cap + 1))  # fmt: skip
         for depth in depths:
-            speed = speculative_speed(costs, method, acceptance[method], depth, request.prompt_tokens)
-            out.append(Candidate(method, depth, speed))
+            if (cost := view.round(method, depth, context)) is not None:
+                speed = expected_tokens(acceptance[method], depth) / cost.seconds
+                out.append(Candidate(method, depth, speed, cost.source))
     return out
 
 
@@ -97,12 +115,17 @@ def decide(
     policy: ModelPolicy,
     request: RequestFeatures,
     live: LiveState,
-    costs: CostModel | None = None,
+    costs: CostView | CostModel | None = None,
     acceptance: Mapping[Method, Sequence[float]] | None = None,
+    incumbent: Method | None = None,
 ) -> Plan:
-    """Choose the plan for a request (raises OverrideError on a bad override)."""
+    """Choose the plan for a request, or for the next round of a stream on
+    `incumbent`'s engine (raises OverrideError on a bad override).
+    `live.context_tokens` is the stream's length now, which the long-context
+    rule and the costs read as well as the prompt's."""
     available = policy.engines_by_method
     speculative = [m for m in available if m != "none"]
+    context = max(request.prompt_tokens, live.context_tokens)
     if not policy.allow_overrides and (request.forced_method or request.forced_depth is not None):
         raise OverrideError(f"model '{policy.model_id}' does not let requests choose the method "
                             "or depth (policy.allow_overrides: false)")
@@ -125,8 +148,8 @@ def decide(
         method = speculative[0]
         return Plan(available[method], method, _depth(policy, method, request), "spec_on")
 
-    def plain(reason) -> Plan:
-        return Plan(available["none"], "none", 0, reason)
+    def plain(reason, source="rule") -> Plan:
+        return Plan(available["none"], "none", 0, reason, source)
 
     if policy.min_params and policy.params is not None and policy.params < policy.min_params:
         return plain("small_model")
@@ -134,7 +157,7 @@ def decide(
         speculative = [m for m in speculative if m in policy.penalty_capable]
         if not speculative:
             return plain("penalties")
-    if policy.long_context_tokens is not None and request.prompt_tokens > policy.long_context_tokens:
+    if policy.long_context_tokens is not None and context > policy.long_context_tokens:
         return plain("long_context")
     in_flight = live.active_requests + live.waiting_requests
     if policy.concurrency_threshold is not None:
@@ -144,25 +167,33 @@ def decide(
         live = LiveState(0, 0, live.context_tokens)
     busy = live.active_requests + live.waiting_requests > 0
     measured = [m for m in speculative if acceptance and m in acceptance]
-    if costs is None or not measured:
-        # Unmeasured: speculation serves one sequence, batching the rest.
+    options = candidates(policy, measured, request, live, costs, acceptance) if costs and measured else []
+    if not any(c.method == "none" for c in options) or all(c.method == "none" for c in options):
+        # Nothing to compare yet: speculation serves one sequence, batching the rest.
         if busy:
             return plain("concurrency")
         method = speculative[0]
         return Plan(available[method], method, _depth(policy, method, request), "spec_on")
 
-    options = candidates(policy, measured, request, live, costs, acceptance)
-    best = max(options, key=lambda c: c.speed)  # the first (plain) on a tie
+    def score(c: Candidate) -> float:
+        return c.speed * (1 + SWITCH_MARGIN if c.method == incumbent else 1)
+
+    best = max(options, key=score)  # the first (plain) on a tie
+    source = "tune" if any(c.source == "tune" for c in options) else "live"
     if best.method != "none":
-        return Plan(available[best.method], best.method, best.depth, "spec_on")
+        return Plan(available[best.method], best.method, best.depth, "spec_on", source)
     alone = max((c.speed for c in options if c.method != "none"), default=0.0)
-    if busy and alone > 1.0:
-        return plain("concurrency")
+    if busy:
+        single = candidates(policy, [], request, LiveState(0, 0, live.context_tokens), costs, {})
+        if not single or alone > single[0].speed:
+            return plain("concurrency", source)
     short = RequestFeatures(0, request.has_penalties, None, request.forced_depth)
     idle = LiveState(0, 0, 0)
-    if any(c.speed > 1.0 for c in candidates(policy, measured, short, idle, costs, acceptance)):
-        return plain("long_context")
-    return plain("measured_loss")
+    at_short = candidates(policy, measured, short, idle, costs, acceptance)
+    plain_short = next((c.speed for c in at_short if c.method == "none"), None)
+    if context > 0 and plain_short and any(c.speed > plain_short for c in at_short if c.method != "none"):
+        return plain("long_context", source)
+    return plain("measured_loss", source)
 
 
 def _depth(policy: ModelPolicy, method: Method, request: RequestFeatures) -> int:

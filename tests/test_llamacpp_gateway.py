@@ -117,7 +117,7 @@ def test_chat_streaming_and_not(client):
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     r = client.chat.completions.with_raw_response.create(
         model="demo-gguf", messages=msgs, max_tokens=24, temperature=0)
-    assert r.headers["x-specgate-plan"] == "method=llamacpp_mtp;depth=3;reason=spec_on"
+    assert r.headers["x-specgate-plan"] == "method=llamacpp_mtp;depth=3;reason=spec_on;source=rule"
     full = r.parse()
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
     text = full.choices[0].message.content
@@ -186,7 +186,7 @@ def test_what_llama_cpp_cannot_honour(client):
     r = client.chat.completions.with_raw_response.create(
         model="demo-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
         temperature=0, logprobs=True, top_logprobs=2)
-    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=unsupported_params"
+    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=unsupported_params;source=rule"
     lps = r.parse().choices[0].logprobs.content
     assert len(lps) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
     # ... unless the request insists on draft-mtp.
@@ -210,7 +210,7 @@ def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):
     assert "refused" in e.value.body["message"] and "ar-only" in e.value.body["message"]
     r = client.completions.with_raw_response.create(model="ar-gguf", prompt="hello",
                                                     max_tokens=4, temperature=0)
-    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=no_drafter"
+    assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=no_drafter;source=rule"
     assert r.parse().usage.completion_tokens == 4
 
 

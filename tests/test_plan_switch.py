@@ -31,7 +31,11 @@ N = 240
 def gw(tiny_model, tmp_path_factory):
     g = start_gateway({"models": [
         {"id": "switch", "path": str(tiny_model), "engines": ["mlx_plain", "mlx_mtp"],
-         "mtp_depth": 2, "max_context": 2048},
+         "mtp_depth": 2, "max_context": 2048,
+         # No exploration: the stream starts speculating (nothing measured:
+         # speculate when idle) and comes back to it alone, before a plain
+         # step alone is measured; with it, the first request explores plain.
+         "policy": {"explore_every": 0}},
     ]}, tmp_path_factory.mktemp("gw-switch"))
     yield g
     stop_gateway(g)

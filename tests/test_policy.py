@@ -22,17 +22,17 @@ def test_plain_only_model():
 
 
 def test_speculates_when_idle_and_batches_under_concurrency():
-    assert decide(MTP, features(), IDLE).header() == "method=mtp;depth=2;reason=spec_on"
-    assert decide(MTP, features(), BUSY).header() == "method=none;depth=0;reason=concurrency"
+    assert decide(MTP, features(), IDLE).header() == "method=mtp;depth=2;reason=spec_on;source=rule"
+    assert decide(MTP, features(), BUSY).header() == "method=none;depth=0;reason=concurrency;source=rule"
     assert decide(MTP, features(), LiveState(0, 3, 0)).reason == "concurrency"
 
 
 def test_overrides():
-    assert decide(MTP, features("none"), IDLE).header() == "method=none;depth=0;reason=forced_by_request"
-    assert decide(MTP, features("mtp"), BUSY).header() == "method=mtp;depth=2;reason=forced_by_request"
+    assert decide(MTP, features("none"), IDLE).header() == "method=none;depth=0;reason=forced_by_request;source=rule"
+    assert decide(MTP, features("mtp"), BUSY).header() == "method=mtp;depth=2;reason=forced_by_request;source=rule"
     assert decide(MTP, features("mtp", 4), IDLE).depth == 4
     assert decide(MTP, features("mtp", 0), IDLE).depth == 0  # rounds of plain steps
-    assert decide(MTP, features(None, 3), IDLE).header() == "method=mtp;depth=3;reason=spec_on"
+    assert decide(MTP, features(None, 3), IDLE).header() == "method=mtp;depth=3;reason=spec_on;source=rule"
 
 
 @pytest.mark.parametrize("policy,method,depth,needle", [
@@ -50,7 +50,7 @@ def test_per_method_depths_caps_and_fixed_depths():
     p = ModelPolicy("m", {"dflash": "mlx_dflash", "llamacpp_mtp": "llamacpp_mtp",
                           "none": "mlx_plain"}, 2, fixed_depth=("llamacpp_mtp",),
                     depths={"dflash": 7}, caps={"dflash": 7})
-    assert decide(p, features(), IDLE).header() == "method=dflash;depth=7;reason=spec_on"
+    assert decide(p, features(), IDLE).header() == "method=dflash;depth=7;reason=spec_on;source=rule"
     assert decide(p, features("dflash", 3), IDLE).depth == 3
     assert decide(p, features("llamacpp_mtp"), IDLE).depth == 2
     with pytest.raises(OverrideError, match="at most 7"):

@@ -277,6 +277,7 @@ def build_qwen35_hybrid(
     with_mtp: bool = True,
     tokenizer: bool = True,
     text_only: bool = False,
+    aligned_mtp: bool = False,
 ) -> Path:
     """Write a random Qwen3.5 hybrid (GatedDeltaNet + gated attention) to dest.
 
@@ -287,7 +288,9 @@ def build_qwen35_hybrid(
     `dtype` is float32, float16 or bfloat16. Deterministic in `seed`.
     `text_only=True` writes the same weights as transformers saves the text
     model alone (Qwen3_5ForCausalLM: flat config, `model.*`, no `mtp.*`; see
-    _write_qwen35_text_only).
+    _write_qwen35_text_only). `aligned_mtp=True` makes the MTP head draft
+    exactly the trunk's next token (see _align_mtp): acceptance 1 at
+    temperature 0, where a random head's is about 0.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -309,6 +312,8 @@ def build_qwen35_hybrid(
         max_position_embeddings=max_position_embeddings,
     )
     tensors = _qwen35_tensors(seed, text_config, with_mtp)
+    if aligned_mtp:
+        _align_mtp(tensors)
     if text_only:
         return _write_qwen35_text_only(dest, "Qwen3_5ForCausalLM", text_config, tensors,
                                        dtype=dtype, tokenizer=tokenizer)
@@ -321,6 +326,21 @@ def build_qwen35_hybrid(
         dtype=dtype,
         tokenizer=tokenizer,
     )
+
+
+def _align_mtp(tensors: Tensors) -> None:
+    """With every residual branch zeroed the trunk is a bigram model,
+    lm_head(norm(embed(x))); with fc = [I | 0] and unit norms the MTP head
+    computes the same function of the token it is fed, so every draft is the
+    trunk's own next token."""
+    for k, v in tensors.items():
+        if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            tensors[k] = np.zeros_like(v)
+        elif k.endswith("norm.weight") and "linear_attn" not in k or k.startswith("mtp.pre_fc"):
+            tensors[k] = np.zeros_like(v)  # zero-centred: effective scale 1
+    h = tensors["mtp.fc.weight"].shape[0]
+    tensors["mtp.fc.weight"] = np.concatenate([np.eye(h), np.zeros((h, h))], axis=1).astype(
+        tensors["mtp.fc.weight"].dtype)
 
 
 def build_qwen35_moe(

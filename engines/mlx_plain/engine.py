@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from engines.base import (
     Handoff,
     LiveState,
     Planner,
+    RoundStats,
     TokenEvent,
     TokenLogprob,
     TopLogprob,
@@ -132,7 +134,7 @@ class MLXPlainEngine(WorkerEngine):
     def generate(
         self, request: GenerationRequest, planner: Planner | None = None,
         resume: Handoff | None = None,
-    ) -> AsyncIterator[TokenEvent | Handoff]:
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
         """Stream one request (or continue one handed over). The planner is
         asked again only while the request is alone in the batch."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
@@ -169,14 +171,24 @@ class MLXPlainEngine(WorkerEngine):
                 self._batch.prefill_step_size = (
                     self.prefill_step_while_decoding if self._running else self.prefill_step_size
                 )
+                # Only a step that decodes every sequence and prefills none
+                # is timed: it is what a plain step costs at this batch size.
+                decoding = [s for s in self._slots.values() if s.started]
+                timed = len(decoding) == len(self._slots)
+                t0 = time.perf_counter()
                 with self.loaded.lock:
                     prompt_responses, generation_responses = self._batch.next()
+                seconds = time.perf_counter() - t0
                 self._store_prompt_caches(prompt_responses)
                 # One wake-up per event loop per step, not one per token.
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                stats = self._step_stats(decoding, seconds) if timed and not prompt_responses else None
                 for response in generation_responses:
                     if (made := self._event(response)) is not None:
                         slot, event = made
+                        if stats is not None:  # rides on the step's first event
+                            by_loop.setdefault(slot.loop, []).append((slot.out, stats))
+                            stats = None
                         by_loop.setdefault(slot.loop, []).append((slot.out, event))
                 for loop, items in by_loop.items():
                     loop.call_soon_threadsafe(deliver, items)
@@ -194,6 +206,11 @@ class MLXPlainEngine(WorkerEngine):
         for slot in self._slots.values():
             slot.post(self.stopped_error())
         self._slots.clear()
+
+    def _step_stats(self, decoding: list[_Slot], seconds: float) -> RoundStats:
+        contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
+        return RoundStats(self.model_id, "none", 0, seconds=seconds, batch=len(decoding),
+                          context_tokens=sum(contexts) // max(1, len(contexts)))  # fmt: skip
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued submits and cancels; False once asked to stop."""
@@ -256,7 +273,7 @@ class MLXPlainEngine(WorkerEngine):
         engine (speculation) should take it from here."""
         if slot.planner is None or not slot.started or slot.request.sampling.logprobs:
             return  # logprobs: the pending token's distribution is not kept
-        plan = slot.planner.plan(LiveState(1, 0, 0))
+        plan = slot.planner.plan(LiveState(1, 0, len(slot.request.prompt_tokens) + slot.generated))
         if plan.engine == self.name:
             return
         gen = self._batch._generation_batch  # mlx-lm internals, pinned version (uv.lock)

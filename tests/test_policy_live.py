@@ -1,0 +1,311 @@
+"""The policy learns on the job: live round costs, exploration, and plans
+that follow a request's depth and its growing context.
+
+Pure parts (LiveCosts, CostView, Explorer, LivePolicy's planners) are tested
+directly; then real gateways with the real openai SDK:
+- untuned, on the tiny checkpoint whose random MTP head is (almost) never
+  accepted: after a few requests speculation stops (`measured_loss`), and
+  only the capped share of exploration speculates again;
+- in-process, on the same checkpoint with the head aligned to its trunk
+  (acceptance 1), with the costs pinned where speculation wins (failure
+  injection: this CPU cannot show a win on a model this small): the policy
+  keeps speculating; a depth-only override is every round's depth; a stream
+  that grows past `long_context_tokens` goes plain at the next round.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engines.base import LiveState, RoundStats
+from policies.costs import CostModel
+from policies.decide import ModelPolicy, RequestFeatures
+from policies.explore import Explorer
+from policies.live_costs import STALL_CAP, CostView, LiveCosts
+from policies.model_policy import LivePolicy
+from tests.conftest import free_port, start_gateway, stop_gateway
+
+MTP = ModelPolicy("m", {"mtp": "mlx_mtp", "none": "mlx_plain"}, 3)
+IDLE = LiveState(0, 0, 0)
+
+
+def step(seconds, batch=1, context=100) -> RoundStats:
+    return RoundStats("m", "none", 0, seconds=seconds, batch=batch, context_tokens=context)
+
+
+def spec(depth, accepted, seconds, context=100) -> RoundStats:
+    flags = [j < accepted for j in range(depth)]
+    return RoundStats("m", "mtp", depth, flags, depth + 1, seconds, context)
+
+
+# -- live costs -----------------------------------------------------------------
+
+
+def test_live_costs_skip_the_warm_up_cap_stalls_and_wait_for_samples():
+    costs = LiveCosts(min_samples=4)
+    costs.observe(step(5.0))  # the shape's first round: graph building, not cost
+    for _ in range(3):
+        costs.observe(step(0.010))
+    assert costs.get("none", 1, 0) is None  # 3 samples: not trusted yet
+    costs.observe(step(1.0))  # a stall: counts at most STALL_CAP x the mean
+    e = costs.get("none", 1, 0)
+    assert e.count == 4 and e.mean == pytest.approx((3 * 0.010 + STALL_CAP * 0.010) / 4)
+    costs.observe(RoundStats("m", "mtp", 0, seconds=0.02))  # a depth-0 round: neither plan
+    costs.observe(RoundStats("m", "mtp", 2, [True, True]))  # untimed (llama-server): ignored
+    assert costs.measured("mtp") == {}
+
+
+def test_cost_view_prefers_live_then_the_scaled_prior_then_a_line_through_depth_zero():
+    live = LiveCosts(min_samples=1)
+    view = CostView(live, None)
+    assert view.plain(1, 100) is None and view.round("mtp", 2, 100) is None
+    for s in (0.01, 0.01):
+        live.observe(step(s))
+    for s in (0.016, 0.016):
+        live.observe(spec(3, 0, s))
+    view = CostView(live, None)
+    assert view.plain(1, 100).seconds == pytest.approx(0.01)
+    # Depth 1 unmeasured: on the line from the plain step (depth 0) to depth 3.
+    assert view.round("mtp", 1, 100).seconds == pytest.approx(0.012)
+    assert view.round("mtp", 3, 100).source == "live"
+    # At 3000 tokens nothing is measured: the nearest bucket's numbers.
+    assert view.plain(1, 3000).seconds == pytest.approx(0.01)
+    # A prior (c(1) 5 ms) with a machine now twice as slow as when it was tuned:
+    # scaled by what both know.
+    prior = CostModel({64: {m: 1.0 + 0.2 * (m - 1) for m in range(1, 9)}}, plain_step=1.0,
+                      c1_seconds=0.005)  # fmt: skip
+    view = CostView(live, prior)
+    assert view.round("mtp", 3, 100).seconds == pytest.approx(0.016)  # live wins
+    # Depth 1 from the prior's shape, anchored at the measured depth 3.
+    assert view.round("mtp", 1, 100).seconds == pytest.approx(0.016 * 1.2 / 1.6)
+    two = view.plain(2, 100)  # unmeasured batch: the prior, scaled to now
+    assert two.source == "tune" and two.seconds > 0.01
+
+
+def test_explorer_tries_what_is_unmeasured_at_once_then_a_capped_share():
+    ex = Explorer(every=16, max_every=64, unmeasured_tries=2)
+    assert ex.choose("mtp", {"mtp": False, "none": False}) == "none"  # nothing known: try it
+    assert ex.choose("mtp", {"mtp": True, "none": False}) == "none"
+    assert ex.choose("mtp", {"mtp": True, "none": False}) is None  # tries used up: wait
+    picks = [ex.choose("none", {"mtp": True, "none": True}) for _ in range(200)]
+    explored = [i for i, p in enumerate(picks) if p is not None]
+    assert set(picks) == {None, "mtp"}
+    assert len(explored) <= 200 / 16
+    gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] == 64  # a loser is tried less and less often
+    assert Explorer(every=0).choose("none", {"mtp": False, "none": True}) is None  # off
+
+
+# -- the planner ------------------------------------------------------------------
+
+
+def live_policy(policy=MTP, **kw) -> LivePolicy:
+    return LivePolicy(policy, live_state=lambda: LiveState(1, 0, 0), timed=frozenset({"mtp", "none"}),
+                      **kw)  # fmt: skip
+
+
+def teach(p: LivePolicy, accepted: int, round_s: float, plain_s: float, depth: int = 3, n: int = 20):
+    for _ in range(n):
+        p.observe(spec(depth, accepted, round_s), "prose")
+        p.observe(step(plain_s), "prose")
+
+
+def test_a_losing_head_stops_being_used_and_a_winning_one_is_kept():
+    loser = live_policy()
+    teach(loser, accepted=0, round_s=0.012, plain_s=0.010)
+    plans = [loser.start(RequestFeatures(20, False), IDLE)[0] for _ in range(64)]
+    assert sum(p.method == "mtp" for p in plans) <= 64 / 16
+    assert all(p.source == "explore" for p in plans if p.method == "mtp")
+    assert {(p.reason, p.source) for p in plans if p.method == "none"} == {("measured_loss", "live")}
+
+    winner = live_policy()
+    teach(winner, accepted=3, round_s=0.012, plain_s=0.010)
+    plans = [winner.start(RequestFeatures(20, False), IDLE)[0] for _ in range(64)]
+    assert sum(p.method == "none" for p in plans) <= 64 / 16
+    assert {(p.reason, p.source) for p in plans if p.method == "mtp"} == {("spec_on", "live")}
+
+
+def test_a_forced_depth_is_every_rounds_depth():
+    p = live_policy()
+    teach(p, accepted=3, round_s=0.012, plain_s=0.010)
+    plan, planner = p.start(RequestFeatures(20, False, forced_depth=1), IDLE)
+    assert (plan.method, plan.depth) == ("mtp", 1)
+    assert {planner.plan(LiveState(1, 0, 20 + i)).depth for i in range(50)} == {1}
+
+
+def test_the_growing_context_is_planned_for():
+    p = live_policy(ModelPolicy("m", MTP.engines_by_method, 3, long_context_tokens=100))
+    teach(p, accepted=3, round_s=0.012, plain_s=0.010)
+    plan, planner = p.start(RequestFeatures(90, False), IDLE)
+    assert plan.method == "mtp"
+    assert planner.plan(LiveState(1, 0, 100)).method == "mtp"
+    assert planner.plan(LiveState(1, 0, 101)).header() == (
+        "method=none;depth=0;reason=long_context;source=rule")
+    # Costs that grow with context: speculation wins short and loses long.
+    q = live_policy()
+    for _ in range(20):
+        q.observe(spec(3, 1, 0.012, context=100), "prose")
+        q.observe(step(0.010, context=100), "prose")
+        q.observe(spec(3, 1, 0.080, context=5000), "prose")
+        q.observe(step(0.011, context=5000), "prose")
+    plan, planner = q.start(RequestFeatures(100, False), IDLE)
+    assert plan.method == "mtp"
+    assert planner.plan(LiveState(1, 0, 5000)).header() == (
+        "method=none;depth=0;reason=long_context;source=live")
+
+
+# -- real gateways -------------------------------------------------------------------
+
+
+def headers(raw) -> dict[str, str]:
+    return dict(item.split("=") for item in raw.headers["x-specgate-plan"].split(";"))
+
+
+def counter(base_url: str, name: str, **labels) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    total = 0.0
+    for m in re.finditer(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def complete(client: openai.OpenAI, model: str, prompt, n: int = 24, **headers_):
+    return client.completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0,
+        extra_body={"ignore_eos": True}, extra_headers=headers_)
+
+
+def test_untuned_model_stops_speculating_with_a_useless_head(tiny_model, tmp_path):
+    """No `specgate tune`, a head whose drafts are never accepted: after at
+    most 5 requests, at most 1 in 10 speculates (exploration), the rest are
+    `measured_loss` from live estimates."""
+    gw = start_gateway({"models": [{"id": "m", "path": str(tiny_model), "max_context": 2048,
+                                    "engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3}]},
+                       tmp_path)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+        plans = [headers(complete(client, "m", [7, 8, 9, i])) for i in range(25)]
+    finally:
+        stop_gateway(gw)
+    later = plans[5:]
+    print("\n" + "\n".join(f"{p['method']} {p['reason']} {p['source']}" for p in plans))
+    assert sum(p["method"] == "mtp" for p in later) <= len(later) / 10
+    assert all(p["source"] == "explore" for p in later if p["method"] == "mtp")
+    assert all((p["reason"], p["source"]) == ("measured_loss", "live")
+               for p in later if p["source"] != "explore")  # fmt: skip
+
+
+class PinnedCosts(LiveCosts):
+    """Failure injection: the live-cost estimates as if this machine had
+    measured a plain step at 10 ms and an MTP round at 10 + 1 ms per draft,
+    whatever it really measures (a CPU running a model this small cannot
+    show speculation winning)."""
+
+    def get(self, method, width, bucket):
+        from policies.live_costs import RunningEstimate
+
+        seconds = 0.010 * width if method == "none" else 0.010 + 0.001 * width
+        return RunningEstimate(mean=seconds, count=self.min_samples, warmed=True)
+
+    def measured(self, method, bucket=None):
+        return {(w, 0): self.get(method, w, 0) for w in range(1, 4)}
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    """An in-process gateway (real uvicorn on loopback) serving the aligned
+    head twice: "a" plain policy, "long" with long_context_tokens 64; both
+    with PinnedCosts."""
+    import uvicorn
+
+    from engines.checkpoints.tiny import build_qwen35_hybrid
+    from gateway.app import create_app
+    from gateway.config import parse_config
+
+    tmp = tmp_path_factory.mktemp("aligned")
+    path = build_qwen35_hybrid(tmp / "qwen35-aligned", seed=0, aligned_mtp=True)
+    model = {"path": str(path), "max_context": 2048, "engines": ["mlx_plain", "mlx_mtp"],
+             "mtp_depth": 3}
+    config = parse_config({"server": {"host": "127.0.0.1"}, "models": [
+        {"id": "a", **model}, {"id": "long", **model, "policy": {"long_context_tokens": 64}}]})
+    old_home = os.environ.get("SPECGATE_HOME")
+    os.environ["SPECGATE_HOME"] = str(tmp / "home")
+    app = create_app(config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("in-process gateway not ready")
+        for served in app.state.registry.models.values():
+            served.policy.costs = PinnedCosts()
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        if old_home is None:
+            os.environ.pop("SPECGATE_HOME", None)
+        else:
+            os.environ["SPECGATE_HOME"] = old_home
+
+
+def test_aligned_head_where_speculation_wins_keeps_speculating(aligned):
+    client = openai.OpenAI(base_url=aligned + "/v1", api_key="none", max_retries=0, timeout=120)
+    plans = [headers(complete(client, "a", [7, 8, 9, i])) for i in range(20)]
+    later = plans[3:]
+    assert sum(p["method"] == "none" for p in later) <= len(later) / 10
+    assert all((p["method"], p["reason"], p["source"]) == ("mtp", "spec_on", "live")
+               for p in later if p["source"] != "explore")  # fmt: skip
+    # Every draft accepted: the aligned head really is aligned.
+    drafted = counter(aligned, "specgate_spec_decode_num_draft_tokens_total", model="a")
+    assert drafted > 0
+    assert counter(aligned, "specgate_spec_decode_num_accepted_tokens_total", model="a") == drafted
+
+
+def test_depth_only_override_is_the_depth_of_every_round(aligned):
+    client = openai.OpenAI(base_url=aligned + "/v1", api_key="none", max_retries=0, timeout=120)
+    for _ in range(3):  # past the first requests' exploration
+        complete(client, "a", [1, 2, 3])
+    rounds = counter(aligned, "specgate_spec_decode_num_drafts_total", model="a")
+    drafted = counter(aligned, "specgate_spec_decode_num_draft_tokens_total", model="a")
+    raw = complete(client, "a", [4, 5, 6], n=40, **{"X-Specgate-Depth": "1"})
+    assert headers(raw)["depth"] == "1"
+    rounds = counter(aligned, "specgate_spec_decode_num_drafts_total", model="a") - rounds
+    drafted = counter(aligned, "specgate_spec_decode_num_draft_tokens_total", model="a") - drafted
+    assert rounds >= 20 and drafted == rounds  # one draft in every round, none deeper
+
+
+def test_a_stream_growing_past_long_context_goes_plain_at_the_next_round(aligned):
+    client = openai.OpenAI(base_url=aligned + "/v1", api_key="none", max_retries=0, timeout=120)
+    before = counter(aligned, "specgate_plan_decisions_total", model="long", method="none",
+                     reason="long_context")  # fmt: skip
+    plain_before = counter(aligned, "specgate_generation_tokens_total", model="long", method="none")
+    spec_before = counter(aligned, "specgate_generation_tokens_total", model="long", method="mtp")
+    raw = complete(client, "long", list(range(10, 50)), n=60)  # 40 prompt tokens: below 64
+    assert headers(raw)["method"] == "mtp"
+    assert raw.parse().usage.completion_tokens == 60
+    assert counter(aligned, "specgate_plan_decisions_total", model="long", method="none",
+                   reason="long_context") == before + 1  # fmt: skip
+    spec = counter(aligned, "specgate_generation_tokens_total", model="long", method="mtp") - spec_before
+    plain = counter(aligned, "specgate_generation_tokens_total", model="long", method="none") - plain_before
+    # Speculation until the context passed 64 (at most one round of 4 beyond), plain after.
+    assert 24 <= spec <= 28 and spec + plain == 60

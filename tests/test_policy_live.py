@@ -309,3 +309,30 @@ def test_a_stream_growing_past_long_context_goes_plain_at_the_next_round(aligned
     plain = counter(aligned, "specgate_generation_tokens_total", model="long", method="none") - plain_before
     # Speculation until the context passed 64 (at most one round of 4 beyond), plain after.
     assert 24 <= spec <= 28 and spec + plain == 60
+
+
+def test_a_tune_file_written_while_serving_is_used_by_the_next_request(tiny_model, tmp_path):
+    """No restart: the plan after the file appears counts on its numbers
+    (source=tune: plain decoding's cost, never run here, comes from it)."""
+    from kernels import tune
+
+    home = tmp_path / "home"
+    gw = start_gateway({"models": [{"id": "m", "path": str(tiny_model), "max_context": 2048,
+                                    "engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3,
+                                    "policy": {"explore_every": 0}}]},
+                       tmp_path, home=home)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+        complete(client, "m", [7, 8, 9], n=32, **{"X-Specgate-Method": "mtp"})  # acceptance, round costs
+        before = headers(complete(client, "m", [7, 8, 10]))
+        c1 = 0.004
+        verify = {ctx: {m: c1 * (1 + 0.1 * (m - 1)) for m in range(1, 17)} for ctx in (64, 1024, 4096)}
+        batched = {b: c1 * (1 + 0.2 * (b - 1)) for b in range(1, 9)}
+        rounds = {"mtp": {k: c1 * (1.2 + 0.2 * k) for k in range(1, 9)}}
+        tune.save(tune.measurements(verify, batched, rounds, str(tiny_model)),
+                  tune.tune_path(tiny_model, home))
+        after = headers(complete(client, "m", [7, 8, 11]))
+    finally:
+        stop_gateway(gw)
+    assert before["source"] == "rule"  # plain decoding's cost unknown: the idle rule
+    assert after["source"] == "tune", after

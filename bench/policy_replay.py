@@ -1,15 +1,20 @@
-"""specgate's plans vs always-speculate vs never-speculate vs the best fixed choice.
+"""specgate's plans vs always-speculate vs never-speculate vs the best fixed choice,
+with and without a `specgate tune` prior, in one run.
 
-    uv run python bench/policy_replay.py [--requests 8] [--max-tokens 64] [--skip-tune]
+    uv run python bench/policy_replay.py [--requests 4] [--passes 3] [--max-tokens 64]
 
-A mixed workload on the demo model, regime by regime: one stream at a time
+A mixed workload, regime by regime: on the demo model one stream at a time
 (code prompts; with presence/frequency penalties; with ~2k-token prompts),
-and 4 and 8 concurrent streams. Every regime runs three ways through one
-gateway: with no header (specgate's policy: `specgate tune` measurements of
-this machine, run first into a scratch SPECGATE_HOME, plus live acceptance),
-forced `X-Specgate-Method: mtp` (always speculate) and forced `none` (never),
-in --passes passes whose order rotates (this machine is shared: drift in its
-speed would otherwise favour whichever variant ran first).
+4 and 8 concurrent streams; and one stream on a tiny checkpoint whose MTP
+head is aligned to its trunk (every draft accepted: the regime whose best
+plan *is* speculation on this CPU). Each regime runs three ways: with no
+header (specgate's policy, on its own gateway, learning only from its own
+requests), forced `X-Specgate-Method: mtp` (always speculate) and forced
+`none` (never), those two on a second gateway; in --passes passes whose
+order rotates (this machine is shared: drift in its speed would otherwise
+favour whichever variant ran first). The whole replay runs twice: "untuned"
+(an empty SPECGATE_HOME: the policy learns from nothing) and "tuned"
+(`specgate tune` run first for both models: the prior).
 The oracle is the better of the two fixed choices per regime. Reported:
 aggregate generated tokens/s per regime, and the totals as ratios; the goal
 is >= 95% of the oracle and never more than 2% below never-speculate.
@@ -43,28 +48,31 @@ CODE = [
 ]
 LONG = "".join(Path(f).read_text(errors="replace") for f in sorted(
     (Path(os.__file__).parent / "json").glob("*.py")))[:9000]  # ~2k demo tokens
-REGIMES = {  # name: (concurrency, extra body, prompt maker)
-    "1 stream": (1, {}, lambda i: CODE[i % len(CODE)]),
-    "1 stream, penalties": (1, {"presence_penalty": 0.3, "frequency_penalty": 0.2},
+REGIMES = {  # name: (model, concurrency, extra body, prompt maker)
+    "1 stream": ("demo", 1, {}, lambda i: CODE[i % len(CODE)]),
+    "1 stream, penalties": ("demo", 1, {"presence_penalty": 0.3, "frequency_penalty": 0.2},
                             lambda i: CODE[i % len(CODE)]),
-    "1 stream, long prompt": (1, {}, lambda i: LONG[i * 97 :] + "\ndef "),
-    "4 streams": (4, {}, lambda i: CODE[i % len(CODE)]),
-    "8 streams": (8, {}, lambda i: CODE[i % len(CODE)]),
+    "1 stream, long prompt": ("demo", 1, {}, lambda i: LONG[i * 97 :] + "\ndef "),
+    "4 streams": ("demo", 4, {}, lambda i: CODE[i % len(CODE)]),
+    "8 streams": ("demo", 8, {}, lambda i: CODE[i % len(CODE)]),
+    "aligned head, 1 stream": ("aligned", 1, {}, lambda i: CODE[i % len(CODE)]),
 }
 VARIANTS = {"specgate": None, "always": "mtp", "never": "none"}
 
 
-async def one(client: httpx.AsyncClient, prompt: str, body: dict, method: str | None, n: int):
+async def one(client: httpx.AsyncClient, model: str, prompt: str, body: dict,
+              method: str | None, n: int):  # fmt: skip
     headers = {"X-Specgate-Method": method} if method else {}
     r = await client.post("/v1/completions", headers=headers, json={
-        "model": "demo", "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
         "ignore_eos": True, **body})  # fmt: skip
     r.raise_for_status()
-    return r.json()["usage"]["completion_tokens"], r.headers["x-specgate-plan"]
+    plan = dict(kv.split("=") for kv in r.headers["x-specgate-plan"].split(";"))
+    return r.json()["usage"]["completion_tokens"], f"{plan['reason']}/{plan['source']}"
 
 
 async def regime(url: str, name: str, method: str | None, requests: int, n: int):
-    concurrency, body, prompt = REGIMES[name]
+    model, concurrency, body, prompt = REGIMES[name]
     plans: Counter = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
         queue = list(range(requests))
@@ -74,12 +82,55 @@ async def regime(url: str, name: str, method: str | None, requests: int, n: int)
             nonlocal tokens
             while queue:
                 i = queue.pop()
-                got, plan = await one(client, prompt(i), body, method, n)
+                got, plan = await one(client, model, prompt(i), body, method, n)
                 tokens += got
-                plans[plan.split(";reason=")[1]] += 1
+                plans[plan] += 1
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return tokens, time.perf_counter() - t0, plans
+
+
+def models(aligned: Path) -> list[dict]:
+    # Every variant sends the same prompts: a prefix cache would hand the
+    # later ones free prefills.
+    common = {"engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3, "max_context": 8192,
+              "prefix_cache_size": 0}
+    return [{"id": "demo", "path": "builtin:demo", **common},
+            {"id": "aligned", "path": str(aligned), **common}]
+
+
+def replay(prior: str, aligned: Path, work: Path, args) -> dict:
+    home = work / f"home-{prior}"
+    if prior == "tuned":
+        for model in ("builtin:demo", str(aligned)):
+            print(f"specgate tune {model} ...", flush=True)
+            subprocess.run([sys.executable, "-m", "gateway.cli", "tune", model], cwd=REPO,
+                           env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+    (work / f"policy-{prior}").mkdir()
+    (work / f"forced-{prior}").mkdir()
+    rows = {}
+    with serving(models(aligned), work / f"policy-{prior}", home) as (policy_url, _), \
+            serving(models(aligned), work / f"forced-{prior}", home) as (forced_url, _):
+        for name in REGIMES:
+            # An untimed pass first on the forced gateway: batch shapes
+            # compile once (the policy's gateway learns from its own only).
+            asyncio.run(regime(forced_url, name, "none", REGIMES[name][1], 8))
+            totals = {v: [0, 0.0, Counter()] for v in VARIANTS}
+            for p in range(args.passes):
+                order = list(VARIANTS)[p % 3:] + list(VARIANTS)[: p % 3]
+                for variant in order:
+                    url = policy_url if VARIANTS[variant] is None else forced_url
+                    tokens, seconds, plans = asyncio.run(regime(
+                        url, name, VARIANTS[variant], args.requests, args.max_tokens))
+                    t = totals[variant]
+                    t[0], t[1] = t[0] + tokens, t[1] + seconds
+                    t[2].update(plans)
+            for variant, (tokens, seconds, plans) in totals.items():
+                rows[(name, variant)] = (tokens / seconds, plans)
+                print(f"  [{prior}] {name:24s} {variant:9s} {tokens / seconds:7.1f} tok/s  "
+                      f"{dict(plans)}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -87,46 +138,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per regime, variant and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes per regime, variants rotating")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--skip-tune", action="store_true", help="no measurements: the idle/busy rule")
+    ap.add_argument("--priors", default="untuned,tuned", help="which replays to run")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/policy_replay.json")
     args = ap.parse_args()
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        home, work = Path(tmp) / "home", Path(tmp)
-        if not args.skip_tune:
-            print("specgate tune builtin:demo ...", flush=True)
-            subprocess.run([sys.executable, "-m", "gateway.cli", "tune", "builtin:demo"], cwd=REPO,
-                           env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
-        model = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
-                 "mtp_depth": 3, "max_context": 8192,
-                 # Every variant sends the same prompts: a prefix cache would
-                 # hand the later ones free prefills.
-                 "prefix_cache_size": 0}
-        with serving([model], work, home) as (url, _):
-            rows = {}
-            for name in REGIMES:
-                # An untimed pass first: batch shapes compile once, for whichever variant.
-                asyncio.run(regime(url, name, "none", REGIMES[name][0], 8))
-                totals = {v: [0, 0.0, Counter()] for v in VARIANTS}
-                for p in range(args.passes):
-                    order = list(VARIANTS)[p % 3:] + list(VARIANTS)[: p % 3]
-                    for variant in order:
-                        tokens, seconds, plans = asyncio.run(regime(
-                            url, name, VARIANTS[variant], args.requests, args.max_tokens))
-                        t = totals[variant]
-                        t[0], t[1] = t[0] + tokens, t[1] + seconds
-                        t[2].update(plans)
-                for variant, (tokens, seconds, plans) in totals.items():
-                    rows[(name, variant)] = (tokens / seconds, plans)
-                    print(f"  {name:22s} {variant:9s} {tokens / seconds:7.1f} tok/s  {dict(plans)}",
-                          flush=True)
-    report(rows, args)
+        work = Path(tmp)
+        from engines.checkpoints.tiny import build_qwen35_hybrid
+
+        aligned = build_qwen35_hybrid(work / "qwen35-aligned", seed=0, aligned_mtp=True)
+        for prior in args.priors.split(","):
+            out[prior] = report(prior, replay(prior, aligned, work, args), args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
 
 
-def report(rows: dict, args) -> None:
-    print(f"\ndemo model, greedy, {args.max_tokens} tokens x {args.requests} requests x "
-          f"{args.passes} passes per regime and variant, {'untuned' if args.skip_tune else 'tuned'}")
-    print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | specgate's plans |")
+def report(prior: str, rows: dict, args) -> list[dict]:
+    print(f"\n{prior}: greedy, {args.max_tokens} tokens x {args.requests} requests x "
+          f"{args.passes} passes per regime and variant")
+    print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | specgate's plans (reason/source) |")
     print("|---|---|---|---|---|---|---|")
     totals = Counter()
     out = []
@@ -140,9 +170,8 @@ def report(rows: dict, args) -> None:
     print(f"| **all (sum of tok/s)** | {totals['specgate']:.1f} | {totals['always']:.1f} | "
           f"{totals['never']:.1f} | {totals['oracle']:.1f} | "
           f"{totals['specgate'] / totals['oracle']:.2f} | vs never: "
-          f"{totals['specgate'] / totals['never']:.2f} |")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+          f"{totals['specgate'] / totals['never']:.2f} |", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ A mixed workload, regime by regime: on the demo model one stream at a time
 4 and 8 concurrent streams; and one stream on a tiny checkpoint whose MTP
 head is aligned to its trunk (every draft accepted: the regime whose best
 plan *is* speculation on this CPU). Each regime runs three ways: with no
-header (specgate's policy, on its own gateway, learning only from its own
-requests), forced `X-Specgate-Method: mtp` (always speculate) and forced
-`none` (never), those two on a second gateway; in --passes passes whose
+header (specgate's policy, learning only from its own requests), forced
+`X-Specgate-Method: mtp` (always speculate) and forced `none` (never), those
+two on a twin model id sharing the same weights in the same gateway (so its
+policy learns nothing from them, and every variant runs on the same process
+with the same compiled shapes); in --passes passes whose
 order rotates (this machine is shared: drift in its speed would otherwise
 favour whichever variant ran first). The whole replay runs twice: "untuned"
 (an empty SPECGATE_HOME: the policy learns from nothing) and "tuned"
@@ -73,6 +75,7 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, body: dict,
 
 async def regime(url: str, name: str, method: str | None, requests: int, n: int):
     model, concurrency, body, prompt = REGIMES[name]
+    model += FORCED if method else ""
     plans: Counter = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
         queue = list(range(requests))
@@ -90,13 +93,17 @@ async def regime(url: str, name: str, method: str | None, requests: int, n: int)
         return tokens, time.perf_counter() - t0, plans
 
 
+FORCED = "-forced"  # the twin model id the forced variants and the warm-up use
+
+
 def models(aligned: Path) -> list[dict]:
     # Every variant sends the same prompts: a prefix cache would hand the
     # later ones free prefills.
     common = {"engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3, "max_context": 8192,
               "prefix_cache_size": 0}
-    return [{"id": "demo", "path": "builtin:demo", **common},
-            {"id": "aligned", "path": str(aligned), **common}]
+    return [{"id": name + twin, "path": path, **common}
+            for name, path in (("demo", "builtin:demo"), ("aligned", str(aligned)))
+            for twin in ("", FORCED)]
 
 
 def replay(prior: str, aligned: Path, work: Path, args) -> dict:
@@ -107,27 +114,25 @@ def replay(prior: str, aligned: Path, work: Path, args) -> dict:
             subprocess.run([sys.executable, "-m", "gateway.cli", "tune", model], cwd=REPO,
                            env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
                            stdout=subprocess.DEVNULL)  # fmt: skip
-    (work / f"policy-{prior}").mkdir()
-    (work / f"forced-{prior}").mkdir()
+    (work / prior).mkdir()
     rows = {}
-    with serving(models(aligned), work / f"policy-{prior}", home) as (policy_url, _), \
-            serving(models(aligned), work / f"forced-{prior}", home) as (forced_url, _):
+    with serving(models(aligned), work / prior, home) as (url, _):
         for name in REGIMES:
-            # An untimed pass first on the forced gateway: batch shapes
-            # compile once (the policy's gateway learns from its own only).
-            asyncio.run(regime(forced_url, name, "none", REGIMES[name][1], 8))
-            totals = {v: [0, 0.0, Counter()] for v in VARIANTS}
+            # An untimed pass first, on the twin: batch shapes compile once.
+            asyncio.run(regime(url, name, "none", REGIMES[name][1], 8))
+            asyncio.run(regime(url, name, "mtp", 1, 8))
+            totals = {v: [0, 0.0, Counter(), []] for v in VARIANTS}
             for p in range(args.passes):
                 order = list(VARIANTS)[p % 3:] + list(VARIANTS)[: p % 3]
                 for variant in order:
-                    url = policy_url if VARIANTS[variant] is None else forced_url
                     tokens, seconds, plans = asyncio.run(regime(
                         url, name, VARIANTS[variant], args.requests, args.max_tokens))
                     t = totals[variant]
                     t[0], t[1] = t[0] + tokens, t[1] + seconds
                     t[2].update(plans)
-            for variant, (tokens, seconds, plans) in totals.items():
-                rows[(name, variant)] = (tokens / seconds, plans)
+                    t[3].append(tokens / seconds)
+            for variant, (tokens, seconds, plans, passes) in totals.items():
+                rows[(name, variant)] = (tokens / seconds, plans, passes)
                 print(f"  [{prior}] {name:24s} {variant:9s} {tokens / seconds:7.1f} tok/s  "
                       f"{dict(plans)}", flush=True)
     return rows
@@ -156,8 +161,9 @@ def main() -> None:
 def report(prior: str, rows: dict, args) -> list[dict]:
     print(f"\n{prior}: greedy, {args.max_tokens} tokens x {args.requests} requests x "
           f"{args.passes} passes per regime and variant")
-    print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | specgate's plans (reason/source) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | "
+          "per pass (first: learning) | specgate's plans (reason/source) |")
+    print("|---|---|---|---|---|---|---|---|")
     totals = Counter()
     out = []
     for name in REGIMES:
@@ -165,11 +171,15 @@ def report(prior: str, rows: dict, args) -> list[dict]:
         oracle = max(a, n)
         totals.update({"specgate": s, "always": a, "never": n, "oracle": oracle})
         plans = ", ".join(f"{k} {v}" for k, v in rows[(name, "specgate")][1].items())
-        print(f"| {name} | {s:.1f} | {a:.1f} | {n:.1f} | {oracle:.1f} | {s / oracle:.2f} | {plans} |")
-        out.append({"regime": name, "specgate": s, "always": a, "never": n, "oracle": oracle})
+        per_pass = [sp / max(ap, np_) for sp, ap, np_ in
+                    zip(*(rows[(name, v)][2] for v in VARIANTS), strict=True)]  # fmt: skip
+        print(f"| {name} | {s:.1f} | {a:.1f} | {n:.1f} | {oracle:.1f} | {s / oracle:.2f} | "
+              f"{' '.join(f'{r:.2f}' for r in per_pass)} | {plans} |")
+        out.append({"regime": name, "specgate": s, "always": a, "never": n, "oracle": oracle,
+                    "per_pass_vs_oracle": per_pass})
     print(f"| **all (sum of tok/s)** | {totals['specgate']:.1f} | {totals['always']:.1f} | "
           f"{totals['never']:.1f} | {totals['oracle']:.1f} | "
-          f"{totals['specgate'] / totals['oracle']:.2f} | vs never: "
+          f"{totals['specgate'] / totals['oracle']:.2f} | | vs never: "
           f"{totals['specgate'] / totals['never']:.2f} |", flush=True)
     return out
 

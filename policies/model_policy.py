@@ -127,9 +127,10 @@ class LivePolicy:
         if (view is None or not idle or plan.reason not in ("spec_on", "measured_loss")
                 or features.forced_depth is not None or "none" not in engines):
             return None
-        context = features.prompt_tokens
-        arms = {m: self._measured(m, view, acceptance, context)
-                for m in engines if m in self.timed}  # fmt: skip
+        context, capable = features.prompt_tokens, self.policy.penalty_capable
+        arms = {m: self._measured(m, view, acceptance, context) for m in engines
+                if m in self.timed and (m == "none" or not features.has_penalties
+                                        or capable is None or m in capable)}  # fmt: skip
         if plan.method not in arms:
             return None
         arm = self._explorers[features.content].choose(plan.method, arms)

@@ -175,10 +175,10 @@ class MLXPlainEngine(WorkerEngine):
                 # is timed: it is what a plain step costs at this batch size.
                 decoding = [s for s in self._slots.values() if s.started]
                 timed = len(decoding) == len(self._slots)
-                t0 = time.perf_counter()
-                with self.loaded.lock:
+                with self.loaded.lock:  # timed inside: waiting for the lock is not the step's cost
+                    t0 = time.perf_counter()
                     prompt_responses, generation_responses = self._batch.next()
-                seconds = time.perf_counter() - t0
+                    seconds = time.perf_counter() - t0
                 self._store_prompt_caches(prompt_responses)
                 # One wake-up per event loop per step, not one per token.
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -1,4 +1,7 @@
-"""The cost model: what a plan is expected to deliver, in tokens per second.
+"""The cost model of `specgate tune`'s measurements, the policy's prior.
+
+policies/live_costs.py turns it into seconds (c1_seconds) wherever live
+estimates are missing.
 
 Everything is relative to c(1), a bare trunk forward over one token at short
 context, so measurements from `specgate tune` on the user's machine plug in
@@ -114,11 +117,3 @@ def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
         reach *= acceptance[j] if j < len(acceptance) else (acceptance[-1] if acceptance else 0.0)
         total += reach
     return total
-
-
-def speculative_speed(costs: CostModel, method: str, acceptance: Sequence[float], depth: int,
-                      context: int) -> float:
-    """One sequence's tokens/s at this depth, relative to plain decoding at
-    the same context."""
-    cost = costs.round_cost(method, depth, context)
-    return expected_tokens(acceptance, depth) * costs.plain_cost(context) / cost

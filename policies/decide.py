@@ -49,7 +49,7 @@ class ModelPolicy:
     # Methods whose drafter applies sampling penalties per draft position, so
     # a request with penalties keeps its distribution (None: every method).
     penalty_capable: frozenset[Method] | None = None
-    long_context_tokens: int | None = None  # beyond this prompt length: plain decoding
+    long_context_tokens: int | None = None  # beyond this context (prompt + output): plain
     min_params: int | None = None  # speculation only for models at least this big
     params: int | None = None  # this model's parameter count
     auto_depth: bool = True  # the cost model may pick any depth up to the method's

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.base import LiveState
-from policies.costs import CostModel, DraftCost, expected_tokens, speculative_speed
+from policies.costs import CostModel, DraftCost, expected_tokens
 from policies.decide import ModelPolicy, RequestFeatures, candidates, decide
 
 ACCEPT = [0.72, 0.60, 0.50, 0.45, 0.40, 0.35, 0.30]
@@ -37,11 +37,18 @@ def req(prompt=100, penalties=False, depth=None) -> RequestFeatures:
     return RequestFeatures(prompt, penalties, None, depth)
 
 
+def speedup(costs: CostModel, acceptance, depth: int, prompt: int = 0) -> float:
+    """MTP at this depth relative to plain decoding, as the policy predicts it."""
+    options = candidates(POLICY, ["mtp"], req(prompt=prompt), IDLE, costs, {"mtp": acceptance})
+    speed = {(c.method, c.depth): c.speed for c in options}
+    return speed[("mtp", depth)] / speed[("none", 0)]
+
+
 def test_expected_tokens_and_speed():
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens([], 3) == 1.0
     # OptiQ's K=1 point comes back out of the pinned curve.
-    assert speculative_speed(STOCK_4BIT, "mtp", ACCEPT, 1, 0) == pytest.approx(1.72 / 1.26)
+    assert speedup(STOCK_4BIT, ACCEPT, 1) == pytest.approx(1.72 / 1.26)
 
 
 def test_stock_4bit_curve_chooses_depth_1():
@@ -169,7 +176,7 @@ def test_fixed_step_costs_turn_a_textbook_win_into_a_measured_loss():
     fit = draft_fit(rounds, verify, 11.5)
     measured = CostModel(bare.verify, draft={"mtp": DraftCost(**fit)}, plain_step=7.7 / 11.5)
     for k, seconds in rounds.items():
-        assert speculative_speed(measured, "mtp", [0.6] * 3, k, 0) == pytest.approx(
+        assert speedup(measured, [0.6] * 3, k) == pytest.approx(
             expected_tokens([0.6] * 3, k) * 7.7 / seconds, rel=0.03)
     plan = decide(POLICY, req(), IDLE, measured, {"mtp": [0.6] * 3})
     assert (plan.method, plan.reason) == ("none", "measured_loss")

@@ -1,7 +1,7 @@
 """specgate's plans vs always-speculate vs never-speculate vs the best fixed choice,
 with and without a `specgate tune` prior, in one run.
 
-    uv run python bench/policy_replay.py [--requests 4] [--passes 3] [--max-tokens 64]
+    uv run python bench/policy_replay.py [--requests 8] [--passes 5] [--max-tokens 64]
 
 A mixed workload, regime by regime: on the demo model one stream at a time
 (code prompts; with presence/frequency penalties; with ~2k-token prompts),
@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ CODE = [
 LONG = "".join(Path(f).read_text(errors="replace") for f in sorted(
     (Path(os.__file__).parent / "json").glob("*.py")))[:9000]  # ~2k demo tokens
 REGIMES = {  # name: (model, concurrency, extra body, prompt maker)
+    # (the long-prompt regime runs a quarter of --requests: each takes ~10 s to prefill here)
     "1 stream": ("demo", 1, {}, lambda i: CODE[i % len(CODE)]),
     "1 stream, penalties": ("demo", 1, {"presence_penalty": 0.3, "frequency_penalty": 0.2},
                             lambda i: CODE[i % len(CODE)]),
@@ -78,6 +80,7 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, body: dict,
 async def regime(url: str, name: str, method: str | None, requests: int, n: int):
     model, concurrency, body, prompt = REGIMES[name]
     model += FORCED if method else ""
+    requests = max(2, requests // 4) if "long" in name else requests
     plans: Counter = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
         queue = list(range(requests))
@@ -142,8 +145,8 @@ def replay(prior: str, aligned: Path, work: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=4, help="requests per regime, variant and pass")
-    ap.add_argument("--passes", type=int, default=3, help="passes per regime, variants rotating")
+    ap.add_argument("--requests", type=int, default=8, help="requests per regime, variant and pass")
+    ap.add_argument("--passes", type=int, default=5, help="passes per regime, variants rotating")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--priors", default="untuned,tuned", help="which replays to run")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/policy_replay.json")
@@ -164,7 +167,7 @@ def report(prior: str, rows: dict, args) -> list[dict]:
     print(f"\n{prior}: greedy, {args.max_tokens} tokens x {args.requests} requests x "
           f"{args.passes} passes per regime and variant")
     print("| regime | specgate tok/s | always | never | oracle | specgate/oracle | "
-          "per pass (first: learning) | specgate's plans (reason/source) |")
+          "per pass: median [min-max] (first: learning) | specgate's plans (reason/source) |")
     print("|---|---|---|---|---|---|---|---|")
     totals = Counter()
     out = []
@@ -176,7 +179,8 @@ def report(prior: str, rows: dict, args) -> list[dict]:
         per_pass = [sp / max(ap, np_) for sp, ap, np_ in
                     zip(*(rows[(name, v)][2] for v in VARIANTS), strict=True)]  # fmt: skip
         print(f"| {name} | {s:.1f} | {a:.1f} | {n:.1f} | {oracle:.1f} | {s / oracle:.2f} | "
-              f"{' '.join(f'{r:.2f}' for r in per_pass)} | {plans} |")
+              f"{statistics.median(per_pass):.2f} [{min(per_pass):.2f}-{max(per_pass):.2f}] "
+              f"({per_pass[0]:.2f}) | {plans} |")
         out.append({"regime": name, "specgate": s, "always": a, "never": n, "oracle": oracle,
                     "per_pass_vs_oracle": per_pass})
     print(f"| **all (sum of tok/s)** | {totals['specgate']:.1f} | {totals['always']:.1f} | "

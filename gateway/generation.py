@@ -184,7 +184,7 @@ def plan_request(
     content = content_class(prompt_text) if prompt_text else "prose"
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content)
     try:
-        plan, planner = served.policy.start(features, served.live_state())
+        plan, planner = served.policy.start(features, served.planning_state())
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
     honoured = _honouring(served, plan, sampling)

@@ -59,10 +59,23 @@ class ServedModel:
         return "; ".join(problems) or None
 
     def live_state(self) -> LiveState:
+        """What its engines are doing: decoding, and queued inside them."""
         states = [e.live_state() for e in self.engines.values()]
         return LiveState(
             active_requests=sum(s.active_requests for s in states),
             waiting_requests=sum(s.waiting_requests for s in states),
+            context_tokens=0,
+        )
+
+    def planning_state(self) -> LiveState:
+        """What the policy plans around: the engines' state, plus requests
+        holding a slot that have not reached an engine yet and those queued
+        for a slot. In a burst, the second request is planned before the
+        first has reached its engine: it must count."""
+        engines = self.live_state()
+        return LiveState(
+            active_requests=max(engines.active_requests, self.gate.running - engines.waiting_requests),
+            waiting_requests=engines.waiting_requests + self.gate.waiting,
             context_tokens=0,
         )
 
@@ -131,7 +144,7 @@ def _policy(served: ServedModel) -> LivePolicy:
 
         # Read at every decision (one stat): a tune run while serving counts at once.
         prior = TuneFile(path, mc.kernels).costs
-    return LivePolicy(policy, live_state=served.live_state, prior=prior,
+    return LivePolicy(policy, live_state=served.planning_state, prior=prior,
                       timed=timed_methods(served.engines), explore_every=mc.policy.explore_every)
 
 

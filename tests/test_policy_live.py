@@ -15,6 +15,7 @@ directly; then real gateways with the real openai SDK:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -336,3 +337,25 @@ def test_a_tune_file_written_while_serving_is_used_by_the_next_request(tiny_mode
         stop_gateway(gw)
     assert before["source"] == "rule"  # plain decoding's cost unknown: the idle rule
     assert after["source"] == "tune", after
+
+
+def test_a_burst_counts_requests_not_yet_in_an_engine():
+    """The second request of a burst is planned before the first reached its
+    engine: holding a slot (or queued for one) it counts, so the second
+    batches instead of starting a speculative prefill."""
+    from gateway.config import parse_config
+    from gateway.models import ServedModel
+    from policies.model_policy import LivePolicy
+
+    served = ServedModel(parse_config({"models": [{"id": "m", "path": "x", "max_concurrent": 1}]}).models[0])
+    policy = LivePolicy(MTP, live_state=served.planning_state)
+    assert policy.start(RequestFeatures(20, False), served.planning_state())[0].method == "mtp"
+    assert served.gate.reserve("k") is None  # the first holds the slot, not yet in an engine
+    plan, _ = policy.start(RequestFeatures(20, False), served.planning_state())
+    assert (plan.method, plan.reason) == ("none", "concurrency")
+
+    async def third():  # queued for the slot (a waiting place is a future)
+        served.gate.reserve("k")
+        return served.planning_state()
+
+    assert asyncio.run(third()) == LiveState(1, 1, 0)

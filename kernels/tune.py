@@ -270,10 +270,9 @@ def sanitize(data: dict) -> tuple[dict, list[str]]:
             out["draft"][method], msg = _clamped_fit(method, fit, out)
             msgs.append(msg)
 
-    # A plain step may cost less than the bare forward c(1) is timed on
-    # (BatchGenerator overlaps a step's graph building with the last one's
-    # compute: the demo measured 7.7 vs 11.5 ms), so only a non-positive one
-    # is nonsense.
+    # plain_step is not checked against 1: a BatchGenerator step may cost
+    # less than the bare forward c(1) is timed on (it overlaps a step's graph
+    # building with the last one's compute: the demo measured 7.7 vs 11.5 ms).
     return out, msgs
 
 

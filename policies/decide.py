@@ -167,6 +167,8 @@ def decide(
         live = LiveState(0, 0, live.context_tokens)
     busy = live.active_requests + live.waiting_requests > 0
     measured = [m for m in speculative if acceptance and m in acceptance]
+    if isinstance(costs, CostModel):  # a prior alone: wrapped once, not per candidates() call
+        costs = prior_view(costs)
     options = candidates(policy, measured, request, live, costs, acceptance) if costs and measured else []
     if not any(c.method == "none" for c in options) or all(c.method == "none" for c in options):
         # Nothing to compare yet: speculation serves one sequence, batching the rest.

@@ -152,19 +152,18 @@ class CostView:
             # Other depths of this method measured here: a round's cost is
             # close to linear in its depth (one verify row and one draft per
             # token), anchored at depth 0, which is a plain step.
-            depths = sorted(w for w, _ in measured)
             if self.prior is not None:
-                near = min(depths, key=lambda w: abs(w - depth))
+                near = min((w for w, _ in measured), key=lambda w: abs(w - depth))
                 prior_near = self._prior(method, near, context)
                 prior_here = self._prior(method, depth, context)
                 if prior_near and prior_here:
                     return Estimate(measured[(near, bucket)].mean * prior_here / prior_near, "live")
-            return self._linear(method, depth, bucket, measured)
+            return self._linear(depth, bucket, measured)
         if (prior := self._prior(method, depth, context)) is not None:
             return Estimate(prior * self._scale, "tune")
         return self._nearest(method, depth, bucket)
 
-    def _linear(self, method: Method, depth: int, bucket: int,
+    def _linear(self, depth: int, bucket: int,
                 measured: dict[tuple[int, int], RunningEstimate]) -> Estimate | None:  # fmt: skip
         points = {w: e.mean for (w, _), e in measured.items()}
         if (plain := self.live.get("none", 1, bucket)) is not None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
+# The methods engines serve (engines/registry.py lists the engines and the
+# method of each; tests/test_registry.py checks the two agree).
 Method = Literal["none", "mtp", "dflash", "dspark", "llamacpp_mtp"]
-METHODS: tuple[Method, ...] = ("none", "mtp", "dflash", "dspark", "llamacpp_mtp")
+METHODS: tuple[Method, ...] = get_args(Method)
+PLAIN: Method = "none"  # plain decoding: no drafts
 
 # The closed set of reasons a plan can give. Metrics label by these, so the
 # set must stay small and fixed.

@@ -1,0 +1,108 @@
+"""engines/registry.py: one record per engine, the one place that lists them.
+
+Config validation, engine construction, the policy and tuning iterate over
+it, so an engine added there (here: fake records, made for these tests
+only) is served without editing gateway/ or policies/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from engines import registry
+from engines.base import METHODS, PLAIN
+from engines.registry import GGUF, MLX, BuildContext, EngineRecord
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeEngine:
+    """Stands in for an engine: records and builders only pass it around."""
+
+    def __init__(self, name: str, model_id: str = "m"):
+        self.name, self.model_id = name, model_id
+        self.max_drafts = 5
+
+
+def _fake_builder(calls: list):
+    def build(ctx: BuildContext, names: tuple[str, ...]):
+        calls.append(names)
+        return {n: FakeEngine(n, ctx.model_id) for n in names}, {}
+
+    return build
+
+
+def test_the_records_agree_with_method():
+    assert set(registry.methods()) == set(METHODS)
+    assert registry.methods() == METHODS  # the same order too
+    assert PLAIN in METHODS
+    for r in registry.records():
+        assert r.method in METHODS, r
+        assert registry.record(r.name) is r and registry.method_of(r.name) == r.method
+
+
+def test_every_format_has_a_default_plain_engine_and_names_are_unique():
+    assert len(set(registry.names())) == len(registry.names())
+    for fmt in (MLX, GGUF):
+        defaults = [r for r in registry.records(fmt) if r.default]
+        assert len(defaults) == 1 and not defaults[0].speculative
+    assert set(registry.names(MLX)) | set(registry.names(GGUF)) == set(registry.names())
+
+
+def test_records_describe_the_engines():
+    r = {rec.name: rec for rec in registry.records()}
+    assert r["mlx_plain"].always and not any(x.always for x in registry.records(GGUF))
+    assert r["mlx_mtp"].needs == "mtp_head" and r["llamacpp_mtp"].needs == "mtp_head"
+    assert (r["mlx_dflash"].drafter_kind, r["mlx_dspark"].drafter_kind) == ("dflash", "dspark")
+    assert registry.excludes("mlx_dflash") == ("mlx_dspark",)
+    assert registry.excludes("mlx_dspark") == ("mlx_dflash",) and registry.excludes("mlx_mtp") == ()
+    assert [n for n, x in r.items() if x.fixed_depth] == ["llamacpp_mtp"]
+    assert [n for n, x in r.items() if x.times_rounds] == ["mlx_plain", "mlx_mtp", "mlx_dflash",
+                                                            "mlx_dspark"]
+    assert [n for n, x in r.items() if x.tune] == ["mlx_mtp", "mlx_dflash", "mlx_dspark"]
+    # llama.cpp's two engines are built together, from one read of the GGUF.
+    assert r["llamacpp"].build is r["llamacpp_mtp"].build
+    assert len({x.build for x in registry.records(MLX)}) == len(registry.records(MLX))
+    ctx = BuildContext("m", "p", MLX, mtp_depth=3, block_depth=None)
+    engine = FakeEngine("mlx_dflash")  # max_drafts 5
+    assert r["mlx_dflash"].depth(ctx, engine) == 5 and r["mlx_dflash"].depth_cap(engine) == 5
+    ctx.block_depth = 2
+    assert r["mlx_dspark"].depth(ctx, engine) == 2 and r["mlx_mtp"].depth(ctx, engine) == 3
+    ctx.block_depth = 9
+    assert r["mlx_dflash"].depth(ctx, engine) == 5
+
+
+def test_a_shared_builder_builds_once_with_the_names_in_the_config_order():
+    calls_pair, calls_one = [], []
+    pair, one = _fake_builder(calls_pair), _fake_builder(calls_one)
+    fakes = (EngineRecord("fake_a", PLAIN, GGUF, pair), EngineRecord("fake_b", "mtp", GGUF, pair),
+             EngineRecord("fake_c", "dflash", GGUF, one))
+    with registry.registered(*fakes):
+        ctx = BuildContext("m", "x.gguf", GGUF, engines=("fake_c", "fake_b", "fake_a"))
+        built, refused = registry.build_engines(ctx)
+    assert calls_pair == [("fake_b", "fake_a")] and calls_one == [("fake_c",)]
+    assert list(built) == ["fake_b", "fake_a", "fake_c"] and refused == {}
+    assert "fake_a" not in registry.names()  # gone with the block
+
+
+def test_register_refuses_a_name_twice():
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(EngineRecord("mlx_plain", PLAIN, MLX, _fake_builder([])))
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_registry_imports_neither_gateway_nor_policies():
+    found = _imports(REPO / "engines/registry.py")
+    assert not [m for m in found if m.split(".")[0] in ("gateway", "policies")], found

@@ -7,13 +7,22 @@ expected, never with a traceback from deep inside the server.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from engines.checkpoints.default_model import (  # the builtin names: engines resolves them
+from engines import registry
+from engines.builders.builtin_models import (  # the builtin names: engines resolves them
     BUILTIN_DEMO,
     BUILTIN_DEMO_DFLASH,
     BUILTIN_DEMO_GGUF,
@@ -22,8 +31,16 @@ from engines.checkpoints.default_model import (  # the builtin names: engines re
 )
 from policies.config import PolicyConfig
 
-MLX_ENGINES = ("mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark")
-LLAMACPP_ENGINES = ("llamacpp", "llamacpp_mtp")
+
+def _known_engine(name: str) -> str:
+    """An engine engines/registry.py lists (read at validation, not import)."""
+    if name not in registry.names():
+        raise PydanticCustomError("unknown_engine", "no such engine; engines: {known}",
+                                  {"known": ", ".join(registry.names())})
+    return name
+
+
+EngineName = Annotated[str, AfterValidator(_known_engine)]
 
 
 class _Strict(BaseModel):
@@ -58,7 +75,7 @@ class AuthConfig(_Strict):
 
     @property
     def keys_path(self) -> Path:
-        from engines.checkpoints.default_model import specgate_home
+        from engines.home import specgate_home
 
         return Path(self.keys_file).expanduser() if self.keys_file else specgate_home() / "keys"
 
@@ -101,9 +118,8 @@ class ModelConfig(_Strict):
     # llama-server, llamacpp_mtp one with --spec-type draft-mtp; list both to
     # let the policy choose per request (two processes, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
-    engines: list[
-        Literal["mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark", "llamacpp", "llamacpp_mtp"]
-    ] = Field(default_factory=list)
+    # (The engines are engines/registry.py's records.)
+    engines: list[EngineName] = Field(default_factory=list)
     mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (llamacpp_mtp: --spec-draft-n-max)
     # The block engine's drafter: a DFlash (z-lab layout) or DSpark (DeepSpec)
     # directory, or "builtin:demo-dflash".
@@ -127,6 +143,10 @@ class ModelConfig(_Strict):
     def is_gguf(self) -> bool:
         return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
 
+    @property
+    def format(self) -> registry.Format:
+        return registry.GGUF if self.is_gguf else registry.MLX
+
     @field_validator("path")
     @classmethod
     def _path_is_there(cls, v: str) -> str:
@@ -141,22 +161,26 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engines_fit_the_format(self) -> ModelConfig:
+        fmt = self.format
         if not self.engines:
-            self.engines = ["llamacpp"] if self.is_gguf else ["mlx_plain"]
-        fits = LLAMACPP_ENGINES if self.is_gguf else MLX_ENGINES
+            self.engines = [r.name for r in registry.records(fmt) if r.default]
+        fits = registry.names(fmt)
         wrong = [e for e in self.engines if e not in fits]
         if wrong:
-            kind = "a GGUF file" if self.is_gguf else "an MLX/Hugging Face checkpoint"
             raise ValueError(
-                f"engines {wrong} cannot serve {kind} ({self.path}); use {' / '.join(fits)}"
+                f"engines {wrong} cannot serve {fmt.description} ({self.path}); use {' / '.join(fits)}"
             )
         if len(set(self.engines)) != len(self.engines):
             raise ValueError(f"engines lists one twice: {self.engines}")
-        block = [e for e in self.engines if e in ("mlx_dflash", "mlx_dspark")]
-        if len(block) > 1:
-            raise ValueError("one block drafter per model: mlx_dflash or mlx_dspark, not both")
-        if bool(block) != (self.drafter is not None):
-            raise ValueError("a block engine (mlx_dflash / mlx_dspark) and `drafter` go together")
+        for name in self.engines:  # e.g. one block drafter per model: dflash or dspark
+            if any(e in self.engines for e in registry.excludes(name)):
+                listed = [e for e in registry.names()
+                          if e == name or (e in registry.excludes(name) and e in self.engines)]
+                raise ValueError(f"one {registry.record(name).exclusive} per model: "
+                                 f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
+        drafted = [r.name for r in registry.records() if r.needs == "drafter"]
+        if any(e in drafted for e in self.engines) != (self.drafter is not None):
+            raise ValueError(f"a block engine ({' / '.join(drafted)}) and `drafter` go together")
         return self
 
 
@@ -210,7 +234,8 @@ class ConfigError(Exception):
 def default_config() -> Config:
     """What `specgate serve` with no arguments serves."""
     return Config(
-        models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO, engines=["mlx_plain", "mlx_mtp"])]
+        models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO,
+                            engines=[registry.MLX_PLAIN, registry.MLX_MTP])]  # fmt: skip
     )
 
 

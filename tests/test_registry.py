@@ -106,3 +106,73 @@ def _imports(path: Path) -> set[str]:
 def test_the_registry_imports_neither_gateway_nor_policies():
     found = _imports(REPO / "engines/registry.py")
     assert not [m for m in found if m.split(".")[0] in ("gateway", "policies")], found
+
+
+# ---------------------------------------------------------------- config validation
+
+
+def _config(tmp_path, fmt, engines, **extra):
+    from gateway.config import parse_config
+
+    (tmp_path / "m.gguf").touch()
+    path = str(tmp_path / "m.gguf") if fmt == GGUF else "some/dir"
+    return parse_config({"models": [{"id": "m", "path": path, "engines": engines, **extra}]})
+
+
+def _error(tmp_path, fmt, engines, **extra) -> str:
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, fmt, engines, **extra)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("fmt", [MLX, GGUF], ids=lambda f: f.name)
+def test_config_accepts_exactly_the_registry_engines_of_a_format(tmp_path, fmt):
+    for r in registry.records():
+        drafter = {"drafter": "builtin:demo-dflash"} if r.needs == "drafter" else {}
+        if r.format == fmt:
+            assert _config(tmp_path, fmt, [r.name], **drafter).models[0].engines == [r.name]
+        else:
+            message = _error(tmp_path, fmt, [r.name], **drafter)
+            assert f"cannot serve {fmt.description}" in message
+            assert " / ".join(registry.names(fmt)) in message, message
+    default = [r.name for r in registry.records(fmt) if r.default]
+    assert _config(tmp_path, fmt, []).models[0].engines == default
+
+
+def test_a_made_up_engine_is_refused_with_the_valid_ones(tmp_path):
+    message = _error(tmp_path, MLX, ["mlx_plain", "mlx_warp"])
+    assert "models.0.engines.1" in message and "'mlx_warp'" in message
+    assert ", ".join(registry.names()) in message, message
+
+
+def test_one_engine_of_an_exclusive_group_and_the_drafter_it_needs(tmp_path):
+    message = _error(tmp_path, MLX, ["mlx_dflash", "mlx_dspark"], drafter="builtin:demo-dflash")
+    assert "one block drafter per model: mlx_dflash or mlx_dspark, not both" in message
+    assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain", "mlx_dspark"])
+    assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain"],
+                                              drafter="builtin:demo-dflash")
+
+
+def _fake_records(calls: list) -> tuple[EngineRecord, ...]:
+    """Engines that do not exist, for these tests only: one that drafts
+    through a made-up method, and a GGUF one built with its sibling."""
+    pair = _fake_builder(calls)
+    return (
+        EngineRecord("mlx_fake", "fake", MLX, _fake_builder(calls),  # type: ignore[arg-type]
+                     depth=lambda ctx, e: 3, depth_cap=lambda e: e.max_drafts),
+        EngineRecord("gguf_fake", "gguf_fake", GGUF, pair,  # type: ignore[arg-type]
+                     depth=lambda ctx, e: ctx.mtp_depth, fixed_depth=True, times_rounds=False),
+        EngineRecord("gguf_fake_plain", PLAIN, GGUF, pair, times_rounds=False),
+    )
+
+
+def test_a_new_record_is_accepted_by_the_config(tmp_path):
+    with registry.registered(*_fake_records([])):
+        assert _config(tmp_path, MLX, ["mlx_plain", "mlx_fake"]).models[0].engines == [
+            "mlx_plain", "mlx_fake"]
+        assert "use mlx_plain / mlx_mtp / mlx_dflash / mlx_dspark / mlx_fake" in _error(
+            tmp_path, MLX, ["gguf_fake"])
+        assert "mlx_fake" in _error(tmp_path, MLX, ["warp"])  # the list names it
+    assert "no such engine" in _error(tmp_path, MLX, ["mlx_fake"])  # and forgets it after

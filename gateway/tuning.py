@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 from kernels import hook, tune
 from policies.costs import CostModel
 
@@ -79,55 +79,45 @@ MAX_TUNED_DEPTH = 8
 PROMPT_TOKENS = 64
 
 
-def _round_timers(model_path: Path, drafter: str | None, kernels: bool = False) -> dict[str, tuple]:
-    """method -> (round_at, depths): round_at(k) runs one real round of that
-    method's decoder at depth k, on a fresh sequence per depth (so every
-    depth is timed at the same short context)."""
+def _round_timers(loaded, model_path: Path, drafter: str | None, kernels: bool = False,
+                  progress=lambda line: None) -> dict[str, tuple]:  # fmt: skip
+    """method -> (round_at, depths) for every in-process speculative engine
+    (engines/registry.py) this checkpoint, and `drafter`, can run: the engine
+    built as the gateway builds it, not started; round_at(k) runs one real
+    round of its decoder at depth k, on a fresh sequence per depth (so every
+    depth is timed at the same short context), at depths 1..min(its cap,
+    MAX_TUNED_DEPTH)."""
     import mlx.core as mx
 
-    from engines.base import GenerationRequest, Plan, SamplingParams
-    from engines.loading import load_mlx_model
-    from engines.mlx_mtp.decoder import MTPDecoder
-    from engines.mlx_mtp.loading import load_mtp_head
-    from engines.trunk import Trunk
+    from engines import registry
 
-    loaded = load_mlx_model(str(model_path))
-    trunk = Trunk(loaded.model)
-    trunk.kernels = kernels  # rounds verify as the engines will
+    # Rounds verify as the engines will: through the kernels where tune wired them.
+    context = registry.BuildContext("tune", str(model_path), registry.MLX,
+                                    kernels="auto" if kernels else "off", mtp_depth=MAX_TUNED_DEPTH,
+                                    drafter=drafter, loaded=loaded)  # fmt: skip
     prompt = mx.random.randint(0, loaded.vocab_size, (PROMPT_TOKENS,), key=mx.random.key(2)).tolist()
-    makers = {}
-    try:
-        head = load_mtp_head(loaded)
-        makers["mtp"] = (lambda request: MTPDecoder(trunk, head, request, None, 0, None),
-                         MAX_TUNED_DEPTH)  # fmt: skip
-    except ValueError:  # no usable MTP head: nothing to time
-        pass
-    if drafter is not None:
-        from engines.mlx_block.decoder import DFlashDecoder, DSparkDecoder
-        from engines.mlx_block.dspark import DSparkDrafter
-        from engines.mlx_block.engine import MLXDFlashEngine, MLXDSparkEngine
-
+    timers: dict[str, tuple] = {}
+    timed: list[str] = []
+    unread: dict[str, str] = {}  # drafter engines that could not take `drafter`, and why
+    for record in registry.records(registry.MLX):
+        if (record.tune is None or (record.needs == "drafter" and drafter is None)
+                or any(e in timed for e in registry.excludes(record.name))):  # one drafter
+            continue
         try:
-            d = MLXDSparkEngine.load_drafter(drafter)
-        except (ValueError, KeyError):
-            d = MLXDFlashEngine.load_drafter(drafter)
-        if isinstance(d, DSparkDrafter):
-            makers["dspark"] = (lambda request: DSparkDecoder(trunk, d, request, None, 0, None),
-                                d.args.block_size)  # fmt: skip
-        else:
-            makers["dflash"] = (lambda request: DFlashDecoder(trunk, d, request, None, 0, None),
-                                d.args.block_size - 1)  # fmt: skip
-
-    def timer(make):
-        def round_at(depth: int):
-            request = GenerationRequest("tune", "tune", prompt, SamplingParams(), 1 << 20,
-                                        Plan("tune", "none", depth, "spec_on"))  # fmt: skip
-            decoder = make(request)
-            decoder.prefill()
-            return lambda: decoder.round(depth)
-        return round_at
-
-    return {m: (timer(make), range(1, depth + 1)) for m, (make, depth) in makers.items()}
+            engine = record.build(context, (record.name,))[0][record.name]
+        except (ValueError, KeyError) as e:  # no MTP head; a drafter of another kind
+            if record.needs == "drafter":
+                unread[record.name] = str(e)
+            else:
+                progress(f"{record.method}: not timed ({record.name}: {e})")
+            continue
+        cap = record.depth_cap(engine) if record.depth_cap else MAX_TUNED_DEPTH
+        timers[record.method] = (record.tune(engine, prompt), range(1, min(cap, MAX_TUNED_DEPTH) + 1))
+        timed.append(record.name)
+    if drafter is not None and not any(registry.record(n).needs == "drafter" for n in timed):
+        raise ValueError(f"{drafter}: no engine reads this drafter: "
+                         + "; ".join(f"{n}: {why}" for n, why in unread.items()))
+    return timers
 
 
 def _kernels(model, progress):
@@ -152,7 +142,7 @@ def _print_curves(stock: dict, kern: dict, progress) -> None:
 
 
 def run_cli(args) -> int:
-    from engines.checkpoints.default_model import resolve_builtin  # builtin:demo and friends
+    from engines.builders.builtin_models import resolve_builtin  # builtin:demo and friends
 
     # Resolved to an absolute path when it names a directory here: Path("./m")
     # prints as "m", which mlx-lm would take for a hub repo id.
@@ -183,7 +173,7 @@ def run_cli(args) -> int:
         stock, verify = None, tune.measure_verify(loaded.model, vocab, reps=args.reps,
                                                   progress=progress)  # fmt: skip
     batched = tune.measure_batched(loaded.model, vocab, reps=args.reps, progress=progress)
-    timers = _round_timers(path, drafter, kernels=wired.enabled)
+    timers = _round_timers(loaded, path, drafter, kernels=wired.enabled, progress=progress)
     rounds = {method: tune.measure_rounds(round_at, depths, reps=args.reps, name=method,
                                           progress=progress)
               for method, (round_at, depths) in timers.items()}  # fmt: skip

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engines.base import (
     METHODS,
+    PLAIN,
     Engine,
     EngineError,
     EngineOverloaded,
@@ -222,10 +223,10 @@ def _honouring(served: ServedModel, plan: Plan, sampling: SamplingParams) -> Pla
     refusal = served.engines[plan.engine].refusal(sampling)
     if refusal is None:
         return plan
-    plain = served.policy.policy.engines_by_method.get("none")
+    plain = served.policy.policy.engines_by_method.get(PLAIN)
     if plan.reason != "forced_by_request" and plain is not None and plain != plan.engine:
         if served.engines[plain].refusal(sampling) is None:
-            return Plan(plain, "none", 0, refusal.reason)
+            return Plan(plain, PLAIN, 0, refusal.reason)
     raise APIError(400, f"model '{served.id}' ({plan.engine}) cannot serve this request exactly: "
                         f"{refusal.message}", param=refusal.param, code="unsupported_parameter")
 

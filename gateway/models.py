@@ -7,16 +7,14 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines import registry
 from engines.base import Engine, LiveState
-from engines.checkpoints.default_model import resolve_builtin
+from engines.builders.builtin_models import resolve_builtin
 from gateway.admission import ModelGate
 from gateway.config import Config, LlamaServerConfig, ModelConfig
 from policies.model_policy import LivePolicy, build_policy, timed_methods
 
 log = logging.getLogger(__name__)
-
-# Used when neither the config nor the checkpoint names a context length.
-FALLBACK_MAX_CONTEXT = 4096
 
 @dataclass
 class ServedModel:
@@ -40,8 +38,10 @@ class ServedModel:
     @property
     def engine(self) -> Engine | None:
         """The front engine, present once loaded: it tokenizes for all of the
-        model's engines (they share one vocabulary) and sets its limits."""
-        return self.engines.get("mlx_plain") or next(iter(self.engines.values()), None)
+        model's engines (they share one vocabulary) and sets its limits. The
+        first built: its format's always-built engine where it has one
+        (engines/registry.build_engines builds those first)."""
+        return next(iter(self.engines.values()), None)
 
     @property
     def state(self) -> str:
@@ -80,66 +80,39 @@ class ServedModel:
         )
 
 
+def build_context(mc: ModelConfig, llama_server: LlamaServerConfig) -> registry.BuildContext:
+    """What the model's engines are built from (engines/registry.py), as plain values."""
+    lc = mc.llamacpp
+    return registry.BuildContext(
+        mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
+        max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
+        prefix_cache_size=mc.prefix_cache_size, kernels=mc.kernels, mtp_depth=mc.mtp_depth,
+        block_depth=mc.block_depth, drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
+        llama_server=registry.LlamaServerSettings(
+            binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
+            threads=lc.threads, extra_args=tuple(lc.extra_args), read_timeout=lc.read_timeout_s,
+            progress_timeout=lc.progress_timeout_s, health_interval=lc.health_interval_s,
+            health_timeout=lc.health_timeout_s, health_failures=lc.health_failures,
+        ),
+    )
+
+
 def _build_engines(
     mc: ModelConfig, llama_server: LlamaServerConfig
-) -> tuple[dict[str, Engine], dict[str, str]]:
-    """Blocking: loads weights (once per path) and builds the model's engines,
-    with the configured ones it refused and why."""
-    if mc.is_gguf:
-        from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
-
-        lc = mc.llamacpp
-        return build_llamacpp_engines(
-            mc.id, Path(resolve_builtin(mc.path)), list(mc.engines), depth=mc.mtp_depth,
-            max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
-            binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
-            threads=lc.threads, extra_args=lc.extra_args, read_timeout=lc.read_timeout_s,
-            progress_timeout=lc.progress_timeout_s,
-            health=HealthCheck(lc.health_interval_s, lc.health_timeout_s, lc.health_failures),
-        )
-    from engines.loading import load_mlx_model
-    from engines.mlx_plain import MLXPlainEngine
-
-    loaded = load_mlx_model(resolve_builtin(mc.path))
-    max_context = mc.max_context or loaded.max_position_embeddings or FALLBACK_MAX_CONTEXT
-    engines: dict[str, Engine] = {
-        "mlx_plain": MLXPlainEngine(
-            mc.id,
-            loaded,
-            max_context=max_context,
-            max_concurrent=mc.max_concurrent,
-            max_queue=mc.max_queue,
-            prefix_cache_size=mc.prefix_cache_size,
-        )
-    }
-    if "mlx_mtp" in mc.engines:
-        from engines.mlx_mtp.engine import MLXMTPEngine
-
-        # Asked for by name: a checkpoint that cannot do MTP fails to load
-        # with the reason, rather than quietly serving plain decoding.
-        engines["mlx_mtp"] = MLXMTPEngine(
-            mc.id, loaded, max_context=max_context, max_queue=mc.max_queue,
-            kernels=mc.kernels, verify_depth=mc.mtp_depth,
-        )
-    for name in ("mlx_dflash", "mlx_dspark"):
-        if name in mc.engines:
-            from engines.mlx_block.engine import MLXDFlashEngine, MLXDSparkEngine
-
-            cls = MLXDFlashEngine if name == "mlx_dflash" else MLXDSparkEngine
-            engines[name] = cls(mc.id, loaded, resolve_builtin(mc.drafter),
-                                max_context=max_context, max_queue=mc.max_queue,
-                                kernels=mc.kernels, verify_depth=mc.block_depth)
-    return engines, {}
+) -> tuple[registry.BuildContext, dict[str, Engine], dict[str, str]]:
+    """Blocking (a builtin may be made on first use; weights load, once per
+    path): the model's engines, with the configured ones refused and why."""
+    context = build_context(mc, llama_server)
+    return (context, *registry.build_engines(context))
 
 
-def _policy(served: ServedModel) -> LivePolicy:
+def _policy(served: ServedModel, context: registry.BuildContext) -> LivePolicy:
     mc = served.config
     policy = build_policy(served.id, served.engines, served.refused, mc.policy,
-                          mtp_depth=mc.mtp_depth, block_depth=mc.block_depth,
-                          params=_parameter_count(served))  # fmt: skip
+                          context=context, params=_parameter_count(served))  # fmt: skip
     prior = lambda: None  # noqa: E731
-    path = Path(resolve_builtin(mc.path))
-    if not mc.is_gguf and path.is_dir():  # a hub id: tune measures local directories
+    path = Path(context.path)
+    if context.format.in_process and path.is_dir():  # a hub id: tune measures local directories
         from gateway.tuning import TuneFile
 
         # Read at every decision (one stat): a tune run while serving counts at once.
@@ -179,7 +152,7 @@ class ModelRegistry:
         served.loaded.clear()
         served.error, served.unloaded = None, False
         try:
-            engines, refused = await asyncio.to_thread(
+            context, engines, refused = await asyncio.to_thread(
                 _build_engines, served.config, self.llama_server
             )
             try:
@@ -190,7 +163,7 @@ class ModelRegistry:
                     await engine.stop()
                 raise
             served.engines, served.refused = engines, refused
-            served.policy = _policy(served)
+            served.policy = _policy(served, context)
             log.info("model %s ready (%s)", served.id, ", ".join(engines))
         except Exception as e:  # one bad model must not take down the others
             served.error = f"{type(e).__name__}: {e}"

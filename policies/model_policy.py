@@ -17,7 +17,9 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from engines import registry
 from engines.base import LiveState, Method, Plan, RoundStats
+from engines.registry import BuildContext
 from policies.acceptance import AcceptanceTracker
 from policies.config import PolicyConfig
 from policies.content import CONTENT_CLASSES, ContentClass
@@ -26,35 +28,35 @@ from policies.decide import FixedPlanner, ModelPolicy, RequestFeatures, candidat
 from policies.explore import Explorer
 from policies.live_costs import CostView, LiveCosts
 
-# Which method each engine serves, in the policy's order of preference.
-METHOD_OF_ENGINE: dict[str, Method] = {
-    "mlx_mtp": "mtp", "mlx_dflash": "dflash", "mlx_dspark": "dspark", "llamacpp_mtp": "llamacpp_mtp",
-    "mlx_plain": "none", "llamacpp": "none",
-}
 # Plans whose reason cannot change while the request runs: no need to ask again.
 _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
 
 
 def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[str, str],
-                 config: PolicyConfig, *, mtp_depth: int, block_depth: int | None,
+                 config: PolicyConfig, *, context: BuildContext,
                  params: int | None) -> ModelPolicy:  # fmt: skip
-    """The model's ModelPolicy from its config and the engines it got."""
-    # Speculative methods in the config's order, plain decoding last.
-    order = sorted(engines, key=lambda name: METHOD_OF_ENGINE[name] == "none")
-    methods = {METHOD_OF_ENGINE[name]: name for name in order}
-    refused_methods = {METHOD_OF_ENGINE[name]: why for name, why in refused.items()}
-    # llama-server's draft depth is set when the process starts (see engines/llamacpp).
-    fixed = ("llamacpp_mtp",) if "llamacpp_mtp" in methods else ()
+    """The model's ModelPolicy from its config, the engines it got (each
+    described by its engines/registry.py record) and the settings they were
+    built with."""
+    # Speculative methods in the order the engines were built, plain decoding last.
+    order = sorted(engines, key=lambda name: not registry.record(name).speculative)
+    methods = {registry.method_of(name): name for name in order}
+    refused_methods = {registry.method_of(name): why for name, why in refused.items()}
+    # Depths set when the engine starts (llama-server's --spec-draft-n-max).
+    fixed = tuple(registry.method_of(n) for n in order if registry.record(n).fixed_depth)
     depths, caps = {}, {}
-    for name, method in (("mlx_dflash", "dflash"), ("mlx_dspark", "dspark")):
-        if name in engines:
-            caps[method] = engines[name].max_drafts
-            depths[method] = min(block_depth or caps[method], caps[method])
-    if isinstance(config.depth, int):  # a fixed depth for every in-process method
-        for method in ("mtp", "dflash", "dspark"):
-            depths[method] = min(config.depth, caps.get(method, config.depth))
+    for name in order:
+        record = registry.record(name)
+        if record.depth_cap is not None:
+            caps[record.method] = record.depth_cap(engines[name])
+        if record.depth is not None:
+            depths[record.method] = record.depth(context, engines[name])
+    if isinstance(config.depth, int):  # a fixed depth for every method a request may set
+        for method in depths:
+            if method not in fixed:
+                depths[method] = min(config.depth, caps.get(method, config.depth))
     return ModelPolicy(
-        model_id, methods, mtp_depth, refused_methods, fixed, depths, caps,
+        model_id, methods, context.mtp_depth, refused_methods, fixed, depths, caps,
         penalty_capable=frozenset() if config.penalties == "plain" else None,
         long_context_tokens=_number(config.long_context_tokens),
         min_params=config.min_params,
@@ -68,7 +70,8 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
 def timed_methods(engines: Mapping[str, object]) -> frozenset[Method]:
     """Methods whose engines time every round (the in-process ones; llama-server
     reports sums), so their costs can be learned live."""
-    return frozenset(METHOD_OF_ENGINE[name] for name in engines if name.startswith("mlx_"))
+    return frozenset(registry.method_of(name) for name in engines
+                     if registry.record(name).times_rounds)  # fmt: skip
 
 
 def _number(value: str | int) -> int | None:

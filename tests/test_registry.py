@@ -176,3 +176,106 @@ def test_a_new_record_is_accepted_by_the_config(tmp_path):
             tmp_path, MLX, ["gguf_fake"])
         assert "mlx_fake" in _error(tmp_path, MLX, ["warp"])  # the list names it
     assert "no such engine" in _error(tmp_path, MLX, ["mlx_fake"])  # and forgets it after
+
+
+# ---------------------------------------------------------------- engines and policy
+
+
+def test_a_new_record_is_built_and_planned_without_editing_gateway_or_policies(tmp_path):
+    from engines.base import LiveState
+    from gateway.models import ServedModel, _build_engines, _policy
+    from policies.decide import RequestFeatures, decide
+
+    calls = []
+    with registry.registered(*_fake_records(calls)):
+        # A GGUF model served by the fake pair: built by one call of their builder.
+        config = _config(tmp_path, GGUF, ["gguf_fake_plain", "gguf_fake"], mtp_depth=3)
+        mc = config.models[0]
+        served = ServedModel(mc)
+        context, served.engines, served.refused = _build_engines(mc, config.llama_server)
+        assert calls == [("gguf_fake_plain", "gguf_fake")] and list(served.engines) == [
+            "gguf_fake_plain", "gguf_fake"]
+        assert served.engine is served.engines["gguf_fake_plain"]
+        live = _policy(served, context)
+        p = live.policy
+        assert p.engines_by_method == {"gguf_fake": "gguf_fake", PLAIN: "gguf_fake_plain"}
+        assert p.fixed_depth == ("gguf_fake",) and p.depth("gguf_fake") == 3
+        assert live.timed == frozenset()  # neither times its rounds
+
+        # An MLX model with the fake drafting engine beside the plain one.
+        config = _config(tmp_path, MLX, ["mlx_plain", "mlx_fake"], policy={"depth": 2})
+        served = ServedModel(config.models[0])
+        served.engines = {"mlx_plain": FakeEngine("mlx_plain"), "mlx_fake": FakeEngine("mlx_fake")}
+        from gateway.models import build_context
+
+        live = _policy(served, build_context(served.config, config.llama_server))
+        p = live.policy
+        assert p.engines_by_method == {"fake": "mlx_fake", PLAIN: "mlx_plain"}
+        assert p.caps == {"fake": 5} and p.depth("fake") == 2  # the config's depth, under its cap
+        assert live.timed == frozenset({PLAIN, "fake"})
+        plan = decide(p, RequestFeatures(20, False), LiveState(0, 0, 0))  # idle: speculate
+        assert (plan.engine, plan.method, plan.depth) == ("mlx_fake", "fake", 2)
+
+
+def test_the_policy_reads_depths_caps_and_order_from_the_records(tmp_path):
+    from policies.config import PolicyConfig
+    from policies.model_policy import build_policy, timed_methods
+
+    stubs = {n: FakeEngine(n) for n in ("mlx_plain", "mlx_mtp", "mlx_dspark")}  # max_drafts 5
+    ctx = BuildContext("m", "p", MLX, mtp_depth=3, block_depth=None)
+    p = build_policy("m", stubs, {}, PolicyConfig(), context=ctx, params=None)
+    assert list(p.engines_by_method) == ["mtp", "dspark", PLAIN]  # speculative first, as built
+    assert (p.depths, p.caps, p.fixed_depth, p.max_depth) == ({"mtp": 3, "dspark": 5},
+                                                              {"dspark": 5}, (), 3)
+    ctx.block_depth = 4
+    p = build_policy("m", stubs, {}, PolicyConfig(depth=6), context=ctx, params=None)
+    assert p.depths == {"mtp": 6, "dspark": 5} and not p.auto_depth
+    assert timed_methods(stubs) == {PLAIN, "mtp", "dspark"}
+
+    stubs = {n: FakeEngine(n) for n in ("llamacpp_mtp", "llamacpp")}
+    ctx = BuildContext("m", "m.gguf", GGUF, mtp_depth=4)
+    p = build_policy("m", stubs, {}, PolicyConfig(depth=2), context=ctx, params=None)
+    assert p.engines_by_method == {"llamacpp_mtp": "llamacpp_mtp", PLAIN: "llamacpp"}
+    assert p.fixed_depth == ("llamacpp_mtp",) and p.depth("llamacpp_mtp") == 4  # set at start
+    assert timed_methods(stubs) == frozenset()
+    p = build_policy("m", {"llamacpp": stubs["llamacpp"]}, {"llamacpp_mtp": "no MTP layers"},
+                     PolicyConfig(), context=ctx, params=None)
+    assert p.refused == {"llamacpp_mtp": "no MTP layers"}
+
+
+# ---------------------------------------------------------------- what names engines
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def test_gateway_and_policies_spell_out_no_engine_and_no_speculative_method():
+    """Only the registry lists engines: code in gateway/ and policies/ names
+    none (comments and docstrings may); policies/ may name plain decoding
+    ("none"), whose rules are about it."""
+    import re
+
+    words = re.compile(r"\b(" + "|".join(map(re.escape, registry.names())) + r")\b")
+    methods = {m for m in registry.methods() if m != PLAIN}
+    found = []
+    for path in sorted([*REPO.glob("gateway/*.py"), *REPO.glob("policies/*.py")]):
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docs
+                    and (node.value in methods or words.search(node.value))):  # fmt: skip
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert not found, found
+
+
+def test_no_import_circle_between_models_and_tuning():
+    assert not [m for m in _imports(REPO / "gateway/tuning.py") if m.startswith("gateway")]
+    assert "gateway.tuning" in _imports(REPO / "gateway/models.py")  # the one direction

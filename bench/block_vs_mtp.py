@@ -25,7 +25,7 @@ from mlx_lm.utils import load_model
 from tokenizers import Tokenizer
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.default_model import default_model_path, demo_dflash_path
+from engines.builders.builtin_models import default_model_path, demo_dflash_path
 from engines.loading import LoadedModel
 from engines.mlx_block.decoder import DFlashDecoder
 from engines.mlx_block.dflash import load_dflash

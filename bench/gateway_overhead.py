@@ -46,7 +46,7 @@ import httpx
 import numpy as np
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
 from engines.mlx_plain import MLXPlainEngine
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.checkpoints.default_model import default_model_path
-from engines.checkpoints.demo_training import evaluate, load_demo
-from engines.checkpoints.tokenizer import ENDOFTEXT
+from engines.builders.builtin_models import default_model_path
+from engines.builders.demo_training import evaluate, load_demo
+from engines.builders.tokenizer import ENDOFTEXT
 
 
 def heldout_tokens(model_dir: Path, limit: int) -> tuple[np.ndarray, list[str]]:

@@ -154,7 +154,7 @@ def main() -> None:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        from engines.checkpoints.tiny import build_qwen35_hybrid
+        from engines.builders.tiny import build_qwen35_hybrid
 
         aligned = build_qwen35_hybrid(work / "qwen35-aligned", seed=0, aligned_mtp=True)
         for prior in args.priors.split(","):

@@ -30,7 +30,7 @@ from mlx_lm.utils import load_model
 from tokenizers import Tokenizer
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.default_model import default_model_path
+from engines.builders.builtin_models import default_model_path
 from engines.loading import LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head

@@ -87,9 +87,9 @@ def load_mlx_model(path: str) -> LoadedModel:
     `path` is a local directory or a hub repo id; only a hub repo id that is
     not already in the local hub cache downloads anything (never while
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
-    path, the download, the tokenizer (engines/checkpoints/mlx_load.py).
+    path, the download, the tokenizer (engines/mlx_load.py).
     """
-    from engines.checkpoints.mlx_load import load  # lazily: mlx-lm pulls in transformers
+    from engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
 
     key = str(Path(path).resolve()) if Path(path).exists() else path
     with _lock:

@@ -190,19 +190,20 @@ def _run_server(config: Config, sockets: list[socket.socket]) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from engines.builders.builtin_models import builtin_path
     from engines.checkpoints.inspect import run_cli
 
-    return run_cli(args.model, args.target, args.json)
+    return run_cli(args.model, args.target, args.json, builtin=builtin_path)
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from engines.checkpoints.demo_training import run_cli
+    from engines.builders.demo_training import run_cli
 
     return run_cli(args)
 
 
 def _demo_drafter(args: argparse.Namespace) -> int:
-    from engines.checkpoints.dflash_training import run_cli
+    from engines.builders.dflash_training import run_cli
 
     return run_cli(args)
 
@@ -214,8 +215,8 @@ def _install_llama_server(args: argparse.Namespace) -> int:
 
 
 def _tune(args) -> int:
-    from engines.checkpoints.default_model import UnknownBuiltin
-    from engines.checkpoints.mlx_load import CheckpointLoadError
+    from engines.builders.builtin_models import UnknownBuiltin
+    from engines.mlx_load import CheckpointLoadError
     from gateway.tuning import run_cli
 
     try:
@@ -246,7 +247,7 @@ class _VersionAction(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engines.checkpoints import training_args
+    from engines.builders import training_args
 
     parser = argparse.ArgumentParser(
         prog="specgate", description="An OpenAI/Anthropic-compatible LLM gateway over "

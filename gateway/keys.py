@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 from gateway.quotas import KeyLimits
 
 KEY_PREFIX = "sg-"

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.tiny import build_qwen35_hybrid
 
 REPO = Path(__file__).resolve().parents[1]
 

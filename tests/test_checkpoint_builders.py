@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engines.checkpoints import drafters, tiny
-from engines.checkpoints.drafters import (
+from engines.builders import drafters, tiny
+from engines.builders.drafters import (
     build_dflash_drafter,
     build_dspark_drafter,
     build_gemma4_assistant,
     default_target_layer_ids,
 )
-from engines.checkpoints.tiny import (
+from engines.builders.tiny import (
     apply_double_norm_shift,
     build_qwen3_dense,
     build_qwen3_next,

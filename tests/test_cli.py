@@ -13,7 +13,7 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from engines.checkpoints.default_model import DEFAULT_MODEL_ID
+from engines.builders.builtin_models import DEFAULT_MODEL_ID
 
 
 def test_serve_without_config_serves_the_demo(tmp_path):
@@ -71,7 +71,7 @@ def test_help_imports_no_heavy_module(command):
 
 def test_demo_trainers_keep_their_options():
     # The options moved out of the trainers: the trainers still read them.
-    from engines.checkpoints.training_args import DrafterConfig, TrainConfig
+    from engines.builders.training_args import DrafterConfig, TrainConfig
 
     proc, _ = _probe("demo-model", "--help")
     assert "--steps STEPS" in proc.stdout and "--size {default,large,tiny}" in proc.stdout

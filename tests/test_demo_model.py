@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engines.checkpoints.default_model import default_model_path
-from engines.checkpoints.demo_training import (
+from engines.builders.builtin_models import default_model_path
+from engines.builders.demo_training import (
     TrainConfig,
     evaluate,
     load_demo,

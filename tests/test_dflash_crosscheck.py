@@ -28,8 +28,8 @@ from peers.mlx_dspark_env import mlx_dspark_python
 from test_dflash_exactness import Target
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.drafters import build_dflash_drafter
-from engines.checkpoints.tiny import build_qwen3_dense, build_qwen35_hybrid
+from engines.builders.drafters import build_dflash_drafter
+from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
 from engines.mlx_block.decoder import DFlashDecoder
 
 N = 32

@@ -20,8 +20,8 @@ from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.drafters import build_dflash_drafter
-from engines.checkpoints.tiny import build_qwen3_dense, build_qwen35_hybrid
+from engines.builders.drafters import build_dflash_drafter
+from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
 from engines.mlx_block.decoder import DFlashDecoder
 from engines.mlx_block.dflash import load_dflash
 from engines.mlx_block.engine import check_pairing

@@ -15,10 +15,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints import dflash_training as dt
-from engines.checkpoints.default_model import default_model_path, demo_dflash_path
-from engines.checkpoints.drafters import build_dflash_drafter
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders import dflash_training as dt
+from engines.builders.builtin_models import default_model_path, demo_dflash_path
+from engines.builders.drafters import build_dflash_drafter
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.mlx_block.decoder import DFlashDecoder
 from engines.mlx_block.dflash import load_dflash
 from engines.mlx_block.engine import check_pairing

@@ -23,8 +23,8 @@ from test_mtp_distribution import wrong_rule
 
 from engines import spec_decoder
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.drafters import build_dspark_drafter
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.drafters import build_dspark_drafter
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.mlx_block.decoder import DSparkDecoder
 from engines.mlx_block.dspark import load_dspark
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engines.checkpoints.gguf_export import export_gguf
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.gguf_export import export_gguf
+from engines.builders.tiny import build_qwen35_hybrid
 
 T = "model.language_model."
 

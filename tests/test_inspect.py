@@ -17,13 +17,12 @@ import gguf
 import numpy as np
 import pytest
 
-from engines.checkpoints.drafters import (
+from engines.builders.drafters import (
     build_dflash_drafter,
     build_dspark_drafter,
     build_gemma4_assistant,
 )
-from engines.checkpoints.inspect import UsageError, inspect_checkpoint, render_text
-from engines.checkpoints.tiny import (
+from engines.builders.tiny import (
     LAYOUT_CONFIRMED,
     apply_double_norm_shift,
     build_qwen3_dense,
@@ -32,6 +31,7 @@ from engines.checkpoints.tiny import (
     build_qwen35_moe,
     strip_mtp,
 )
+from engines.checkpoints.inspect import UsageError, inspect_checkpoint, render_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -450,7 +450,7 @@ def write_nextn_checkpoint(dest: Path, model_type: str, *, with_head: bool = Tru
     """DeepSeek-V3's layout in miniature: the MTP layer is model.layers.{N}."""
     from safetensors.numpy import save_file
 
-    from engines.checkpoints.tokenizer import build_tokenizer
+    from engines.builders.tokenizer import build_tokenizer
 
     h, n, vocab = 32, 2, 512
     dest.mkdir(parents=True)

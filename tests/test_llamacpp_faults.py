@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
-from engines.checkpoints.gguf_export import export_gguf
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.gguf_export import export_gguf
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
 from engines.llamacpp.engine import LlamaCppEngine
 from engines.llamacpp.process import LlamaServer, ServerSpec
@@ -41,7 +41,7 @@ FAST = HealthCheck(interval=0.3, timeout=1.0, failures=3)
 def demo_gguf(llama_server_binary) -> Path:
     # Resolved under the real SPECGATE_HOME (exported there once), before
     # `home` points it at the test's own directory for the servers' logs.
-    from engines.checkpoints.default_model import demo_gguf_path
+    from engines.builders.builtin_models import demo_gguf_path
 
     return demo_gguf_path()
 

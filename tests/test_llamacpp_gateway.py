@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from engines.checkpoints.gguf_export import export_gguf
+from engines.builders.gguf_export import export_gguf
 from tests.conftest import REPO, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server

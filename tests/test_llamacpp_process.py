@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.checkpoints.gguf_export import export_gguf
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.gguf_export import export_gguf
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.llamacpp.process import LlamaServer, LlamaServerError, ServerSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import openai
 import pytest
 from conftest import start_gateway, stop_gateway
 
-from engines.checkpoints.mlx_load import CheckpointLoadError
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
+from engines.mlx_load import CheckpointLoadError
 
 
 def test_weights_load_once_per_path(tiny_model):

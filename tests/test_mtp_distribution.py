@@ -29,7 +29,7 @@ from mlx_lm.utils import load_model
 from engines import spec_decoder as decoder_module  # where the acceptance rules are called
 from engines import speculative
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head

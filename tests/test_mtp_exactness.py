@@ -21,8 +21,8 @@ from mlx_lm.utils import load_model
 from tokenizers import Tokenizer
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.default_model import default_model_path
-from engines.checkpoints.tiny import build_qwen3_next, build_qwen35_hybrid, build_qwen35_moe
+from engines.builders.builtin_models import default_model_path
+from engines.builders.tiny import build_qwen3_next, build_qwen35_hybrid, build_qwen35_moe
 from engines.loading import LoadedModel
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head

@@ -18,13 +18,13 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from engines.checkpoints.reader import read_checkpoint
-from engines.checkpoints.tiny import (
+from engines.builders.tiny import (
     build_qwen3_next,
     build_qwen35_hybrid,
     build_qwen35_moe,
     strip_mtp,
 )
+from engines.checkpoints.reader import read_checkpoint
 from engines.loading import load_mlx_model
 from engines.mlx_mtp.head import MTPHead
 from engines.mlx_mtp.loading import load_mtp_head

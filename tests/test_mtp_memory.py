@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.checkpoints.tiny import build_qwen35_hybrid
+from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
 from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.engine import MLXMTPEngine

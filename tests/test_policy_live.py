@@ -228,7 +228,7 @@ def aligned(tmp_path_factory):
     with PinnedCosts."""
     import uvicorn
 
-    from engines.checkpoints.tiny import build_qwen35_hybrid
+    from engines.builders.tiny import build_qwen35_hybrid
     from gateway.app import create_app
     from gateway.config import parse_config
 

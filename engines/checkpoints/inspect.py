@@ -6,18 +6,20 @@
 It takes what `specgate serve` takes: a builtin name (builtin:demo,
 builtin:demo-gguf, builtin:demo-dflash), a local path, or a Hugging Face
 repo id, looked up only in the local hub cache: inspect never downloads.
+Builtin names are resolved by the caller's `builtin` (the CLI passes
+engines.builders.builtin_models.builtin_path): this package only reads.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from .default_model import BUILTIN_PREFIX, builtin_path
-from .locate import REPO_ID, cached_snapshot, looks_local, not_downloaded
+from .locate import BUILTIN_PREFIX, REPO_ID, cached_snapshot, looks_local, not_downloaded
 from .reader import CheckpointError, CheckpointInfo, read_checkpoint
 from .verdicts import EngineFit, Judgement, Problem, judge_drafter, judge_gguf, judge_target
 
@@ -82,12 +84,20 @@ class Report:
 # ---------------------------------------------------------------- locating
 
 
-def resolve_local(source: str) -> Path:
-    """A builtin's path, a local path, or the snapshot of a hub repo already
-    in the local cache."""
+# A builtin name's path (engines.builders.builtin_models.builtin_path); it
+# raises ValueError for a name that is none, FileNotFoundError for an
+# incomplete install.
+BuiltinResolver = Callable[[str], Path]
+
+
+def resolve_local(source: str, builtin: BuiltinResolver | None = None) -> Path:
+    """A builtin's path (through `builtin`), a local path, or the snapshot of
+    a hub repo already in the local cache."""
     if source.startswith(BUILTIN_PREFIX):
+        if builtin is None:
+            raise UsageError(f"{source}: a builtin name, and no builtin models here")
         try:
-            return builtin_path(source)
+            return builtin(source)
         except (ValueError, FileNotFoundError) as e:  # unknown name, incomplete install
             raise UsageError(str(e)) from None
     path = Path(source).expanduser()
@@ -196,14 +206,16 @@ def _judge(info: CheckpointInfo) -> Judgement:
     return judge_gguf(info) if info.format == "gguf" else judge_target(info)
 
 
-def inspect_checkpoint(path_or_repo: str, *, target: str | None = None) -> Report:
-    """Read `path_or_repo` (and `target`, for a drafter) and judge it.
+def inspect_checkpoint(path_or_repo: str, *, target: str | None = None,
+                       builtin: BuiltinResolver | None = None) -> Report:
+    """Read `path_or_repo` (and `target`, for a drafter) and judge it;
+    `builtin` resolves builtin names (see resolve_local).
 
     Raises UsageError for what is not there or a --target on a non-drafter;
     everything wrong with a checkpoint that is there comes back as problems.
     """
-    path = resolve_local(path_or_repo)
-    target_path = resolve_local(target) if target else None
+    path = resolve_local(path_or_repo, builtin)
+    target_path = resolve_local(target, builtin) if target else None
     try:
         info = read_checkpoint(path)
     except CheckpointError as e:
@@ -321,10 +333,10 @@ def render_text(r: Report) -> str:
 
 
 def run_cli(source: str, target: str | None, as_json: bool, out: TextIO = sys.stdout,
-            err: TextIO = sys.stderr) -> int:
+            err: TextIO = sys.stderr, *, builtin: BuiltinResolver | None = None) -> int:
     """`specgate inspect`: 0 usable, 1 incompatible / no MTP heads, 2 usage error."""
     try:
-        report = inspect_checkpoint(source, target=target)
+        report = inspect_checkpoint(source, target=target, builtin=builtin)
     except UsageError as e:
         print(f"specgate inspect: {e}", file=err)
         return EXIT_USAGE

@@ -1,8 +1,8 @@
 """Where a model that a config or a command names lives.
 
-A name is a builtin ("builtin:demo", default_model.py), a local path, or a
-Hugging Face repo id ("org/name"). Reading one never downloads: a repo id is
-looked up in the local hub cache only. What a name looks like decides which
+A name is a builtin ("builtin:demo", engines/builders/builtin_models.py), a
+local path, or a Hugging Face repo id ("org/name"). Reading one never
+downloads: a repo id is looked up in the local hub cache only. What a name looks like decides which
 error makes sense when nothing is there: a path that "does not exist", or a
 repo that "is not downloaded".
 """
@@ -16,6 +16,9 @@ from pathlib import Path
 # The hub's `org/name` form (huggingface_hub's validate_repo_id, less its
 # finer rules: a name that passes this and is wrong fails there, clearly).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a config or a command may name instead of a path (the names and their
+# paths: engines/builders/builtin_models.py, which builds some on first use).
+BUILTIN_PREFIX = "builtin:"
 _TRUE = {"1", "ON", "YES", "TRUE"}  # how huggingface_hub reads its boolean variables
 
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 
 # The llama.cpp release vendored in llama-cpp-python 0.3.36 (its CHANGELOG names
 # ggml-org/llama.cpp@0c1e57098, which is tag b11312; see

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 from engines.llamacpp.binary import LLAMA_CPP_TAG, installed_llama_server_path, llama_server_version
 
 PINNED = "0.3.36"  # llama-cpp-python; vendors llama.cpp LLAMA_CPP_TAG (b11312)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 from engines.llamacpp.binary import find_llama_server
 
 log = logging.getLogger(__name__)

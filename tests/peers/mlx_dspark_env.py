@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.checkpoints.default_model import specgate_home
+from engines.home import specgate_home
 
 MLX_DSPARK_VERSION = "0.20.3"
 PYTHON_VERSION = "3.11"

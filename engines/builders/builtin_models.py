@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engines.checkpoints.locate import BUILTIN_PREFIX
+from engines.home import specgate_home
+
 DEFAULT_MODEL_ID = "specgate-demo"
-# What a config or a command may name instead of a path (builtin_path).
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_DEMO = "builtin:demo"
 # The demo model exported to GGUF (MTP head as nextn) on first use, for llama-server.
 BUILTIN_DEMO_GGUF = "builtin:demo-gguf"
@@ -21,11 +22,6 @@ BUILTIN_DEMO_DFLASH = "builtin:demo-dflash"  # the demo's trained DFlash drafter
 BUILTINS = (BUILTIN_DEMO, BUILTIN_DEMO_GGUF, BUILTIN_DEMO_DFLASH)
 PACKAGED_DEMO = Path(__file__).parent / "demo"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def specgate_home() -> Path:
-    """Where specgate keeps everything it writes ($SPECGATE_HOME, ~/.specgate)."""
-    return Path(os.environ.get("SPECGATE_HOME") or Path.home() / ".specgate").expanduser()
 
 
 def default_model_path() -> Path:
@@ -60,7 +56,7 @@ def demo_gguf_path() -> Path:
     """
     import hashlib
 
-    from engines.checkpoints.gguf_export import export_gguf
+    from engines.builders.gguf_export import export_gguf
 
     src = default_model_path()
     digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()[:16]

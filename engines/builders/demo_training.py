@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 # Settings and CLI options live apart, so `specgate --help` need not import MLX.
-from engines.checkpoints.training_args import SIZES, TrainConfig
+from engines.builders.training_args import SIZES, TrainConfig
 
 HELDOUT_EVERY = 25  # every 25th stdlib file (sorted) is held out for evaluation
 
@@ -59,8 +59,8 @@ def prepare(
     tokenized corpus, into `work` (`max_files` caps the corpus, for tests)."""
     from tokenizers import Tokenizer
 
-    from engines.checkpoints.tiny import build_qwen35_hybrid
-    from engines.checkpoints.tokenizer import ENDOFTEXT
+    from engines.builders.tiny import build_qwen35_hybrid
+    from engines.builders.tokenizer import ENDOFTEXT
 
     work.mkdir(parents=True, exist_ok=True)
     init = work / "init"
@@ -325,7 +325,7 @@ def main_log(line: str) -> None:
 
 def run_cli(args) -> int:
     """`specgate demo-model`: prepare (once), train (resumable), evaluate, export."""
-    from engines.checkpoints.default_model import specgate_home
+    from engines.home import specgate_home
 
     out = Path(args.out) if args.out else specgate_home() / "models" / f"demo-{args.size}"
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
@@ -345,7 +345,7 @@ def run_cli(args) -> int:
         main_log(f"held-out ({ev.tokens:,} tokens): trunk perplexity {ev.trunk_perplexity:.2f}, "
                  f"MTP acceptance at depth 1 {ev.mtp_acceptance:.3f}")  # fmt: skip
     if args.gguf:
-        from engines.checkpoints.gguf_export import export_gguf
+        from engines.builders.gguf_export import export_gguf
 
         export_gguf(result, Path(args.gguf), outtype="f16")
         main_log(f"GGUF with nextn tensors: {args.gguf}")

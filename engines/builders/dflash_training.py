@@ -48,8 +48,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from engines.checkpoints.demo_training import _save_state, _schedule, main_log, stdlib_files
-from engines.checkpoints.training_args import DrafterConfig
+from engines.builders.demo_training import _save_state, _schedule, main_log, stdlib_files
+from engines.builders.training_args import DrafterConfig
 from engines.mlx_block.dflash import DFlashAttention, DFlashDrafter, load_dflash
 from engines.trunk import Trunk, capture
 
@@ -73,8 +73,8 @@ def prepare(work: Path, target: Path, cfg: DrafterConfig, log=print,
     tokenizer, and a random initial drafter in the published layout."""
     from tokenizers import Tokenizer
 
-    from engines.checkpoints.drafters import build_dflash_drafter
-    from engines.checkpoints.tokenizer import ENDOFTEXT
+    from engines.builders.drafters import build_dflash_drafter
+    from engines.builders.tokenizer import ENDOFTEXT
 
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "corpus.npz").exists():
@@ -428,7 +428,8 @@ def describe(results: list[Acceptance]) -> list[str]:
 
 def run_cli(args) -> int:
     """`specgate demo-drafter`: prepare (once), train (resumable), export, evaluate."""
-    from engines.checkpoints.default_model import default_model_path, specgate_home
+    from engines.builders.builtin_models import default_model_path
+    from engines.home import specgate_home
 
     target = Path(args.target) if args.target else default_model_path()
     out = Path(args.out) if args.out else specgate_home() / "models" / "demo-dflash"

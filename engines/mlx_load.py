@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .families import TEXT_ONLY_MODEL_TYPES, mlx_lm_module
-from .locate import hub_offline, looks_local, not_downloaded
-from .reader import read_tokenizer
+from engines.checkpoints.families import TEXT_ONLY_MODEL_TYPES, mlx_lm_module
+from engines.checkpoints.locate import hub_offline, looks_local, not_downloaded
+from engines.checkpoints.reader import read_tokenizer
 
 
 class CheckpointLoadError(Exception):

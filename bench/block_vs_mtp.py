@@ -1,7 +1,7 @@
 """DFlash block drafting vs the MTP head vs plain decoding, in-process, in one run.
 
     uv run python bench/block_vs_mtp.py [--drafter DIR] [--max-tokens 96]
-        [--mtp-depths 1,3] [--dflash-depths 3,7] [--rollback capture|replay]
+        [--mtp-depths 1,3] [--dflash-depths 3,7] [--rollback tape|replay]
 
 The demo model (default) with its MTP head and its trained DFlash drafter
 (`builtin:demo-dflash`, or --drafter), greedy, one stream, per content type
@@ -27,12 +27,13 @@ from tokenizers import Tokenizer
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.builtin_models import default_model_path, demo_dflash_path
 from engines.loading import LoadedModel
-from engines.mlx_block.decoder import DFlashDecoder
 from engines.mlx_block.dflash import load_dflash
-from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.prefix_cache import PrefixCache
-from engines.trunk import Trunk
+from engines.proposers.dflash import DFlashProposer
+from engines.proposers.mtp import MTPProposer
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
 
 PROMPTS = {
     "code": [
@@ -86,22 +87,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--mtp-depths", default="1,3")
     ap.add_argument("--dflash-depths", default="3,7")
-    ap.add_argument("--rollback", default="capture", choices=("capture", "replay"))
+    ap.add_argument("--rollback", default="tape", choices=("tape", "replay"))
     ap.add_argument("--json", type=Path, default=Path("bench/results/block_vs_mtp.json"))
     args = ap.parse_args()
     path = args.model or default_model_path()
     model, config = load_model(path)
     loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
-    trunk, head = Trunk(model), load_mtp_head(loaded)
+    trunk, head = target_for(model), load_mtp_head(loaded)
     drafter = load_dflash(args.drafter or demo_dflash_path())
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     n = args.max_tokens
 
     def mtp(request):
-        return MTPDecoder(trunk, head, request, None, 0, None, rollback_mode=args.rollback)
+        return SpecDecoder(trunk, MTPProposer(trunk, head), request, None, 0, None,
+                           undo=args.rollback)
 
     def dflash(request):
-        return DFlashDecoder(trunk, drafter, request, None, 0, None, rollback_mode=args.rollback)
+        return SpecDecoder(trunk, DFlashProposer(trunk, drafter), request, None, 0, None,
+                           undo=args.rollback)
 
     plans = [("plain", None, 0)]
     plans += [(f"mtp d={d}", mtp, d) for d in map(int, args.mtp_depths.split(","))]

@@ -19,7 +19,7 @@ that the greedy output is known and stable:
   151936 random logits. All layers still run at full cost.
 - acceptance known by construction. First the greedy continuation is
   decoded plainly (mlx-lm's generate_step: the plain tokens/s, and the
-  exactness reference). Then the product's own MTPDecoder decodes the same
+  exactness reference). Then the product's own SpecDecoder decodes the same
   prompt with an MTP head of the real shape (fc 2*hidden -> hidden, one
   qwen3 decoder layer, the trunk's shared lm_head; random weights, quantized
   with the trunk at 4-bit, so its cost is real and in the round's graph),
@@ -55,9 +55,11 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
-from engines.mlx_mtp.decoder import MTPDecoder  # noqa: E402
 from engines.mlx_mtp.head import MTPHead  # noqa: E402
-from engines.trunk import Trunk  # noqa: E402
+from engines.proposers.base import Proposal  # noqa: E402
+from engines.proposers.mtp import MTPProposer  # noqa: E402
+from engines.spec_decoder import SpecDecoder  # noqa: E402
+from engines.targets import target_for  # noqa: E402
 from kernels import qmm, wiring  # noqa: E402
 from kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
 
@@ -125,32 +127,33 @@ def plain(model, prompt: list[int], n: int, margins: bool = False):
     return tokens, (len(tokens) - 1) / dt, gaps
 
 
-class OracleDrafts(MTPDecoder):
+class OracleDrafts(MTPProposer):
     """The head drafts (its work stays in the round's graph); each proposal is
     then the reference token with probability a, else a different token."""
 
-    def __init__(self, *args, reference: list[int], accept: float, seed: int, vocab: int, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, *args, reference: list[int], accept: float, seed: int, vocab: int):
+        super().__init__(*args)
         self.reference, self.accept, self.vocab = reference, accept, vocab
         self.rng = random.Random(seed)
 
-    def _draft(self, last, depth):
-        drafts, probs = super()._draft(last, depth)
-        forced = []
+    def propose(self, context, depth):
+        proposal = super().propose(context, depth)
+        drafts, forced = proposal.drafts, []
         for j in range(depth):
-            i = self.generated + j
+            i = context.generated + j
             ref = self.reference[i] if i < len(self.reference) else 0
             ok = self.rng.random() < self.accept
             forced.append(ref if ok else (ref + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
         forced = mx.array(forced, dtype=drafts.dtype)
-        return mx.where(drafts >= 0, forced, drafts), probs  # always `forced`, after the head ran
+        # always `forced`, after the head ran
+        return Proposal(mx.where(drafts >= 0, forced, drafts), proposal.q)
 
 
 def mtp(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
     request = GenerationRequest("e2e", "e2e", prompt, SamplingParams(temperature=0), n,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
-    dec = OracleDrafts(trunk, head, request, None, 0, None, reference=reference, accept=accept,
-                       seed=seed, vocab=vocab)  # fmt: skip
+    oracle = OracleDrafts(trunk, head, reference=reference, accept=accept, seed=seed, vocab=vocab)
+    dec = SpecDecoder(trunk, oracle, request, None, 0, None)
     step = dec.prefill()
     t0 = time.perf_counter()
     tokens, acc, reached, rounds = list(step.tokens), 0, 0, 0
@@ -179,7 +182,7 @@ def run_precision(prec: str, model, head, sigma, a, guard, fused) -> list[dict]:
     rng = random.Random(a.seed + 7)
     prompt = [rng.randrange(a.vocab) for _ in range(a.prompt)]
     t0 = time.perf_counter()
-    trunk = Trunk(model)
+    trunk = target_for(model)
     depths = [int(d) for d in a.depths.split(",")]
     wired = wiring.prepare(model, a.kernels, range(2, max(depths) + 2), guard=guard, fused_guard=fused)
     say(f"\n[{prec}] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")

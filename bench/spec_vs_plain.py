@@ -32,11 +32,13 @@ from tokenizers import Tokenizer
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.builtin_models import default_model_path
 from engines.loading import LoadedModel
-from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.prefix_cache import PrefixCache
+from engines.proposers.mtp import MTPProposer
 from engines.sampling import sample
-from engines.trunk import Trunk, checkpoint, restore
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
+from kernels.cache_undo import checkpoint, restore
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main():\n",
@@ -66,9 +68,9 @@ def plain(model, prompt: list[int], params: SamplingParams, n: int) -> tuple[int
     return count - 1, time.perf_counter() - t0
 
 
-def speculative(trunk, head, prompt, params, n, depth, rollback="capture"):
+def speculative(trunk, head, prompt, params, n, depth, rollback="tape"):
     request = GenerationRequest("b", "m", prompt, params, n, Plan("mlx_mtp", "mtp", depth, "spec_on"))
-    d = MTPDecoder(trunk, head, request, None, 0, None, rollback_mode=rollback)
+    d = SpecDecoder(trunk, MTPProposer(trunk, head), request, None, 0, None, undo=rollback)
     step = d.prefill()
     t0 = time.perf_counter()
     rounds, tokens, per_pos = 0, 0, [0] * depth
@@ -85,13 +87,13 @@ def cost_curve(trunk, head, context: list[int], widths=range(1, 6), reps=20) -> 
     """Median seconds of a trunk forward over M new tokens after `context`,
     and of one head step."""
     cache = trunk.make_cache()
-    mx.eval(trunk.hidden(mx.array([context]), cache))
+    mx.eval(trunk.forward(mx.array([context]), cache).hidden)
     costs = {}
     for m in widths:
         samples = []
         for _ in range(reps):
             saved = checkpoint(cache)
-            samples.append(timed(lambda m=m: mx.eval(trunk.hidden(mx.array([context[:m]]), cache))))
+            samples.append(timed(lambda m=m: mx.eval(trunk.forward(mx.array([context[:m]]), cache).hidden)))
             restore(cache, saved)
         costs[m] = statistics.median(samples)
     head_cache = head.make_cache()
@@ -112,7 +114,7 @@ def main() -> None:
     path = args.model or default_model_path()
     model, config = load_model(path)
     loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
-    trunk, head = Trunk(model), load_mtp_head(loaded)
+    trunk, head = target_for(model), load_mtp_head(loaded)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
     depths = [int(d) for d in args.depths.split(",")]
@@ -148,7 +150,7 @@ def main() -> None:
                                     "plain_tokens_per_s": base, "tokens_per_round": per_round,
                                     "acceptance_per_position": per_pos,
                                     "expected_speedup": expected})  # fmt: skip
-    cap = [speculative(trunk, head, p, settings["greedy"], n, 2, "capture") for p in prompts]
+    cap = [speculative(trunk, head, p, settings["greedy"], n, 2, "tape") for p in prompts]
     rep = [speculative(trunk, head, p, settings["greedy"], n, 2, "replay") for p in prompts]
     cap_tps = sum(r[0] for r in cap) / sum(r[1] for r in cap)
     rep_tps = sum(r[0] for r in rep) / sum(r[1] for r in rep)

@@ -7,9 +7,9 @@ depth (and its cap, and whether it is fixed when it starts), whether it times
 its rounds, and how `specgate tune` times one of them. Config validation
 (gateway/config.py), engine construction (gateway/models.py), the policy
 (policies/model_policy.py) and tuning (gateway/tuning.py) iterate over
-these records; adding an engine is adding a record here (and its method to
-engines/base.Method when it is a new one: tests/test_registry.py checks the
-two agree).
+these records; adding an engine is adding a record here. An in-process
+speculative method is a proposer module (engines/proposers/) and a record
+whose builder is `_speculative(name, module, ...)`.
 
 Light to import (config validation reads it): builders import their engines,
 and MLX, when they run. Nothing here imports gateway/ or policies/: a
@@ -18,6 +18,7 @@ builder reads a `BuildContext` of plain values, not the gateway's config.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -155,26 +156,23 @@ def _plain(ctx: BuildContext) -> Engine:
                           prefix_cache_size=ctx.prefix_cache_size)  # fmt: skip
 
 
-def _mtp(ctx: BuildContext) -> Engine:
-    from engines.mlx_mtp.engine import MLXMTPEngine
+def _speculative(name: str, proposers: str,
+                 verify_depth: Callable[[BuildContext], int | None]) -> Builder:  # fmt: skip
+    """An in-process speculative engine (engines/spec_engine.py) drafting with
+    engines/proposers/<proposers>.py, whose `drafting` loads what it needs.
+    Asked for by name: a checkpoint (or drafter) that cannot draft fails to
+    load with the reason, rather than quietly serving plain decoding."""
 
-    # Asked for by name: a checkpoint that cannot do MTP fails to load with
-    # the reason, rather than quietly serving plain decoding.
-    return MLXMTPEngine(ctx.model_id, ctx.mlx_model(), max_context=ctx.context_length(),
-                        max_queue=ctx.max_queue, kernels=ctx.kernels, verify_depth=ctx.mtp_depth)  # fmt: skip
-
-
-def _block(kind: str) -> Callable[[BuildContext], Engine]:
     def make(ctx: BuildContext) -> Engine:
-        from engines.mlx_block.engine import MLXDFlashEngine, MLXDSparkEngine
+        from engines.spec_engine import SpecEngine
 
-        cls = {"dflash": MLXDFlashEngine, "dspark": MLXDSparkEngine}[kind]
-        if ctx.drafter is None:
-            raise ValueError(f"model {ctx.model_id}: {cls.name} needs a `drafter` directory")
-        return cls(ctx.model_id, ctx.mlx_model(), ctx.drafter, max_context=ctx.context_length(),
-                   max_queue=ctx.max_queue, kernels=ctx.kernels, verify_depth=ctx.block_depth)  # fmt: skip
+        module = importlib.import_module(f"engines.proposers.{proposers}")
+        return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=module.drafting,
+                          drafter=ctx.drafter, max_context=ctx.context_length(),
+                          max_queue=ctx.max_queue, kernels=ctx.kernels,
+                          verify_depth=verify_depth(ctx))  # fmt: skip
 
-    return make
+    return _single(make)
 
 
 def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
@@ -250,12 +248,14 @@ def registered(*records: EngineRecord) -> Iterator[None]:
 
 for _record in (
     EngineRecord(MLX_PLAIN, PLAIN, MLX, _single(_plain), default=True, always=True),
-    EngineRecord(MLX_MTP, "mtp", MLX, _single(_mtp), needs="mtp_head",
-                 depth=_mtp_depth, tune=spec_rounds),
-    EngineRecord(MLX_DFLASH, "dflash", MLX, _single(_block("dflash")), needs="drafter",
+    EngineRecord(MLX_MTP, "mtp", MLX, _speculative(MLX_MTP, "mtp", lambda c: c.mtp_depth),
+                 needs="mtp_head", depth=_mtp_depth, tune=spec_rounds),
+    EngineRecord(MLX_DFLASH, "dflash", MLX,
+                 _speculative(MLX_DFLASH, "dflash", lambda c: c.block_depth), needs="drafter",
                  drafter_kind="dflash", exclusive="block drafter", depth=_block_depth,
                  depth_cap=_max_drafts, tune=spec_rounds),
-    EngineRecord(MLX_DSPARK, "dspark", MLX, _single(_block("dspark")), needs="drafter",
+    EngineRecord(MLX_DSPARK, "dspark", MLX,
+                 _speculative(MLX_DSPARK, "dspark", lambda c: c.block_depth), needs="drafter",
                  drafter_kind="dspark", exclusive="block drafter", depth=_block_depth,
                  depth_cap=_max_drafts, tune=spec_rounds),
     # One builder: both processes come from one read of the GGUF.

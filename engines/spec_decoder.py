@@ -1,37 +1,37 @@
-"""One sequence decoded speculatively: the part every drafter shares.
+"""One sequence decoded speculatively, with any proposer (engines/proposers/).
 
 A round at depth k:
-1. draft   the method's drafter proposes d_1..d_k (a subclass's `_draft`);
-2. verify  the trunk runs [last, d_1..d_k] in one forward (through the
+1. draft   the proposer proposes d_1..d_k, with or without q;
+2. verify  the target runs [last, d_1..d_k] in one forward (through the
            small-M kernels where the engine enabled them: kernels/wiring.py);
 3. accept  engines/speculative.py decides how many drafts stand and adds one
            target token, so each round commits accepted + 1 tokens;
-4. undo    what the rejected drafts left in the trunk's caches: KV trimmed,
-           GatedDeltaNet state restored from the verify tape (trunk.py); the
-           subclass then brings its drafter's state up to date (`_after_round`).
+4. undo    the target cuts its caches back to what stands (KV trimmed,
+           recurrent state restored: engines/targets/), and the proposer
+           brings its own state up to date.
 Depth 0 is a plain decoding step, so a planner can switch speculation off for
 a round without leaving the engine. At temperature 0 every committed token is
 the trunk's argmax at its position: the output is plain greedy decoding's.
 
-Two acceptance rules, chosen by the subclass:
-- "leviathan": rejection sampling against q, the distribution each draft was
-  drawn from (MTP, DSpark);
-- "match": the target samples every position itself and the longest prefix
-  of drafts equal to its samples stands, plus its next sample (DFlash). Every
-  committed token is a target sample, so it is exact for any sampler and any
-  drafts, without q.
+When sampling, the rule follows from the proposal:
+- with q (the distributions the drafts were drawn from: MTP, DSpark),
+  rejection sampling against q;
+- drafts alone (DFlash, copied text): the target samples every position
+  itself and the longest prefix of drafts equal to its samples stands, plus
+  its next sample. Every committed token is a target sample, so it is exact
+  for any sampler and any drafts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engines.base import GenerationRequest, Handoff, Method, RoundStats, TokenLogprob, TopLogprob
+from engines.base import GenerationRequest, Handoff, RoundStats, TokenLogprob, TopLogprob
+from engines.proposers.base import Context, Proposer
 from engines.sampling import (
     KeyStream,
     PenaltyState,
@@ -41,8 +41,7 @@ from engines.sampling import (
     sample,
 )
 from engines.speculative import accept_greedy, accept_sampled
-from engines.trunk import Trunk, checkpoint, restore, rollback, tape
-from kernels import hook
+from engines.targets import Forward, Target, Undo
 
 
 @dataclass
@@ -56,34 +55,33 @@ class Step:
 
 
 class SpecDecoder:
-    method: Method
-    accept_rule = "leviathan"  # or "match"
-
     def __init__(
         self,
-        trunk: Trunk,
+        target: Target,
+        proposer: Proposer,
         request: GenerationRequest,
         cache: list | None,
         cached_tokens: int,
         tokenizer,
         prefill_step: int = 512,
-        rollback_mode: str = "capture",
+        undo: Undo = "tape",
     ):
-        self.trunk, self.request = trunk, request
+        self.target, self.proposer, self.request = target, proposer, request
+        self.method = proposer.method
         self.params = request.sampling
-        self.cache = cache if cache is not None else trunk.make_cache()
+        self.cache = cache if cache is not None else target.make_cache()
         self.cached_tokens = cached_tokens
         self.tokens = list(request.prompt_tokens)  # the trunk's cache holds tokens[:-1]
         self.generated = 0
         self.keys = KeyStream(self.params.seed)
         self.penalties = (
-            PenaltyState.from_prompt(request.prompt_tokens, trunk.vocab_size)
+            PenaltyState.from_prompt(request.prompt_tokens, target.vocab_size)
             if self.params.has_penalties
             else None
         )
         self.tokenizer = tokenizer
         self.prefill_step = prefill_step
-        self.rollback_mode = rollback_mode  # "capture" (tape) or "replay"
+        self.undo = undo
         self.cold = False  # resumed: the drafter has seen nothing yet
         self._prefill_hidden: mx.array | None = None  # the last prefill chunk's
 
@@ -105,30 +103,6 @@ class SpecDecoder:
         mx.eval([c.state for c in self.cache], self.keys.state)
         return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer, self.keys)
 
-    # -- what a drafter supplies -------------------------------------------------------
-
-    def _forward(self, tokens: mx.array) -> mx.array:
-        """The trunk's hidden states for `tokens` (1, T); a drafter that reads
-        more of the trunk (named layers) records it here."""
-        return self.trunk.hidden(tokens, self.cache)
-
-    def _after_prefill_chunk(self, start: int, chunk: list[int], hidden: mx.array) -> None:
-        """Prompt tokens [start, start + len(chunk)) went through the trunk."""
-
-    def _draft(self, last: int, depth: int) -> tuple[mx.array, list[mx.array]]:
-        """Up to `depth` drafts as a lazy 1-D array, and (leviathan rule, when
-        sampling) the distributions they were drawn from."""
-        raise NotImplementedError
-
-    def _after_round(self, last: int, drafts: list[int], accepted: int, depth: int,
-                     hidden: mx.array) -> None:
-        """The round committed drafts[:accepted] + one target token; `hidden`
-        is the verify forward's, one row per input [last, *drafts]."""
-
-    def _extra_evals(self) -> list:
-        """Drafter state to evaluate with each prefill chunk."""
-        return []
-
     # -- distributions ------------------------------------------------------------
 
     def _adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
@@ -136,6 +110,9 @@ class SpecDecoder:
 
     def _advanced(self, state: PenaltyState | None, tokens: list[int] | mx.array):
         return None if state is None else state.advance(tokens)
+
+    def _forward(self, tokens: mx.array, undo: Undo | None = None) -> Forward:
+        return self.target.forward(tokens, self.cache, layers=self.proposer.layers, undo=undo)
 
     # -- prefill --------------------------------------------------------------------
 
@@ -153,15 +130,15 @@ class SpecDecoder:
         prompt = self.request.prompt_tokens
         for s in range(self.cached_tokens, len(prompt), self.prefill_step):
             chunk = prompt[s : s + self.prefill_step]
-            hidden = self._forward(mx.array([chunk]))
-            self._after_prefill_chunk(s, chunk, hidden)
-            mx.eval(hidden, [c.state for c in self.cache], self._extra_evals())
-            self._prefill_hidden = hidden
+            forward = self._forward(mx.array([chunk]))
+            self.proposer.prefilled(s, forward, prompt)
+            mx.eval(forward.hidden, [c.state for c in self.cache], self.proposer.pending())
+            self._prefill_hidden = forward.hidden
             yield s + len(chunk)
 
     def first_token(self) -> Step:
         """After the prompt is in the cache: sample and commit the first token."""
-        logits = self.trunk.logits(self._prefill_hidden[:, -1:])[0, -1]
+        logits = self.target.logits(self._prefill_hidden[:, -1:])[0, -1]
         self._prefill_hidden = None
         adjusted = self._adjust(logits, self.penalties)
         token = int(sample(adjusted, self.params, self.keys.next()).item())
@@ -176,31 +153,27 @@ class SpecDecoder:
             depth, self.cold = 0, False
         # Drafting and verifying build one lazy graph: the only wait is for
         # the verdict, once per round (the drafts start computing early).
-        draft_arr, draft_probs = self._draft(last, depth) if depth > 0 else (None, [])
-        depth = 0 if draft_arr is None else draft_arr.shape[0]
-        if depth:  # the device drafts while this thread builds the verify graph
-            mx.async_eval(draft_arr, draft_probs)
+        proposal = self.proposer.propose(self._context(), depth) if depth > 0 else None
+        depth = 0 if proposal is None else proposal.drafts.shape[0]
         verify_arr = mx.array([last])
-        if depth:
-            verify_arr = mx.concatenate([verify_arr, draft_arr.astype(verify_arr.dtype)])
-        replay = self.rollback_mode == "replay"
-        saved = checkpoint(self.cache) if replay else None
+        if depth:  # the device drafts while this thread builds the verify graph
+            mx.async_eval(proposal.drafts, *([] if proposal.q is None else [proposal.q]))
+            verify_arr = mx.concatenate([verify_arr, proposal.drafts.astype(verify_arr.dtype)])
         # The verify forward (and its logits): the only place the small-M
         # kernels run, where the engine enabled them (kernels/wiring.py).
-        with hook.kernels(self.trunk.kernels):
-            with nullcontext() if replay else tape() as recorded:
-                hidden = self._forward(verify_arr[None])
-            logits = self.trunk.logits(hidden)[0]
+        with self.target.verify_kernels():
+            forward = self._forward(verify_arr[None], undo=self.undo)
+            logits = self.target.logits(forward.hidden)[0]
         states = [self.penalties]
         for j in range(depth):
-            states.append(self._advanced(states[-1], draft_arr[j : j + 1]))
+            states.append(self._advanced(states[-1], verify_arr[j + 1 : j + 2]))
         adjusted = [self._adjust(logits[j], states[j]) for j in range(depth + 1)]
         if self.params.greedy:
             argmax = mx.argmax(mx.stack(adjusted), axis=-1)
             mx.eval(verify_arr, argmax)
             drafts = verify_arr.tolist()[1:]
             verdict = accept_greedy(drafts, argmax.tolist())
-        elif self.accept_rule == "match":
+        elif depth and proposal.q is None:
             keys = self.keys.next()
             keys = mx.random.split(keys, depth + 1) if keys is not None else [None] * (depth + 1)
             own = mx.stack([sample(a, self.params, k).reshape(()) for a, k in zip(adjusted, keys, strict=True)])
@@ -209,7 +182,7 @@ class SpecDecoder:
             verdict = accept_greedy(drafts, own.tolist())  # longest prefix equal to the target's samples
         else:
             target = mx.stack([probabilities(a, self.params) for a in adjusted])
-            q = mx.stack(draft_probs) if depth else mx.zeros((0, target.shape[-1]))
+            q = proposal.q if depth else mx.zeros((0, target.shape[-1]))
             mx.eval(verify_arr, target, q)
             drafts = verify_arr.tolist()[1:]
             verdict = accept_sampled(drafts, q, target, self.keys.next())
@@ -219,13 +192,8 @@ class SpecDecoder:
         # Undo: keep the inputs that are now history; the last committed
         # token is fed at the next round.
         kept = 1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1)
-        kept = min(kept, n + 1)
-        if replay and kept < depth + 1:
-            restore(self.cache, saved)
-            self._forward(verify_arr[None, :kept])
-        else:
-            rollback(self.cache, recorded, depth + 1 - kept, kept)
-        self._after_round(last, drafts, n, depth, hidden)
+        self.target.rollback(self.cache, forward, min(kept, n + 1))
+        self.proposer.committed(last, drafts, n, forward)
         step.stats = RoundStats(
             model=self.request.model,
             method=self.method,
@@ -236,6 +204,10 @@ class SpecDecoder:
             context_tokens=context,
         )
         return step
+
+    def _context(self) -> Context:
+        return Context(self.tokens, len(self.request.prompt_tokens), self.params, self.penalties,
+                       self.keys)  # fmt: skip
 
     # -- bookkeeping ----------------------------------------------------------------
 

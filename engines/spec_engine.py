@@ -4,8 +4,11 @@ Speculation serves one sequence at a time (batching is the plain engine's
 job: a policy sends concurrent load there). A worker thread owns the model
 work; requests queue FIFO behind the one being decoded, and the planner is
 asked for the depth at every round, so it can also switch speculation off
-(depth 0) between rounds. A subclass names its method and makes the
-decoder (engines/spec_decoder.py) for a request.
+(depth 0) between rounds. One class serves every method: it is built with
+the method's `Drafting` (engines/proposers/: the loaded drafter or head,
+and how to make one sequence's proposer), and each request's decoder
+(engines/spec_decoder.py) joins the model's target (engines/targets/) and
+a fresh proposer.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import logging
 import queue
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +32,9 @@ from engines.base import (
     TokenEvent,
 )
 from engines.loading import LoadedModel
+from engines.proposers.base import Drafting
 from engines.spec_decoder import SpecDecoder, Step
-from engines.trunk import Trunk
+from engines.targets import Target, target_for
 from engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
@@ -50,30 +54,39 @@ class _Job:
 
 
 class SpecEngine(WorkerEngine):
-    name = "spec"
-    method: Method
-    # Whether a request may start from the model's shared prefix cache (it
-    # holds the trunk's caches only; every engine adds its finished requests).
-    reads_prefix_cache = True
-
     def __init__(
         self,
         model_id: str,
         loaded: LoadedModel,
         *,
+        name: str,
+        drafting: Callable[[LoadedModel, Target, str | None], Drafting],
+        drafter: str | None = None,
         max_context: int,
         max_queue: int = 64,
         prefill_step_size: int = 512,
         kernels: str = "auto",
+        verify_depth: int | None = None,
         kernel_guard=None,
     ):
+        """drafting(loaded, target, drafter): the method's loader (e.g.
+        engines.proposers.mtp.drafting); it raises ValueError, saying why,
+        when this checkpoint (or `drafter` directory) cannot draft.
+        verify_depth: the deepest round the policy plans (capped by the
+        drafter's max_drafts); verify widths up to it + 1 are proved at load."""
         super().__init__(model_id, loaded, max_context=max_context)
+        self.name = name
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
-        self.trunk = Trunk(loaded.model)
+        self.target = target_for(loaded.model)
+        self.drafting = drafting(loaded, self.target, drafter)
+        self.method: Method = self.drafting.method
+        self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
         self.kernel_guard = kernel_guard  # None: kernels.wiring.shared_guard()
-        self.kernel_wiring = None  # set by wire_kernels, once the engine knows its depth
+        self.kernel_wiring = None  # set by wire_kernels
+        depth = verify_depth or self.max_drafts
+        self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
     def wire_kernels(self, max_depth: int) -> None:
         """Small-M kernels for this engine's verify forwards (kernels/wiring.py):
@@ -84,14 +97,15 @@ class SpecEngine(WorkerEngine):
         with self.loaded.lock:
             self.kernel_wiring = wiring.prepare(self.loaded.model, self.kernels_setting,
                                                 range(2, max_depth + 2), guard=self.kernel_guard)  # fmt: skip
-        self.trunk.kernels = self.kernel_wiring.enabled
+        self.target.kernels = self.kernel_wiring.enabled
         log.info("%s %s: verify %s", self.model_id, self.name,
-                 "through kernels/hook.py" if self.trunk.kernels else "stock")  # fmt: skip
+                 "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
 
     def make_decoder(
         self, request: GenerationRequest, cache: list | None, cached_tokens: int
     ) -> SpecDecoder:
-        raise NotImplementedError
+        return SpecDecoder(self.target, self.drafting.proposer(self.target), request, cache,
+                           cached_tokens, self.tokenizer, self.prefill_step_size)  # fmt: skip
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None
@@ -152,7 +166,7 @@ class SpecEngine(WorkerEngine):
         prefix, lock = self.loaded.prefix_cache, self.loaded.lock
         if resume is not None:
             cache, rest = resume.cache, []
-        elif self.reads_prefix_cache:
+        elif self.drafting.reads_prefix_cache:
             cache, rest = prefix.fetch(request.prompt_tokens)
         else:
             cache, rest = None, request.prompt_tokens

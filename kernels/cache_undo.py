@@ -4,7 +4,7 @@ A forward appends to KV caches (trimmed back) and replaces the recurrent
 (GatedDeltaNet) layers' arrays, never writing them in place, so keeping the
 references is enough to undo it. `specgate tune` (kernels/tune.py) times
 forwards this way; the engines' checkpoint-and-replay rollback
-(engines/trunk.py) rests on it too.
+(engines/targets/base.py) rests on it too.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from test_dflash_exactness import Target
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dflash_drafter
 from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
-from engines.mlx_block.decoder import DFlashDecoder
+from engines.proposers.dflash import DFlashProposer
+from engines.spec_decoder import SpecDecoder
 
 N = 32
 BLOCK = 8
@@ -82,7 +83,7 @@ def ours(target: Path, drafter: Path) -> tuple[list[list[int]], list[list[int]]]
     for prompt in PROMPTS:
         request = GenerationRequest("x", "m", prompt, SamplingParams(temperature=0), N,
                                     Plan("mlx_dflash", "dflash", BLOCK - 1, "spec_on"))
-        d = DFlashDecoder(t.trunk, t.drafter, request, None, 0, None)
+        d = SpecDecoder(t.trunk, DFlashProposer(t.trunk, t.drafter), request, None, 0, None)
         step = d.prefill()
         tokens, rounds = list(step.tokens), []
         while step.finish_reason is None:

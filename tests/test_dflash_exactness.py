@@ -22,10 +22,11 @@ from mlx_lm.utils import load_model
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dflash_drafter
 from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
-from engines.mlx_block.decoder import DFlashDecoder
-from engines.mlx_block.dflash import load_dflash
-from engines.mlx_block.engine import check_pairing
-from engines.trunk import Trunk
+from engines.mlx_block.dflash import check_pairing, load_dflash
+from engines.proposers.base import Proposal
+from engines.proposers.dflash import DFlashProposer
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
 
 BUILDERS = {"qwen3_dense": build_qwen3_dense, "qwen35_hybrid": build_qwen35_hybrid}
 BLOCK = 5
@@ -41,10 +42,9 @@ class Target:
     def __init__(self, path, drafter_path, loader=load_dflash):
         model, _ = load_model(path)
         model.set_dtype(mx.float32)
-        self.model, self.trunk = model, Trunk(model)
+        self.model, self.trunk = model, target_for(model)
         self.drafter = loader(drafter_path)
-        check_pairing(self.drafter, self.trunk.hidden_size, self.trunk.num_layers,
-                      self.trunk.vocab_size)
+        check_pairing(self.drafter, self.trunk)
         self.vocab = self.trunk.vocab_size
         self._references: dict = {}
 
@@ -64,31 +64,31 @@ def target(request, tmp_path_factory):
     return Target(t, d)
 
 
-class InjectedDrafts(DFlashDecoder):
+class InjectedDrafts(DFlashProposer):
     """Failure injection: the drafter drafts, then its proposals are replaced by
     the reference continuation with one token corrupted (or none)."""
 
-    def __init__(self, *args, reference: list[int], rng: random.Random, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, reference: list[int], rng: random.Random):
+        super().__init__(*args)
         self.reference, self.rng = reference, rng
 
-    def _draft(self, last, depth):
-        drafts, probs = super()._draft(last, depth)
-        n = drafts.shape[0]
-        true = self.reference[self.generated : self.generated + n]
+    def propose(self, context, depth):
+        n = super().propose(context, depth).drafts.shape[0]
+        true = self.reference[context.generated : context.generated + n]
         true += [0] * (n - len(true))
         wrong = self.rng.randrange(n + 1)  # n: all drafts right
         if wrong < n:
             true[wrong] = (true[wrong] + 1) % 7
-        return mx.array(true), probs
+        return Proposal(mx.array(true))
 
 
-def decode(target: Target, prompt, depth, params=None, cls=DFlashDecoder, max_tokens=N_TOKENS,
-           **kwargs):
+def decode(target: Target, prompt, depth, params=None, cls=DFlashProposer, max_tokens=N_TOKENS,
+           undo="tape", **inject):
     params = params or SamplingParams(temperature=0)
     request = GenerationRequest("t", "m", prompt, params, max_tokens,
                                 Plan("mlx_dflash", "dflash", depth, "spec_on"))
-    decoder = cls(target.trunk, target.drafter, request, None, 0, None, **kwargs)
+    decoder = SpecDecoder(target.trunk, cls(target.trunk, target.drafter, **inject), request,
+                          None, 0, None, undo=undo)
     step = decoder.prefill()
     tokens, rounds = list(step.tokens), []
     while step.finish_reason is None:
@@ -121,7 +121,7 @@ def test_replay_rollback_gives_the_same_tokens(target):
         want, _ = decode(target, prompt, 3, cls=InjectedDrafts, reference=target.reference(prompt)[0],
                          rng=random.Random(0))
         got, _ = decode(target, prompt, 3, cls=InjectedDrafts, reference=target.reference(prompt)[0],
-                        rng=random.Random(0), rollback_mode="replay")
+                        rng=random.Random(0), undo="replay")
         assert got == want
 
 
@@ -198,7 +198,8 @@ def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch
         params = SamplingParams(**{**vars(SAMPLED), "seed": seed})
         request = GenerationRequest("d", "m", PREFIX, params, 3,
                                     Plan("mlx_dflash", "dflash", 2, "spec_on"))
-        d = DFlashDecoder(small.trunk, small.drafter, request, None, 0, None)
+        d = SpecDecoder(small.trunk, DFlashProposer(small.trunk, small.drafter), request, None, 0,
+                        None)
         got = d.prefill().tokens
         while len(got) < 3:
             step = d.round(2)

@@ -19,10 +19,10 @@ from engines.builders import dflash_training as dt
 from engines.builders.builtin_models import default_model_path, demo_dflash_path
 from engines.builders.drafters import build_dflash_drafter
 from engines.builders.tiny import build_qwen35_hybrid
-from engines.mlx_block.decoder import DFlashDecoder
-from engines.mlx_block.dflash import load_dflash
-from engines.mlx_block.engine import check_pairing
-from engines.trunk import Trunk
+from engines.mlx_block.dflash import check_pairing, load_dflash
+from engines.proposers.dflash import DFlashProposer
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
 
 BLOCK = 5
 LAYER_IDS = [0, 2]  # of the tiny target's 4
@@ -119,7 +119,7 @@ def test_trainer_reduces_the_loss_and_resumes_exactly(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def demo():
     model, config = load_model(default_model_path())
-    return Trunk(model), config
+    return target_for(model), config
 
 
 def heldout_prompts(n: int = 6, length: int = 96) -> list[list[int]]:
@@ -141,7 +141,7 @@ def tokens_per_round(trunk, drafter, prompts, new_tokens: int = 48) -> float:
     for prompt in prompts:
         request = GenerationRequest("t", "specgate-demo", prompt, SamplingParams(temperature=0),
                                     new_tokens, Plan("mlx_dflash", "dflash", depth, "spec_on"))  # fmt: skip
-        decoder = DFlashDecoder(trunk, drafter, request, None, 0, None)
+        decoder = SpecDecoder(trunk, DFlashProposer(trunk, drafter), request, None, 0, None)
         step = decoder.prefill()
         while step.finish_reason is None:
             step = decoder.round(depth)
@@ -154,8 +154,8 @@ def test_shipped_drafter_pairs_with_the_demo_and_is_small():
     assert sum(f.stat().st_size for f in path.iterdir()) < 5 * 1024 * 1024
     drafter = load_dflash(path)
     model, _ = load_model(default_model_path())
-    trunk = Trunk(model)
-    check_pairing(drafter, trunk.hidden_size, trunk.num_layers, trunk.vocab_size)
+    trunk = target_for(model)
+    check_pairing(drafter, trunk)
     assert drafter.args.mask_token_id == dt.unused_token_id(default_model_path())
 
 

@@ -25,8 +25,10 @@ from engines import spec_decoder
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dspark_drafter
 from engines.builders.tiny import build_qwen35_hybrid
-from engines.mlx_block.decoder import DSparkDecoder
 from engines.mlx_block.dspark import load_dspark
+from engines.proposers.base import Proposal
+from engines.proposers.dspark import DSparkProposer
+from engines.spec_decoder import SpecDecoder
 
 BLOCK = 4
 
@@ -45,30 +47,32 @@ def target(request, tmp_path_factory):
     return DSparkTarget(t, d)
 
 
-class InjectedDrafts(DSparkDecoder):
+class InjectedDrafts(DSparkProposer):
     """Failure injection: the drafter drafts (and cuts), then its proposals are
     replaced by the reference continuation with one token corrupted (or none)."""
 
-    def __init__(self, *args, reference: list[int], rng: random.Random, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, reference: list[int], rng: random.Random):
+        super().__init__(*args)
         self.reference, self.rng = reference, rng
 
-    def _draft(self, last, depth):
-        drafts, probs = super()._draft(last, depth)
+    def propose(self, context, depth):
+        q = super().propose(context, depth)
+        q = None if q is None else q.q
         n = depth  # ignore the confidence cut: every length must be exercised
-        true = self.reference[self.generated : self.generated + n]
+        true = self.reference[context.generated : context.generated + n]
         true += [0] * (n - len(true))
         wrong = self.rng.randrange(n + 1)
         if wrong < n:
             true[wrong] = (true[wrong] + 1) % 7
-        return mx.array(true), probs
+        return Proposal(mx.array(true), q)
 
 
-def decode(target, prompt, depth, params=None, cls=DSparkDecoder, max_tokens=64, **kwargs):
+def decode(target, prompt, depth, params=None, cls=DSparkProposer, max_tokens=64, **inject):
     params = params or SamplingParams(temperature=0)
     request = GenerationRequest("t", "m", prompt, params, max_tokens,
                                 Plan("mlx_dspark", "dspark", depth, "spec_on"))
-    decoder = cls(target.trunk, target.drafter, request, None, 0, None, **kwargs)
+    decoder = SpecDecoder(target.trunk, cls(target.trunk, target.drafter, **inject), request,
+                          None, 0, None)
     step = decoder.prefill()
     tokens, rounds = list(step.tokens), []
     while step.finish_reason is None:

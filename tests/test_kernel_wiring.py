@@ -1,7 +1,7 @@
 """The small-M kernels wired into the engines' verify forward (kernels/wiring.py), on the CPU.
 
 A 4-bit tiny Qwen3.5 hybrid (mlx-lm's converter, float32 activations) with
-its MTP head, served by the real MLXMTPEngine:
+its MTP head, served by the real SpecEngine (MTP):
 - with a guard whose only kernel is a correct one (the stock op, counted),
   greedy MTP decoding equals plain greedy decoding token for token, the
   kernel runs for every verify width and never for prefill or one-row
@@ -26,9 +26,12 @@ from mlx.utils import tree_flatten
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
-from engines.mlx_mtp.decoder import MTPDecoder
-from engines.mlx_mtp.engine import MLXMTPEngine
 from engines.mlx_mtp.loading import load_mtp_head
+from engines.proposers import mtp
+from engines.proposers.base import Proposal
+from engines.proposers.mtp import MTPProposer
+from engines.spec_decoder import SpecDecoder
+from engines.spec_engine import SpecEngine
 from gateway.config import ConfigError, parse_config
 from kernels import hook, qmm, wiring
 from kernels.guard import Candidate, Guard
@@ -71,22 +74,26 @@ def counting_guard(tmp_path, kernel: Counting) -> Guard:
                  reps=2, inner=1, margin=float("inf"))  # fmt: skip
 
 
-class InjectedDrafts(MTPDecoder):
+class InjectedDrafts(MTPProposer):
     """The head drafts; its proposals are replaced by the reference
     continuation, one position corrupted (or none), so partial acceptance
     and rollback run through the kernels too."""
 
-    def __init__(self, *args, reference, rng, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, reference, rng):
+        super().__init__(*args)
         self.reference, self.rng = reference, rng
 
-    def _draft(self, last, depth):
-        _, probs = super()._draft(last, depth)
-        true = self.reference[self.generated : self.generated + depth]
+    def propose(self, context, depth):
+        proposal = super().propose(context, depth)
+        true = self.reference[context.generated : context.generated + depth]
         true += [0] * (depth - len(true))
         if (wrong := self.rng.randrange(depth + 1)) < depth:
             true[wrong] = (true[wrong] + 1) % 7
-        return mx.array(true), probs
+        return Proposal(mx.array(true), proposal.q)
+
+
+def mtp_engine(loaded, **kw) -> SpecEngine:
+    return SpecEngine("m", loaded, name="mlx_mtp", drafting=mtp.drafting, max_context=4096, **kw)
 
 
 def prompts(vocab: int, n: int = 4) -> list[list[int]]:
@@ -94,10 +101,11 @@ def prompts(vocab: int, n: int = 4) -> list[list[int]]:
     return [[rng.randrange(vocab - 3) for _ in range(rng.randint(3, 12))] for _ in range(n)]
 
 
-def decode(engine, prompt, depth, cls=MTPDecoder, kernel: Counting | None = None, **kw):
+def decode(engine, prompt, depth, cls=MTPProposer, kernel: Counting | None = None, **inject):
     request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), N_TOKENS,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
-    decoder = cls(engine.trunk, engine.head, request, None, 0, None, **kw)
+    decoder = SpecDecoder(engine.target, cls(engine.target, engine.drafting.weights, **inject), request, None,
+                          0, None)
     step = decoder.prefill()
     if kernel is not None:
         assert kernel.rows == [], "prefill went through the kernel"
@@ -134,9 +142,9 @@ def check_equal_to_plain(loaded, engine, kernel: Counting | None = None) -> int:
 def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
-    engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=max(DEPTHS), kernel_guard=guard)
+    engine = mtp_engine(q4, verify_depth=max(DEPTHS), kernel_guard=guard)
     wired = engine.kernel_wiring
-    assert wired.enabled and engine.trunk.kernels and wired.hooked > 0
+    assert wired.enabled and engine.target.kernels and wired.hooked > 0
     # warm-up at load: every verify shape at widths 2..max depth + 1 proved ok
     assert wired.widths == (2, 3, 4)
     shapes = wiring.model_shapes(q4.model)
@@ -158,9 +166,8 @@ def test_kernels_off_never_calls_the_kernel(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
     hook.install(q4.model, guard)  # even with a hook in place (another engine's), off is off
-    engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=max(DEPTHS), kernel_guard=guard,
-                          kernels="off")  # fmt: skip
-    assert not engine.trunk.kernels and not engine.kernel_wiring.enabled
+    engine = mtp_engine(q4, verify_depth=max(DEPTHS), kernel_guard=guard, kernels="off")
+    assert not engine.target.kernels and not engine.kernel_wiring.enabled
     assert guard.checks_run == 0
     check_equal_to_plain(q4, engine)
     assert kernel.rows == []
@@ -171,9 +178,9 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
     monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
     monkeypatch.setattr(wiring, "_guards", {})
     with caplog.at_level(logging.INFO, logger="specgate.kernels"):
-        engine = MLXMTPEngine("m", q4, max_context=4096, verify_depth=2)
+        engine = mtp_engine(q4, verify_depth=2)
     wired = engine.kernel_wiring
-    assert not wired.enabled and not engine.trunk.kernels
+    assert not wired.enabled and not engine.target.kernels
     assert set(wired.failed) == {"cuda_qmm", "metal_qmm"}
     assert "No CUDA" in wired.failed["cuda_qmm"] and "No Metal" in wired.failed["metal_qmm"]
     guard = wiring.shared_guard()
@@ -186,8 +193,8 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
 
     # A later process: the verdicts are read back, nothing is built again.
     monkeypatch.setattr(wiring, "_guards", {})
-    again = MLXMTPEngine("m", q4, max_context=4096, verify_depth=2)
-    assert not again.trunk.kernels and wiring.shared_guard().checks_run == 0
+    again = mtp_engine(q4, verify_depth=2)
+    assert not again.target.kernels and wiring.shared_guard().checks_run == 0
 
 
 def test_config_kernels_setting():

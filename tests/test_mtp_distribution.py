@@ -31,11 +31,12 @@ from engines import speculative
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import LoadedModel
-from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.prefix_cache import PrefixCache
+from engines.proposers.mtp import MTPProposer
 from engines.sampling import KeyStream, probabilities
-from engines.trunk import Trunk
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
 
 N = 20_000
 PARAMS = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0)
@@ -52,7 +53,7 @@ def target(tmp_path_factory):
     )
     model, config = load_model(path)
     loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
-    return Trunk(model), load_mtp_head(loaded), model
+    return target_for(model), load_mtp_head(loaded), model
 
 
 def exact_pairs(model, prefix: list[int]) -> dict[tuple[int, int], float]:
@@ -71,7 +72,7 @@ def exact_pairs(model, prefix: list[int]) -> dict[tuple[int, int], float]:
 
 def sample_pairs(trunk, head, n: int) -> tuple[Counter, list[int], float]:
     request = GenerationRequest("d", "m", PROMPT, PARAMS, 10, Plan("mlx_mtp", "mtp", 2, "spec_on"))
-    d = MTPDecoder(trunk, head, request, None, 0, None)
+    d = SpecDecoder(trunk, MTPProposer(trunk, head), request, None, 0, None)
     d.prefill()  # commits the first token; the rounds below are what we test
     # Every sample restarts from here: KV caches are trimmed back to these
     # offsets and recurrent states restored (they are replaced, never

@@ -24,10 +24,12 @@ from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.builtin_models import default_model_path
 from engines.builders.tiny import build_qwen3_next, build_qwen35_hybrid, build_qwen35_moe
 from engines.loading import LoadedModel
-from engines.mlx_mtp.decoder import MTPDecoder
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.prefix_cache import PrefixCache
-from engines.trunk import Trunk
+from engines.proposers.base import Proposal
+from engines.proposers.mtp import MTPProposer
+from engines.spec_decoder import SpecDecoder
+from engines.targets import target_for
 
 BUILDERS = {"qwen35": build_qwen35_hybrid, "qwen35_moe": build_qwen35_moe, "qwen3_next": build_qwen3_next}
 N_TOKENS = 64
@@ -55,7 +57,7 @@ class Target:
         model.set_dtype(mx.float32)
         self.model = model
         self.loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
-        self.trunk = Trunk(model)
+        self.trunk = target_for(model)
         self.head = load_mtp_head(self.loaded)
         self.head.set_dtype(mx.float32)
         self.vocab = self.loaded.vocab_size
@@ -75,31 +77,32 @@ def demo():
     return Target(default_model_path())
 
 
-class InjectedDrafts(MTPDecoder):
+class InjectedDrafts(MTPProposer):
     """Failure injection: the head drafts, then its proposals are replaced by
     the reference continuation with one token corrupted (or none)."""
 
-    def __init__(self, *args, reference: list[int], rng: random.Random, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, reference: list[int], rng: random.Random):
+        super().__init__(*args)
         self.reference, self.rng = reference, rng
 
-    def _draft(self, last, depth):
-        drafts, probs = super()._draft(last, depth)
-        at = self.generated
+    def propose(self, context, depth):
+        proposal = super().propose(context, depth)
+        at = context.generated
         true = self.reference[at : at + depth]
         true += [0] * (depth - len(true))
         wrong = self.rng.randrange(depth + 1)  # depth: all drafts right
         if wrong < depth:
             true[wrong] = (true[wrong] + 1) % 7
-        return mx.array(true), probs
+        return Proposal(mx.array(true), proposal.q)
 
 
-def decode(target: Target, prompt, depth, max_tokens=N_TOKENS, stop=frozenset(), cls=MTPDecoder,
-           prefix: PrefixCache | None = None, **kwargs):
+def decode(target: Target, prompt, depth, max_tokens=N_TOKENS, stop=frozenset(), cls=MTPProposer,
+           prefix: PrefixCache | None = None, undo="tape", **inject):
     request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), max_tokens,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"), stop)
     cache, rest = (prefix.fetch(prompt) if prefix else (None, prompt))
-    decoder = cls(target.trunk, target.head, request, cache, len(prompt) - len(rest), None, **kwargs)
+    decoder = SpecDecoder(target.trunk, cls(target.trunk, target.head, **inject), request, cache,
+                          len(prompt) - len(rest), None, undo=undo)
     step = decoder.prefill()
     tokens, rounds = list(step.tokens), []
     while step.finish_reason is None:
@@ -197,5 +200,5 @@ def test_replay_rollback_equals_capture_rollback(demo):
     for prompt in prompts(demo.vocab, 4, seed=3):
         want, margins = demo.reference(prompt)
         for depth in (2, 4):
-            got, _, _ = decode(demo, prompt, depth, rollback_mode="replay")
+            got, _, _ = decode(demo, prompt, depth, undo="replay")
             assert_same_greedy(got, want, margins)

@@ -11,8 +11,10 @@ from mlx.utils import tree_flatten
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
-from engines.mlx_mtp.decoder import MTPDecoder
-from engines.mlx_mtp.engine import MLXMTPEngine
+from engines.proposers import mtp
+from engines.proposers.mtp import MTPProposer
+from engines.spec_decoder import SpecDecoder
+from engines.spec_engine import SpecEngine
 
 
 def active_bytes() -> int:
@@ -33,9 +35,9 @@ def test_loading_the_mtp_engine_costs_only_the_head(tmp_path):
     trunk = nbytes(loaded.model)
     before = active_bytes()
 
-    engine = MLXMTPEngine("m", loaded, max_context=1024)
-    mx.eval(engine.head.parameters())
-    head = nbytes(engine.head)
+    engine = SpecEngine("m", loaded, name="mlx_mtp", drafting=mtp.drafting, max_context=1024)
+    mx.eval(engine.drafting.weights.parameters())
+    head = nbytes(engine.drafting.weights)
     loaded_cost = active_bytes() - before
     assert head < trunk / 4
     assert loaded_cost <= head + 64 * 1024, (loaded_cost, head, trunk)
@@ -43,7 +45,8 @@ def test_loading_the_mtp_engine_costs_only_the_head(tmp_path):
     # Decoding adds caches (trunk and head), bounded by the sequence, not weights.
     request = GenerationRequest("r", "m", list(range(1, 33)), SamplingParams(temperature=0), 16,
                                 Plan("mlx_mtp", "mtp", 2, "spec_on"))
-    decoder = MTPDecoder(engine.trunk, engine.head, request, None, 0, None)
+    decoder = SpecDecoder(engine.target, MTPProposer(engine.target, engine.drafting.weights), request, None, 0,
+                          None)
     step = decoder.prefill()
     while step.finish_reason is None:
         step = decoder.round(2)

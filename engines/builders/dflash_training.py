@@ -27,7 +27,7 @@ on the drafter module's own sublayers; a test checks it against
 Stages, as in demo_training: prepare (tokenize; an initial drafter from
 drafters.build_dflash_drafter, so the output has the published config),
 train (resumable: the same command continues), evaluate (real greedy DFlash
-decoding of held-out prompts with engines/mlx_block/decoder.py), export
+decoding of held-out prompts with engines/spec_decoder.py), export
 (bfloat16, z-lab layout).
 """
 
@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from engines.builders.demo_training import _save_state, _schedule, main_log, stdlib_files
 from engines.builders.training_args import DrafterConfig
 from engines.mlx_block.dflash import DFlashAttention, DFlashDrafter, load_dflash
-from engines.trunk import Trunk, capture
+from engines.targets import Target, target_for
 
 # -- corpus and initial drafter ----------------------------------------------------
 
@@ -108,26 +108,25 @@ def prepare(work: Path, target: Path, cfg: DrafterConfig, log=print,
     return work
 
 
-def load_target(path: Path) -> Trunk:
+def load_target(path: Path) -> Target:
     """The target, frozen, as float32 (training precision)."""
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(path), lazy=False)
     model.set_dtype(mx.float32)
     model.freeze()
-    return Trunk(model)
+    return target_for(model)
 
 
 # -- the training forward ----------------------------------------------------------
 
 
-def target_view(trunk: Trunk, tokens: mx.array, layer_ids: list[int]) -> tuple[mx.array, mx.array]:
+def target_view(trunk: Target, tokens: mx.array, layer_ids: list[int]) -> tuple[mx.array, mx.array]:
     """The drafter's context features (B, T, n*H) for `tokens` (B, T), and the
     target's greedy next token at every position (B, T)."""
-    with capture(layer_ids) as got:
-        hidden = trunk.hidden(tokens, None)
-    features = mx.concatenate([got.outputs[i] for i in layer_ids], axis=-1)
-    greedy = mx.argmax(trunk.logits(hidden), axis=-1)
+    forward = trunk.forward(tokens, None, layers=layer_ids)
+    features = mx.concatenate([forward.layers[i] for i in layer_ids], axis=-1)
+    greedy = mx.argmax(trunk.logits(forward.hidden), axis=-1)
     return mx.stop_gradient(features), greedy
 
 
@@ -185,7 +184,7 @@ def block_forward(drafter: DFlashDrafter, blocks: mx.array, features: mx.array,
     return drafter.norm(h)
 
 
-def block_inputs(trunk: Trunk, tokens: mx.array, greedy: mx.array, anchors: mx.array,
+def block_inputs(trunk: Target, tokens: mx.array, greedy: mx.array, anchors: mx.array,
                  block_size: int, mask_token_id: int) -> tuple[mx.array, mx.array]:  # fmt: skip
     """Embedded blocks (B, K, L, H) [x_a, mask...] and their labels (B, K, L-1):
     the target's greedy choice for tokens a+1..a+L-1."""
@@ -216,7 +215,7 @@ def position_weights(cfg: DrafterConfig) -> mx.array:
     return mx.exp(-mx.arange(cfg.block_size - 1, dtype=mx.float32) / cfg.decay)
 
 
-def block_loss(drafter: DFlashDrafter, trunk: Trunk, blocks, labels, features, anchors,
+def block_loss(drafter: DFlashDrafter, trunk: Target, blocks, labels, features, anchors,
                weights: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
     """Weighted mean CE, and which drafts equal their labels (B, K, L-1)."""
     out = block_forward(drafter, blocks, features, anchors)
@@ -373,13 +372,14 @@ def heldout_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> l
     return [tokens[s : s + length].astype(int).tolist() for s in starts]
 
 
-def measure_acceptance(trunk: Trunk, drafter: DFlashDrafter, prompts: list[list[int]],
+def measure_acceptance(trunk: Target, drafter: DFlashDrafter, prompts: list[list[int]],
                        block_length: int, new_tokens: int,
                        stop_token_ids: frozenset[int] = frozenset()) -> Acceptance:  # fmt: skip
     """Greedy DFlash decoding of each prompt with the engine's own decoder,
     verifying `block_length - 1` drafts a round: the acceptance a user sees."""
     from engines.base import GenerationRequest, Plan, SamplingParams
-    from engines.mlx_block.decoder import DFlashDecoder
+    from engines.proposers.dflash import DFlashProposer
+    from engines.spec_decoder import SpecDecoder
 
     depth = block_length - 1
     result = Acceptance(block_length, 0, 0, 0)
@@ -387,7 +387,7 @@ def measure_acceptance(trunk: Trunk, drafter: DFlashDrafter, prompts: list[list[
         request = GenerationRequest(f"eval-{i}", "eval", prompt, SamplingParams(temperature=0),
                                     new_tokens, Plan("mlx_dflash", "dflash", depth, "spec_on"),
                                     stop_token_ids)  # fmt: skip
-        decoder = DFlashDecoder(trunk, drafter, request, None, 0, None)
+        decoder = SpecDecoder(trunk, DFlashProposer(trunk, drafter), request, None, 0, None)
         step = decoder.prefill()
         while step.finish_reason is None:
             step = decoder.round(depth)
@@ -404,12 +404,12 @@ def evaluate(target: Path, drafter_path: Path, heldout: np.ndarray, *, prompts: 
     it is stored (the precision an engine serves it in), per block length."""
     from mlx_lm.utils import load_model
 
-    from engines.mlx_block.engine import check_pairing
+    from engines.mlx_block.dflash import check_pairing
 
     model, config = load_model(Path(target))
-    trunk = Trunk(model)
+    trunk = target_for(model)
     drafter = load_dflash(drafter_path)
-    check_pairing(drafter, trunk.hidden_size, trunk.num_layers, trunk.vocab_size)
+    check_pairing(drafter, trunk)
     eos = config.get("text_config", config).get("eos_token_id")
     stops = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
     chosen = heldout_prompts(heldout, prompts, prompt_len)

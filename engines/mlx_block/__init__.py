@@ -1,1 +1,2 @@
-"""Block drafters conditioned on the target's hidden states: DFlash (and DSpark to come)."""
+"""Block drafters conditioned on the target's layer features, as MLX modules: DFlash
+and DSpark (drafting with them: engines/proposers/dflash.py, dspark.py)."""

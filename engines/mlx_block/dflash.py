@@ -140,6 +140,26 @@ class DFlashDrafter(nn.Module):
         return [KVCache() for _ in self.layers]
 
 
+def check_pairing(drafter: DFlashDrafter, target, min_block: int = 2) -> None:
+    """A drafter built for another target fails here, by name, not with a
+    shape error later. `target`: anything with hidden_size, num_layers and
+    vocab_size (engines/targets/). min_block: 2 for DFlash, whose block's
+    first position is the last committed token; 1 for DSpark."""
+    a = drafter.args
+    if a.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter hidden_size {a.hidden_size} != target's {target.hidden_size}")
+    bad = [i for i in a.target_layer_ids if not -1 <= i < target.num_layers]  # -1: embeddings
+    if bad:
+        raise ValueError(f"drafter reads target layers {bad}; the target has {target.num_layers}")
+    if not 0 <= a.mask_token_id < target.vocab_size:
+        raise ValueError(f"drafter mask_token_id {a.mask_token_id} outside the target's vocab "
+                         f"({target.vocab_size})")  # fmt: skip
+    if a.vocab_size is not None and a.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocab_size {a.vocab_size} != target's {target.vocab_size}")
+    if a.block_size < min_block:
+        raise ValueError(f"drafter block_size {a.block_size} leaves nothing to propose")
+
+
 def forget_block(cache: list[KVCache], block_len: int) -> None:
     for c in cache:
         c.trim(block_len)

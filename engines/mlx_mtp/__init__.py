@@ -1,1 +1,2 @@
-"""In-process MTP speculative decoding: the head, its loader, its decoder and engine."""
+"""A model's own MTP head as an MLX module, and its loader from the checkpoint
+(drafting with it: engines/proposers/mtp.py)."""

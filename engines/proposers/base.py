@@ -1,0 +1,107 @@
+"""What a speculative decoder asks of its drafter (engines/spec_decoder.py does the rest).
+
+A `Proposer` is one sequence's drafter state. The decoder calls it:
+- `prefilled(start, forward, prompt)` after each prompt chunk went through
+  the trunk (`forward` holds the chunk's hidden states and the named layers
+  the proposer reads, `layers`);
+- `propose(context, depth)` at a round: up to `depth` drafts as a lazy 1-D
+  array, and either the distributions q they were drawn from (one row per
+  draft) or none. The acceptance rule follows: with q, rejection sampling
+  against q (Leviathan et al.); without, the target samples every position
+  and the longest prefix of drafts equal to its samples stands (exact for
+  any drafts). Greedy decoding needs neither: the trunk's argmax decides;
+- `committed(last, drafts, accepted, forward)` after the round committed
+  drafts[:accepted] and one target token; `forward` is the verify's, one
+  row per input [last, *drafts];
+- `pending()`: its own arrays to evaluate with each prefill chunk.
+Each module also has `drafting(loaded, target, drafter)`: the method's
+shared part, loaded once per engine (`Drafting`). A new method is one
+module here and one record in engines/registry.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from engines.base import Method, SamplingParams
+from engines.sampling import KeyStream, PenaltyState, apply_penalties, probabilities
+from engines.targets import Forward, Target
+
+
+@dataclass(frozen=True)
+class Proposal:
+    drafts: mx.array  # (n,) token ids, possibly still lazy
+    q: mx.array | None = None  # (n, V): what each draft was drawn from; None: drafts alone
+
+
+@dataclass
+class Context:
+    """The sequence as a proposer sees it at a round."""
+
+    tokens: list[int]  # prompt + committed output; tokens[-1] is fed this round
+    prompt_len: int
+    params: SamplingParams
+    penalties: PenaltyState | None  # after `tokens`; None without penalties
+    keys: KeyStream  # the request's random keys (the decoder draws from them too)
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
+        return logits if state is None else apply_penalties(logits, state, self.params)
+
+    def advance(self, state: PenaltyState | None, token: mx.array) -> PenaltyState | None:
+        return None if state is None else state.advance(token)
+
+    def draw(self, logits: mx.array, state: PenaltyState | None) -> tuple[mx.array, mx.array | None]:
+        """A draft from the request's own distribution (penalties from
+        `state`, the same truncation as the target's): the argmax when
+        greedy; else a sample and the q it was drawn from."""
+        logits = self.adjust(logits, state)
+        if self.params.greedy:
+            return mx.argmax(logits, keepdims=True), None
+        q = probabilities(logits, self.params)
+        return mx.random.categorical(mx.log(q), key=self.keys.next())[None], q
+
+
+class Proposer(Protocol):
+    method: Method
+    layers: tuple[int, ...]  # trunk layers each forward captures for it (-1: embeddings)
+
+    def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None: ...
+
+    def propose(self, context: Context, depth: int) -> Proposal | None: ...
+
+    def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None: ...
+
+    def pending(self) -> list: ...
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What an engine keeps of its method: loaded once, shared by its requests."""
+
+    method: Method
+    proposer: Callable[[Target], Proposer]  # one sequence's proposer
+    max_drafts: int | None = None  # the most drafts a round can propose (None: any)
+    # Whether a request may start from the model's shared prefix cache, which
+    # holds the trunk's caches only: a proposer that needs the features of
+    # every context token (block drafters) must see the whole prompt.
+    reads_prefix_cache: bool = True
+    weights: object | None = None  # its own module (head, drafter): memory accounting
+
+
+def drafted(tokens: list[mx.array], q: list[mx.array]) -> Proposal | None:
+    """A Proposal from per-position (1,) drafts and their q rows (if any)."""
+    if not tokens:
+        return None
+    return Proposal(mx.concatenate(tokens), mx.stack(q) if q else None)

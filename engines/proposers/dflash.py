@@ -1,0 +1,85 @@
+"""Drafting with a DFlash block drafter (engines/mlx_block/dflash.py).
+
+Every trunk forward (prefill chunks, verify) captures the outputs of the
+drafter's target layers; the rows of committed tokens are owed to the
+drafter's context cache and fed with the next draft, so the drafter sees
+each committed token exactly once, in order (`BlockContext`, which DSpark
+shares).
+
+The drafter always drafts its full block: it was trained on blocks of that
+size, and a shorter block of masks would ask it something it never saw. A
+round at depth k verifies the first k proposals. Drafts are the drafter's
+argmax and come without q, so the target's own samples decide (the argmax
+is also the draft most likely to match a sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from engines.loading import LoadedModel
+from engines.mlx_block.dflash import DFlashDrafter, check_pairing, forget_block, load_dflash
+from engines.proposers.base import Context, Drafting, Proposal
+from engines.targets import Forward, Target
+
+
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
+    """A z-lab DFlash drafter directory, checked against the target. The
+    drafter reads the target's layer features of every context token, which
+    the shared prefix cache does not keep: it prefills the whole prompt."""
+    if drafter is None:
+        raise ValueError("dflash needs a `drafter` directory")
+    d = load_dflash(drafter)
+    check_pairing(d, target)
+    # The block's first position is the last committed token.
+    return Drafting("dflash", lambda t: DFlashProposer(t, d), max_drafts=d.args.block_size - 1,
+                    reads_prefix_cache=False, weights=d)  # fmt: skip
+
+
+class BlockContext:
+    """The committed tokens' layer features a block drafter has not seen yet."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.layers = tuple(drafter.args.target_layer_ids)
+        self.cache = drafter.make_cache()
+        self.owed: list[mx.array] = []  # (1, n, F) feature rows
+
+    def features(self, forward: Forward) -> mx.array:
+        return mx.concatenate([forward.layers[i] for i in self.layers], axis=-1)
+
+    def take(self) -> mx.array:
+        """Everything owed, handed to the drafter's next pass."""
+        owed, self.owed = self.owed, []
+        return mx.concatenate(owed, axis=1)
+
+    def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
+        self.owed.append(self.features(forward))
+
+    def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
+        # last and the accepted drafts are now history: the drafter's next context.
+        self.owed.append(self.features(forward)[:, : accepted + 1])
+
+    def pending(self) -> list:
+        return self.owed
+
+
+class DFlashProposer:
+    method = "dflash"
+
+    def __init__(self, target: Target, drafter: DFlashDrafter):
+        self.target, self.drafter = target, drafter
+        self.context = BlockContext(drafter)
+        self.layers = self.context.layers
+        self.prefilled = self.context.prefilled
+        self.committed = self.context.committed
+        self.pending = self.context.pending
+
+    def propose(self, context: Context, depth: int) -> Proposal | None:
+        bs = self.drafter.args.block_size
+        block = mx.array([[context.last] + [self.drafter.args.mask_token_id] * (bs - 1)])
+        out = self.drafter(self.target.embed(block), self.context.take(), self.context.cache)
+        forget_block(self.context.cache, bs)
+        n = min(depth, bs - 1)
+        return Proposal(mx.argmax(self.target.logits(out[:, 1 : 1 + n])[0], axis=-1))

@@ -1,0 +1,66 @@
+"""Drafting with a DSpark block drafter (engines/mlx_block/dspark.py).
+
+DFlash's context feeding (`BlockContext`); the block is then drafted position
+by position through the drafter's Markov head, each draft drawn from the
+request's own distribution (so q is given when sampling), and cut at the
+first position its confidence head doubts.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engines.loading import LoadedModel
+from engines.mlx_block.dflash import check_pairing, forget_block
+from engines.mlx_block.dspark import DSparkDrafter, load_dspark
+from engines.proposers.base import Context, Drafting, Proposal, drafted
+from engines.proposers.dflash import BlockContext
+from engines.targets import Target
+
+
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
+    """A DeepSpec DSpark drafter directory, checked against the target; like
+    DFlash it prefills the whole prompt."""
+    if drafter is None:
+        raise ValueError("dspark needs a `drafter` directory")
+    d = load_dspark(drafter)
+    check_pairing(d, target, min_block=1)
+    # One proposal per block position.
+    return Drafting("dspark", lambda t: DSparkProposer(t, d), max_drafts=d.args.block_size,
+                    reads_prefix_cache=False, weights=d)  # fmt: skip
+
+
+class DSparkProposer:
+    method = "dspark"
+
+    def __init__(self, target: Target, drafter: DSparkDrafter):
+        self.target, self.drafter = target, drafter
+        self.context = BlockContext(drafter)
+        self.layers = self.context.layers
+        self.prefilled = self.context.prefilled
+        self.committed = self.context.committed
+        self.pending = self.context.pending
+
+    def propose(self, context: Context, depth: int) -> Proposal | None:
+        d = self.drafter
+        bs = d.args.block_size
+        block = mx.array([[context.last] + [d.args.mask_token_id] * (bs - 1)])
+        out = d(d.embed_tokens(block), self.context.take(), self.context.cache)[0]
+        forget_block(self.context.cache, bs)
+        base = d.lm_head(out)
+        drafts, q, confidence = [], [], []
+        prev, state = mx.array([context.last]), context.penalties
+        for j in range(min(depth, bs)):
+            correction, row = d.markov(prev)
+            token, qj = context.draw(base[j] + correction.reshape(-1), state)
+            q += [] if qj is None else [qj]
+            confidence.append(d.confidence(out[j : j + 1], row))
+            drafts.append(token)
+            state = context.advance(state, token)
+            prev = token
+        n = len(drafts)
+        if confidence and confidence[0] is not None:
+            # The cut needs the values now: one wait before the verify.
+            scores = mx.concatenate(confidence).tolist()
+            n = next((j for j, c in enumerate(scores) if c < d.args.confidence_threshold), n)
+        return drafted(drafts[:n], q[:n])

@@ -1,0 +1,93 @@
+"""Drafting with the model's own MTP head (engines/mlx_mtp/head.py).
+
+Fed the trunk's hidden state before the last committed token and that
+token's embedding, the head proposes d_1; for k > 1 it is fed its own
+output and its own draft (as published) for d_2..d_k. After verification
+its draft-fed cache entries are dropped and re-fed at the next round with
+the trunk's verified hidden states (`_HeadInput`). Drafts are drawn from
+the request's own distribution, so q is given when sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from engines.loading import LoadedModel
+from engines.mlx_mtp.head import MTPHead
+from engines.proposers.base import Context, Drafting, Proposal, drafted
+from engines.targets import Forward, Target
+
+
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None) -> Drafting:
+    """The checkpoint's own head (ValueError, saying why, where it has none
+    that fits: engines/mlx_mtp/loading.py)."""
+    from engines.mlx_mtp.loading import load_mtp_head
+
+    head = load_mtp_head(loaded)
+    return Drafting("mtp", lambda t: MTPProposer(t, head), weights=head)
+
+
+@dataclass
+class _HeadInput:
+    """Head entries owed to its cache: (token t[i+1], trunk hidden h[i]) pairs."""
+
+    tokens: list[int] = field(default_factory=list)
+    hidden: list[mx.array] = field(default_factory=list)  # each (1, n, H)
+
+
+class MTPProposer:
+    method = "mtp"
+    layers = ()
+
+    def __init__(self, target: Target, head: MTPHead):
+        self.target, self.head = target, head
+        self.cache = [KVCache() for _ in head.layers]
+        self.owed = _HeadInput()
+        self.h_prev: mx.array | None = None  # trunk hidden before the last token
+
+    def pending(self) -> list:
+        return [c.state for c in self.cache]
+
+    def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
+        # Head entries for these positions: (token i+1, hidden i); the last
+        # prompt position's entry needs the first generated token.
+        hidden, n = forward.hidden, forward.tokens.shape[1]
+        nxt = list(prompt[start + 1 : start + 1 + n])
+        if len(nxt) < n:
+            self.h_prev = hidden[:, -1:]
+            hidden = hidden[:, : len(nxt)]
+        if nxt:
+            self.head(self.target.embed(mx.array([nxt])), hidden, self.cache)
+
+    def propose(self, context: Context, depth: int) -> Proposal | None:
+        tokens = [*self.owed.tokens, context.last]
+        hidden = mx.concatenate([*self.owed.hidden, self.h_prev], axis=1)
+        self.owed = _HeadInput()
+        out = self.head(self.target.embed(mx.array([tokens])), hidden, self.cache)[:, -1:]
+        drafts, q, state = [], [], context.penalties
+        for j in range(depth):
+            d, qj = context.draw(self.target.logits(out)[0, -1], state)
+            drafts.append(d)
+            q += [] if qj is None else [qj]
+            if j + 1 < depth:
+                state = context.advance(state, d)
+                out = self.head(self.target.embed(d[None]), out, self.cache, step=j + 1)
+        return drafted(drafts, q)
+
+    def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
+        hidden = forward.hidden
+        if drafts:
+            for c in self.cache:
+                c.trim(len(drafts) - 1)  # entries fed with the head's own outputs
+        # Owed head entries: (d_j, trunk hidden before it) for accepted d_j,
+        # or, at depth 0, (last, h_prev) which the head never saw.
+        if not drafts and self.h_prev is not None:  # None: just resumed, no history
+            self.owed.tokens.append(last)
+            self.owed.hidden.append(self.h_prev)
+        self.owed.tokens += drafts[:accepted]
+        self.owed.hidden.append(hidden[:, :accepted])
+        self.h_prev = hidden[:, accepted : accepted + 1]

@@ -1,8 +1,9 @@
 """Route a model's quantized linears through the small-M kernel, without forking model files.
 
-`install(model, guard)` gives every affine 4/8-bit `nn.QuantizedLinear` of
-the model a subclass (the same trick engines/trunk.py uses for its tapes)
-whose __call__, while kernels are on for this thread, sends inputs of
+`install(model, guard)` gives every affine 4/8-bit `nn.QuantizedLinear`
+instance of *that model* a subclass (as engines/targets/ does for its
+tapes; mlx-lm's classes and other models are untouched) whose __call__,
+while kernels are on for this thread, sends inputs of
 2..16 rows through the kernel the guard proved for that exact shape on this
 machine, and everything else (M = 1, prefill, shapes the guard refused or
 the kernel was not written for) through mlx-lm's own __call__, unchanged.
@@ -12,7 +13,8 @@ Kernels are off until asked for:
     with hook.kernels():          # the verify forward
         logits = model(tokens, cache=cache)
 
-or `hook.set_default(True)` to have them on everywhere (e.g. a benchmark).
+On and off is per thread and per block, never process-wide: an engine
+turns them on around its own verify forward only.
 The guard proves each new shape at its first use (see kernels/guard.py);
 `guard.prove(...)`-style warm-up is just one forward per verify width.
 
@@ -37,24 +39,16 @@ import mlx.nn as nn
 from kernels import qmm
 
 _local = threading.local()
-_default = False
-
-
-def set_default(on: bool) -> None:
-    """Kernels on (or off) for every thread that did not say otherwise."""
-    global _default
-    _default = on
 
 
 def enabled() -> bool:
-    on = getattr(_local, "on", None)
-    return _default if on is None else on
+    return getattr(_local, "on", False)
 
 
 @contextmanager
 def kernels(on: bool = True):
     """Kernels on (or off) for this thread during the block."""
-    prev = getattr(_local, "on", None)
+    prev = enabled()
     _local.on = on
     try:
         yield

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import Literal, Protocol
 
-# The methods engines serve (engines/registry.py lists the engines and the
-# method of each; tests/test_registry.py checks the two agree).
-Method = Literal["none", "mtp", "dflash", "dspark", "llamacpp_mtp"]
-METHODS: tuple[Method, ...] = get_args(Method)
+# A decoding method: what an engine's record in engines/registry.py says it
+# serves ("mtp", "dflash", ...; registry.methods() lists them). A string, so
+# a new method is a record there and nothing here.
+Method = str
 PLAIN: Method = "none"  # plain decoding: no drafts
 
 # The closed set of reasons a plan can give. Metrics label by these, so the

@@ -14,7 +14,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from engines.base import (
-    METHODS,
     PLAIN,
     Engine,
     EngineError,
@@ -28,6 +27,7 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from engines.registry import methods as known_methods
 from gateway.admission import GateClosed, QueueFull, QueueTimeout
 from gateway.auth import Principal, current_principal
 from gateway.errors import APIError
@@ -125,10 +125,11 @@ def _override(headers: Mapping[str, str]) -> tuple[str | None, int | None]:
     depth_text = headers.get(DEPTH_HEADER)
     if method is not None:
         method = method.strip().lower()
-        if method not in METHODS:
+        if method not in known_methods():
             raise APIError(
                 400,
-                f"X-Specgate-Method: unknown method '{method}'; one of {', '.join(METHODS)}",
+                f"X-Specgate-Method: unknown method '{method}'; one of "
+                f"{', '.join(known_methods())}",
                 param="X-Specgate-Method",
             )
     depth = None

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engines.base import METHODS, LiveState, Method, Plan, Source
+from engines import registry
+from engines.base import LiveState, Method, Plan, Source
 from policies.content import ContentClass
 from policies.costs import CostModel, expected_tokens
 from policies.live_costs import CostView, prior_view
@@ -205,8 +206,9 @@ def _depth(policy: ModelPolicy, method: Method, request: RequestFeatures) -> int
 def _forced(policy: ModelPolicy, request: RequestFeatures) -> Plan:
     available = policy.engines_by_method
     method = request.forced_method
-    if method not in METHODS:
-        raise OverrideError(f"unknown method '{method}'; methods are {', '.join(METHODS)}")
+    if method not in registry.methods():
+        raise OverrideError(f"unknown method '{method}'; methods are "
+                            f"{', '.join(registry.methods())}")  # fmt: skip
     if method in policy.refused:
         raise OverrideError(
             f"method '{method}' is refused for model '{policy.model_id}': "

@@ -55,6 +55,7 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
+from engines.home import kernel_cache_dir  # noqa: E402
 from engines.mlx_mtp.head import MTPHead  # noqa: E402
 from engines.proposers.base import Proposal  # noqa: E402
 from engines.proposers.mtp import MTPProposer  # noqa: E402
@@ -281,12 +282,13 @@ def main() -> None:
         OUT.append(a.out.open("w"))
     if a.tiny:
         a.layers, a.hidden, a.mlp, a.heads, a.kv_heads, a.head_dim, a.vocab = 2, 256, 768, 4, 2, 64, 4096
+    cache = kernel_cache_dir(a.home)
     if a.test_kernel:
-        guard = Guard([Candidate("emulate", "1", qmm.emulate_qmm)], home=a.home, margin=float("inf"),
-                      reps=2, inner=1)  # fmt: skip
+        guard = Guard([Candidate("emulate", "1", qmm.emulate_qmm)], cache_dir=cache,
+                      margin=float("inf"), reps=2, inner=1)  # fmt: skip
     else:
-        guard = Guard(home=a.home)
-    fused = None if a.test_kernel else Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
+        guard = Guard(cache_dir=cache)
+    fused = None if a.test_kernel else Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM)
     say(f"mlx {mx.__version__} on {mx.default_device()}; qwen3 hidden {a.hidden}, {a.layers} layers, "
         f"{a.heads}/{a.kv_heads} heads, MLP {a.mlp}, vocab {a.vocab}; prompt {a.prompt}, "
         f"{a.tokens} tokens; verdicts {guard.path}")  # fmt: skip

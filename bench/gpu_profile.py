@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify_curve import qwen3_7b  # noqa: E402  (bench/, beside this file)
 
+from engines.home import kernel_cache_dir  # noqa: E402
 from kernels import hook  # noqa: E402
 from kernels.cache_undo import checkpoint, restore  # noqa: E402
 from kernels.guard import (  # noqa: E402
@@ -124,12 +125,13 @@ def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int
             "per_name": per_name}  # fmt: skip
 
 
-def forced_mma() -> tuple[Guard, Guard]:
+def forced_mma(cache_dir: Path) -> tuple[Guard, Guard]:
     """Guards that enable the tensor-core kernels wherever they are correct
     (nothing recorded: the timing verdict is what this mode overrides)."""
-    return (Guard([cuda_mma_candidate()], margin=float("inf"), record=False, reps=1, inner=1, flush_bytes=0),
-            Guard([cuda_mma_fused_candidate()], op=FUSED_QMM, margin=float("inf"), record=False,
-                  reps=1, inner=1, flush_bytes=0))  # fmt: skip
+    return (Guard([cuda_mma_candidate()], cache_dir=cache_dir, margin=float("inf"), record=False,
+                  reps=1, inner=1, flush_bytes=0),
+            Guard([cuda_mma_fused_candidate()], cache_dir=cache_dir, op=FUSED_QMM,
+                  margin=float("inf"), record=False, reps=1, inner=1, flush_bytes=0))  # fmt: skip
 
 
 def main() -> None:
@@ -155,9 +157,10 @@ def main() -> None:
     model = qwen3_7b(a.layers, 4096)
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
-    guard = Guard([cuda_mma_candidate(), cuda_candidate()], home=a.home)
-    fused = Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
-    forced = forced_mma()
+    cache = kernel_cache_dir(a.home)
+    guard = Guard([cuda_mma_candidate(), cuda_candidate()], cache_dir=cache)
+    fused = Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM)
+    forced = forced_mma(cache)
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.random.randint(0, 151936, (a.ctx + 16,), key=mx.random.key(1))

@@ -33,6 +33,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.home import kernel_cache_dir  # noqa: E402
 from kernels import attention as A  # noqa: E402
 from kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
 
@@ -140,7 +141,7 @@ def _cell(x: float | None, fmt: str) -> str:
 
 def part_guard(lengths, dtype, home, budget):
     say(f"\n== guard: cuda_attention verdicts (Hq 32, Hkv 8, D 128, {dtype_name(dtype)}) ==")
-    guard = A.make_guard(candidates=[A.cuda_candidate()], home=home)
+    guard = A.make_guard(candidates=[A.cuda_candidate()], cache_dir=kernel_cache_dir(home))
     say(f"{'L':>6} {'M':>3} | {'status':>7} {'max err':>9} {'bound':>8} {'stock err':>9} | "
         f"{'kernel us':>9} {'stock us':>9}")  # fmt: skip
     for length in lengths:

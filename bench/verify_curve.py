@@ -39,6 +39,7 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.home import kernel_cache_dir  # noqa: E402
 from kernels import hook, qmm, qmm_mma  # noqa: E402
 from kernels.cache_undo import checkpoint, restore  # noqa: E402
 from kernels.guard import (  # noqa: E402
@@ -248,8 +249,8 @@ def main() -> None:
     parts = a.part.split(",")
     say(f"mlx {mx.__version__} on {mx.default_device()}; kernels cuda_qmm@{qmm.CUDA_VERSION}, "
         f"cuda_qmm_mma@{qmm_mma.VERSION}")  # fmt: skip
-    guard = Guard([cuda_mma_candidate(), cuda_candidate()], home=a.home)
-    fused = Guard([cuda_mma_fused_candidate()], home=a.home, op=FUSED_QMM)
+    guard = Guard([cuda_mma_candidate(), cuda_candidate()], cache_dir=kernel_cache_dir(a.home))
+    fused = Guard([cuda_mma_fused_candidate()], cache_dir=kernel_cache_dir(a.home), op=FUSED_QMM)
     WIDTHS[:] = range(1, a.max_m + 1)
     say(f"verdicts: {guard.path}")
     data = {}

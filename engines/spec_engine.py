@@ -92,7 +92,7 @@ class SpecEngine(WorkerEngine):
         """Small-M kernels for this engine's verify forwards (kernels/wiring.py):
         the hook on a quantized trunk unless `kernels: off`, every verify
         width 2..max_depth+1 proved now, at load, not inside a request."""
-        from kernels import wiring
+        from engines import kernel_wiring as wiring  # the guards' verdicts in SPECGATE_HOME
 
         with self.loaded.lock:
             self.kernel_wiring = wiring.prepare(self.loaded.model, self.kernels_setting,

@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.home import specgate_home
+from engines.home import keys_file
 from gateway.quotas import KeyLimits
 
 KEY_PREFIX = "sg-"
@@ -50,7 +50,7 @@ class KeyFileError(Exception):
 
 
 def default_keys_file() -> Path:
-    return specgate_home() / "keys"
+    return keys_file()
 
 
 

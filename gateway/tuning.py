@@ -123,7 +123,7 @@ def _round_timers(loaded, model_path: Path, drafter: str | None, kernels: bool =
 def _kernels(model, progress):
     """The model's kernel wiring as the engines make it (kernels/wiring.py),
     at every width tune measures; the guard's verdicts for its shapes printed."""
-    from kernels import wiring
+    from engines import kernel_wiring as wiring  # the guards' verdicts in SPECGATE_HOME
 
     wired = wiring.prepare(model, "auto", tune.WIDTHS)
     progress(f"kernels: {wired.reason}")

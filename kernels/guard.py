@@ -22,8 +22,10 @@ guard, once per machine:
    the kernel's median is below `margin` (0.95) x the stock median; else
    `slower`.
 The verdict (status, both times, the error and its bound) is written to
-$SPECGATE_HOME/kernels/<machine id>/qmm.json, keyed by kernel name and the
-hash of its source, and read back by later processes: the check runs once.
+<cache_dir>/<machine id>/qmm.json, keyed by kernel name and the hash of its
+source, and read back by later processes: the check runs once. The caller
+names the cache_dir (the engines: $SPECGATE_HOME/kernels, engines/home.py);
+kernels/ reads no environment for it.
 A refused kernel costs one log line and the stock path is used; never a
 wrong answer.
 
@@ -31,7 +33,7 @@ The guard is generic over the op a family of kernels replaces (`Op`): the
 quantized matmul above is `QMM`, the default; another op (kernels/attention.py's
 `ATTENTION`) says how to name a shape, make random inputs of it, compute the
 exact answer and the stock one, and which inputs to copy to overflow L2. A
-Guard serves one op, its verdicts in $SPECGATE_HOME/kernels/<machine>/<op.name>.json.
+Guard serves one op, its verdicts in <cache_dir>/<machine>/<op.name>.json.
 """
 
 from __future__ import annotations
@@ -62,10 +64,6 @@ TIMING = "chain"
 
 def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
-
-
-def specgate_home() -> Path:
-    return Path(os.environ.get("SPECGATE_HOME") or Path.home() / ".specgate").expanduser()
 
 
 class Op:
@@ -256,7 +254,7 @@ class Guard:
     """Per-machine verdicts on the kernels that replace one op (default: the
     small-M quantized matmul)."""
 
-    def __init__(self, candidates: list[Candidate] | None = None, *, home: Path | None = None,
+    def __init__(self, candidates: list[Candidate] | None = None, *, cache_dir: Path,
                  machine: str | None = None, reps: int = 7, inner: int = 8,
                  margin: float = 0.95, flush_bytes: int | None = None, seed: int = 0,
                  record: bool = True, op: Op = QMM):  # fmt: skip
@@ -265,7 +263,8 @@ class Guard:
             raise ValueError(f"no default candidates for op {op.name}: pass them")
         self.candidates = default_candidates() if candidates is None else list(candidates)
         self.machine = machine or machine_id()
-        self.path = (home or specgate_home()) / "kernels" / self.machine / f"{op.name}.json"
+        # Verdicts are read back from (and, with `record`, written to) here.
+        self.path = Path(cache_dir) / self.machine / f"{op.name}.json"
         self.reps, self.inner, self.margin, self.seed = reps, inner, margin, seed
         self.record = record
         gpu = mx.default_device() == mx.gpu

@@ -1,14 +1,15 @@
 """Wiring the small-M kernels into an engine's verify forward, at load.
 
-`prepare(model, setting, widths)` is what an engine (and `specgate tune`,
-and bench/e2e_mtp_7b.py) calls once when it loads a model:
+`prepare(model, setting, widths, cache_dir=...)` is what an engine (through
+engines/kernel_wiring.py, as `specgate tune` does; bench/e2e_mtp_7b.py with
+guards of its own) calls once when it loads a model:
 
 - `setting` "off", or a model with no affine 4/8-bit `QuantizedLinear`:
   nothing is installed, verify forwards stay stock.
 - each kernel of the guard is probed once at the model's first shape
   (M = 2): a kernel that cannot be built on this device (CUDA code on a
   CPU or a Mac, Metal code off Apple silicon, a compile error) gets its
-  `failed` verdict, recorded under SPECGATE_HOME like any other, and is
+  `failed` verdict, recorded in the cache like any other, and is
   dropped for this process, so no later shape tries it again. If none is
   left, the hook is not installed: one log line, the stock path.
 - otherwise kernels/hook.py is installed on the model and the guard proves
@@ -22,8 +23,10 @@ and bench/e2e_mtp_7b.py) calls once when it loads a model:
 - the engine then runs each round's verify forward inside
   `hook.kernels(wired.enabled)`; prefill and one-row steps are never routed.
 
-One guard per SPECGATE_HOME per process (`shared_guard`), so engines that
-share a model share verdicts and its log lines.
+One guard per verdict cache directory per process (`shared_guard`), so
+engines that share a model share verdicts and its log lines. The directory
+comes from the caller (the engines: $SPECGATE_HOME/kernels, engines/home.py):
+kernels/ reads no environment for it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from kernels.guard import (
     Verdict,
     cuda_mma_fused_candidate,
     dtype_name,
-    specgate_home,
 )
 
 log = logging.getLogger("specgate.kernels")
@@ -53,15 +55,15 @@ _guards: dict[tuple[Path, str], Guard] = {}
 _guards_lock = threading.Lock()
 
 
-def shared_guard(op: str = "qmm") -> Guard:
-    """This process's guard for $SPECGATE_HOME: the default kernels ("qmm"),
-    or the fused sibling-linear kernel ("qmm_fused")."""
-    home = specgate_home()
+def shared_guard(cache_dir: Path, op: str = "qmm") -> Guard:
+    """This process's guard for the verdicts in `cache_dir`: the default
+    kernels ("qmm"), or the fused sibling-linear kernel ("qmm_fused")."""
+    key = (Path(cache_dir), op)
     with _guards_lock:
-        if (home, op) not in _guards:
-            _guards[(home, op)] = (Guard(home=home) if op == "qmm" else Guard(
-                [cuda_mma_fused_candidate()], home=home, op=FUSED_QMM))  # fmt: skip
-        return _guards[(home, op)]
+        if key not in _guards:
+            _guards[key] = (Guard(cache_dir=key[0]) if op == "qmm" else Guard(
+                [cuda_mma_fused_candidate()], cache_dir=key[0], op=FUSED_QMM))  # fmt: skip
+        return _guards[key]
 
 
 Shape = tuple  # (K, N, dtype, bits, group_size)
@@ -149,12 +151,13 @@ def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
-            guard: Guard | None = None, fused_guard: Guard | None = None) -> Wiring:  # fmt: skip
+            guard: Guard | None = None, fused_guard: Guard | None = None,
+            cache_dir: Path | None = None) -> Wiring:  # fmt: skip
     """Install the hook on `model` and prove its verify shapes (see the module docstring).
 
-    Without a `guard`, this process's shared guards are used (both the
-    per-linear and the fused one); with one, sibling groups are fused only
-    if a `fused_guard` is given too. Call it holding the model's lock
+    Without a `guard`, this process's shared guards for `cache_dir` are used
+    (both the per-linear and the fused one); with one, sibling groups are
+    fused only if a `fused_guard` is given too. Call it holding the model's lock
     (engines/loading.py); the proofs time kernels, so they are steadiest at
     start, where models load one after another before any request."""
     if setting not in SETTINGS:
@@ -165,7 +168,9 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     if not shapes:
         return Wiring(False, "not quantized (affine 4/8-bit): stock verify")
     if guard is None:
-        guard, fused_guard = shared_guard(), shared_guard("qmm_fused")
+        if cache_dir is None:
+            raise ValueError("kernels: prepare needs a guard, or the cache_dir of the shared ones")
+        guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
     with guard._lock:
         keep, failed = _usable(guard, shapes)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engines.home import specgate_home
 from engines.llamacpp import install
 
 
@@ -28,7 +29,7 @@ def test_the_sources_are_downloaded_with_this_environments_own_pip():
 def test_the_cli_installs_into_specgate_home(llama_server_binary: Path):
     """The console script the README names, on the SPECGATE_HOME the build is in."""
     script = Path(sys.executable).with_name("specgate")
-    env = os.environ | {"SPECGATE_HOME": str(install.specgate_home())}
+    env = os.environ | {"SPECGATE_HOME": str(specgate_home())}
     done = subprocess.run([str(script), "install-llama-server"], capture_output=True, text=True,
                           env=env, timeout=1800)  # fmt: skip
     assert done.returncode == 0, done.stderr

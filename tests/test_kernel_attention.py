@@ -27,7 +27,7 @@ def qkv(hq, hkv, length, m, d, dtype, seed=0):
 def make_guard(tmp_path, candidates, **kw):
     kw.setdefault("reps", 3)
     kw.setdefault("inner", 2)
-    return A.make_guard(candidates=candidates, home=tmp_path, machine="test-machine", **kw)
+    return A.make_guard(candidates=candidates, cache_dir=tmp_path, machine="test-machine", **kw)
 
 
 def test_reference_is_stock_sdpa_with_the_causal_tail_mask():
@@ -130,7 +130,7 @@ def test_guard_records_real_kernels_failed_here_and_falls_back(tmp_path, caplog)
         y = A.verify_attention(q, k, v, scale, guard=guard)
         A.verify_attention(q * 2, k, v, scale, guard=guard)  # known shape: no new check
     assert mx.array_equal(y, A.reference_attention(q, k, v, scale))
-    assert guard.checks_run == 2 and guard.path == tmp_path / "kernels" / "test-machine" / "attention.json"
+    assert guard.checks_run == 2 and guard.path == tmp_path / "test-machine" / "attention.json"
     vs = guard.verdicts()
     assert sorted(vs) == sorted(f"{n}@{ver}|M4|Hq8|Hkv2|L100|D64|float16" for n, ver in (
         ("cuda_attention", A.CUDA_VERSION), ("metal_attention", A.METAL_VERSION)))  # fmt: skip
@@ -173,4 +173,4 @@ def test_guard_refuses_wrong_attention_and_enables_the_emulated_kernel(tmp_path)
         verdict = ok.verdict(good, *shape, dtype)
         assert verdict.ok and verdict.max_error <= verdict.bound and verdict.reference_error is not None
     assert ok.kernel_for(q, k, v, scale) is emulated
-    assert Guard(home=tmp_path, machine="test-machine").path.name == "qmm.json"  # QMM untouched
+    assert Guard(cache_dir=tmp_path, machine="test-machine").path.name == "qmm.json"  # QMM untouched

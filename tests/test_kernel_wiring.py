@@ -23,6 +23,7 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx.utils import tree_flatten
 
+from engines import kernel_wiring
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import load_mlx_model
@@ -70,7 +71,7 @@ class Counting:
 
 def counting_guard(tmp_path, kernel: Counting) -> Guard:
     # margin inf: correct is enough to be enabled (wrapping stock is not faster)
-    return Guard([Candidate("count", "1", kernel)], home=tmp_path, machine="test-machine",
+    return Guard([Candidate("count", "1", kernel)], cache_dir=tmp_path, machine="test-machine",
                  reps=2, inner=1, margin=float("inf"))  # fmt: skip
 
 
@@ -183,7 +184,8 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
     assert not wired.enabled and not engine.target.kernels
     assert set(wired.failed) == {"cuda_qmm", "metal_qmm"}
     assert "No CUDA" in wired.failed["cuda_qmm"] and "No Metal" in wired.failed["metal_qmm"]
-    guard = wiring.shared_guard()
+    guard = kernel_wiring.shared_guard()
+    assert guard.path.parent.parent == tmp_path / "kernels"  # SPECGATE_HOME's verdict cache
     assert guard.checks_run == 2 and guard.candidates == []  # one probe each, then dropped
     saved = json.loads(guard.path.read_text())["verdicts"]
     assert len(saved) == 2 and {v["status"] for v in saved.values()} == {"failed"}
@@ -194,7 +196,7 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
     # A later process: the verdicts are read back, nothing is built again.
     monkeypatch.setattr(wiring, "_guards", {})
     again = mtp_engine(q4, verify_depth=2)
-    assert not again.target.kernels and wiring.shared_guard().checks_run == 0
+    assert not again.target.kernels and kernel_wiring.shared_guard().checks_run == 0
 
 
 def test_config_kernels_setting():
@@ -219,7 +221,8 @@ def test_tune_shows_verdicts_and_measures_the_curve_in_use(q4, tmp_path, monkeyp
     guard = counting_guard(tmp_path, kernel)
     monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
     real = wiring.shared_guard  # the fused guard stays the real one (float32 here: not written for)
-    monkeypatch.setattr(wiring, "shared_guard", lambda op="qmm": guard if op == "qmm" else real(op))
+    monkeypatch.setattr(wiring, "shared_guard",
+                        lambda cache_dir, op="qmm": guard if op == "qmm" else real(cache_dir, op))
     assert tuning.run_cli(Namespace(model=q4.path, drafter=None, reps=1)) == 0
     out = capsys.readouterr().out
     shapes = wiring.model_shapes(q4.model)

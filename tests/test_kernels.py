@@ -42,7 +42,7 @@ def exact(x, wq, s, b, gs, bits):
 def make_guard(tmp_path, candidates, **kw):
     kw.setdefault("reps", 3)
     kw.setdefault("inner", 2)
-    return Guard(candidates, home=tmp_path, machine="test-machine", **kw)
+    return Guard(candidates, cache_dir=tmp_path, machine="test-machine", **kw)
 
 
 def test_reference_is_stock_quantized_matmul():
@@ -137,7 +137,7 @@ def test_guard_refuses_wrong_kernels(tmp_path):
     assert mx.array_equal(qmm.verify_qmm(x, wq, s, b, 64, 4, guard=guard),
                           qmm.reference_qmm(x, wq, s, b, 64, 4))  # fmt: skip
     saved = json.loads(guard.path.read_text())["verdicts"]
-    assert guard.path == tmp_path / "kernels" / "test-machine" / "qmm.json"
+    assert guard.path == tmp_path / "test-machine" / "qmm.json"  # under the cache_dir given
     assert sorted({v["status"] for v in saved.values()}) == ["wrong"] and len(saved) == 9
     one = saved["off_a_little@1|M4|K256|N64|bfloat16|b4|g64"]
     assert one["bound"] == TOLERANCE["bfloat16"] and one["max_error"] > one["bound"]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from engines.checkpoints.locate import BUILTIN_PREFIX
-from engines.home import specgate_home
+from engines.home import models_dir
 
 DEFAULT_MODEL_ID = "specgate-demo"
 BUILTIN_DEMO = "builtin:demo"
@@ -60,7 +60,7 @@ def demo_gguf_path() -> Path:
 
     src = default_model_path()
     digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()[:16]
-    out = specgate_home() / "models" / f"{DEFAULT_MODEL_ID}-{digest}.gguf"
+    out = models_dir() / f"{DEFAULT_MODEL_ID}-{digest}.gguf"
     if not out.is_file():
         tmp = out.with_suffix(f".{os.getpid()}.partial")
         export_gguf(src, tmp)

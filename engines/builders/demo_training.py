@@ -325,9 +325,9 @@ def main_log(line: str) -> None:
 
 def run_cli(args) -> int:
     """`specgate demo-model`: prepare (once), train (resumable), evaluate, export."""
-    from engines.home import specgate_home
+    from engines.home import models_dir
 
-    out = Path(args.out) if args.out else specgate_home() / "models" / f"demo-{args.size}"
+    out = Path(args.out) if args.out else models_dir() / f"demo-{args.size}"
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     cfg = TrainConfig(size=args.size, seed=args.seed, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.seq_len,

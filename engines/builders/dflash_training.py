@@ -429,10 +429,10 @@ def describe(results: list[Acceptance]) -> list[str]:
 def run_cli(args) -> int:
     """`specgate demo-drafter`: prepare (once), train (resumable), export, evaluate."""
     from engines.builders.builtin_models import default_model_path
-    from engines.home import specgate_home
+    from engines.home import models_dir
 
     target = Path(args.target) if args.target else default_model_path()
-    out = Path(args.out) if args.out else specgate_home() / "models" / "demo-dflash"
+    out = Path(args.out) if args.out else models_dir() / "demo-dflash"
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     cfg = DrafterConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size,
                         seq_len=args.seq_len, anchors=args.anchors, block_size=args.block_size,

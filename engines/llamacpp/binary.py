@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engines.home import specgate_home
+from engines.home import llama_cpp_dir
 
 # The llama.cpp release vendored in llama-cpp-python 0.3.36 (its CHANGELOG names
 # ggml-org/llama.cpp@0c1e57098, which is tag b11312; see
@@ -24,7 +24,7 @@ class LlamaServerMissing(FileNotFoundError):
 
 def installed_llama_server_path() -> Path:
     """Where `specgate install-llama-server` puts the binary it builds."""
-    return specgate_home() / "llama.cpp" / LLAMA_CPP_TAG / "bin" / "llama-server"
+    return llama_cpp_dir() / LLAMA_CPP_TAG / "bin" / "llama-server"
 
 
 def _is_executable_file(path: Path) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from engines.home import specgate_home
+from engines.home import llama_cpp_dir, logs_dir
 from engines.llamacpp.binary import LLAMA_CPP_TAG, installed_llama_server_path, llama_server_version
 
 PINNED = "0.3.36"  # llama-cpp-python; vendors llama.cpp LLAMA_CPP_TAG (b11312)
@@ -235,14 +235,14 @@ def install_llama_server(
     tools = check_prerequisites()
     generator = ["-G", "Ninja"] if tools["make or ninja"].endswith("ninja") else []
 
-    root = specgate_home() / "llama.cpp"
+    root = llama_cpp_dir()
     sdist = download_sdist(root / "src", progress)
     source = extract_vendored_llama_cpp(sdist, root / "src" / "extracted", progress)
 
     build_dir = root / "build" / LLAMA_CPP_TAG
     if force or _generator_changed(build_dir, "Ninja" if generator else "Unix Makefiles"):
         shutil.rmtree(build_dir, ignore_errors=True)
-    log_path = specgate_home() / "logs" / "llama-server-build.log"
+    log_path = logs_dir() / "llama-server-build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     flags = cmake_flags()
     jobs = jobs or os.cpu_count() or 1

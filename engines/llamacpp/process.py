@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.home import specgate_home
+from engines.home import logs_dir
 from engines.llamacpp.binary import find_llama_server
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ class LlamaServer:
         # Keep the port across restarts so base_url stays stable, unless it is taken.
         if self.port is None or not _port_is_free(self.port):
             self.port = _free_port()
-        logs = specgate_home() / "logs"
+        logs = logs_dir()
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"llama-server-{self.spec.model.stem}-{self.port}.log"
         argv = [str(binary), *self.spec.args(self.port)]

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.home import specgate_home
+from engines.home import peers_dir
 
 MLX_DSPARK_VERSION = "0.20.3"
 PYTHON_VERSION = "3.11"
@@ -81,7 +81,7 @@ PINNED = (
 
 
 def mlx_dspark_env_dir() -> Path:
-    return specgate_home() / "peers" / f"mlx-dspark-{MLX_DSPARK_VERSION}"
+    return peers_dir() / f"mlx-dspark-{MLX_DSPARK_VERSION}"
 
 
 def _venv_python(venv: Path) -> Path:

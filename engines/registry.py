@@ -9,7 +9,7 @@ its rounds, and how `specgate tune` times one of them. Config validation
 (policies/model_policy.py) and tuning (gateway/tuning.py) iterate over
 these records; adding an engine is adding a record here. An in-process
 speculative method is a proposer module (engines/proposers/) and a record
-whose builder is `_speculative(name, module, ...)`.
+whose builder is `spec_engine(name, module, ...)`.
 
 Light to import (config validation reads it): builders import their engines,
 and MLX, when they run. Nothing here imports gateway/ or policies/: a
@@ -156,17 +156,18 @@ def _plain(ctx: BuildContext) -> Engine:
                           prefix_cache_size=ctx.prefix_cache_size)  # fmt: skip
 
 
-def _speculative(name: str, proposers: str,
-                 verify_depth: Callable[[BuildContext], int | None]) -> Builder:  # fmt: skip
+def spec_engine(name: str, proposers: str,
+                verify_depth: Callable[[BuildContext], int | None]) -> Builder:  # fmt: skip
     """An in-process speculative engine (engines/spec_engine.py) drafting with
-    engines/proposers/<proposers>.py, whose `drafting` loads what it needs.
+    the module `proposers` (e.g. "engines.proposers.mtp"), whose `drafting`
+    loads what it needs; imported when the engine is built.
     Asked for by name: a checkpoint (or drafter) that cannot draft fails to
     load with the reason, rather than quietly serving plain decoding."""
 
     def make(ctx: BuildContext) -> Engine:
         from engines.spec_engine import SpecEngine
 
-        module = importlib.import_module(f"engines.proposers.{proposers}")
+        module = importlib.import_module(proposers)
         return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=module.drafting,
                           drafter=ctx.drafter, max_context=ctx.context_length(),
                           max_queue=ctx.max_queue, kernels=ctx.kernels,
@@ -248,16 +249,17 @@ def registered(*records: EngineRecord) -> Iterator[None]:
 
 for _record in (
     EngineRecord(MLX_PLAIN, PLAIN, MLX, _single(_plain), default=True, always=True),
-    EngineRecord(MLX_MTP, "mtp", MLX, _speculative(MLX_MTP, "mtp", lambda c: c.mtp_depth),
+    EngineRecord(MLX_MTP, "mtp", MLX,
+                 spec_engine(MLX_MTP, "engines.proposers.mtp", lambda c: c.mtp_depth),
                  needs="mtp_head", depth=_mtp_depth, tune=spec_rounds),
     EngineRecord(MLX_DFLASH, "dflash", MLX,
-                 _speculative(MLX_DFLASH, "dflash", lambda c: c.block_depth), needs="drafter",
-                 drafter_kind="dflash", exclusive="block drafter", depth=_block_depth,
-                 depth_cap=_max_drafts, tune=spec_rounds),
+                 spec_engine(MLX_DFLASH, "engines.proposers.dflash", lambda c: c.block_depth),
+                 needs="drafter", drafter_kind="dflash", exclusive="block drafter",
+                 depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
     EngineRecord(MLX_DSPARK, "dspark", MLX,
-                 _speculative(MLX_DSPARK, "dspark", lambda c: c.block_depth), needs="drafter",
-                 drafter_kind="dspark", exclusive="block drafter", depth=_block_depth,
-                 depth_cap=_max_drafts, tune=spec_rounds),
+                 spec_engine(MLX_DSPARK, "engines.proposers.dspark", lambda c: c.block_depth),
+                 needs="drafter", drafter_kind="dspark", exclusive="block drafter",
+                 depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
     # One builder: both processes come from one read of the GGUF.
     EngineRecord(LLAMACPP, PLAIN, GGUF, _llamacpp, default=True, times_rounds=False),
     EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, needs="mtp_head",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .reader import CheckpointInfo
+from .info import CheckpointInfo
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from .info import CheckpointError, CheckpointInfo
 from .locate import BUILTIN_PREFIX, REPO_ID, cached_snapshot, looks_local, not_downloaded
-from .reader import CheckpointError, CheckpointInfo, read_checkpoint
+from .reader import read_checkpoint
 from .verdicts import EngineFit, Judgement, Problem, judge_drafter, judge_gguf, judge_target
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2

@@ -22,7 +22,7 @@ from .families import (
     gguf_known_arch,
     mlx_lm_supports,
 )
-from .reader import CheckpointInfo
+from .info import CheckpointInfo
 
 VERDICTS = ("verified", "family-compatible", "ar-only", "no-mtp-heads", "incompatible")
 _RANK = {v: i for i, v in enumerate(VERDICTS)}

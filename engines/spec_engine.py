@@ -83,7 +83,7 @@ class SpecEngine(WorkerEngine):
         self.method: Method = self.drafting.method
         self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
-        self.kernel_guard = kernel_guard  # None: kernels.wiring.shared_guard()
+        self.kernel_guard = kernel_guard  # None: engines.kernel_wiring.shared_guard()
         self.kernel_wiring = None  # set by wire_kernels
         depth = verify_depth or self.max_drafts
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))

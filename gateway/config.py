@@ -75,9 +75,9 @@ class AuthConfig(_Strict):
 
     @property
     def keys_path(self) -> Path:
-        from engines.home import specgate_home
+        from engines.home import keys_file
 
-        return Path(self.keys_file).expanduser() if self.keys_file else specgate_home() / "keys"
+        return Path(self.keys_file).expanduser() if self.keys_file else keys_file()
 
 
 class LlamaServerConfig(_Strict):

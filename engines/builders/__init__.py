@@ -11,8 +11,9 @@
   in demo/ and demo_dflash/, the GGUF exported on first use).
 
 It sits above the engines, not beside engines/checkpoints/ (which only
-reads and judges): training runs the engines' own trunk, MTP head and DFlash
-drafter (engines.trunk, engines.mlx_mtp, engines.mlx_block), so a builder may
-import any engine module, and no module under engines/ other than these may
-import it back. gateway/ (the CLI, the config's builtin names) may.
+reads and judges): training runs the engines' own target, MTP head and
+DFlash drafter (engines.targets, engines.mlx_mtp, engines.mlx_block), so a
+builder may import any engine module, and no module under engines/ other
+than these may import it back. gateway/ (the CLI, the config's builtin
+names) may. See docs/DESIGN.md, "Checkpoints, builders, home".
 """

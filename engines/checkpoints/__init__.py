@@ -5,5 +5,5 @@ lives (locate.py), verdicts and `specgate inspect` (verdicts.py, inspect.py).
 
 Reading only, and no MLX: what builds checkpoints (tiny fixtures, training,
 GGUF export, the builtin models) is engines/builders/; mlx-lm's load is
-engines/mlx_load.py.
+engines/mlx_load.py. See docs/DESIGN.md, "Checkpoints, builders, home".
 """

@@ -3,7 +3,7 @@
 Every trunk forward (prefill chunks, verify) captures the outputs of the
 drafter's target layers; the rows of committed tokens are owed to the
 drafter's context cache and fed with the next draft, so the drafter sees
-each committed token exactly once, in order (`BlockContext`, which DSpark
+each committed token exactly once, in order (`BlockProposer`, which DSpark
 shares).
 
 The drafter always drafts its full block: it was trained on blocks of that
@@ -38,48 +38,46 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafti
                     reads_prefix_cache=False, weights=d)  # fmt: skip
 
 
-class BlockContext:
-    """The committed tokens' layer features a block drafter has not seen yet."""
+class BlockProposer:
+    """What DFlash and DSpark share: the committed tokens' layer features the
+    drafter has not seen yet, fed with its next pass, and that pass."""
 
-    def __init__(self, drafter: DFlashDrafter):
+    method: str
+
+    def __init__(self, target: Target, drafter: DFlashDrafter):
+        self.target, self.drafter = target, drafter
         self.layers = tuple(drafter.args.target_layer_ids)
         self.cache = drafter.make_cache()
         self.owed: list[mx.array] = []  # (1, n, F) feature rows
 
-    def features(self, forward: Forward) -> mx.array:
+    def _features(self, forward: Forward) -> mx.array:
         return mx.concatenate([forward.layers[i] for i in self.layers], axis=-1)
 
-    def take(self) -> mx.array:
-        """Everything owed, handed to the drafter's next pass."""
-        owed, self.owed = self.owed, []
-        return mx.concatenate(owed, axis=1)
-
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
-        self.owed.append(self.features(forward))
+        self.owed.append(self._features(forward))
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
         # last and the accepted drafts are now history: the drafter's next context.
-        self.owed.append(self.features(forward)[:, : accepted + 1])
+        self.owed.append(self._features(forward)[:, : accepted + 1])
 
     def pending(self) -> list:
         return self.owed
 
+    def _pass(self, embed, last: int) -> mx.array:
+        """The drafter over [last, mask x (L-1)] (embedded by `embed`), with
+        everything owed as new context; the block's own K/V are dropped."""
+        bs, owed = self.drafter.args.block_size, self.owed
+        self.owed = []
+        block = mx.array([[last] + [self.drafter.args.mask_token_id] * (bs - 1)])
+        out = self.drafter(embed(block), mx.concatenate(owed, axis=1), self.cache)
+        forget_block(self.cache, bs)
+        return out
 
-class DFlashProposer:
+
+class DFlashProposer(BlockProposer):
     method = "dflash"
 
-    def __init__(self, target: Target, drafter: DFlashDrafter):
-        self.target, self.drafter = target, drafter
-        self.context = BlockContext(drafter)
-        self.layers = self.context.layers
-        self.prefilled = self.context.prefilled
-        self.committed = self.context.committed
-        self.pending = self.context.pending
-
     def propose(self, context: Context, depth: int) -> Proposal | None:
-        bs = self.drafter.args.block_size
-        block = mx.array([[context.last] + [self.drafter.args.mask_token_id] * (bs - 1)])
-        out = self.drafter(self.target.embed(block), self.context.take(), self.context.cache)
-        forget_block(self.context.cache, bs)
-        n = min(depth, bs - 1)
+        out = self._pass(self.target.embed, context.last)
+        n = min(depth, self.drafter.args.block_size - 1)
         return Proposal(mx.argmax(self.target.logits(out[:, 1 : 1 + n])[0], axis=-1))

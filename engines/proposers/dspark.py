@@ -1,6 +1,6 @@
 """Drafting with a DSpark block drafter (engines/mlx_block/dspark.py).
 
-DFlash's context feeding (`BlockContext`); the block is then drafted position
+DFlash's context feeding (`BlockProposer`); the block is then drafted position
 by position through the drafter's Markov head, each draft drawn from the
 request's own distribution (so q is given when sampling), and cut at the
 first position its confidence head doubts.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engines.loading import LoadedModel
-from engines.mlx_block.dflash import check_pairing, forget_block
+from engines.mlx_block.dflash import check_pairing
 from engines.mlx_block.dspark import DSparkDrafter, load_dspark
 from engines.proposers.base import Context, Drafting, Proposal, drafted
-from engines.proposers.dflash import BlockContext
+from engines.proposers.dflash import BlockProposer
 from engines.targets import Target
 
 
@@ -30,23 +30,14 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafti
                     reads_prefix_cache=False, weights=d)  # fmt: skip
 
 
-class DSparkProposer:
+class DSparkProposer(BlockProposer):
     method = "dspark"
-
-    def __init__(self, target: Target, drafter: DSparkDrafter):
-        self.target, self.drafter = target, drafter
-        self.context = BlockContext(drafter)
-        self.layers = self.context.layers
-        self.prefilled = self.context.prefilled
-        self.committed = self.context.committed
-        self.pending = self.context.pending
+    drafter: DSparkDrafter
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         d = self.drafter
+        out = self._pass(d.embed_tokens, context.last)[0]
         bs = d.args.block_size
-        block = mx.array([[context.last] + [d.args.mask_token_id] * (bs - 1)])
-        out = d(d.embed_tokens(block), self.context.take(), self.context.cache)[0]
-        forget_block(self.context.cache, bs)
         base = d.lm_head(out)
         drafts, q, confidence = [], [], []
         prev, state = mx.array([context.last]), context.penalties

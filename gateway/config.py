@@ -113,8 +113,9 @@ class ModelConfig(_Strict):
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
-    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. Speculative
-    # engines are preferred in the order listed. GGUF: llamacpp runs a plain
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. The policy
+    # picks among them by measured speed; before anything is measured, in
+    # engines/registry.py's order (MTP first). GGUF: llamacpp runs a plain
     # llama-server, llamacpp_mtp one with --spec-type draft-mtp; list both to
     # let the policy choose per request (two processes, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.

@@ -39,6 +39,8 @@ from engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 
+DEFAULT_VERIFY_DEPTH = 2  # a drafter without a cap, given no depth (the config's mtp_depth default)
+
 
 @dataclass
 class _Job:
@@ -73,7 +75,8 @@ class SpecEngine(WorkerEngine):
         engines.proposers.mtp.drafting); it raises ValueError, saying why,
         when this checkpoint (or `drafter` directory) cannot draft.
         verify_depth: the deepest round the policy plans (capped by the
-        drafter's max_drafts); verify widths up to it + 1 are proved at load."""
+        drafter's max_drafts; default: max_drafts, else DEFAULT_VERIFY_DEPTH);
+        verify widths up to it + 1 are proved at load."""
         super().__init__(model_id, loaded, max_context=max_context)
         self.name = name
         self.max_queue = max_queue
@@ -85,7 +88,7 @@ class SpecEngine(WorkerEngine):
         self.kernels_setting = kernels
         self.kernel_guard = kernel_guard  # None: engines.kernel_wiring.shared_guard()
         self.kernel_wiring = None  # set by wire_kernels
-        depth = verify_depth or self.max_drafts
+        depth = verify_depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
     def wire_kernels(self, max_depth: int) -> None:

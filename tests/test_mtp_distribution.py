@@ -77,8 +77,10 @@ def sample_pairs(trunk, head, n: int) -> tuple[Counter, list[int], float]:
     # Every sample restarts from here: KV caches are trimmed back to these
     # offsets and recurrent states restored (they are replaced, never
     # written in place), which is much cheaper than copying the caches.
-    fields = {k: copy.copy(v) for k, v in vars(d).items() if k not in ("cache", "head_cache")}
-    kv = [(c, c.offset) for c in d.cache + d.head_cache if hasattr(c, "offset")]
+    head = d.proposer  # the head's state: its cache, and the entries owed to it
+    fields = {k: copy.copy(v) for k, v in vars(d).items() if k not in ("cache", "proposer")}
+    head_fields = {k: copy.copy(v) for k, v in vars(head).items() if k != "cache"}
+    kv = [(c, c.offset) for c in d.cache + head.cache if hasattr(c, "offset")]
     arrays = [(c, list(c.cache)) for c in d.cache if not hasattr(c, "offset")]
     counts, accepted, drafted = Counter(), 0, 0
     for i in range(n):
@@ -87,6 +89,7 @@ def sample_pairs(trunk, head, n: int) -> tuple[Counter, list[int], float]:
         for c, saved in arrays:
             c.cache = list(saved)
         vars(d).update({k: copy.copy(v) for k, v in fields.items()})
+        vars(head).update({k: copy.copy(v) for k, v in head_fields.items()})
         d.keys = KeyStream(1000 + i)
         got = []
         while len(got) < 2:

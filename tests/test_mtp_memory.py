@@ -50,7 +50,7 @@ def test_loading_the_mtp_engine_costs_only_the_head(tmp_path):
     step = decoder.prefill()
     while step.finish_reason is None:
         step = decoder.round(2)
-    caches = sum(c.nbytes for c in decoder.cache) + sum(c.nbytes for c in decoder.head_cache)
+    caches = sum(c.nbytes for c in decoder.cache) + sum(c.nbytes for c in decoder.proposer.cache)
     decoding_cost = active_bytes() - before - loaded_cost
     assert decoding_cost <= caches + 256 * 1024, (decoding_cost, caches)
 

@@ -103,7 +103,7 @@ class SpecDecoder:
         mx.eval([c.state for c in self.cache], self.keys.state)
         return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer, self.keys)
 
-    # -- distributions ------------------------------------------------------------
+    # -- distributions and the target ----------------------------------------------
 
     def _adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
         return logits if state is None else apply_penalties(logits, state, self.params)
@@ -112,6 +112,7 @@ class SpecDecoder:
         return None if state is None else state.advance(tokens)
 
     def _forward(self, tokens: mx.array, undo: Undo | None = None) -> Forward:
+        """The target over `tokens` (1, T), capturing the layers the proposer reads."""
         return self.target.forward(tokens, self.cache, layers=self.proposer.layers, undo=undo)
 
     # -- prefill --------------------------------------------------------------------

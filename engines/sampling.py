@@ -67,6 +67,16 @@ def apply_penalties(logits: mx.array, state: PenaltyState, params: SamplingParam
     return logits
 
 
+def penalised(logits: mx.array, state: PenaltyState | None, params: SamplingParams) -> mx.array:
+    """`logits` with the request's penalties (none: unchanged)."""
+    return logits if state is None else apply_penalties(logits, state, params)
+
+
+def advanced(state: PenaltyState | None, tokens: list[int] | mx.array) -> PenaltyState | None:
+    """The penalty state after `tokens` (None stays None: no penalties)."""
+    return None if state is None else state.advance(tokens)
+
+
 def truncated_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     """Temperature-scaled logits with truncated tokens set to -inf.
 

@@ -35,8 +35,9 @@ from engines.proposers.base import Context, Proposer
 from engines.sampling import (
     KeyStream,
     PenaltyState,
-    apply_penalties,
+    advanced,
     logprobs_of,
+    penalised,
     probabilities,
     sample,
 )
@@ -103,13 +104,7 @@ class SpecDecoder:
         mx.eval([c.state for c in self.cache], self.keys.state)
         return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer, self.keys)
 
-    # -- distributions and the target ----------------------------------------------
-
-    def _adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
-        return logits if state is None else apply_penalties(logits, state, self.params)
-
-    def _advanced(self, state: PenaltyState | None, tokens: list[int] | mx.array):
-        return None if state is None else state.advance(tokens)
+    # -- the target ------------------------------------------------------------------
 
     def _forward(self, tokens: mx.array, undo: Undo | None = None) -> Forward:
         """The target over `tokens` (1, T), capturing the layers the proposer reads."""
@@ -141,7 +136,7 @@ class SpecDecoder:
         """After the prompt is in the cache: sample and commit the first token."""
         logits = self.target.logits(self._prefill_hidden[:, -1:])[0, -1]
         self._prefill_hidden = None
-        adjusted = self._adjust(logits, self.penalties)
+        adjusted = penalised(logits, self.penalties, self.params)
         token = int(sample(adjusted, self.params, self.keys.next()).item())
         return self._commit([token], [adjusted])
 
@@ -167,8 +162,8 @@ class SpecDecoder:
             logits = self.target.logits(forward.hidden)[0]
         states = [self.penalties]
         for j in range(depth):
-            states.append(self._advanced(states[-1], verify_arr[j + 1 : j + 2]))
-        adjusted = [self._adjust(logits[j], states[j]) for j in range(depth + 1)]
+            states.append(advanced(states[-1], verify_arr[j + 1 : j + 2]))
+        adjusted = [penalised(logits[j], states[j], self.params) for j in range(depth + 1)]
         if self.params.greedy:
             argmax = mx.argmax(mx.stack(adjusted), axis=-1)
             mx.eval(verify_arr, argmax)

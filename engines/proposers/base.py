@@ -28,7 +28,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from engines.base import Method, SamplingParams
-from engines.sampling import KeyStream, PenaltyState, apply_penalties, probabilities
+from engines.sampling import KeyStream, PenaltyState, penalised, probabilities
 from engines.targets import Forward, Target
 
 
@@ -56,17 +56,11 @@ class Context:
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
-    def adjust(self, logits: mx.array, state: PenaltyState | None) -> mx.array:
-        return logits if state is None else apply_penalties(logits, state, self.params)
-
-    def advance(self, state: PenaltyState | None, token: mx.array) -> PenaltyState | None:
-        return None if state is None else state.advance(token)
-
     def draw(self, logits: mx.array, state: PenaltyState | None) -> tuple[mx.array, mx.array | None]:
         """A draft from the request's own distribution (penalties from
         `state`, the same truncation as the target's): the argmax when
         greedy; else a sample and the q it was drawn from."""
-        logits = self.adjust(logits, state)
+        logits = penalised(logits, state, self.params)
         if self.params.greedy:
             return mx.argmax(logits, keepdims=True), None
         q = probabilities(logits, self.params)

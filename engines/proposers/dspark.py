@@ -15,6 +15,7 @@ from engines.mlx_block.dflash import check_pairing
 from engines.mlx_block.dspark import DSparkDrafter, load_dspark
 from engines.proposers.base import Context, Drafting, Proposal, drafted
 from engines.proposers.dflash import BlockProposer
+from engines.sampling import advanced
 from engines.targets import Target
 
 
@@ -47,7 +48,7 @@ class DSparkProposer(BlockProposer):
             q += [] if qj is None else [qj]
             confidence.append(d.confidence(out[j : j + 1], row))
             drafts.append(token)
-            state = context.advance(state, token)
+            state = advanced(state, token)
             prev = token
         n = len(drafts)
         if confidence and confidence[0] is not None:

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 from engines.loading import LoadedModel
 from engines.mlx_mtp.head import MTPHead
 from engines.proposers.base import Context, Drafting, Proposal, drafted
+from engines.sampling import advanced
 from engines.targets import Forward, Target
 
 
@@ -74,7 +75,7 @@ class MTPProposer:
             drafts.append(d)
             q += [] if qj is None else [qj]
             if j + 1 < depth:
-                state = context.advance(state, d)
+                state = advanced(state, d)
                 out = self.head(self.target.embed(d[None]), out, self.cache, step=j + 1)
         return drafted(drafts, q)
 

@@ -148,10 +148,19 @@ class RoundStats:
     seconds: float = 0.0
     context_tokens: int = 0  # tokens in the sequence's cache before the round
     batch: int = 1
+    # The drafts the round was planned for; a proposer that copies from the
+    # context drafts fewer, or none, where nothing longer matched. None: as
+    # many as it drafted.
+    depth: int | None = None
 
     @property
     def accepted(self) -> int:
         return sum(self.accepted_per_position)
+
+    @property
+    def asked(self) -> int:
+        """The drafts planned: positions past `drafted` count as misses."""
+        return self.drafted if self.depth is None else max(self.depth, self.drafted)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 # The engines' names, for the few places that must pick one (the default config).
 MLX_PLAIN, MLX_MTP, MLX_DFLASH, MLX_DSPARK = "mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark"
-LLAMACPP, LLAMACPP_MTP = "llamacpp", "llamacpp_mtp"
+MLX_NGRAM, MLX_MTP_NGRAM = "mlx_ngram", "mlx_mtp_ngram"
+LLAMACPP, LLAMACPP_MTP, LLAMACPP_NGRAM = "llamacpp", "llamacpp_mtp", "llamacpp_ngram"
 
 # Tokens of context when neither the config nor the checkpoint names a length.
 FALLBACK_MAX_CONTEXT = 4096
@@ -89,6 +91,8 @@ class BuildContext:
     kernels: str = "auto"  # "auto" | "off" (kernels/wiring.py)
     mtp_depth: int = 2
     block_depth: int | None = None  # None: the drafter's most
+    ngram_depth: int = 8  # the most tokens a round copies from the context
+    llamacpp_ngram: str = "ngram-simple"  # llamacpp_ngram's --spec-type
     drafter: str | None = None  # a local directory (builtins resolved)
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
     loaded: LoadedModel | None = None
@@ -156,11 +160,12 @@ def _plain(ctx: BuildContext) -> Engine:
                           prefix_cache_size=ctx.prefix_cache_size)  # fmt: skip
 
 
-def spec_engine(name: str, proposers: str,
-                verify_depth: Callable[[BuildContext], int | None]) -> Builder:  # fmt: skip
+def spec_engine(name: str, proposers: str, verify_depth: Callable[[BuildContext], int | None],
+                options: Callable[[BuildContext], dict] | None = None) -> Builder:  # fmt: skip
     """An in-process speculative engine (engines/spec_engine.py) drafting with
     the module `proposers` (e.g. "engines.proposers.mtp"), whose `drafting`
-    loads what it needs; imported when the engine is built.
+    loads what it needs (given `options(ctx)` as keywords, where set);
+    imported when the engine is built.
     Asked for by name: a checkpoint (or drafter) that cannot draft fails to
     load with the reason, rather than quietly serving plain decoding."""
 
@@ -168,7 +173,8 @@ def spec_engine(name: str, proposers: str,
         from engines.spec_engine import SpecEngine
 
         module = importlib.import_module(proposers)
-        return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=module.drafting,
+        drafting = module.drafting if options is None else partial(module.drafting, **options(ctx))
+        return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=drafting,
                           drafter=ctx.drafter, max_context=ctx.context_length(),
                           max_queue=ctx.max_queue, kernels=ctx.kernels,
                           verify_depth=verify_depth(ctx))  # fmt: skip
@@ -177,7 +183,7 @@ def spec_engine(name: str, proposers: str,
 
 
 def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
-    """Both llama-server engines of a GGUF from one read of it (they
+    """The llama-server engines of a GGUF from one read of it (they
     tokenize through each other's processes)."""
     from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
 
@@ -185,6 +191,7 @@ def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
     return build_llamacpp_engines(
         ctx.model_id, Path(ctx.path), list(names), depth=ctx.mtp_depth,
         max_context=ctx.max_context, max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
+        ngram_type=ctx.llamacpp_ngram, ngram_depth=ctx.ngram_depth,
         binary=ls.binary, start_at_boot=ls.start_at_boot, idle_ttl=ls.idle_ttl,
         threads=ls.threads, extra_args=list(ls.extra_args), read_timeout=ls.read_timeout,
         progress_timeout=ls.progress_timeout,
@@ -209,6 +216,10 @@ def spec_rounds(engine, prompt: list[int]) -> Callable[[int], Callable[[], objec
 
 def _mtp_depth(ctx: BuildContext, engine) -> int:
     return ctx.mtp_depth  # llamacpp_mtp: its --spec-draft-n-max
+
+
+def _ngram_depth(ctx: BuildContext, engine) -> int:
+    return ctx.ngram_depth  # llamacpp_ngram: its --spec-draft-n-max
 
 
 def _block_depth(ctx: BuildContext, engine) -> int:
@@ -260,10 +271,21 @@ for _record in (
                  spec_engine(MLX_DSPARK, "engines.proposers.dspark", lambda c: c.block_depth),
                  needs="drafter", drafter_kind="dspark", exclusive="block drafter",
                  depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
-    # One builder: both processes come from one read of the GGUF.
+    # Copies from the context: any model. No tune timer (a fresh prompt has
+    # nothing to copy): its prior is the verify cost, learned live from there.
+    EngineRecord(MLX_NGRAM, "ngram", MLX,
+                 spec_engine(MLX_NGRAM, "engines.proposers.ngram", lambda c: c.ngram_depth),
+                 depth=_ngram_depth),
+    EngineRecord(MLX_MTP_NGRAM, "mtp+ngram", MLX,
+                 spec_engine(MLX_MTP_NGRAM, "engines.proposers.mtp_ngram", lambda c: c.ngram_depth,
+                             options=lambda c: {"mtp_depth": c.mtp_depth}),
+                 needs="mtp_head", depth=_ngram_depth),
+    # One builder: every process comes from one read of the GGUF.
     EngineRecord(LLAMACPP, PLAIN, GGUF, _llamacpp, default=True, times_rounds=False),
     EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, needs="mtp_head",
                  depth=_mtp_depth, fixed_depth=True, times_rounds=False),
+    EngineRecord(LLAMACPP_NGRAM, "llamacpp_ngram", GGUF, _llamacpp,
+                 depth=_ngram_depth, fixed_depth=True, times_rounds=False),
 ):  # fmt: skip
     register(_record)
 

@@ -13,13 +13,12 @@ Depth 0 is a plain decoding step, so a planner can switch speculation off for
 a round without leaving the engine. At temperature 0 every committed token is
 the trunk's argmax at its position: the output is plain greedy decoding's.
 
-When sampling, the rule follows from the proposal:
-- with q (the distributions the drafts were drawn from: MTP, DSpark),
-  rejection sampling against q;
-- drafts alone (DFlash, copied text): the target samples every position
-  itself and the longest prefix of drafts equal to its samples stands, plus
-  its next sample. Every committed token is a target sample, so it is exact
-  for any sampler and any drafts.
+When sampling, every proposal is checked by rejection sampling
+(engines/speculative.py) against the distributions q its drafts were drawn
+from: the proposer's own (MTP, DSpark), or, for drafts that come alone
+(DFlash's argmax, text copied from the context), a point mass on each draft:
+d is accepted with probability p(d), and a rejection resamples from p
+without d. That is exact for any drafts, however they were chosen.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from engines.sampling import (
     probabilities,
     sample,
 )
-from engines.speculative import accept_greedy, accept_sampled
+from engines.speculative import accept_greedy, accept_sampled, point_masses
 from engines.targets import Forward, Target, Undo
 
 
@@ -147,6 +146,7 @@ class SpecDecoder:
         last = self.tokens[-1]
         if self.cold:
             depth, self.cold = 0, False
+        asked = depth
         # Drafting and verifying build one lazy graph: the only wait is for
         # the verdict, once per round (the drafts start computing early).
         proposal = self.proposer.propose(self._context(), depth) if depth > 0 else None
@@ -169,16 +169,10 @@ class SpecDecoder:
             mx.eval(verify_arr, argmax)
             drafts = verify_arr.tolist()[1:]
             verdict = accept_greedy(drafts, argmax.tolist())
-        elif depth and proposal.q is None:
-            keys = self.keys.next()
-            keys = mx.random.split(keys, depth + 1) if keys is not None else [None] * (depth + 1)
-            own = mx.stack([sample(a, self.params, k).reshape(()) for a, k in zip(adjusted, keys, strict=True)])
-            mx.eval(verify_arr, own)
-            drafts = verify_arr.tolist()[1:]
-            verdict = accept_greedy(drafts, own.tolist())  # longest prefix equal to the target's samples
         else:
             target = mx.stack([probabilities(a, self.params) for a in adjusted])
-            q = proposal.q if depth else mx.zeros((0, target.shape[-1]))
+            q = mx.zeros((0, target.shape[-1])) if not depth else (
+                proposal.q if proposal.q is not None else point_masses(proposal.drafts, target.shape[-1]))
             mx.eval(verify_arr, target, q)
             drafts = verify_arr.tolist()[1:]
             verdict = accept_sampled(drafts, q, target, self.keys.next())
@@ -198,6 +192,7 @@ class SpecDecoder:
             verify_width=depth + 1,
             seconds=time.perf_counter() - t0,
             context_tokens=context,
+            depth=asked,
         )
         return step
 

@@ -14,6 +14,12 @@ them, so every round commits accepted + 1 tokens.
   if all k are accepted draw the bonus from p_{k+1}. The committed tokens are
   distributed exactly as the target's own samples.
 
+Drafts that come without a distribution (a drafter's argmax, text copied
+from the context) are point masses: q_j = one-hot(d_j), so d_j is accepted
+with probability p_j(d_j) and a rejection draws from p_j without d_j. That
+is exact whatever chose the drafts: given d, the token committed is
+distributed as p.
+
 p and q must be the exact distributions (after penalties, temperature, top-k,
 top-p, min-p: engines/sampling.py), each conditioned on its own prefix.
 """
@@ -71,6 +77,11 @@ def accept_sampled(
             dist = residual(target_probs[j], draft_probs[j])
             return Verdict(j, _draw(dist, keys[1]))
     return Verdict(k, _draw(target_probs[k], keys[1]))
+
+
+def point_masses(drafts: mx.array, vocab: int) -> mx.array:
+    """q for drafts that come alone: (k, V), one-hot on each draft."""
+    return (mx.arange(vocab)[None, :] == drafts.astype(mx.int32)[:, None]).astype(mx.float32)
 
 
 def _draw(probs: mx.array, key: mx.array | None) -> int:

@@ -93,6 +93,9 @@ class LlamaCppConfig(_Strict):
     threads: int | None = Field(None, gt=0)  # -t; default: up to 8 cores
     # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's.
     extra_args: list[str] = Field(default_factory=list)
+    # llamacpp_ngram's --spec-type (its other knobs, e.g. the lookup key's
+    # size, keep llama.cpp's defaults; set them through extra_args).
+    ngram_type: Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"] = "ngram-simple"
     read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
     # A request fails when llama-server makes no progress on it for this long:
     # no token and no prompt progress (one event per batch of prompt, -b, 2048
@@ -113,11 +116,14 @@ class ModelConfig(_Strict):
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
-    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`. The policy
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`, mlx_ngram
+    # drafts copied from the context (any model), mlx_mtp_ngram copies where
+    # the context has a match and asks the MTP head elsewhere. The policy
     # picks among them by measured speed; before anything is measured, in
     # engines/registry.py's order (MTP first). GGUF: llamacpp runs a plain
-    # llama-server, llamacpp_mtp one with --spec-type draft-mtp; list both to
-    # let the policy choose per request (two processes, see
+    # llama-server, llamacpp_mtp one with --spec-type draft-mtp,
+    # llamacpp_ngram one with an n-gram --spec-type; list several to let the
+    # policy choose per request (a process each, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
     # (The engines are engines/registry.py's records.)
     engines: list[EngineName] = Field(default_factory=list)
@@ -126,6 +132,9 @@ class ModelConfig(_Strict):
     # directory, or "builtin:demo-dflash".
     drafter: str | None = None
     block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
+    # The most tokens a round copies from the context (mlx_ngram, mlx_mtp_ngram;
+    # llamacpp_ngram: the n-gram type's draft size).
+    ngram_depth: int = Field(8, ge=1, le=64)
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together

@@ -87,7 +87,8 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig) -> registry.
         mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
         prefix_cache_size=mc.prefix_cache_size, kernels=mc.kernels, mtp_depth=mc.mtp_depth,
-        block_depth=mc.block_depth, drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
+        block_depth=mc.block_depth, ngram_depth=mc.ngram_depth, llamacpp_ngram=lc.ngram_type,
+        drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
         llama_server=registry.LlamaServerSettings(
             binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
             threads=lc.threads, extra_args=tuple(lc.extra_args), read_timeout=lc.read_timeout_s,

@@ -1,7 +1,10 @@
 """Live acceptance per draft position, per model, method and content class (EWMA).
 
 Fed every RoundStats the engines report; read by `decide` as the
-conditional rates a_j = P(draft j accepted | drafts before it accepted).
+conditional rates a_j = P(draft j accepted | drafts before it accepted),
+for rounds planned at depth >= j. A proposer that copies from the context
+may draft fewer than planned: the positions it left empty count as misses,
+so 1 + a_1 + a_1 a_2 + ... stays the tokens a round at that depth commits.
 Position j's rate only learns from rounds that reached it (every earlier
 draft accepted), which is what makes it conditional. A method the policy
 judged a loss is still run now and then (policies/explore.py), and those
@@ -29,10 +32,13 @@ class AcceptanceTracker:
         self._rates: dict[tuple[str, Method, ContentClass], _Rates] = {}
 
     def update(self, stats: RoundStats, content: ContentClass) -> None:
-        if stats.drafted == 0:
+        if stats.asked == 0:
             return
         r = self._rates.setdefault((stats.model, stats.method, content), _Rates())
-        for j, ok in enumerate(stats.accepted_per_position):
+        # A position the proposer drafted nothing for (it copies only what
+        # matched) ends the round as a rejection would: a miss.
+        outcomes = [*stats.accepted_per_position, *[False] * (stats.asked - stats.drafted)]
+        for j, ok in enumerate(outcomes):
             if j == len(r.values):
                 r.values.append(float(ok))
                 r.counts.append(1)

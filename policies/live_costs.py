@@ -79,8 +79,10 @@ class LiveCosts:
             return  # not timed (llama-server reports sums)
         if stats.method == "none":
             key = ("none", stats.batch, context_bucket(stats.context_tokens))
-        elif stats.drafted > 0:
-            key = (stats.method, stats.drafted, context_bucket(stats.context_tokens))
+        elif stats.asked > 0:
+            # By the depth planned, not drafted: what a plan at that depth
+            # costs, rounds where a copying proposer drafted less included.
+            key = (stats.method, stats.asked, context_bucket(stats.context_tokens))
         else:
             return  # a speculative engine's depth-0 round: neither plan's cost
         self._rounds.setdefault(key, RunningEstimate()).add(stats.seconds, self.alpha)

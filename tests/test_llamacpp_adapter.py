@@ -148,7 +148,7 @@ def test_rounds_rebuild_the_counters_exactly():
         ok = [rng.randint(0, n) for n in lengths]  # accepted prefix per round
         per_pos = tuple(sum(1 for a in ok if a > i) for i in range(n_max))
         c = SpecCounters(drafts, sum(lengths), sum(ok), per_pos)
-        rounds = rounds_from_counters("m", c)
+        rounds = rounds_from_counters("m", "llamacpp_ngram", c)
         assert len(rounds) == drafts
         assert sum(r.drafted for r in rounds) == c.draft_tokens
         assert sum(r.accepted for r in rounds) == c.accepted
@@ -158,4 +158,4 @@ def test_rounds_rebuild_the_counters_exactly():
         for r in rounds:  # acceptance is a prefix, drafted covers it
             flags = r.accepted_per_position
             assert flags == sorted(flags, reverse=True) and len(flags) == r.drafted
-            assert r.method == "llamacpp_mtp" and r.verify_width == r.drafted + 1
+            assert r.method == "llamacpp_ngram" and r.verify_width == r.drafted + 1

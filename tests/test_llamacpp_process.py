@@ -114,8 +114,16 @@ def test_spec_args():
     assert "--spec-type" not in ServerSpec(model=Path("m.gguf")).args(1)
     with pytest.raises(ValueError, match="--host"):
         ServerSpec(model=Path("m.gguf"), extra_args=["--host", "0.0.0.0"])
-    with pytest.raises(ValueError, match="draft-mtp"):
+    with pytest.raises(ValueError, match="draft-mtp, ngram-simple"):
         ServerSpec(model=Path("m.gguf"), spec={"type": "ngram", "n_max": 2})
+    # Each n-gram type sizes its drafts with its own flag.
+    simple = ServerSpec(model=Path("m.gguf"), spec={"type": "ngram-simple", "n_max": 6}).args(1)
+    assert simple[simple.index("--spec-type") + 1] == "ngram-simple"
+    assert simple[simple.index("--spec-ngram-simple-size-m") + 1] == "6"
+    assert "--spec-draft-n-max" not in simple
+    mod = ServerSpec(model=Path("m.gguf"), spec={"type": "ngram-mod", "n_max": 16}).args(1)
+    assert mod[mod.index("--spec-ngram-mod-n-max") + 1] == "16"
+    assert mod[mod.index("--spec-ngram-mod-n-min") + 1] == "1"
 
 
 @LLAMA

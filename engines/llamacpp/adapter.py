@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from engines.base import (
     FinishReason,
     GenerationRequest,
+    Method,
     Refusal,
     RoundStats,
     SamplingParams,
@@ -54,7 +55,7 @@ def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
         return Refusal(
             "unsupported_params",
             "logprobs: llama-server reports no token probabilities for tokens produced by "
-            "draft-mtp speculation",
+            "speculation",
             "logprobs",
         )
     if sampling.logprobs and sampling.repetition_penalty != 1.0:
@@ -199,7 +200,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
     )
 
 
-def rounds_from_counters(model: str, c: SpecCounters) -> list[RoundStats]:
+def rounds_from_counters(model: str, method: Method, c: SpecCounters) -> list[RoundStats]:
     """Rounds whose totals are exactly `c`, for the one RoundStats sink.
 
     llama-server exports sums, not rounds. Acceptance is a prefix in every
@@ -215,6 +216,6 @@ def rounds_from_counters(model: str, c: SpecCounters) -> list[RoundStats]:
     for j, n_ok in enumerate(accepted_len):
         extra = rejected // c.drafts + (1 if j < rejected % c.drafts else 0)
         drafted = n_ok + extra
-        rounds.append(RoundStats(model, "llamacpp_mtp", drafted, [True] * n_ok + [False] * extra,
+        rounds.append(RoundStats(model, method, drafted, [True] * n_ok + [False] * extra,
                                  verify_width=drafted + 1))
     return rounds

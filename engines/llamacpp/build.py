@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engines.base import Engine
 from engines.llamacpp.engine import LlamaCppEngine
-from engines.llamacpp.process import LlamaServer, ServerSpec
+from engines.llamacpp.process import NGRAM_TYPES, LlamaServer, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ def build_llamacpp_engines(
     engines: list[str],
     *,
     depth: int,
+    ngram_type: str = "ngram-simple",
+    ngram_depth: int = 8,
     max_context: int | None,
     max_concurrent: int,
     max_queue: int,
@@ -88,12 +90,20 @@ def build_llamacpp_engines(
     progress_timeout: float = 60.0,
     health: HealthCheck | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
-    """The model's engines by name, and the engines refused with why.
+    """The model's engines by name, and the engines refused with why: one
+    process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp
+    drafting `depth`, `llamacpp_ngram` `ngram_type` drafting up to
+    `ngram_depth`).
 
     An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
     refused (not started), and the model still serves through `llamacpp`.
     The engines tokenize through each other's processes when their own hangs.
     """
+    if ngram_type not in NGRAM_TYPES:
+        raise ValueError(f"llamacpp ngram type must be one of {', '.join(NGRAM_TYPES)}, "
+                         f"not {ngram_type!r}")
+    speculation = {"llamacpp_mtp": {"type": "draft-mtp", "n_max": depth},
+                   "llamacpp_ngram": {"type": ngram_type, "n_max": ngram_depth}}
     health = health or HealthCheck()
     facts = read_gguf_facts(gguf)
     if facts.verdict == "incompatible":
@@ -112,14 +122,14 @@ def build_llamacpp_engines(
             # guard) beyond what one request may fill.
             ctx_size=(ctx + 16) * max_concurrent,
             parallel=max_concurrent,
-            spec={"type": "draft-mtp", "n_max": depth} if name == "llamacpp_mtp" else None,
+            spec=speculation.get(name),
             extra_args=list(extra_args),
             **({"threads": threads} if threads else {}),
         )
         server = LlamaServer(spec, binary=binary, ttl=idle_ttl, health_interval=health.interval,
                              health_timeout=health.timeout, health_failures=health.failures)
         built[name] = LlamaCppEngine(
-            model_id, server, method="llamacpp_mtp" if name == "llamacpp_mtp" else "none",
+            model_id, server, name=name, method=name if name in speculation else "none",
             max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
             max_queue=max_queue, start_at_boot=start_at_boot, read_timeout=read_timeout,
             progress_timeout=progress_timeout,

@@ -1,12 +1,13 @@
 """The llamacpp engines: a GGUF model served by a managed llama-server.
 
-Two engines, one per process: `llamacpp` (plain decoding) and `llamacpp_mtp`
-(`--spec-type draft-mtp`). llama-server b11312 fixes speculation per process:
-its per-request `speculative.*` fields are compiled out (`#if 0` in
+One engine per process: `llamacpp` (plain decoding), `llamacpp_mtp`
+(`--spec-type draft-mtp`) and `llamacpp_ngram` (an n-gram `--spec-type`,
+drafting from the context). llama-server b11312 fixes speculation per
+process: its per-request `speculative.*` fields are compiled out (`#if 0` in
 tools/server/server-schema.cpp). So a model that lets the policy switch
-speculation per request runs both processes; they map the same GGUF file, so
-on the CPU the weights are one copy in the page cache and the second process
-costs its KV cache and compute buffers.
+speculation per request runs a process per mode; they map the same GGUF
+file, so on the CPU the weights are one copy in the page cache and each
+further process costs its KV cache and compute buffers.
 
 Tokenization is the server's own (/tokenize, /apply-template): the GGUF's
 vocabulary and chat template exactly as llama.cpp reads them, whatever model
@@ -82,6 +83,7 @@ class LlamaCppEngine:
         model_id: str,
         server: LlamaServer,
         *,
+        name: str,
         method: Method,
         max_context: int,
         vocab_size: int,
@@ -91,7 +93,7 @@ class LlamaCppEngine:
         read_timeout: float = 600.0,
         progress_timeout: float = 60.0,
     ):
-        self.name = "llamacpp_mtp" if method == "llamacpp_mtp" else "llamacpp"
+        self.name = name
         self.method: Method = method
         self.model_id = model_id
         self.server = server
@@ -117,7 +119,7 @@ class LlamaCppEngine:
 
     @property
     def speculative(self) -> bool:
-        return self.method == "llamacpp_mtp"
+        return self.server.spec.spec is not None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -330,11 +332,11 @@ class LlamaCppEngine:
             # A restarted server counts from zero again.
             before = self._counters if self._counters_start == self.server.starts else SpecCounters()
             delta, self._counters, self._counters_start = now.minus(before), now, self.server.starts
-        return rounds_from_counters(self.model_id, delta)
+        return rounds_from_counters(self.model_id, self.method, delta)
 
 
 def _kind(server: LlamaServer) -> str:
-    return f"the {'draft-mtp' if server.spec.spec else 'plain'} process"
+    return f"the {server.spec.spec['type'] if server.spec.spec else 'plain'} process"
 
 
 async def _next_event(lines: AsyncIterator[str]) -> dict | None:

@@ -57,6 +57,21 @@ class LlamaServerError(RuntimeError):
     """llama-server could not be started (the message carries its log tail)."""
 
 
+# The speculation types specgate runs llama-server with, and the flags that
+# set the most tokens a round drafts (each type has its own; ngram-mod's
+# least draft is set to 1 so that it proposes what it has). The n-gram types'
+# other knobs (the lookup key's size, min hits) keep llama.cpp's defaults and
+# can be set through extra_args.
+SPEC_TYPES: dict[str, tuple[str, ...]] = {
+    "draft-mtp": ("--spec-draft-n-max",),
+    "ngram-simple": ("--spec-ngram-simple-size-m",),
+    "ngram-map-k": ("--spec-ngram-map-k-size-m",),
+    "ngram-map-k4v": ("--spec-ngram-map-k4v-size-m",),
+    "ngram-mod": ("--spec-ngram-mod-n-max", "--spec-ngram-mod-n-min"),
+}
+NGRAM_TYPES = tuple(t for t in SPEC_TYPES if t.startswith("ngram"))
+
+
 @dataclass
 class ServerSpec:
     """How to run llama-server for one GGUF model."""
@@ -65,14 +80,15 @@ class ServerSpec:
     ctx_size: int = 4096
     parallel: int = 1  # slots (-np)
     threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
-    spec: dict | None = None  # None or {"type": "draft-mtp", "n_max": int}
+    spec: dict | None = None  # None or {"type": one of SPEC_TYPES, "n_max": int}
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
         if self.spec is not None:
-            if self.spec.get("type") != "draft-mtp":
-                raise ValueError(f"spec type must be 'draft-mtp', not {self.spec.get('type')!r}")
+            if self.spec.get("type") not in SPEC_TYPES:
+                raise ValueError(f"spec type must be one of {', '.join(SPEC_TYPES)}, "
+                                 f"not {self.spec.get('type')!r}")
             if int(self.spec.get("n_max", 0)) < 1:
                 raise ValueError(f"spec n_max must be >= 1, got {self.spec.get('n_max')!r}")
         for flag in ("--host", "--port"):
@@ -86,7 +102,10 @@ class ServerSpec:
             "-c", str(self.ctx_size), "-np", str(self.parallel), "-t", str(self.threads),
         ]
         if self.spec is not None:
-            argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(int(self.spec["n_max"]))]
+            kind, n_max = self.spec["type"], str(int(self.spec["n_max"]))
+            argv += ["--spec-type", kind]
+            for flag in SPEC_TYPES[kind]:
+                argv += [flag, "1" if flag.endswith("-n-min") else n_max]
         return argv + list(self.extra_args)
 
 

@@ -49,6 +49,7 @@ class MTPProposer:
         self.cache = [KVCache() for _ in head.layers]
         self.owed = _HeadInput()
         self.h_prev: mx.array | None = None  # trunk hidden before the last token
+        self.drafted = False  # whether the head drafted this round (mtp+ngram may copy instead)
 
     def pending(self) -> list:
         return [c.state for c in self.cache]
@@ -68,6 +69,7 @@ class MTPProposer:
         tokens = [*self.owed.tokens, context.last]
         hidden = mx.concatenate([*self.owed.hidden, self.h_prev], axis=1)
         self.owed = _HeadInput()
+        self.drafted = True
         out = self.head(self.target.embed(mx.array([tokens])), hidden, self.cache)[:, -1:]
         drafts, q, state = [], [], context.penalties
         for j in range(depth):
@@ -81,14 +83,16 @@ class MTPProposer:
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
         hidden = forward.hidden
-        if drafts:
+        if self.drafted:
             for c in self.cache:
                 c.trim(len(drafts) - 1)  # entries fed with the head's own outputs
         # Owed head entries: (d_j, trunk hidden before it) for accepted d_j,
-        # or, at depth 0, (last, h_prev) which the head never saw.
-        if not drafts and self.h_prev is not None:  # None: just resumed, no history
+        # and, in a round the head did not draft (depth 0, or drafts copied
+        # from the context), (last, h_prev), which it has not seen.
+        elif self.h_prev is not None:  # None: just resumed, no history
             self.owed.tokens.append(last)
             self.owed.hidden.append(self.h_prev)
+        self.drafted = False
         self.owed.tokens += drafts[:accepted]
         self.owed.hidden.append(hidden[:, :accepted])
         self.h_prev = hidden[:, accepted : accepted + 1]

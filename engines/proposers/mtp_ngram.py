@@ -1,0 +1,60 @@
+"""Copied drafts where the context has them, the model's MTP head elsewhere (method "mtp+ngram").
+
+Each round first asks the context (engines/proposers/ngram.py): a copy
+that matched at least COPY_MATCH tokens and offers more drafts than the
+head would draft is taken as it is (a point mass, no head forward this
+round); otherwise the head drafts, at most `mtp_depth` tokens (it was
+trained for a few positions, a copy can run much further). The head keeps
+its history either way: after a copied round it is owed the committed
+tokens with the trunk's hidden states, as after a plain step
+(engines/proposers/mtp.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engines.loading import LoadedModel
+from engines.mlx_mtp.head import MTPHead
+from engines.proposers.base import Context, Drafting, Proposal
+from engines.proposers.mtp import MTPProposer
+from engines.proposers.ngram import NgramProposer, copied
+from engines.targets import Forward, Target
+
+METHOD = "mtp+ngram"
+COPY_MATCH = 4  # matched tokens before a copy is trusted over the head
+
+
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None, *,
+             mtp_depth: int = 2) -> Drafting:  # fmt: skip
+    """The checkpoint's own head (ValueError, saying why, where it has none)."""
+    from engines.mlx_mtp.loading import load_mtp_head
+
+    head = load_mtp_head(loaded)
+    return Drafting(METHOD, lambda t: MTPNgramProposer(t, head, mtp_depth), weights=head)
+
+
+class MTPNgramProposer:
+    method = METHOD
+    layers = ()
+
+    def __init__(self, target: Target, head: MTPHead, mtp_depth: int):
+        self.mtp = MTPProposer(target, head)
+        self.ngram = NgramProposer()
+        self.mtp_depth = mtp_depth
+
+    def propose(self, context: Context, depth: int) -> Proposal | None:
+        head_depth = min(depth, self.mtp_depth)
+        draft = self.ngram.draft(context, depth)
+        if draft is not None and draft.match >= COPY_MATCH and len(draft.tokens) > head_depth:
+            return copied(draft)
+        return self.mtp.propose(context, head_depth)
+
+    def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
+        self.mtp.prefilled(start, forward, prompt)
+
+    def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
+        self.mtp.committed(last, drafts, accepted, forward)
+
+    def pending(self) -> list:
+        return self.mtp.pending()

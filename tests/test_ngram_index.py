@@ -1,0 +1,98 @@
+"""engines/ngram_index.py: what a copy from the context proposes, checked directly."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.ngram_index import MAX_MATCH, PER_KEY, Draft, NgramIndex
+
+
+def index(tokens: list[int], **kw) -> NgramIndex:
+    ix = NgramIndex(**kw)
+    ix.extend(tokens)
+    return ix
+
+
+def test_nothing_to_copy_without_an_earlier_match():
+    assert index([1, 2, 3, 4, 5]).draft(8) is None
+    assert index([1, 2, 3, 1]).draft(8) is None  # one token matched: below min_match
+    assert index([]).draft(8) is None and index([7]).draft(8) is None
+    assert index([1, 2, 3, 1, 2]).draft(0) is None
+
+
+def test_copies_what_followed_and_stops_at_the_budget():
+    # "1 2 3" matched (3 tokens): at most 3 drafts at one per matched token.
+    ix = index([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    assert ix.draft(8) == Draft([4, 5, 6], match=3, support=1)
+    assert ix.draft(2).tokens == [4, 5]
+    twice = index([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], per_match=2.0)
+    assert twice.draft(8).tokens == [4, 5, 6, 7, 8, 9]
+
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one():
+    # The 4-gram 1 2 3 4 occurs twice; extended backwards, the older one
+    # matches 5 tokens (5 1 2 3 4), the newer only 4 (6 1 2 3 4).
+    ix = index([5, 1, 2, 3, 4, 9, 9, 6, 1, 2, 3, 4, 8, 5, 1, 2, 3, 4])
+    d = ix.draft(3)
+    assert d.match == 5 and d.tokens == [9, 9, 6]
+
+
+def test_candidates_vote_and_a_fork_ends_the_draft():
+    # "1 2" followed three times: 3 7 / 3 8 / 4 9. Two of three agree on 3,
+    # then the two left split 7 / 8: a tie, which the most recent (8) takes.
+    ix = index([1, 2, 3, 7, 10, 1, 2, 3, 8, 11, 1, 2, 4, 9, 12, 1, 2], per_match=4.0)
+    d = ix.draft(8)
+    assert d.support == 3 and d.tokens[:2] == [3, 8]
+    # Three ways apart at once: no majority, no draft.
+    assert index([1, 2, 3, 10, 1, 2, 4, 11, 1, 2, 5, 12, 1, 2]).draft(8) is None
+
+
+def test_a_repeating_tail_reads_its_own_drafts():
+    assert index([1, 2, 1, 2, 1, 2]).draft(4).tokens == [1, 2, 1, 2]
+    assert index([5, 5, 5, 5, 5]).draft(3).tokens == [5, 5, 5]
+
+
+def test_extending_step_by_step_equals_indexing_at_once():
+    seq = [(i * 7) % 11 for i in range(200)] + [3, 1, 4, 1, 5] * 5
+    whole = index(seq)
+    step = NgramIndex()
+    for i in range(0, len(seq), 3):
+        step.extend(seq[i : i + 3])
+        assert step.draft(6) == index(seq[: i + 3]).draft(6)
+    assert step.draft(6) == whole.draft(6) and len(step) == len(seq)
+
+
+def test_frequent_ngrams_keep_their_most_recent_occurrences():
+    # 0 0 occurs hundreds of times: followed by 1 in the older text, by 2
+    # in the last 40. Only the most recent PER_KEY are kept, so the copy is 2.
+    seq = [0, 0, 1] * 300 + [0, 0, 2] * 40 + [0, 0]
+    d = index(seq, max_key=2).draft(2)
+    assert d is not None and d.support <= PER_KEY and d.tokens[0] == 2
+
+
+def brute_longest(seq: list[int], min_match: int) -> int:
+    """The longest tail (>= min_match, <= MAX_MATCH) that also ends earlier."""
+    n, best = len(seq), 0
+    for e in range(1, n):
+        m = 0
+        while m < MAX_MATCH and m < e and seq[e - 1 - m] == seq[n - 1 - m]:
+            m += 1
+        best = max(best, m)
+    return best if best >= min_match else 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=60), st.integers(1, 10))
+def test_drafts_copy_the_longest_earlier_match(seq, depth):
+    # Few enough occurrences of each key that none was trimmed (len <= 60 < PER_KEY * 2).
+    d = index(seq).draft(depth)
+    longest = brute_longest(seq, 2)
+    if d is None:
+        return  # no match, or the candidates forked at once
+    assert d.match == longest and 1 <= len(d.tokens) <= min(depth, d.match)
+    # The draft is what followed an occurrence of the matched tail.
+    n, tail = len(seq), seq[len(seq) - d.match :]
+    ext = seq + d.tokens
+    assert any(seq[e - d.match : e] == tail and ext[e : e + len(d.tokens)] == d.tokens
+               for e in range(d.match, n))  # fmt: skip

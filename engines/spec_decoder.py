@@ -181,9 +181,11 @@ class SpecDecoder:
         step = self._commit(committed, adjusted[: n + 1])
         # Undo: keep the inputs that are now history; the last committed
         # token is fed at the next round.
-        kept = 1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1)
-        self.target.rollback(self.cache, forward, min(kept, n + 1))
-        self.proposer.committed(last, drafts, n, forward)
+        kept = min(1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1), n + 1)
+        self.target.rollback(self.cache, forward, kept)
+        # The proposer sees what the trunk kept (fewer than accepted where
+        # max_tokens or EOS cut the round).
+        self.proposer.committed(last, drafts, kept - 1, forward)
         step.stats = RoundStats(
             model=self.request.model,
             method=self.method,

@@ -90,6 +90,13 @@ class Metrics:
             "specgate_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position",
             ["model", "method", "position"], registry=r,
         )
+        # Beyond vLLM's schema: rounds planned with drafts whose proposer had
+        # none to offer (a copy from the context that matched nothing).
+        self.undrafted = Counter(
+            "specgate_spec_decode_num_undrafted_rounds",
+            "Speculative rounds planned with drafts that drafted none (nothing to copy)",
+            ["model", "method"], registry=r,
+        )
         # Per API key, by name.
         self.key_requests = Counter(
             "specgate_key_requests", "Finished requests by API key", ["key", "status"], registry=r
@@ -125,6 +132,8 @@ class Metrics:
 
     def round(self, stats: RoundStats) -> None:
         if stats.drafted == 0:
+            if stats.asked > 0:
+                self.undrafted.labels(stats.model, stats.method).inc()
             return
         labels = (stats.model, stats.method)
         self.drafts.labels(*labels).inc()

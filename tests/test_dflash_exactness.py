@@ -6,7 +6,8 @@ at every block length 2..5 (1..4 verified drafts). A random drafter is
 almost always wrong, so a second run injects drafts (failure injection: the
 drafter drafts as usual, then the test replaces its proposals with the true
 continuation corrupted at a chosen position), forcing every accepted-prefix
-length. At temperature > 0 the "match" rule is checked by distribution.
+length. At temperature > 0 the drafts (argmax, without q) are point masses
+under rejection sampling, checked by distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
+from test_mtp_distribution import wrong_rule
 
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dflash_drafter
@@ -133,7 +135,7 @@ def test_depth_zero_rounds_are_plain_steps(target):
     assert all(r.drafted == 0 for r in rounds)
 
 
-# -- temperature > 0: the "match" rule samples the target's distribution ----------
+# -- temperature > 0: point-mass acceptance samples the target's distribution ------
 
 N_SAMPLES = 6000
 SAMPLED = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
@@ -165,20 +167,10 @@ def exact_pairs(model, prefix: list[int]) -> dict[tuple[int, int], float]:
             for b, pb in enumerate(dist(prefix + [a])) if pb > 0}
 
 
-def wrong_match(draft, target_tokens):
-    """A slip: at the first mismatch, commit the draft instead of the target's sample."""
-    from engines.speculative import Verdict
-
-    n = 0
-    while n < len(draft) and draft[n] == target_tokens[n]:
-        n += 1
-    return Verdict(n, int(draft[n]) if n < len(draft) else int(target_tokens[n]))
-
-
 # 6000 seeded decodes: ~2 minutes on a quiet 2-core machine, 5+ on a loaded
 # one; the timeout is a hang guard, not a speed check.
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("rule", ["match", "wrong"])
+@pytest.mark.parametrize("rule", ["point_mass", "wrong"])
 def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch, capsys):
     """From one prefix, a depth-2 round's first two tokens over many seeds against
     the target's exact p(a) p(b | a); bound 3 x 0.5 sqrt(m/n) as in the MTP test.
@@ -187,9 +179,9 @@ def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch
 
     from engines import spec_decoder
 
-    if rule == "wrong":
-        monkeypatch.setattr(spec_decoder, "accept_greedy", wrong_match)
-    n = N_SAMPLES if rule == "match" else N_SAMPLES // 4
+    if rule == "wrong":  # the residual with p and q swapped: on a rejection, the draft itself
+        monkeypatch.setattr(spec_decoder, "accept_sampled", wrong_rule)
+    n = N_SAMPLES if rule == "point_mass" else N_SAMPLES // 4
     # The prefill's token varies with the seed; the round's two tokens are
     # compared conditionally on the commonest one.
     by_first: dict[int, Counter] = {}
@@ -214,7 +206,7 @@ def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch
     with capsys.disabled():
         print(f"[{rule}: TV {distance:.4f}, bound {bound:.4f}, {len(exact)} outcomes, "
               f"{accepted} drafts accepted]", end=" ")
-    if rule == "match":
+    if rule == "point_mass":
         assert accepted > 0 and distance < bound
     else:
         assert distance > bound

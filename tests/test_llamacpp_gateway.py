@@ -4,7 +4,9 @@ The gateway is a real `specgate serve`; llama-server is specgate's own build
 (the llama_server_binary fixture runs `install-llama-server` once per
 machine); the client is the openai SDK. "demo-gguf" is the shipped demo
 model exported to GGUF with its trained MTP head as nextn layers, so
-draft-mtp really drafts, and some drafts are rejected.
+draft-mtp really drafts, and some drafts are rejected; on the shared
+gateway it also runs an n-gram process (llamacpp_ngram), which copies the
+loops the demo falls into.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ def gguf_models(ar_gguf: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def gw(ar_gguf, llama_server_binary, tmp_path_factory):
+    models = gguf_models(ar_gguf)
+    models[0]["engines"] = ["llamacpp", "llamacpp_mtp", "llamacpp_ngram"]
+    # ngram-simple's default key is 12 tokens; 4 finds the demo's loops sooner.
+    models[0]["llamacpp"] = {"extra_args": ["--spec-ngram-simple-size-n", "4"]}
     g = start_gateway(
         {"llama_server": {"binary": str(llama_server_binary)},
-         "models": gguf_models(ar_gguf)
-         + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
+         "models": models + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
         tmp_path_factory.mktemp("gw-llamacpp"),
     )
     yield g
@@ -70,7 +75,7 @@ def client(gw):
 
 
 def llama_servers(gateway_pid: int) -> dict[str, int]:
-    """The gateway's llama-server children: 'plain' / 'mtp' (by model file) -> pid."""
+    """The gateway's llama-server children: 'model:plain' / ':mtp' / ':ngram' -> pid."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -84,16 +89,17 @@ def llama_servers(gateway_pid: int) -> dict[str, int]:
         if ppid != gateway_pid or not cmd[0].endswith(b"llama-server"):
             continue
         model = Path(cmd[cmd.index(b"-m") + 1].decode()).stem
-        kind = "mtp" if b"draft-mtp" in cmd else "plain"
+        spec = cmd[cmd.index(b"--spec-type") + 1] if b"--spec-type" in cmd else None
+        kind = "plain" if spec is None else "mtp" if spec == b"draft-mtp" else "ngram"
         found[f"{model}:{kind}"] = int(entry.name)
     return found
 
 
-def spec_counters(gw) -> dict[str, float]:
+def spec_counters(gw, method: str = "llamacpp_mtp") -> dict[str, float]:
     text = httpx.get(gw.base_url + "/metrics").text
     out = {}
     for line in text.splitlines():
-        if line.startswith("specgate_spec_decode") and 'method="llamacpp_mtp"' in line \
+        if line.startswith("specgate_spec_decode") and f'method="{method}"' in line \
                 and 'model="demo-gguf"' in line and "_total" in line:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -154,7 +160,29 @@ def test_greedy_draft_mtp_equals_llama_server_without_speculation(client, gw):
     assert grew("num_drafts") > 0
 
 
-def test_same_prompt_tokens_in_both_worlds(client):
+def test_greedy_ngram_equals_llama_server_without_speculation(client, gw):
+    """llama-server's n-gram speculation (its own process), forced per request:
+    the tokens are plain decoding's, and its drafts are counted under
+    method="llamacpp_ngram"."""
+    before = spec_counters(gw, "llamacpp_ngram")
+    for prompt in PROMPTS[:3]:
+        plain = greedy_ids(client, "demo-gguf", prompt, "none", n=128)
+        spec = greedy_ids(client, "demo-gguf", prompt, "llamacpp_ngram", n=128)
+        assert len(plain) == 128 and spec == plain, prompt
+    after = spec_counters(gw, "llamacpp_ngram")
+
+    def grew(name):
+        key = f'specgate_spec_decode_{name}_total{{method="llamacpp_ngram",model="demo-gguf"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    drafted, accepted = grew("num_draft_tokens"), grew("num_accepted_tokens")
+    print(f"\nngram-simple over 3 prompts: {accepted:.0f}/{drafted:.0f} drafts accepted")
+    assert grew("num_drafts") > 0 and 0 < accepted <= drafted
+    # The in-process method's name is not this model's: a 400 naming the ones it has.
+    with pytest.raises(openai.BadRequestError, match="available: .*llamacpp_ngram"):
+        client.completions.create(model="demo-gguf", prompt="a", max_tokens=2,
+                                  extra_headers={"X-Specgate-Method": "ngram"})
+
     """The demo served by MLX and by llama-server sees the same prompt tokens
     (chat template and tokenizer agree), and starts its answer the same way."""
     msgs = [{"role": "user", "content": "Write a function that sorts a list."}]

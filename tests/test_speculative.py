@@ -44,7 +44,7 @@ import pytest
 
 from engines.base import SamplingParams
 from engines.sampling import probabilities
-from engines.speculative import Verdict, accept_greedy, accept_sampled, residual
+from engines.speculative import Verdict, accept_greedy, accept_sampled, point_masses, residual
 
 V = 6  # tiny vocabulary for the statistical tests
 
@@ -260,6 +260,25 @@ def test_accept_sampled_commits_the_target_distribution(name):
     checks = _run(_rule_under_test, P, Q, case["k"], case["length"], case["n"], case["seed"])
     for check_name, tv, bound in checks:
         assert tv < bound, f"{name} {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def test_point_mass_drafts_commit_the_target_distribution():
+    """Drafts that come without a distribution (a drafter's argmax, text copied
+    from the context) are point masses, q = one-hot(d): accepted with
+    probability p(d), resampled from p without d. Here the drafts are the
+    argmax of a noisy copy of the target, and at one position a token the
+    target forbids."""
+    case = CASES["k2_topk_topp"]
+    P, soft = _distributions(case)
+    rows = case["length"] + case["k"] - 1
+    chosen = np.argmax(soft[:rows], axis=-1)
+    chosen[1] = int(np.argmin(P[1]))
+    assert P[1, chosen[1]] == 0
+    Q = np.array(point_masses(mx.array(chosen), V))
+    assert (Q.sum(axis=-1) == 1).all() and (Q.argmax(axis=-1) == chosen).all()
+    checks = _run(_rule_under_test, P, Q, case["k"], case["length"], case["n"], case["seed"])
+    for check_name, tv, bound in checks:
+        assert tv < bound, f"point masses {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
 # ---------------------------------------------- a biased rule fails the test

@@ -1,3 +1,3 @@
-"""llama.cpp draft-mtp backend: finding, building and running `llama-server`
-(two processes per GGUF model, plain and draft-mtp). See docs/DESIGN.md,
-"Engines"."""
+"""llama.cpp backend: finding, building and running `llama-server` (a
+process per speculation mode of a GGUF model: plain, draft-mtp, n-gram).
+See docs/DESIGN.md, "Engines"."""

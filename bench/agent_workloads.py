@@ -45,8 +45,9 @@ Two targets:
   into tokens the prompt never had). Its MTP head is the real shape (one
   decoder layer, fc 2H -> H, the shared lm_head) with fc = [I + noise | 0]
   and zeroed residual branches: it predicts sigma(t) except where the noise
-  flips it (--mtp-noise; about 0.6-0.7 acceptance per position, like a real
-  head), so MTP pays on every transcript and copying pays more on copies.
+  flips it (its scale calibrated so that it is right --mtp-accept of the
+  time, 0.65 by default, like a real head), so MTP pays on every transcript
+  and copying pays more on copies.
 """
 
 from __future__ import annotations
@@ -257,16 +258,30 @@ def synthetic_target(args):
     unit = e / mx.linalg.norm(e, axis=-1, keepdims=True)
     model.model.embed_tokens.weight = e
     model.lm_head.weight = model.lm_head.weight + (args.margin / math.sqrt(hidden)) * unit[mx.array(inv)]
-    # The head: fc = [I + noise | 0] reads the fed token's embedding; its
-    # layer's residual branches are zero, so it predicts sigma(token).
-    noise = mx.random.normal((hidden, hidden), key=mx.random.key(args.seed + 2)) * args.mtp_noise
-    head.fc.weight = mx.concatenate([mx.eye(hidden) + noise / math.sqrt(hidden),
-                                     mx.zeros((hidden, hidden))], axis=1)  # fmt: skip
+    # The head: fc = [I + s * noise | 0] reads the fed token's embedding; its
+    # layer's residual branches are zero, so it predicts sigma(token) unless
+    # the noise flips it; s is set so that it does with 1 - --mtp-accept.
     block.self_attn.o_proj.weight = mx.zeros_like(block.self_attn.o_proj.weight)
     block.mlp.down_proj.weight = mx.zeros_like(block.mlp.down_proj.weight)
     dtype = mx.bfloat16 if args.synthetic == "7b" else mx.float32
     model.set_dtype(dtype)
     head.set_dtype(dtype)
+    noise = mx.random.normal((hidden, hidden), key=mx.random.key(args.seed + 2)) / math.sqrt(hidden)
+    probe = mx.array(random.Random(args.seed + 3).sample(range(vocab), min(vocab, 1024)))
+    target = mx.array(sigma)[probe]
+
+    def accuracy(scale: float) -> float:
+        fc = mx.concatenate([mx.eye(hidden) + scale * noise, mx.zeros((hidden, hidden))], axis=1)
+        head.fc.weight = fc.astype(dtype)
+        e = model.model.embed_tokens(probe)[None]
+        out = head(e, mx.zeros_like(e), head.make_cache())
+        return (mx.argmax(model.lm_head(out)[0], axis=-1) == target).mean().item()
+
+    lo, hi = 0.0, 16.0
+    for _ in range(12):  # accuracy falls as the noise grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if accuracy(mid) > args.mtp_accept else (lo, mid)
+    args.mtp_noise_scale, args.mtp_head_accuracy = lo, accuracy(lo)
     if args.bits:
         nn.quantize(model, group_size=64, bits=args.bits)
         nn.quantize(head, group_size=64, bits=args.bits)
@@ -445,7 +460,8 @@ def run_synthetic(args, transcripts: list[dict]) -> dict:
     t0 = time.perf_counter()
     model, head, sigma = synthetic_target(args)
     say(f"synthetic {args.synthetic} target built in {time.perf_counter() - t0:.1f} s on "
-        f"{mx.default_device()}; {args.bits or 'no'}-bit, vocab {args.vocab}")  # fmt: skip
+        f"{mx.default_device()}; {args.bits or 'no'}-bit, vocab {args.vocab}; MTP head right "
+        f"{args.mtp_head_accuracy:.2f} of the time (noise scale {args.mtp_noise_scale:.2f})")  # fmt: skip
     from policies.content import content_class
 
     prompts = synthetic_prompts(transcripts, sigma, args.seed)
@@ -526,7 +542,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", choices=("auto", "off"))
     ap.add_argument("--embed-scale", type=float, default=16.0)
     ap.add_argument("--margin", type=float, default=20.0)
-    ap.add_argument("--mtp-noise", type=float, default=1.0)
+    ap.add_argument("--mtp-accept", type=float, default=0.65,
+                    help="synthetic: how often the MTP head predicts right (calibrated)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

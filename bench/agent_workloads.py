@@ -90,6 +90,7 @@ class Result:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     by_method: dict[str, float] = field(default_factory=dict)  # tokens each method made
+    switches: int = 0  # hand-offs between engines (in-process only)
 
     @property
     def tps(self) -> float:
@@ -410,6 +411,7 @@ class InProcess:
             async for event in events:
                 if isinstance(event, Handoff):
                     nxt, resume, method = self.engines[event.plan.engine], event, event.plan.method
+                    res.switches += 1
                     break
                 if isinstance(event, RoundStats):
                     if variant == "policy":
@@ -481,7 +483,8 @@ def run_synthetic(args, transcripts: list[dict]) -> dict:
                     r = bench.run(prompt, n, v, c)
                     rows[(t["name"], v)].append(r)
                     say(f"  pass {p + 1} {t['name']:24s} {v:10s} {r.tps:7.1f} tok/s "
-                        f"{(r.tokens - 1) / max(r.rounds, 1):5.2f} tok/round")  # fmt: skip
+                        f"{(r.tokens - 1) / max(r.rounds, 1):5.2f} tok/round, {r.switches} switches, "
+                        f"{dict(r.by_method)}")  # fmt: skip
     finally:
         bench.close()
     return rows

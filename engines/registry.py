@@ -19,7 +19,7 @@ builder reads a `BuildContext` of plain values, not the gateway's config.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -136,6 +136,9 @@ class EngineRecord:
     fixed_depth: bool = False  # its depth is set when it starts, not per request
     times_rounds: bool = True  # its RoundStats carry seconds (llama-server reports sums)
     tune: RoundTimer | None = None  # how `specgate tune` times one of its rounds
+    # The method a request may also name it by (X-Specgate-Method: ngram on a
+    # GGUF model means its llamacpp_ngram), so clients need not know the backend.
+    answers_to: Method | None = None
 
     @property
     def speculative(self) -> bool:
@@ -283,9 +286,9 @@ for _record in (
     # One builder: every process comes from one read of the GGUF.
     EngineRecord(LLAMACPP, PLAIN, GGUF, _llamacpp, default=True, times_rounds=False),
     EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, needs="mtp_head",
-                 depth=_mtp_depth, fixed_depth=True, times_rounds=False),
+                 depth=_mtp_depth, fixed_depth=True, times_rounds=False, answers_to="mtp"),
     EngineRecord(LLAMACPP_NGRAM, "llamacpp_ngram", GGUF, _llamacpp,
-                 depth=_ngram_depth, fixed_depth=True, times_rounds=False),
+                 depth=_ngram_depth, fixed_depth=True, times_rounds=False, answers_to="ngram"),
 ):  # fmt: skip
     register(_record)
 
@@ -316,6 +319,16 @@ def methods() -> tuple[Method, ...]:
 
 def method_of(name: str) -> Method:
     return record(name).method
+
+
+def resolve_method(asked: Method, available: Iterable[Method]) -> Method:
+    """The available method a request asking for `asked` gets: `asked`
+    itself, else one whose engine answers to it (see answers_to)."""
+    available = list(available)
+    if asked in available:
+        return asked
+    return next((r.method for r in _RECORDS.values()
+                 if r.answers_to == asked and r.method in available), asked)  # fmt: skip
 
 
 def excludes(name: str) -> tuple[str, ...]:

@@ -209,6 +209,8 @@ def _forced(policy: ModelPolicy, request: RequestFeatures) -> Plan:
     if method not in registry.methods():
         raise OverrideError(f"unknown method '{method}'; methods are "
                             f"{', '.join(registry.methods())}")  # fmt: skip
+    # "ngram" on a model served by llama-server is its llamacpp_ngram.
+    method = registry.resolve_method(method, [*available, *policy.refused])
     if method in policy.refused:
         raise OverrideError(
             f"method '{method}' is refused for model '{policy.model_id}': "

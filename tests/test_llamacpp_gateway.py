@@ -178,10 +178,17 @@ def test_greedy_ngram_equals_llama_server_without_speculation(client, gw):
     drafted, accepted = grew("num_draft_tokens"), grew("num_accepted_tokens")
     print(f"\nngram-simple over 3 prompts: {accepted:.0f}/{drafted:.0f} drafts accepted")
     assert grew("num_drafts") > 0 and 0 < accepted <= drafted
-    # The in-process method's name is not this model's: a 400 naming the ones it has.
+    # A client need not know the backend: "ngram" (and "mtp") name llama-server's own.
+    for asked, method in (("ngram", "llamacpp_ngram"), ("mtp", "llamacpp_mtp")):
+        r = client.completions.with_raw_response.create(
+            model="demo-gguf", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+            extra_headers={"X-Specgate-Method": asked})  # fmt: skip
+        assert r.headers["x-specgate-plan"].startswith(f"method={method};")
+        assert r.parse().choices[0].text
+    # A method no engine of the model answers to: a 400 naming the ones it has.
     with pytest.raises(openai.BadRequestError, match="available: .*llamacpp_ngram"):
         client.completions.create(model="demo-gguf", prompt="a", max_tokens=2,
-                                  extra_headers={"X-Specgate-Method": "ngram"})
+                                  extra_headers={"X-Specgate-Method": "dflash"})
 
     """The demo served by MLX and by llama-server sees the same prompt tokens
     (chat template and tokenizer agree), and starts its answer the same way."""
@@ -232,10 +239,11 @@ def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):
     report = subprocess.run([sys.executable, "-m", "gateway.cli", "inspect", str(ar_gguf)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "ar-only" in report.stdout
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="ar-gguf", prompt="hello", max_tokens=4,
-                                  extra_headers={"X-Specgate-Method": "llamacpp_mtp"})
-    assert "refused" in e.value.body["message"] and "ar-only" in e.value.body["message"]
+    for asked in ("llamacpp_mtp", "mtp"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="ar-gguf", prompt="hello", max_tokens=4,
+                                      extra_headers={"X-Specgate-Method": asked})
+        assert "refused" in e.value.body["message"] and "ar-only" in e.value.body["message"]
     r = client.completions.with_raw_response.create(model="ar-gguf", prompt="hello",
                                                     max_tokens=4, temperature=0)
     assert r.headers["x-specgate-plan"] == "method=none;depth=0;reason=no_drafter;source=rule"

@@ -61,9 +61,25 @@ def test_per_method_depths_caps_and_fixed_depths():
 
 def test_refused_method_says_why():
     p = ModelPolicy("m", {"none": "llamacpp"}, 2, refused={"llamacpp_mtp": "inspect says ar-only"})
-    with pytest.raises(OverrideError, match="refused.*ar-only"):
-        decide(p, features("llamacpp_mtp"), IDLE)
+    for asked in ("llamacpp_mtp", "mtp"):  # llamacpp_mtp answers to "mtp": refused as itself
+        with pytest.raises(OverrideError, match="refused.*ar-only"):
+            decide(p, features(asked), IDLE)
     assert decide(p, features(), IDLE).reason == "no_drafter"
+
+
+def test_the_in_process_names_reach_llama_servers_methods():
+    """A client need not know the backend: mtp and ngram name a GGUF model's
+    llamacpp_mtp and llamacpp_ngram; a model that has the in-process method
+    itself gets that one."""
+    gguf = ModelPolicy("m", {"llamacpp_mtp": "llamacpp_mtp", "llamacpp_ngram": "llamacpp_ngram",
+                             "none": "llamacpp"}, 2, fixed_depth=("llamacpp_mtp", "llamacpp_ngram"),
+                       depths={"llamacpp_ngram": 8})  # fmt: skip
+    assert decide(gguf, features("ngram"), IDLE).header() == (
+        "method=llamacpp_ngram;depth=8;reason=forced_by_request;source=rule")
+    assert decide(gguf, features("mtp"), IDLE).engine == "llamacpp_mtp"
+    with pytest.raises(OverrideError, match="available: llamacpp_mtp, llamacpp_ngram, none"):
+        decide(gguf, features("dflash"), IDLE)
+    assert decide(MTP, features("mtp"), IDLE).engine == "mlx_mtp"
 
 
 def test_configured_switches():

@@ -171,8 +171,12 @@ class SpecDecoder:
             verdict = accept_greedy(drafts, argmax.tolist())
         else:
             target = mx.stack([probabilities(a, self.params) for a in adjusted])
-            q = mx.zeros((0, target.shape[-1])) if not depth else (
-                proposal.q if proposal.q is not None else point_masses(proposal.drafts, target.shape[-1]))
+            if not depth:
+                q = mx.zeros((0, target.shape[-1]))
+            elif proposal.q is None:  # drafts alone
+                q = point_masses(proposal.drafts, target.shape[-1])
+            else:
+                q = proposal.q
             mx.eval(verify_arr, target, q)
             drafts = verify_arr.tolist()[1:]
             verdict = accept_sampled(drafts, q, target, self.keys.next())

@@ -6,10 +6,11 @@ A `Proposer` is one sequence's drafter state. The decoder calls it:
   the proposer reads, `layers`);
 - `propose(context, depth)` at a round: up to `depth` drafts as a lazy 1-D
   array, and either the distributions q they were drawn from (one row per
-  draft) or none. The acceptance rule follows: with q, rejection sampling
-  against q (Leviathan et al.); without, the target samples every position
-  and the longest prefix of drafts equal to its samples stands (exact for
-  any drafts). Greedy decoding needs neither: the trunk's argmax decides;
+  draft) or none. Sampling, either is rejection sampling (Leviathan et
+  al.): against q, or, for drafts without q, against a point mass on each
+  (d accepted with probability p(d): exact for any drafts). It may propose
+  fewer than `depth`, or None (a plain step). Greedy decoding needs
+  neither: the trunk's argmax decides;
 - `committed(last, drafts, accepted, forward)` after the round committed
   drafts[:accepted] and one target token; `forward` is the verify's, one
   row per input [last, *drafts];

@@ -9,8 +9,9 @@ shares).
 The drafter always drafts its full block: it was trained on blocks of that
 size, and a shorter block of masks would ask it something it never saw. A
 round at depth k verifies the first k proposals. Drafts are the drafter's
-argmax and come without q, so the target's own samples decide (the argmax
-is also the draft most likely to match a sample).
+argmax and come without q: point masses, each accepted with the target's
+probability of it (the argmax is also the draft the target most likely
+keeps).
 """
 
 from __future__ import annotations

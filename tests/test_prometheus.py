@@ -59,7 +59,7 @@ def gw(tiny_model, tmp_path):
         {"auth": {"keys_file": str(keys_file), "metrics_requires_key": True},
          "models": [
             {"id": "tiny", "path": str(tiny_model), "max_context": 2048},
-            {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"]},
+            {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp", "mlx_ngram"]},
         ]},
         tmp_path,
     )
@@ -149,13 +149,16 @@ def serve_a_few(gw, salt: str) -> int:
         model="demo", prompt=prompt, max_tokens=48, temperature=0, stream=True,
         extra_headers=mtp))
     client.completions.create(model="demo", prompt=prompt, max_tokens=24, extra_headers=plain)
+    # Copies from the context: the demo repeats itself, after rounds with nothing to copy.
+    client.completions.create(model="demo", prompt=prompt, max_tokens=64, temperature=0,
+                              extra_headers={"X-Specgate-Method": "ngram"})
     # Unforced and alone on the model: the policy's own choice.
     client.chat.completions.create(model="demo", messages=[{"role": "user", "content": salt}],
                                    max_tokens=24)
     list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": salt}], max_tokens=16, stream=True))
     client.completions.create(model="tiny", prompt=prompt, max_tokens=16)
-    return 6 + limited_requests  # a refused one counts too, as status "rejected"
+    return 7 + limited_requests  # a refused one counts too, as status "rejected"
 
 
 @pytest.mark.timeout(120)

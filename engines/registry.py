@@ -222,7 +222,7 @@ def _mtp_depth(ctx: BuildContext, engine) -> int:
 
 
 def _ngram_depth(ctx: BuildContext, engine) -> int:
-    return ctx.ngram_depth  # llamacpp_ngram: its --spec-draft-n-max
+    return ctx.ngram_depth  # llamacpp_ngram: its n-gram type's draft size
 
 
 def _block_depth(ctx: BuildContext, engine) -> int:

@@ -43,6 +43,16 @@ def _known_engine(name: str) -> str:
 EngineName = Annotated[str, AfterValidator(_known_engine)]
 
 
+def _ngram_type(name: str) -> str:
+    """An n-gram --spec-type specgate runs llama-server with (engines/llamacpp/process.py)."""
+    from engines.llamacpp.process import NGRAM_TYPES
+
+    if name not in NGRAM_TYPES:
+        raise PydanticCustomError("unknown_ngram_type", "one of {known}",
+                                  {"known": ", ".join(NGRAM_TYPES)})
+    return name
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,7 +105,7 @@ class LlamaCppConfig(_Strict):
     extra_args: list[str] = Field(default_factory=list)
     # llamacpp_ngram's --spec-type (its other knobs, e.g. the lookup key's
     # size, keep llama.cpp's defaults; set them through extra_args).
-    ngram_type: Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"] = "ngram-simple"
+    ngram_type: Annotated[str, AfterValidator(_ngram_type)] = "ngram-simple"
     read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
     # A request fails when llama-server makes no progress on it for this long:
     # no token and no prompt progress (one event per batch of prompt, -b, 2048

@@ -160,3 +160,13 @@ def test_cli_refuses_a_missing_model_before_loading(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "specgate: bad config", f"{path}: models.1.path: does not exist (got '{missing}')"]
+
+
+def test_llamacpp_ngram_type_is_one_llama_server_has():
+    from gateway.config import parse_config
+
+    model = {"id": "g", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_ngram"]}
+    ok = parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-mod"}}]})
+    assert ok.models[0].llamacpp.ngram_type == "ngram-mod"
+    with pytest.raises(ConfigError, match="ngram_type.*one of ngram-simple, ngram-map-k"):
+        parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-cache"}}]})

@@ -3,13 +3,14 @@
 Coding agents re-send and re-emit the same text (a file they edit, a tool
 result they quote, a function repeated with a rename), so the tokens that
 followed an earlier occurrence of the sequence's last few tokens are often
-its next ones. `NgramIndex` keeps, for every n-gram of `min_match`..`max_key`
-tokens, where its most recent occurrences ended. A draft:
+its next ones. `NgramIndex` knows, for every n-gram of `min_match`..`max_key`
+tokens, where it occurred. A draft:
 
 1. takes the longest key ending the sequence that occurred before, and
-   extends each occurrence backwards to its true match length (up to
-   MAX_MATCH): the occurrences sharing the longest match are the candidates
-   (SuffixDecoding's matched node, without building the suffix tree);
+   extends its latest PER_KEY occurrences backwards to their true match
+   length (up to MAX_MATCH): the occurrences sharing the longest match are
+   the candidates (SuffixDecoding's matched node, without building the
+   suffix tree);
 2. walks forward, each step taking the token most candidates continue with
    (the most recent occurrence's on a tie) and dropping the ones that
    disagree; it stops where fewer than half agree (the text forked there);
@@ -20,10 +21,18 @@ tokens, where its most recent occurrences ended. A draft:
 A continuation may run into the sequence's own tail (a repeating pattern):
 the copy then reads the drafts it has made so far.
 
-Pure Python on token lists, no MLX. Written here, not taken from a library:
-ArcticInference's suffix-decoding cache builds only against PyTorch (its
-build requires torch >= 2.10), llama.cpp's n-gram maps live inside its C++
-server, and what a proposer needs is this much.
+Two parts, because an agent's prompt arrives tens of thousands of tokens at
+once and its answer a few tokens a round: the bulk is a sorted array of
+64-bit n-gram hashes per key length (numpy: a 100k-token prompt in tens of
+milliseconds, a few MB), the tokens added since in a dict of n-grams; the
+fresh part is folded into the arrays when it grows past FRESH_MAX. A hash
+match is checked against the tokens themselves, so a collision costs
+nothing but the check.
+
+Written here, not taken from a library: ArcticInference's suffix-decoding
+cache builds only against PyTorch (its build requires torch >= 2.10),
+llama.cpp's n-gram maps live inside its C++ server, and what a proposer
+needs is this much.
 """
 
 from __future__ import annotations
@@ -31,11 +40,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 MIN_MATCH = 2  # tokens of the tail that must have occurred before to copy at all
 MAX_KEY = 4  # the longest n-gram indexed; longer matches are found by extending
 MAX_MATCH = 64  # match lengths are measured up to this
-PER_KEY = 32  # occurrences kept per n-gram (the most recent)
+PER_KEY = 32  # occurrences of a key considered (the most recent)
 PER_MATCH = 1.0  # drafts per matched token
+FRESH_MAX = 2048  # tokens indexed in the dict before they are folded into the arrays
+_MULT = 0x9E3779B97F4A7C15  # an odd 64-bit multiplier for the n-gram hash
+_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,23 @@ class Draft:
     tokens: list[int]
     match: int  # how many tokens of the tail matched the copied occurrence
     support: int  # earlier occurrences of that match (before the walk split them)
+
+
+def _hash(key: Sequence[int]) -> int:
+    """The n-gram's hash, as `_hashes` computes it for every position."""
+    h = 0
+    for t in key:
+        h = (h * _MULT + t + 1) & _MASK
+    return h
+
+
+def _hashes(tokens: np.ndarray, k: int) -> np.ndarray:
+    """The hash of every k-gram of `tokens` (uint64, wrapping), by its end."""
+    h = np.zeros(len(tokens) - k + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(k):
+            h = h * np.uint64(_MULT) + tokens[j : len(tokens) - k + 1 + j] + np.uint64(1)
+    return h
 
 
 class NgramIndex:
@@ -53,26 +84,50 @@ class NgramIndex:
         self.min_match, self.max_key = min_match, max(max_key, min_match)
         self.per_match = per_match
         self.tokens: list[int] = []
-        # n-gram -> the positions just after its occurrences, oldest first
-        self._ends: dict[tuple[int, ...], list[int]] = {}
+        # tokens[:frozen] as, per key length k, (sorted hashes, the end of
+        # each occurrence): equal hashes keep their ends in ascending order.
+        self._frozen = 0
+        self._sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # n-grams ending after `frozen` -> their ends, oldest first
+        self._fresh: dict[tuple[int, ...], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        seq, ends_of = self.tokens, self._ends
-        for t in tokens:
-            seq.append(t)
-            end = len(seq)
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        if len(self.tokens) - self._frozen > FRESH_MAX:
+            self._freeze()
+            return
+        seq, fresh = self.tokens, self._fresh
+        for end in range(start + 1, len(seq) + 1):
             for k in range(self.min_match, min(self.max_key, end) + 1):
-                key = tuple(seq[end - k :])
-                ends = ends_of.get(key)
-                if ends is None:
-                    ends_of[key] = [end]
-                    continue
-                ends.append(end)
-                if len(ends) > 2 * PER_KEY:  # trimmed in batches: amortised O(1)
-                    del ends[:PER_KEY]
+                fresh.setdefault(tuple(seq[end - k : end]), []).append(end)
+
+    def _freeze(self) -> None:
+        arr = np.asarray(self.tokens, dtype=np.uint64)
+        self._sorted = {}
+        for k in range(self.min_match, self.max_key + 1):
+            if len(arr) < k:
+                continue
+            h = _hashes(arr, k)
+            order = np.argsort(h, kind="stable")
+            self._sorted[k] = (h[order], (order + k).astype(np.int64))
+        self._frozen, self._fresh = len(self.tokens), {}
+
+    def _occurrences(self, key: tuple[int, ...], before: int) -> list[int]:
+        """The ends of `key`'s latest PER_KEY occurrences ending before `before`, oldest first."""
+        k, seq = len(key), self.tokens
+        found: list[int] = []
+        if k in self._sorted:
+            hashes, ends = self._sorted[k]
+            h = np.uint64(_hash(key))
+            lo, hi = np.searchsorted(hashes, h, "left"), np.searchsorted(hashes, h, "right")
+            found = [e for e in ends[max(lo, hi - PER_KEY) : hi].tolist()
+                     if e < before and tuple(seq[e - k : e]) == key]  # fmt: skip
+        found += [e for e in self._fresh.get(key, ()) if e < before]
+        return found[-PER_KEY:]
 
     def draft(self, max_drafts: int) -> Draft | None:
         """Up to `max_drafts` tokens copied after the longest earlier match
@@ -83,14 +138,14 @@ class NgramIndex:
         ends: list[int] = []
         k = min(self.max_key, n - 1)
         while k >= self.min_match:
-            ends = [e for e in self._ends.get(tuple(seq[n - k :]), ()) if e < n]
+            ends = self._occurrences(tuple(seq[n - k :]), n)
             if ends:
                 break
             k -= 1
         if not ends:
             return None
         best, candidates = k, []  # most recent first
-        for e in reversed(ends[-PER_KEY:]):
+        for e in reversed(ends):
             m = k
             while m < MAX_MATCH and m < e and seq[e - 1 - m] == seq[n - 1 - m]:
                 m += 1

@@ -7,6 +7,8 @@ their own; a second run injects a context (failure injection: the index is
 handed a copy of the true continuation with every few tokens corrupted,
 placed before the real context, so the real index finds long matches and
 copies up to the next corruption), forcing every accepted-prefix length.
+With sampling penalties, copied rounds give what plain steps give (each
+verify position judged with the penalties of the tokens before it).
 
 Sampled, on a dense and a hybrid 12-token target: a copied draft is a
 point mass; the decoder accepts d with
@@ -152,6 +154,31 @@ def test_ngram_equals_plain_greedy(target, depth, capsys):
     with capsys.disabled():
         print(f"[depth {depth}: {natural} drafts copied naturally, accepted lengths "
               f"{dict(sorted(lengths.items()))}, {ties} near-tie divergence(s)]", end=" ")
+
+
+@pytest.mark.parametrize("advance", ["per_position", "stale"])
+def test_penalties_advance_per_position_inside_a_copy(target, advance, monkeypatch):
+    """Greedy with presence, frequency and repetition penalties: each verify
+    position is judged with the penalties of the tokens before it (drafts
+    included), so copied rounds give what plain steps (depth 0) give. The
+    negative control (failure injection: every position judged with the
+    round's first penalties) must differ somewhere; it runs on the hybrid,
+    whose outputs repeat tokens within a window."""
+    if advance == "stale":
+        if target.head is None:
+            pytest.skip("the negative control runs on the hybrid")
+        monkeypatch.setattr(spec_decoder, "advanced", lambda state, tokens: state)
+    params = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.3,
+                            repetition_penalty=1.2)  # fmt: skip
+    accepted, same = 0, []
+    for i, prompt in enumerate(prompts(target.vocab, 6, seed=2)):
+        want, _, _ = decode(target, prompt, 0, NgramProposer(), params=params)
+        earlier = prompt + corrupted(want, random.Random(i), target.vocab, 10)
+        got, rounds, _ = decode(target, prompt, 4, InjectedNgram(earlier), params=params)
+        same.append(got == want)
+        accepted += sum(r.accepted for r in rounds)
+    assert accepted > 0
+    assert all(same) if advance == "per_position" else not all(same)
 
 
 class InjectedMTPNgram(MTPNgramProposer):

@@ -10,9 +10,12 @@ verify); the ngram rounds of bench/agent_workloads.py ran at 1.0x plain in a
 first pass and 3.6x in the next two, over the same shapes. This times a
 4-bit 7B-class qwen3 forward of width M (a) at the same KV length, call
 after call, and (b) with the KV length one longer each call (the cache
-trimmed to keep one token), median and max of each, side by side.
+trimmed to keep one token), and (c) as (b) but through
+engines/kv_buffer.py's whole-buffer views (the keys the whole 256-step
+buffer, an explicit mask), median and max of each, side by side.
 A gap between (a) and (b) at M >= 2 but not at M = 1 says a per-shape cost
-(compilation or planning) in the multi-row attention path.
+(compilation or planning) in the multi-row attention path; (c) near (a)
+says the views remove it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
+
+from engines import kv_buffer
 
 
 def main() -> None:
@@ -48,21 +53,26 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}; qwen3 hidden {hidden}, {layers} layers, "
           f"4-bit; context {a.context}")
 
-    def call(width: int, keep: int) -> float:
+    def call(width: int, keep: int, whole: bool = False) -> float:
+        seen = kv_buffer.views(cache, width) if whole else cache
         t0 = time.perf_counter()
-        mx.eval(model(mx.array([[7] * width]), cache=cache))
+        mx.eval(model(mx.array([[7] * width]), cache=seen))
         dt = time.perf_counter() - t0
         for c in cache:
             c.trim(width - keep)
         return 1000 * dt
 
-    print("width | same KV length: median ms | KV length new each call: median ms, max ms | new/same")
+    print("width | same KV length: median ms | new each call: median, max ms | "
+          "new, whole buffer: median, max ms | new/same | whole/same")  # fmt: skip
     for width in [int(w) for w in a.widths.split(",")]:
         call(width, 0)  # this width's first shape
+        call(width, 0, whole=True)
         same = sorted(call(width, 0) for _ in range(a.calls))
         grow = sorted(call(width, 1) for _ in range(a.calls))
-        s, g = same[len(same) // 2], grow[len(grow) // 2]
-        print(f"{width:5d} | {s:25.2f} | {g:28.2f}, {grow[-1]:6.1f} | {g / s:8.2f}x", flush=True)
+        whole = sorted(call(width, 1, whole=True) for _ in range(a.calls))
+        s, g, w = (x[len(x) // 2] for x in (same, grow, whole))
+        print(f"{width:5d} | {s:25.2f} | {g:14.2f}, {grow[-1]:6.1f} | {w:26.2f}, {whole[-1]:6.1f} | "
+              f"{g / s:7.2f}x | {w / s:9.2f}x", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from engines import kv_buffer
 from engines.loading import LoadedModel
 from engines.mlx_mtp.head import MTPHead
 from engines.proposers.base import Context, Drafting, Proposal, drafted
@@ -51,6 +52,10 @@ class MTPProposer:
         self.h_prev: mx.array | None = None  # trunk hidden before the last token
         self.drafted = False  # whether the head drafted this round (mtp+ngram may copy instead)
 
+    def _cache(self, rows: int) -> list:
+        """The head's caches for a forward of `rows` tokens, seen as the trunk's are."""
+        return kv_buffer.views(self.cache, rows) if self.target.whole_buffer else self.cache
+
     def pending(self) -> list:
         return [c.state for c in self.cache]
 
@@ -63,14 +68,15 @@ class MTPProposer:
             self.h_prev = hidden[:, -1:]
             hidden = hidden[:, : len(nxt)]
         if nxt:
-            self.head(self.target.embed(mx.array([nxt])), hidden, self.cache)
+            self.head(self.target.embed(mx.array([nxt])), hidden, self._cache(len(nxt)))
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         tokens = [*self.owed.tokens, context.last]
         hidden = mx.concatenate([*self.owed.hidden, self.h_prev], axis=1)
         self.owed = _HeadInput()
         self.drafted = True
-        out = self.head(self.target.embed(mx.array([tokens])), hidden, self.cache)[:, -1:]
+        out = self.head(self.target.embed(mx.array([tokens])), hidden, self._cache(len(tokens)))
+        out = out[:, -1:]
         drafts, q, state = [], [], context.penalties
         for j in range(depth):
             d, qj = context.draw(self.target.logits(out)[0, -1], state)

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engines import kv_buffer
 from kernels import hook
 from kernels.cache_undo import checkpoint, restore
 
@@ -57,6 +58,7 @@ class Target(Protocol):
     hidden_size: int
     vocab_size: int
     kernels: bool  # verify forwards through kernels/hook.py (set by the engine)
+    whole_buffer: bool  # multi-row forwards over whole KV buffers (engines/kv_buffer.py)
 
     def forward(self, tokens: mx.array, cache: list, *, layers: Collection[int] = (),
                 undo: Undo | None = None) -> Forward: ...  # fmt: skip
@@ -135,6 +137,9 @@ class TransformerTarget:
         # Whether verify forwards run through kernels/hook.py's proved kernels
         # (set by the engine from kernels/wiring.py at load; off by default).
         self.kernels = False
+        # Whether multi-row forwards attend over the KV caches' whole buffers
+        # (engines/kv_buffer.py: where each new key length costs a build).
+        self.whole_buffer = kv_buffer.HELPS
         for i, layer in enumerate(self.inner.layers):
             swap_class(layer, _capturing_classes,
                        lambda cls: type(f"Capturing{cls.__name__}", (cls,),
@@ -165,8 +170,9 @@ class TransformerTarget:
         wanted = frozenset(i for i in layers if i >= 0)
         saved = checkpoint(cache) if undo == "replay" else None
         recorder = Recorder(wanted, tape=[] if undo == "tape" else None)
+        seen = kv_buffer.views(cache, tokens.shape[1]) if self.whole_buffer else cache
         with _recording(recorder) if wanted or undo == "tape" else nullcontext():
-            hidden = self.inner(tokens, cache=cache)
+            hidden = self.inner(tokens, cache=seen)
         captured = {i: self.embed(tokens) if i < 0 else recorder.layers[i] for i in layers}
         record = ("replay", saved) if undo == "replay" else ("tape", recorder.tape) if undo else None
         return Forward(tokens, hidden, captured, record)

@@ -1,0 +1,80 @@
+"""Multi-row forwards that attend over a KV cache's whole buffer, so their shapes repeat.
+
+Why: MLX's CUDA attention sends 2+ query rows to cuDNN, which builds an
+execution graph for every new (query, key) shape it meets
+(mlx/backend/cuda/scaled_dot_product_attention.cpp keys its graph cache on
+the exact key length; an LRU of 256). A speculative round verifies M rows
+after a cache that has grown by a different amount every round, so every
+round met a new key length and paid a graph build: on an H200 an MTP round
+of a 7B model cost 45-90 ms where the same forwards at a repeated length
+cost 16 ms (bench/verify_shape_churn.py). MLX avoids this for one row
+itself, by attending over the 256-step buffer mlx-lm's `KVCache` keeps and
+masking its tail; this does the same for M rows: the forward is handed the
+whole buffer as keys and values and an explicit mask that hides the
+positions past the cache's end, so the key length changes only when the
+buffer grows (every 256 tokens).
+
+Exactness: the hidden positions get -inf before the softmax, so they weigh
+exactly 0; the buffer past the end holds zeros or stale finite keys and
+values from trimmed rounds, never NaN.
+
+`views(cache, rows)` wraps each plain `KVCache` of a cache list for one
+forward of `rows` new tokens; the wrappers write into the caches they wrap
+(trim, rollback and the prefix cache see nothing different). Where the
+buffer must grow during this forward, the view passes everything through
+unchanged. On Metal and the CPU there is no per-shape build and the
+padding only costs compute, so engines turn this on only where
+`HELPS` (MLX's CUDA backend).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+HELPS = mx.cuda.is_available()
+MAX_ROWS = 64  # verify and drafter widths; prefill chunks keep mlx-lm's path
+
+
+class WholeBufferKV:
+    """One KVCache as seen by one forward of `rows` new tokens."""
+
+    def __init__(self, cache: KVCache, rows: int):
+        self.cache = cache
+        buffer = cache.keys
+        # Decided before the forward, for its mask and for every layer alike:
+        # a buffer that grows during this forward changes shape anyway.
+        self.whole = buffer is not None and cache.offset + rows <= buffer.shape[2]
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        k, v = self.cache.update_and_fetch(keys, values)
+        if self.whole:
+            return self.cache.keys, self.cache.values
+        return k, v
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        c = self.cache
+        if not self.whole:
+            return c.make_mask(n, return_array=return_array, window_size=window_size)
+        rows = mx.arange(c.offset, c.offset + n)[:, None]
+        cols = mx.arange(c.keys.shape[2])[None]
+        mask = cols <= rows
+        if window_size is not None:
+            mask = mask & (cols > rows - window_size)
+        return mask
+
+    def __getattr__(self, name: str):
+        # Anything else a model reads of its cache (size, state, ...) is the cache's.
+        return getattr(self.cache, name)
+
+
+def views(cache: list, rows: int) -> list:
+    """`cache` with each plain KVCache wrapped for a forward of `rows` tokens
+    (unchanged for one row, which MLX handles itself, and for prefill)."""
+    if not 2 <= rows <= MAX_ROWS:
+        return cache
+    return [WholeBufferKV(c, rows) if type(c) is KVCache else c for c in cache]

@@ -1,0 +1,133 @@
+"""Multi-row forwards over a KV cache's whole buffer (engines/kv_buffer.py) change nothing but shapes.
+
+On the CPU (where engines leave the views off) they are forced on:
+- one forward of 2..9 rows through the views equals the same forward
+  without them, at offsets inside the buffer (past the end: stale keys and
+  values a trim left behind, which the mask must hide) and across its
+  growth; the keys each layer attends keep the buffer's length from round
+  to round. A mask one column too wide (failure injection) must differ;
+- speculative decoding with the views on equals plain greedy decoding token
+  for token, dense and hybrid, ngram and mtp+ngram (the MTP head's cache
+  seen through them too).
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from greedy import assert_same_greedy
+from mlx_lm.models.cache import KVCache
+from test_ngram_exactness import (
+    BUILDERS,
+    InjectedMTPNgram,
+    InjectedNgram,
+    Target,
+    corrupted,
+    decode,
+    prompts,
+)
+
+from engines import kv_buffer
+from engines.proposers.ngram import NgramProposer
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def target(request, tmp_path_factory):
+    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param), tokenizer=False)
+    return Target(path, mtp=request.param == "qwen35_hybrid")
+
+
+def rounds(vocab: int, seed: int = 0):
+    """Verify-like widths and how many rows each round keeps."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        width = rng.choice([2, 3, 5, 9])
+        yield [rng.randrange(vocab) for _ in range(width)], rng.randint(1, width)
+
+
+def run(target, whole: bool, record: list | None = None):
+    """Prefill 200 tokens, then verify-like rounds, trimming the rejected
+    rows (stale entries stay in the buffer); the logits of every round."""
+    trunk = target.trunk
+    cache = trunk.make_cache()
+    rng = random.Random(1)
+    mx.eval(target.model(mx.array([[rng.randrange(target.vocab) for _ in range(200)]]), cache=cache))
+    out = []
+    for tokens, kept in rounds(target.vocab):
+        seen = kv_buffer.views(cache, len(tokens)) if whole else cache
+        logits = target.model(mx.array([tokens]), cache=seen)
+        mx.eval(logits)
+        out.append(logits)
+        if record is not None:
+            kv = [v for v in seen if isinstance(v, kv_buffer.WholeBufferKV)]
+            record.append((kv[0].offset, kv[0].whole, kv[0].cache.keys.shape[2]))
+        for c in cache:
+            if isinstance(c, KVCache):
+                c.trim(len(tokens) - kept)
+            # A hybrid's recurrent state is not rolled back: both runs see the same.
+    return out
+
+
+def test_whole_buffer_forward_equals_the_plain_forward(target):
+    record: list = []
+    plain, whole = run(target, False), run(target, True, record)
+    for a, b in zip(plain, whole, strict=True):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item()
+    assert any(w for _, w, _ in record) and any(not w for _, w, _ in record)  # inside and at growth
+    lengths = {n for _, w, n in record if w}
+    assert len(lengths) < len({o for o, w, _ in record if w})  # key lengths repeat; offsets do not
+
+
+def test_a_mask_one_column_too_wide_is_caught(target, monkeypatch):
+    """Failure injection: the mask also shows the first stale position past
+    the end; the forward must then differ from the plain one."""
+    plain = run(target, False)
+    real = kv_buffer.WholeBufferKV.make_mask
+
+    def too_wide(self, n, return_array=False, window_size=None):
+        mask = real(self, n, return_array, window_size)
+        if not self.whole:
+            return mask
+        rows = mx.arange(self.cache.offset, self.cache.offset + n)[:, None]
+        return mask | (mx.arange(mask.shape[-1])[None] == rows + 1)
+
+    monkeypatch.setattr(kv_buffer.WholeBufferKV, "make_mask", too_wide)
+    wrong = run(target, True)
+    assert not all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(plain, wrong, strict=True))
+
+
+@pytest.fixture
+def whole_buffer(target):
+    target.trunk.whole_buffer = True
+    yield target
+    target.trunk.whole_buffer = kv_buffer.HELPS
+
+
+@pytest.mark.parametrize("depth", [2, 8])
+def test_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer, depth):
+    target = whole_buffer
+    for i, prompt in enumerate(prompts(target.vocab, 6)):
+        want, margins = target.reference(prompt)
+        earlier = prompt + corrupted(want, random.Random(i), target.vocab, 2 * depth + 2)
+        for proposer in (NgramProposer(), InjectedNgram(earlier)):
+            got, rounds_, _ = decode(target, prompt, depth, proposer)
+            assert_same_greedy(got, want, margins)
+            assert any(r.drafted for r in rounds_) or isinstance(proposer, NgramProposer)
+
+
+def test_mtp_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer):
+    target = whole_buffer
+    if target.head is None:
+        pytest.skip("the dense tiny target has no MTP head")
+    copied = heads = 0
+    for i, prompt in enumerate(prompts(target.vocab, 6, seed=1)):
+        want, margins = target.reference(prompt)
+        earlier = prompt + corrupted(want, random.Random(i), target.vocab, 12)
+        proposer = InjectedMTPNgram(earlier, target.trunk, target.head, 2)
+        got, rounds_, _ = decode(target, prompt, 6, proposer)
+        assert_same_greedy(got, want, margins)
+        copied += proposer.copied
+        heads += sum(1 for r in rounds_ if r.drafted) - proposer.copied
+    assert copied > 0 and heads > 0

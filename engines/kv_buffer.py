@@ -19,7 +19,9 @@ exactly 0; the buffer past the end holds zeros or stale finite keys and
 values from trimmed rounds, never NaN.
 
 `views(cache, rows)` wraps each plain `KVCache` of a cache list for one
-forward of `rows` new tokens; the wrappers write into the caches they wrap
+forward of `rows` new tokens (causal attention takes its mask from
+`make_mask`, as mlx-lm's models do; attention that sees every key takes
+`visible()`); the wrappers write into the caches they wrap
 (trim, rollback and the prefix cache see nothing different). Where the
 buffer must grow during this forward, the view passes everything through
 unchanged. On Metal and the CPU there is no per-shape build and the
@@ -66,6 +68,15 @@ class WholeBufferKV:
         if window_size is not None:
             mask = mask & (cols > rows - window_size)
         return mask
+
+    def visible(self) -> mx.array | None:
+        """After this forward's update: for attention without a causal part
+        (every row sees every key so far, as a DFlash drafter's block does),
+        the mask that hides the buffer's tail; None where the keys are not
+        the whole buffer."""
+        if not self.whole:
+            return None
+        return mx.arange(self.cache.keys.shape[2]) < self.cache.offset
 
     def __getattr__(self, name: str):
         # Anything else a model reads of its cache (size, state, ...) is the cache's.

@@ -8,7 +8,11 @@ On the CPU (where engines leave the views off) they are forced on:
   to round. A mask one column too wide (failure injection) must differ;
 - speculative decoding with the views on equals plain greedy decoding token
   for token, dense and hybrid, ngram and mtp+ngram (the MTP head's cache
-  seen through them too).
+  seen through them too);
+- a DFlash drafter (attention without a causal part, `visible()`) drafts
+  from the same hidden states through the views as without them, round
+  after round; without the mask on the buffer's tail (failure injection)
+  it does not.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy
 from mlx_lm.models.cache import KVCache
+from test_dflash_exactness import Target as DFlashTarget
 from test_ngram_exactness import (
     BUILDERS,
     InjectedMTPNgram,
@@ -30,7 +35,12 @@ from test_ngram_exactness import (
 )
 
 from engines import kv_buffer
+from engines.base import GenerationRequest, Plan, SamplingParams
+from engines.builders.drafters import build_dflash_drafter
+from engines.builders.tiny import build_qwen3_dense
+from engines.proposers.dflash import DFlashProposer
 from engines.proposers.ngram import NgramProposer
+from engines.spec_decoder import SpecDecoder
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -131,3 +141,48 @@ def test_mtp_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer):
         copied += proposer.copied
         heads += sum(1 for r in rounds_ if r.drafted) - proposer.copied
     assert copied > 0 and heads > 0
+
+
+class RecordingDFlash(DFlashProposer):
+    """Keeps the drafter's output of every pass."""
+
+    def _pass(self, embed, last):
+        out = super()._pass(embed, last)
+        self.outputs = [*getattr(self, "outputs", []), out]
+        return out
+
+
+def dflash_outputs(target, prompt, whole: bool):
+    target.trunk.whole_buffer = whole
+    try:
+        request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), 40,
+                                    Plan("mlx_dflash", "dflash", 3, "spec_on"))  # fmt: skip
+        proposer = RecordingDFlash(target.trunk, target.drafter)
+        decoder = SpecDecoder(target.trunk, proposer, request, None, 0, None)
+        step = decoder.prefill()
+        while step.finish_reason is None:
+            step = decoder.round(3)
+        return proposer.outputs
+    finally:
+        target.trunk.whole_buffer = kv_buffer.HELPS
+
+
+@pytest.fixture(scope="module")
+def dflash_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    t = build_qwen3_dense(root / "target", tokenizer=False)
+    d = build_dflash_drafter(root / "dflash", target=t, block_size=4, num_hidden_layers=2,
+                             tokenizer=False)  # fmt: skip
+    return DFlashTarget(t, d)
+
+
+@pytest.mark.parametrize("mask", ["visible", "none"])
+def test_dflash_drafter_through_whole_buffers_drafts_the_same(dflash_target, mask, monkeypatch):
+    if mask == "none":  # failure injection: the stale tail of the buffer left visible
+        monkeypatch.setattr(kv_buffer.WholeBufferKV, "visible", lambda self: None)
+    same = []
+    for prompt in [[3, 1, 4, 1, 5, 9, 2, 6], list(range(2, 30))]:
+        plain, whole = dflash_outputs(dflash_target, prompt, False), dflash_outputs(dflash_target, prompt, True)
+        assert len(plain) == len(whole) > 5
+        same += [mx.allclose(a, b, atol=1e-5).item() for a, b in zip(plain, whole, strict=True)]
+    assert all(same) if mask == "visible" else not all(same)

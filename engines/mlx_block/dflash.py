@@ -24,6 +24,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from engines import kv_buffer
+
 
 @dataclass
 class DFlashArgs:
@@ -99,7 +101,8 @@ class DFlashAttention(nn.Module):
         k = self.rope(k, offset=cache.offset)
         q = self.rope(q, offset=cache.offset + C)
         k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+        mask = cache.visible() if isinstance(cache, kv_buffer.WholeBufferKV) else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

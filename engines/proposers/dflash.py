@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from engines import kv_buffer
 from engines.loading import LoadedModel
 from engines.mlx_block.dflash import DFlashDrafter, check_pairing, forget_block, load_dflash
 from engines.proposers.base import Context, Drafting, Proposal
@@ -70,7 +71,11 @@ class BlockProposer:
         bs, owed = self.drafter.args.block_size, self.owed
         self.owed = []
         block = mx.array([[last] + [self.drafter.args.mask_token_id] * (bs - 1)])
-        out = self.drafter(embed(block), mx.concatenate(owed, axis=1), self.cache)
+        context = mx.concatenate(owed, axis=1)
+        cache = self.cache
+        if self.target.whole_buffer:  # the trunk's reason, engines/kv_buffer.py
+            cache = kv_buffer.views(cache, context.shape[1] + bs)
+        out = self.drafter(embed(block), context, cache)
         forget_block(self.cache, bs)
         return out
 

@@ -158,7 +158,10 @@ class SpecDecoder:
         # The verify forward (and its logits): the only place the small-M
         # kernels run, where the engine enabled them (kernels/wiring.py).
         with self.target.verify_kernels():
-            forward = self._forward(verify_arr[None], undo=self.undo)
+            # A round without drafts keeps its one input: nothing to undo (and a
+            # hybrid's recurrent layers then run mlx-lm's own path, its kernel
+            # on Metal, not the stepwise one a tape needs).
+            forward = self._forward(verify_arr[None], undo=self.undo if depth else None)
             logits = self.target.logits(forward.hidden)[0]
         states = [self.penalties]
         for j in range(depth):

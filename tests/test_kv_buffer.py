@@ -6,9 +6,9 @@ On the CPU (where engines leave the views off) they are forced on:
   values a trim left behind, which the mask must hide) and across its
   growth; the keys each layer attends keep the buffer's length from round
   to round. A mask one column too wide (failure injection) must differ;
-- speculative decoding with the views on equals plain greedy decoding token
-  for token, dense and hybrid, ngram and mtp+ngram (the MTP head's cache
-  seen through them too);
+- ngram decoding with the views on equals plain greedy decoding token for
+  token, dense and hybrid (mtp+ngram, the MTP head's cache seen through
+  them too: tests/test_ngram_exactness.py);
 - a DFlash drafter (attention without a causal part, `visible()`) drafts
   from the same hidden states through the views as without them, round
   after round; without the mask on the buffer's tail (failure injection)
@@ -26,7 +26,6 @@ from mlx_lm.models.cache import KVCache
 from test_dflash_exactness import Target as DFlashTarget
 from test_ngram_exactness import (
     BUILDERS,
-    InjectedMTPNgram,
     InjectedNgram,
     Target,
     corrupted,
@@ -125,22 +124,6 @@ def test_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer, depth):
             got, rounds_, _ = decode(target, prompt, depth, proposer)
             assert_same_greedy(got, want, margins)
             assert any(r.drafted for r in rounds_) or isinstance(proposer, NgramProposer)
-
-
-def test_mtp_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer):
-    target = whole_buffer
-    if target.head is None:
-        pytest.skip("the dense tiny target has no MTP head")
-    copied = heads = 0
-    for i, prompt in enumerate(prompts(target.vocab, 6, seed=1)):
-        want, margins = target.reference(prompt)
-        earlier = prompt + corrupted(want, random.Random(i), target.vocab, 12)
-        proposer = InjectedMTPNgram(earlier, target.trunk, target.head, 2)
-        got, rounds_, _ = decode(target, prompt, 6, proposer)
-        assert_same_greedy(got, want, margins)
-        copied += proposer.copied
-        heads += sum(1 for r in rounds_ if r.drafted) - proposer.copied
-    assert copied > 0 and heads > 0
 
 
 class RecordingDFlash(DFlashProposer):

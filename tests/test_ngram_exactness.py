@@ -21,7 +21,8 @@ included) must fail the same check.
 mtp+ngram: the same greedy check on the hybrid with its MTP head, copies and
 head drafts interleaved; and after copied rounds, the head's cache holds
 exactly what feeding it the whole sequence at once gives (the copied tokens
-were owed to it with the trunk's hidden states).
+were owed to it with the trunk's hidden states). Once more with the
+multi-row forwards over whole KV buffers (engines/kv_buffer.py).
 """
 
 from __future__ import annotations
@@ -200,9 +201,14 @@ def head_entries(target: Target, tokens: list[int]) -> list[KVCache]:
     return cache
 
 
-def test_mtp_ngram_equals_plain_greedy_and_keeps_the_head_in_step(target, capsys):
+@pytest.mark.parametrize("whole_buffer", [False, True], ids=["stock", "whole_buffer"])
+def test_mtp_ngram_equals_plain_greedy_and_keeps_the_head_in_step(target, whole_buffer, capsys,
+                                                                  monkeypatch):  # fmt: skip
+    """`whole_buffer`: the trunk's and the head's multi-row forwards through
+    engines/kv_buffer.py's views, forced on here (the engines use them on CUDA)."""
     if target.head is None:
         pytest.skip("the dense tiny target has no MTP head")
+    monkeypatch.setattr(target.trunk, "whole_buffer", whole_buffer)
     copied = heads = 0
     for i, prompt in enumerate(prompts(target.vocab, 8, seed=1)):
         want, margins = target.reference(prompt)

@@ -145,7 +145,18 @@ class CostView:
         return self._nearest("none", batch, bucket)
 
     def round(self, method: Method, depth: int, context: int) -> Estimate | None:
-        """One round of `method` drafting `depth` tokens."""
+        """One round of `method` drafting `depth` tokens, never less than one
+        plain step at the same context: a round runs the target over at least
+        the row a plain step runs, and more. Without the floor, a round timed
+        while the machine was quiet beats a plain step timed since it got
+        busy, and a head that is never accepted wins on noise alone."""
+        est = self._round(method, depth, context)
+        floor = self.plain(1, context)
+        if est is not None and floor is not None and est.seconds < floor.seconds:
+            return Estimate(floor.seconds, est.source)
+        return est
+
+    def _round(self, method: Method, depth: int, context: int) -> Estimate | None:
         bucket = context_bucket(context)
         if (e := self.live.get(method, depth, bucket)) is not None:
             return Estimate(e.mean, "live")

@@ -90,6 +90,20 @@ def test_cost_view_prefers_live_then_the_scaled_prior_then_a_line_through_depth_
     assert two.source == "tune" and two.seconds > 0.01
 
 
+def test_a_round_never_costs_less_than_a_plain_step_so_a_useless_head_never_wins_on_noise():
+    """CI once saw a head with no accepted draft chosen by live estimates: its
+    depth-1 rounds were timed while the machine was quiet, plain steps since
+    it got busier. A round is a plain step's forward and more."""
+    p = live_policy()
+    for _ in range(20):
+        p.observe(spec(1, 0, 0.009), "prose")  # timed quiet
+    for _ in range(20):
+        p.observe(step(0.010), "prose")  # timed busy
+    assert p.view().round("mtp", 1, 100).seconds == pytest.approx(0.010)
+    plans = [p.start(RequestFeatures(20, False), IDLE)[0] for _ in range(20)]
+    assert all(p.method == "none" or p.source == "explore" for p in plans)
+
+
 def test_explorer_tries_what_is_unmeasured_at_once_then_a_capped_share():
     ex = Explorer(every=16, max_every=64, unmeasured_tries=2)
     assert ex.choose("mtp", {"mtp": False, "none": False}) == "none"  # nothing known: try it

@@ -44,6 +44,7 @@ from engines.loading import LoadedModel
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.ngram_index import NgramIndex
 from engines.prefix_cache import PrefixCache
+from engines.proposers.copy_length import MIN_ROUNDS, CopyEvidence
 from engines.proposers.mtp_ngram import MTPNgramProposer
 from engines.proposers.ngram import NgramProposer
 from engines.sampling import probabilities
@@ -118,9 +119,9 @@ class InjectedContext:
 
 
 class InjectedNgram(InjectedContext, NgramProposer):
-    def __init__(self, earlier: list[int]):
+    def __init__(self, earlier: list[int], evidence: CopyEvidence | None = None):
         InjectedContext.__init__(self, earlier)
-        NgramProposer.__init__(self)
+        NgramProposer.__init__(self, evidence=evidence)
 
 
 def decode(target: Target, prompt, depth, proposer, params=None, max_tokens=N_TOKENS):
@@ -155,6 +156,40 @@ def test_ngram_equals_plain_greedy(target, depth, capsys):
     with capsys.disabled():
         print(f"[depth {depth}: {natural} drafts copied naturally, accepted lengths "
               f"{dict(sorted(lengths.items()))}, {ties} near-tie divergence(s)]", end=" ")
+
+
+class RecordedEvidence(CopyEvidence):
+    """CopyEvidence that also records each cut it made: (offered, kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cuts = []
+
+    def length(self, match, offered):
+        kept = super().length(match, offered)
+        self.cuts.append((offered, kept))
+        return kept
+
+
+def test_copies_cut_by_evidence_decode_the_same(target):
+    """Evidence primed as on a CPU (a verify row a third of a step, short
+    matches that seldom stand) cuts copies short and to nothing; greedy
+    output stays plain decoding's."""
+    evidence = RecordedEvidence()
+    for width, seconds in ((1, 0.013), (9, 0.045)):
+        for _ in range(MIN_ROUNDS):
+            evidence.observe(None if width == 1 else 16, width - 1, width - 1, seconds)
+    for match in (2, 3, 4, 6):
+        for i in range(20):
+            evidence.observe(match, 4, 1 if i % 3 == 0 else 0, 0.025)
+    ties = 0
+    for i, prompt in enumerate(prompts(target.vocab)):
+        want, margins = target.reference(prompt)
+        earlier = prompt + corrupted(want, random.Random(i), target.vocab, 6)
+        got, _, _ = decode(target, prompt, 4, InjectedNgram(earlier, evidence))
+        ties += assert_same_greedy(got, want, margins)
+    cut = [(offered, kept) for offered, kept in evidence.cuts if kept < offered]
+    assert any(kept == 0 for _, kept in cut) and any(kept > 0 for _, kept in cut)
 
 
 @pytest.mark.parametrize("advance", ["per_position", "stale"])

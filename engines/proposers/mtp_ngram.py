@@ -1,9 +1,10 @@
 """Copied drafts where the context has them, the model's MTP head elsewhere (method "mtp+ngram").
 
 Each round first asks the context (engines/proposers/ngram.py): a copy
-that matched at least COPY_MATCH tokens and offers more drafts than the
-head would draft is taken as it is (a point mass, no head forward this
-round); otherwise the head drafts, at most `mtp_depth` tokens (it was
+that matched at least COPY_MATCH tokens and, cut to what the engine's
+evidence says pays (engines/proposers/copy_length.py, learnt from the
+copied rounds alone), still offers more drafts than the head would draft is
+taken (a point mass, no head forward this round); otherwise the head drafts, at most `mtp_depth` tokens (it was
 trained for a few positions, a copy can run much further). The head keeps
 its history either way: after a copied round it is owed the committed
 tokens with the trunk's hidden states, as after a plain step
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 from engines.loading import LoadedModel
 from engines.mlx_mtp.head import MTPHead
 from engines.proposers.base import Context, Drafting, Proposal
+from engines.proposers.copy_length import CopyEvidence
 from engines.proposers.mtp import MTPProposer
-from engines.proposers.ngram import NgramProposer, copied
+from engines.proposers.ngram import NgramProposer
 from engines.targets import Forward, Target
 
 METHOD = "mtp+ngram"
@@ -31,29 +33,38 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None, *,
     from engines.mlx_mtp.loading import load_mtp_head
 
     head = load_mtp_head(loaded)
-    return Drafting(METHOD, lambda t: MTPNgramProposer(t, head, mtp_depth), weights=head)
+    evidence = CopyEvidence()  # the engine's
+    return Drafting(METHOD, lambda t: MTPNgramProposer(t, head, mtp_depth, evidence), weights=head)
 
 
 class MTPNgramProposer:
     method = METHOD
     layers = ()
 
-    def __init__(self, target: Target, head: MTPHead, mtp_depth: int):
+    def __init__(self, target: Target, head: MTPHead, mtp_depth: int,
+                 evidence: CopyEvidence | None = None):  # fmt: skip
         self.mtp = MTPProposer(target, head)
-        self.ngram = NgramProposer()
+        self.ngram = NgramProposer(evidence=evidence)
         self.mtp_depth = mtp_depth
+        self.copying = False  # this round's drafts are the copy's
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         head_depth = min(depth, self.mtp_depth)
         draft = self.ngram.draft(context, depth)
+        self.copying = False
         if draft is not None and draft.match >= COPY_MATCH and len(draft.tokens) > head_depth:
-            return copied(draft)
+            kept = self.ngram.keep(draft)
+            if kept is not None and len(kept.tokens) > head_depth:
+                self.copying = True
+                return self.ngram.offer(kept)
         return self.mtp.propose(context, head_depth)
 
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
         self.mtp.prefilled(start, forward, prompt)
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
+        if self.copying:  # a head round's cost and acceptance are not a copy's
+            self.ngram.committed(last, drafts, accepted, forward)
         self.mtp.committed(last, drafts, accepted, forward)
 
     def pending(self) -> list:

@@ -8,7 +8,9 @@ rejection, which keeps the target's distribution exactly (and at
 temperature 0 takes the target's argmax). The index is built from the
 context at the first round (a prompt served from the prefix cache, or
 handed over by another engine, is indexed the same way) and extended with
-each round's committed tokens.
+each round's committed tokens. How much of a copy goes to verify is the
+engine's evidence's call (engines/proposers/copy_length.py), learnt from
+every round its requests served.
 """
 
 from __future__ import annotations
@@ -20,34 +22,56 @@ import mlx.core as mx
 from engines.loading import LoadedModel
 from engines.ngram_index import Draft, NgramIndex
 from engines.proposers.base import Context, Drafting, Proposal
+from engines.proposers.copy_length import CopyEvidence, RoundTimer
 from engines.targets import Forward, Target
 
 
 def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None) -> Drafting:
-    return Drafting("ngram", NgramProposer)
+    evidence = CopyEvidence()  # the engine's: every request it serves adds to it
+    return Drafting("ngram", lambda t: NgramProposer(t, evidence))
 
 
 class NgramProposer:
     method = "ngram"
     layers = ()
 
-    def __init__(self, target: Target | None = None):
+    def __init__(self, target: Target | None = None, evidence: CopyEvidence | None = None):
+        """Without `evidence`, every copy goes to verify whole."""
         self.index = NgramIndex()
+        self.evidence = evidence
+        self._timer = RoundTimer()
+        self._match: int | None = None  # this round's copy's
 
     def draft(self, context: Context, depth: int) -> Draft | None:
         """The copy on offer this round (its match length says how strong)."""
         self.index.extend(context.tokens[len(self.index) :])
         return self.index.draft(depth)
 
-    def propose(self, context: Context, depth: int) -> Proposal | None:
-        draft = self.draft(context, depth)
+    def keep(self, draft: Draft | None) -> Draft | None:
+        """What of `draft` the evidence says to verify (None: nothing)."""
+        if draft is None or self.evidence is None:
+            return draft
+        n = self.evidence.length(draft.match, len(draft.tokens))
+        return Draft(draft.tokens[:n], draft.match, draft.support) if n else None
+
+    def offer(self, draft: Draft | None) -> Proposal | None:
+        """`draft` (already kept) as this round's proposal (None: a plain
+        step), timed until `committed` when there is evidence to feed."""
+        self._match = None if draft is None else draft.match
+        if self.evidence is not None:
+            self._timer.start()
         return None if draft is None else copied(draft)
+
+    def propose(self, context: Context, depth: int) -> Proposal | None:
+        return self.offer(self.keep(self.draft(context, depth)))
 
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
         pass
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
-        pass
+        seconds = self._timer.stop()
+        if self.evidence is not None and seconds is not None:
+            self.evidence.observe(self._match, len(drafts), accepted, seconds)
 
     def pending(self) -> list:
         return []

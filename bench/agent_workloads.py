@@ -341,6 +341,7 @@ class InProcess:
         from engines.mlx_plain import MLXPlainEngine
         from engines.prefix_cache import PrefixCache
         from engines.proposers.base import Drafting
+        from engines.proposers.copy_length import CopyEvidence
         from engines.proposers.mtp import MTPProposer
         from engines.proposers.mtp_ngram import MTPNgramProposer
         from engines.proposers.ngram import drafting as ngram_drafting
@@ -355,8 +356,9 @@ class InProcess:
         ctx = BuildContext("synthetic", "synthetic", MLX, mtp_depth=args.mtp_depth,
                            ngram_depth=args.ngram_depth, max_context=8192, loaded=self.loaded)  # fmt: skip
         mtp = lambda loaded, target, drafter: Drafting("mtp", lambda t: MTPProposer(t, head))  # noqa: E731
+        evidence = CopyEvidence()  # the engine's, as engines/proposers/mtp_ngram.py's drafting makes it
         both = lambda loaded, target, drafter: Drafting(  # noqa: E731
-            "mtp+ngram", lambda t: MTPNgramProposer(t, head, args.mtp_depth))
+            "mtp+ngram", lambda t: MTPNgramProposer(t, head, args.mtp_depth, evidence))
         common = dict(max_context=8192, kernels=args.kernels)
         self.engines = {
             "mlx_plain": MLXPlainEngine("synthetic", self.loaded, max_context=8192, prefix_cache_size=0),

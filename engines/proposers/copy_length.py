@@ -12,7 +12,13 @@ a five-token copy of which one token stands is slower than no draft at all.
   bucket of match length (a 2-token match in prose and a 40-token match in
   a quoted file are different evidence);
 - what a round verifying w rows costs (w = 1 is a round without drafts),
-  as the proposer sees it: from handing over its drafts to the verdict.
+  as the proposer sees it: from handing over its drafts to the verdict;
+  the median of its last COST_WINDOW rounds, the first one skipped. A
+  mean would not do: on MLX's CUDA build every width pays a graph build
+  whenever the KV buffer grows (engines/kv_buffer.py), and a width that
+  a few builds made look dear is then cut, so it is seldom timed again,
+  and the copies stay cut where they cost nothing (measured on an H200:
+  ngram fell from 3.0x to 1.7x plain on copy-heavy transcripts).
 `best_length` then keeps the prefix with the most expected tokens per
 second (OptiQ's `--ngram-draft`: the length from recent acceptance and the
 measured cost of a verify; SuffixDecoding's adaptive length).
@@ -27,7 +33,9 @@ decoder's (engines/spec_decoder.py), for any drafts.
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +43,7 @@ from dataclasses import dataclass, field
 MATCH_BUCKETS = (2, 3, 4, 6, 9, 16, 32)
 EXPLORE_EVERY = 8  # every n-th draft of a bucket is verified whole
 MIN_ROUNDS = 4  # observations before a rate or a cost is used
-STALL_CAP = 4.0  # one observation counts at most this many times the mean
+COST_WINDOW = 16  # the rounds of a width whose median is its cost
 
 
 def match_bucket(match: int) -> int:
@@ -66,11 +74,30 @@ class _Mean:
     mean: float = 0.0
     count: int = 0
 
-    def add(self, x: float, alpha: float, cap: float | None = None) -> None:
-        if self.count and cap is not None:
-            x = min(x, cap * self.mean)
+    def add(self, x: float, alpha: float) -> None:
         self.count += 1
         self.mean += max(alpha, 1.0 / self.count) * (x - self.mean)
+
+
+@dataclass
+class _Cost:
+    """A width's recent rounds; the first builds the shape's graph and is skipped."""
+
+    warmed: bool = False
+    recent: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+
+    def add(self, seconds: float) -> None:
+        if self.warmed:
+            self.recent.append(seconds)
+        self.warmed = True
+
+    @property
+    def known(self) -> bool:
+        return len(self.recent) >= MIN_ROUNDS
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass
@@ -79,7 +106,7 @@ class CopyEvidence:
 
     alpha: float = 0.1
     _rates: dict[int, list[_Mean]] = field(default_factory=dict)  # bucket -> per position
-    _costs: dict[int, _Mean] = field(default_factory=dict)  # verify width -> seconds
+    _costs: dict[int, _Cost] = field(default_factory=dict)  # verify width -> its rounds
     _drafts: dict[int, int] = field(default_factory=dict)  # bucket -> drafts offered
 
     def length(self, match: int, offered: int) -> int:
@@ -97,7 +124,7 @@ class CopyEvidence:
         """Seconds of a round verifying 1..`widths` rows: measured, else on
         the line through the nearest measured widths (None: fewer than two
         widths measured, nothing to weigh)."""
-        known = sorted((w, c.mean) for w, c in self._costs.items() if c.count >= MIN_ROUNDS)
+        known = sorted((w, c.seconds) for w, c in self._costs.items() if c.known)
         if len(known) < 2:
             return None
         xs = [w for w, _ in known]
@@ -115,7 +142,7 @@ class CopyEvidence:
     def observe(self, match: int | None, drafted: int, accepted: int, seconds: float) -> None:
         """One round: its copy's match (None: it drafted nothing), how many
         drafts went to verify and how many stood, and what it cost."""
-        self._costs.setdefault(drafted + 1, _Mean()).add(seconds, self.alpha, STALL_CAP)
+        self._costs.setdefault(drafted + 1, _Cost()).add(seconds)
         if match is None or drafted == 0:
             return
         rates = self._rates.setdefault(match_bucket(match), [])

@@ -3,9 +3,10 @@
 Each round first asks the context (engines/proposers/ngram.py): a copy
 that matched at least COPY_MATCH tokens and, cut to what the engine's
 evidence says pays (engines/proposers/copy_length.py, learnt from the
-copied rounds alone), still offers more drafts than the head would draft is
-taken (a point mass, no head forward this round); otherwise the head drafts, at most `mtp_depth` tokens (it was
-trained for a few positions, a copy can run much further). The head keeps
+copied rounds alone), still offers more drafts than the head would draft
+is taken (a point mass, no head forward this round); otherwise the head
+drafts, at most `mtp_depth` tokens (it was trained for a few positions, a
+copy can run much further). The head keeps
 its history either way: after a copied round it is owed the committed
 tokens with the trunk's hidden states, as after a plain step
 (engines/proposers/mtp.py).
@@ -46,16 +47,13 @@ class MTPNgramProposer:
         self.mtp = MTPProposer(target, head)
         self.ngram = NgramProposer(evidence=evidence)
         self.mtp_depth = mtp_depth
-        self.copying = False  # this round's drafts are the copy's
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         head_depth = min(depth, self.mtp_depth)
         draft = self.ngram.draft(context, depth)
-        self.copying = False
         if draft is not None and draft.match >= COPY_MATCH and len(draft.tokens) > head_depth:
             kept = self.ngram.keep(draft)
             if kept is not None and len(kept.tokens) > head_depth:
-                self.copying = True
                 return self.ngram.offer(kept)
         return self.mtp.propose(context, head_depth)
 
@@ -63,8 +61,9 @@ class MTPNgramProposer:
         self.mtp.prefilled(start, forward, prompt)
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
-        if self.copying:  # a head round's cost and acceptance are not a copy's
-            self.ngram.committed(last, drafts, accepted, forward)
+        # Evidence only from copied rounds: the copy's timer runs only once it
+        # was offered, so a head round's cost and acceptance are not a copy's.
+        self.ngram.committed(last, drafts, accepted, forward)
         self.mtp.committed(last, drafts, accepted, forward)
 
     def pending(self) -> list:

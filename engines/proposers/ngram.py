@@ -69,7 +69,7 @@ class NgramProposer:
         pass
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
-        seconds = self._timer.stop()
+        seconds = self._timer.stop()  # None: no copy was offered this round
         if self.evidence is not None and seconds is not None:
             self.evidence.observe(self._match, len(drafts), accepted, seconds)
 

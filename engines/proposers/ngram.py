@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from engines.base import SamplingParams
 from engines.loading import LoadedModel
 from engines.ngram_index import Draft, NgramIndex
 from engines.proposers.base import Context, Drafting, Proposal
@@ -47,9 +48,12 @@ class NgramProposer:
         self.index.extend(context.tokens[len(self.index) :])
         return self.index.draft(depth)
 
-    def keep(self, draft: Draft | None) -> Draft | None:
-        """What of `draft` the evidence says to verify (None: nothing)."""
-        if draft is None or self.evidence is None:
+    def keep(self, draft: Draft | None, params: SamplingParams) -> Draft | None:
+        """What of `draft` the evidence says to verify (None: nothing). A
+        seeded sampled request keeps its copies whole: which tokens a round
+        samples depends on its drafts, and cuts learnt from timings would
+        make the same seed give different text."""
+        if draft is None or self.evidence is None or (params.seed is not None and not params.greedy):
             return draft
         n = self.evidence.length(draft.match, len(draft.tokens))
         return Draft(draft.tokens[:n], draft.match, draft.support) if n else None
@@ -63,7 +67,7 @@ class NgramProposer:
         return None if draft is None else copied(draft)
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
-        return self.offer(self.keep(self.draft(context, depth)))
+        return self.offer(self.keep(self.draft(context, depth), context.params))
 
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
         pass

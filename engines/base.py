@@ -99,6 +99,34 @@ class GenerationRequest:
     # Token ids that end generation (the model's EOS set). Stop *strings* are
     # matched on text by the gateway, which then closes the stream.
     stop_token_ids: frozenset[int] = frozenset()
+    # The prefix cache (engines/prefix_cache.py): whose entries it may use,
+    # where in the prompt its messages end (token offsets; the engines keep
+    # a snapshot there where the model's caches cannot be cut back), and the
+    # end of its system prompt, whose snapshot every scope may share.
+    cache_scope: str = ""
+    boundaries: tuple[int, ...] = ()
+    shared_prefix: int = 0
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The server's `prefix_cache` section, as the engines take it
+    (engines/prefix_cache.py)."""
+
+    ram_bytes: int | None = None  # every model's cache together; None: 1/8 of physical memory
+    disk_bytes: int = 8 << 30  # the disk tier's budget; 0: no disk tier
+    disk_min_tokens: int = 256  # shorter entries stay in RAM only
+    snapshot_interval: int = 4096  # tokens between a hybrid's snapshots in a long prompt
+
+
+@dataclass(frozen=True)
+class MessageBoundaries:
+    """Token offsets in a rendered chat prompt (0: none): where the system
+    prompt (with the tools) ends, and where the conversation before the
+    newest message ends."""
+
+    system: int = 0
+    history: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,6 +273,15 @@ class Engine(Protocol):
         `tools` are OpenAI-shaped function tools ({"type": "function",
         "function": {...}}), handed to the template as its `tools` variable;
         messages may carry `tool_calls` (arguments as dicts) and `tool` roles."""
+        ...
+
+    async def message_boundaries(
+        self, messages: list[dict], tools: list[dict] | None, tokens: list[int]
+    ) -> MessageBoundaries:
+        """Where, in `tokens` (render_chat's output for these messages), the
+        system prompt and the messages before the newest end: the prefix
+        cache keeps snapshots there. MessageBoundaries() where the engine
+        keeps no prefix cache of its own."""
         ...
 
     async def chat_template(self) -> str | None:

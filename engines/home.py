@@ -12,6 +12,8 @@ under it ($SPECGATE_HOME, else ~/.specgate):
     kernels/<machine>/   the kernel guard's verdicts, one file per op (kernels/guard.py)
     tune/<machine>/      `specgate tune` results per checkpoint digest (kernels/tune.py
                          lays them out under the home it is given)
+    prefix-cache/<model>/  the prefix cache's disk tier, per model content
+                         (engines/prefix_disk.py)
     peers/               the tests' venvs of other implementations (tests/peers/)
 
 Each function takes the home to use, for callers that keep their own (tests,
@@ -54,6 +56,11 @@ def logs_dir(home: Path | None = None) -> Path:
 def kernel_cache_dir(home: Path | None = None) -> Path:
     """The kernel guard's verdicts (kernels/guard.py adds <machine>/<op>.json)."""
     return (home or specgate_home()) / "kernels"
+
+
+def prefix_cache_dir(home: Path | None = None) -> Path:
+    """The prefix cache's disk tier (engines/prefix_disk.py adds <model digest>/)."""
+    return (home or specgate_home()) / "prefix-cache"
 
 
 def peers_dir(home: Path | None = None) -> Path:

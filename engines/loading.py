@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,7 +11,10 @@ from typing import Any
 
 import mlx.nn as nn
 
-from engines.prefix_cache import PrefixCache
+from engines.base import CacheSettings
+from engines.prefix_cache import PrefixCache, set_ram_budget
+
+log = logging.getLogger(__name__)
 
 
 class FairLock:
@@ -81,13 +85,14 @@ _loaded: dict[str, LoadedModel] = {}
 _lock = threading.Lock()
 
 
-def load_mlx_model(path: str) -> LoadedModel:
+def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel:
     """mlx-lm load, memoised by resolved path.
 
     `path` is a local directory or a hub repo id; only a hub repo id that is
     not already in the local hub cache downloads anything (never while
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
-    path, the download, the tokenizer (engines/mlx_load.py).
+    path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
+    prefix cache's settings (the first load of a path decides them).
     """
     from engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
 
@@ -95,5 +100,39 @@ def load_mlx_model(path: str) -> LoadedModel:
     with _lock:
         if key not in _loaded:
             model, tokenizer, config = load(path)
-            _loaded[key] = LoadedModel(key, model, tokenizer, config, PrefixCache(key))
+            prefix = _prefix_cache(key, model, cache or CacheSettings())
+            _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
         return _loaded[key]
+
+
+def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> PrefixCache:
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    if settings.ram_bytes is not None:
+        set_ram_budget(settings.ram_bytes)
+    fresh = make_prompt_cache(model)
+    classes = tuple(type(c).__name__ for c in fresh)
+    disk = None
+    if settings.disk_bytes > 0 and Path(key).is_dir():  # a hub id: no local files to digest
+        from engines.home import prefix_cache_dir
+        from engines.prefix_disk import DiskTier, prefix_digest
+
+        try:
+            disk = DiskTier(prefix_cache_dir(), prefix_digest(key), settings.disk_bytes,
+                            settings.disk_min_tokens)  # fmt: skip
+        except OSError as e:
+            log.warning("prefix cache of %s: no disk tier (%s)", key, e)
+    return PrefixCache(
+        key,
+        disk=disk,
+        cache_classes=classes,
+        trimmable=can_trim_prompt_cache(fresh),
+        snapshot_interval=settings.snapshot_interval,
+    )
+
+
+def flush_prefix_caches() -> None:
+    """Wait for every model's queued disk writes (at shutdown)."""
+    for loaded in list(_loaded.values()):
+        if loaded.prefix_cache.disk is not None:
+            loaded.prefix_cache.disk.flush()

@@ -26,7 +26,15 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from engines.base import PLAIN, Engine, GenerationRequest, Method, Plan, SamplingParams
+from engines.base import (
+    PLAIN,
+    CacheSettings,
+    Engine,
+    GenerationRequest,
+    Method,
+    Plan,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from engines.loading import LoadedModel
@@ -87,7 +95,8 @@ class BuildContext:
     max_context: int | None = None  # None: the checkpoint's, else FALLBACK_MAX_CONTEXT
     max_concurrent: int = 8
     max_queue: int = 64
-    prefix_cache_size: int = 8
+    prefix_cache_size: int = 64
+    prefix_cache: CacheSettings = field(default_factory=CacheSettings)
     kernels: str = "auto"  # "auto" | "off" (kernels/wiring.py)
     mtp_depth: int = 2
     block_depth: int | None = None  # None: the drafter's most
@@ -101,7 +110,7 @@ class BuildContext:
         if self.loaded is None:
             from engines.loading import load_mlx_model
 
-            self.loaded = load_mlx_model(self.path)
+            self.loaded = load_mlx_model(self.path, self.prefix_cache)
         return self.loaded
 
     def context_length(self) -> int:

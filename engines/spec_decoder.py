@@ -117,19 +117,24 @@ class SpecDecoder:
             pass
         return self.first_token()
 
-    def prefill_chunks(self) -> Iterator[int]:
+    def prefill_chunks(self, cuts: list[int] = ()) -> Iterator[int]:
         """Feed the uncached prompt one chunk at a time, yielding how many
         prompt tokens the cache holds after each: an engine takes its lock
-        per chunk and may stop between chunks (a cancelled request). Then
+        per chunk and may stop between chunks (a cancelled request). A chunk
+        ends at each of `cuts` (where the engine keeps a snapshot). Then
         `first_token`."""
         prompt = self.request.prompt_tokens
-        for s in range(self.cached_tokens, len(prompt), self.prefill_step):
-            chunk = prompt[s : s + self.prefill_step]
+        ends = sorted({*cuts, *range(self.cached_tokens + self.prefill_step, len(prompt),
+                                     self.prefill_step), len(prompt)})  # fmt: skip
+        s = self.cached_tokens
+        for e in (e for e in ends if e > self.cached_tokens):
+            chunk = prompt[s:e]
             forward = self._forward(mx.array([chunk]))
             self.proposer.prefilled(s, forward, prompt)
             mx.eval(forward.hidden, [c.state for c in self.cache], self.proposer.pending())
             self._prefill_hidden = forward.hidden
-            yield s + len(chunk)
+            s = e
+            yield e
 
     def first_token(self) -> Step:
         """After the prompt is in the cache: sample and commit the first token."""

@@ -32,6 +32,7 @@ from engines.base import (
     TokenEvent,
 )
 from engines.loading import LoadedModel
+from engines.prefix_cache import Hit, snapshot
 from engines.proposers.base import Drafting
 from engines.spec_decoder import SpecDecoder, Step
 from engines.targets import Target, target_for
@@ -167,14 +168,16 @@ class SpecEngine(WorkerEngine):
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
         request, resume = job.request, job.resume
         prefix, lock = self.loaded.prefix_cache, self.loaded.lock
-        if resume is not None:
-            cache, rest = resume.cache, []
-        elif self.drafting.reads_prefix_cache:
-            cache, rest = prefix.fetch(request.prompt_tokens)
-        else:
-            cache, rest = None, request.prompt_tokens
-        cached = 0 if resume else len(request.prompt_tokens) - len(rest)
-        decoder = self.make_decoder(request, cache, cached)
+        cache_id = self.drafting.cache_id
+        hit = (
+            Hit(resume.cache, 0)
+            if resume
+            else prefix.fetch(request.prompt_tokens, request.cache_scope, cache_id)
+        )
+        cached = hit.cached
+        decoder = self.make_decoder(request, hit.cache, cached)
+        if hit.drafter is not None:
+            decoder.proposer.restore(hit.drafter)
         detok = resume.detokenizer if resume else self.tokenizer.detokenizer
         if resume is not None:
             with lock:
@@ -183,7 +186,8 @@ class SpecEngine(WorkerEngine):
             # The lock is taken per chunk, and a request that went away stops
             # within one chunk: a long prompt nobody waits for must not hold
             # the model (or, through its lock, its plain engine) for minutes.
-            chunks, fed, total = decoder.prefill_chunks(), cached, len(request.prompt_tokens)
+            points = prefix.snapshot_points(request, cached)
+            chunks, fed, total = decoder.prefill_chunks(points), cached, len(request.prompt_tokens)
             while fed < total:
                 if self._gone(job):
                     log.info("%s %s: request %s stopped after prefilling %d of %d prompt tokens",
@@ -191,6 +195,10 @@ class SpecEngine(WorkerEngine):
                     return
                 with lock:
                     fed = next(chunks)
+                if fed in points:
+                    prefix.insert(request.prompt_tokens[:fed], snapshot(decoder.cache),
+                                  prefix.snapshot_scope(request, fed), drafter=cache_id,
+                                  drafter_state=decoder.proposer.snapshot())  # fmt: skip
             with lock:
                 step = decoder.first_token()
         while True:
@@ -199,7 +207,13 @@ class SpecEngine(WorkerEngine):
                 # request must not find this one still counted as in flight.
                 self._running = 0
                 job.post(*self._events(step, detok, cached))
-                prefix.insert(decoder.tokens[:-1], decoder.cache)
+                prefix.insert(
+                    decoder.tokens[:-1],
+                    decoder.cache,
+                    request.cache_scope,
+                    drafter=cache_id,
+                    drafter_state=decoder.proposer.snapshot(),
+                )
                 return
             job.post(*self._events(step, detok, cached))
             waiting.extend(self._submitted())

@@ -19,6 +19,7 @@ from engines.base import (
     EngineStopped,
     Handoff,
     LiveState,
+    MessageBoundaries,
     Refusal,
     SamplingParams,
     TokenEvent,
@@ -36,6 +37,32 @@ def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
     """Run on the event loop: hand each item to its request's queue."""
     for out, item in items:
         out.put_nowait(item)
+
+
+def message_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None,
+                       tokens: list[int]) -> MessageBoundaries:  # fmt: skip
+    """Each boundary is where the rendered prompt stops agreeing with a render
+    of the messages before it followed by an empty user message: templates
+    differ in what they write between messages (and some refuse a
+    conversation with no user message), but the common prefix of two renders
+    is always a prefix of the prompt, ending where the next message starts."""
+
+    def agree(head: list[dict]) -> int:
+        probe = [*head, {"role": "user", "content": ""}]
+        try:
+            other = tokenizer.apply_chat_template(probe, tools=tools or None,
+                                                  add_generation_prompt=False)  # fmt: skip
+        except Exception:  # the template refused this shape: no boundary here
+            return 0
+        n = min(len(other), len(tokens))
+        return next((i for i in range(n) if other[i] != tokens[i]), n)
+
+    if messages and messages[0].get("role") == "system":
+        system = agree(messages[:1])
+    else:  # tools alone make a system block in most templates
+        system = agree([]) if tools else 0
+    history = agree(messages[:-1]) if len(messages) > 1 else 0
+    return MessageBoundaries(system, history)
 
 
 class WorkerEngine:
@@ -67,6 +94,11 @@ class WorkerEngine:
             self.tokenizer.apply_chat_template(messages, tools=tools or None,
                                                add_generation_prompt=True)
         )
+
+    async def message_boundaries(
+        self, messages: list[dict], tools: list[dict] | None, tokens: list[int]
+    ) -> MessageBoundaries:
+        return await asyncio.to_thread(message_boundaries, self.tokenizer, messages, tools, tokens)
 
     async def chat_template(self) -> str | None:
         template = self.tokenizer.chat_template

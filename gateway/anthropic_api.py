@@ -140,6 +140,14 @@ class _Blocks:
         return out + self._stop_text()
 
 
+def _usage(usage: Usage) -> dict:
+    """Input tokens as Anthropic counts them: those read from the prefix cache
+    apart (clients add the three up); nothing is billed as a cache write."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "cache_creation_input_tokens": 0}  # fmt: skip
+
+
 def _sse(event: dict) -> bytes:
     data = json.dumps(event, separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
@@ -162,7 +170,7 @@ async def messages(body: MessagesRequest, request: Request):
     stops = check_stops(body.stop_sequences, "stop_sequences")
     req = plan_request(
         served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens,
-        prompt_text=messages[-1]["content"],
+        prompt_text=messages[-1]["content"], boundaries=chat.boundaries,
     )  # fmt: skip
     usage = Usage(len(chat.tokens))
     outcome = _Outcome()
@@ -196,10 +204,7 @@ async def messages(body: MessagesRequest, request: Request):
             "content": content,
             "stop_reason": outcome.stop_reason,
             "stop_sequence": outcome.stop_sequence,
-            "usage": {
-                "input_tokens": usage.prompt_tokens,
-                "output_tokens": usage.completion_tokens,
-            },
+            "usage": _usage(usage) | {"output_tokens": usage.completion_tokens},
         }
         return JSONResponse(message, headers=headers)
 
@@ -213,7 +218,7 @@ async def messages(body: MessagesRequest, request: Request):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": 0},
+            "usage": _usage(usage) | {"output_tokens": 0},
         }
         yield _sse({"type": "message_start", "message": start})
         blocks = _Blocks()

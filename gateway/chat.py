@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from engines.base import Engine, EngineError
+from engines.base import Engine, EngineError, MessageBoundaries
 from gateway.errors import APIError
 from gateway.generation import Piece
 from gateway.tools import ToolCallStream, ToolFormat, parameter_types, tool_format
@@ -62,6 +62,7 @@ class ChatPrompt:
     tokens: list[int]
     tool_format: ToolFormat | None  # set when the output is parsed for tool calls
     parameter_types: dict[str, dict[str, str]]
+    boundaries: MessageBoundaries = MessageBoundaries()  # for the prefix cache
 
     def tool_stream(self) -> ToolCallStream | None:
         if self.tool_format is None:
@@ -120,4 +121,5 @@ async def render_chat(
             f"{messages_param}: the model's chat template rejected them: {e}",
             param=messages_param,
         ) from None
-    return ChatPrompt(tokens, fmt if parse_tools else None, parameter_types(tools))
+    boundaries = await engine.message_boundaries(messages, tools or None, tokens)
+    return ChatPrompt(tokens, fmt if parse_tools else None, parameter_types(tools), boundaries)

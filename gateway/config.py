@@ -13,6 +13,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -151,7 +152,9 @@ class ModelConfig(_Strict):
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
     # Longest wait in the admission queue before 503 + Retry-After.
     max_queue_wait_s: float = Field(120.0, gt=0)
-    prefix_cache_size: int = Field(8, ge=0)  # cached prompt prefixes kept
+    # Prefix-cache entries kept in RAM (0: no prefix cache); bytes are capped
+    # for all models together by `prefix_cache.ram_bytes`.
+    prefix_cache_size: int = Field(64, ge=0)
     # Small-M verify kernels (kernels/): "auto" routes a quantized model's
     # speculative verify forwards through the kernels this machine proved
     # correct and faster per shape (kernels/guard.py); "off": stock MLX always.
@@ -225,9 +228,45 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
     return value
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(v):
+    """An int, or a string like "512MiB", "8 GiB", "2G" (binary units)."""
+    if isinstance(v, str):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
+        if not m:
+            raise PydanticCustomError("byte_size", "a byte count, like 8589934592 or \"8GiB\"")
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return v
+
+
+ByteSize = Annotated[int, BeforeValidator(_byte_size), Field(ge=0)]
+
+
+class PrefixCacheConfig(_Strict):
+    """The in-process engines' prefix cache (engines/prefix_cache.py)."""
+
+    # RAM for every model's cache together; default: an eighth of physical memory.
+    ram_bytes: ByteSize | None = None
+    # The disk tier under $SPECGATE_HOME/prefix-cache, kept across restarts; 0: none.
+    disk_bytes: ByteSize = 8 << 30
+    disk_min_tokens: int = Field(256, ge=1)  # shorter prefixes are not written to disk
+    # Tokens between snapshots of a hybrid model's state in a long prompt
+    # (beside those at message boundaries); 0: message boundaries only.
+    snapshot_interval: int = Field(4096, ge=0)
+    # Across API keys: "system" shares a system prompt's (and tools') state
+    # between keys that send exactly the same one, everything else per key;
+    # "none": everything per key; "all": one cache for everyone.
+    share: Literal["system", "none", "all"] = "system"
+
+
 class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
     models: list[ModelConfig] = Field(min_length=1)
 

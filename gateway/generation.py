@@ -21,6 +21,7 @@ from engines.base import (
     EngineStopped,
     GenerationRequest,
     Handoff,
+    MessageBoundaries,
     Plan,
     Planner,
     RoundStats,
@@ -156,10 +157,12 @@ def plan_request(
     ignore_eos: bool = False,
     prompt_param: str = "messages",
     prompt_text: str | None = None,
+    boundaries: MessageBoundaries | None = None,
 ) -> Planned:
     """Check limits, decide the plan, and build the engine's request.
     `prompt_text` (the rendered prompt, or its last message) classifies the
-    content, whose acceptance the policy plans with."""
+    content, whose acceptance the policy plans with; `boundaries` (a chat's)
+    are where the prefix cache keeps snapshots."""
     n_prompt = len(prompt_tokens)
     if n_prompt == 0:
         raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -200,8 +203,19 @@ def plan_request(
         max_tokens=max_tokens,
         plan=plan,
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
+        **_cache_hints(served.cache_share, boundaries or MessageBoundaries()),
     )
     return Planned(request, planner, content, served.policy)
+
+
+def _cache_hints(share: str, boundaries: MessageBoundaries) -> dict:
+    """The request's prefix-cache scope and snapshot points (engines/prefix_cache.py).
+    share: "system" lets keys share a system prompt's state, whole and
+    nothing more; "none" keeps every key apart; "all" shares everything."""
+    scope = "" if share == "all" else current_principal().name
+    marks = tuple(b for b in (boundaries.system, boundaries.history) if b > 0)
+    shared = boundaries.system if share == "system" else 0
+    return {"cache_scope": scope, "boundaries": marks, "shared_prefix": shared}
 
 
 @dataclass

@@ -17,7 +17,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from engines.base import Plan, RoundStats
 from gateway.models import ModelRegistry
@@ -249,6 +249,51 @@ class Metrics:
             rate.add_metric([model, method], accepted / drafted)
             length.add_metric([model, method], 1 + accepted / drafts)
         yield from (running, waiting, policy, costs, spread, rate, length)
+        yield from self._prefix_caches()
+
+    def _prefix_caches(self):
+        """The in-process models' prefix caches (engines/prefix_cache.py)."""
+        m = "model"
+        lookups = CounterMetricFamily("specgate_prefix_cache_lookups",
+                                      "Prompts looked up in the prefix cache", labels=[m])
+        hits = CounterMetricFamily("specgate_prefix_cache_hits",
+                                   "Lookups that resumed from a cached state, by tier",
+                                   labels=[m, "tier"])
+        hit_tokens = CounterMetricFamily("specgate_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from the cache, by tier",
+                                         labels=[m, "tier"])
+        evictions = CounterMetricFamily("specgate_prefix_cache_evictions",
+                                        "Entries evicted from a tier (RAM: the entry may "
+                                        "still be on disk)", labels=[m, "tier"])
+        nbytes = GaugeMetricFamily("specgate_prefix_cache_bytes", "Bytes held, by tier",
+                                   labels=[m, "tier"])
+        entries = GaugeMetricFamily("specgate_prefix_cache_entries", "Entries held, by tier",
+                                    labels=[m, "tier"])
+        refused = CounterMetricFamily("specgate_prefix_cache_refused",
+                                      "Disk entries refused (corrupt or foreign) and deleted",
+                                      labels=[m])
+        restore = SummaryMetricFamily("specgate_prefix_cache_restore_seconds",
+                                      "Loading entries from the disk tier", labels=[m])
+        for served in self.models.models.values():
+            loaded = getattr(served.engine, "loaded", None)
+            if loaded is None:
+                continue  # llama-server keeps its own
+            cache, model = loaded.prefix_cache, [served.id]
+            stats, disk = cache.stats, cache.disk
+            lookups.add_metric(model, stats.lookups)
+            for tier in ("ram", "disk"):
+                hits.add_metric([*model, tier], stats.hits[tier])
+                hit_tokens.add_metric([*model, tier], stats.hit_tokens[tier])
+            evictions.add_metric([*model, "ram"], stats.evictions)
+            nbytes.add_metric([*model, "ram"], cache.nbytes)
+            entries.add_metric([*model, "ram"], len(cache))
+            restore.add_metric(model, stats.restores, stats.restore_seconds)
+            if disk is not None:
+                evictions.add_metric([*model, "disk"], disk.evictions)
+                nbytes.add_metric([*model, "disk"], disk.nbytes)
+                entries.add_metric([*model, "disk"], len(disk))
+            refused.add_metric(model, disk.refused if disk is not None else 0)
+        yield from (lookups, hits, hit_tokens, evictions, nbytes, entries, refused, restore)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines import registry
-from engines.base import Engine, LiveState
+from engines.base import CacheSettings, Engine, LiveState
 from engines.builders.builtin_models import resolve_builtin
 from gateway.admission import ModelGate
-from gateway.config import Config, LlamaServerConfig, ModelConfig
+from gateway.config import Config, LlamaServerConfig, ModelConfig, PrefixCacheConfig
 from policies.model_policy import LivePolicy, build_policy, timed_methods
 
 log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 30.0  # at shutdown, for the prefix caches' queued disk writes
 
 @dataclass
 class ServedModel:
@@ -26,6 +28,7 @@ class ServedModel:
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     unloaded: bool = False  # by an admin (POST /admin/models/{id}/unload)
     gate: ModelGate = field(init=False)  # admission, fair across keys
+    cache_share: str = "system"  # the server's prefix_cache.share
 
     def __post_init__(self) -> None:
         c = self.config
@@ -80,15 +83,18 @@ class ServedModel:
         )
 
 
-def build_context(mc: ModelConfig, llama_server: LlamaServerConfig) -> registry.BuildContext:
+def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
+                  prefix_cache: PrefixCacheConfig | None = None) -> registry.BuildContext:  # fmt: skip
     """What the model's engines are built from (engines/registry.py), as plain values."""
-    lc = mc.llamacpp
+    lc, pc = mc.llamacpp, prefix_cache or PrefixCacheConfig()
     return registry.BuildContext(
         mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
         prefix_cache_size=mc.prefix_cache_size, kernels=mc.kernels, mtp_depth=mc.mtp_depth,
         block_depth=mc.block_depth, ngram_depth=mc.ngram_depth, llamacpp_ngram=lc.ngram_type,
         drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
+        prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
+                                   pc.snapshot_interval),
         llama_server=registry.LlamaServerSettings(
             binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
             threads=lc.threads, extra_args=tuple(lc.extra_args), read_timeout=lc.read_timeout_s,
@@ -99,11 +105,11 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig) -> registry.
 
 
 def _build_engines(
-    mc: ModelConfig, llama_server: LlamaServerConfig
+    mc: ModelConfig, llama_server: LlamaServerConfig, prefix_cache: PrefixCacheConfig
 ) -> tuple[registry.BuildContext, dict[str, Engine], dict[str, str]]:
     """Blocking (a builtin may be made on first use; weights load, once per
     path): the model's engines, with the configured ones refused and why."""
-    context = build_context(mc, llama_server)
+    context = build_context(mc, llama_server, prefix_cache)
     return (context, *registry.build_engines(context))
 
 
@@ -133,8 +139,10 @@ def _parameter_count(served: ServedModel) -> int | None:
 
 class ModelRegistry:
     def __init__(self, config: Config):
-        self.models = {mc.id: ServedModel(mc) for mc in config.models}
+        self.models = {mc.id: ServedModel(mc, cache_share=config.prefix_cache.share)
+                       for mc in config.models}  # fmt: skip
         self.llama_server = config.llama_server
+        self.prefix_cache = config.prefix_cache
         self.draining = False  # shutting down: no new requests
 
     def get(self, model_id: str) -> ServedModel | None:
@@ -154,7 +162,7 @@ class ModelRegistry:
         served.error, served.unloaded = None, False
         try:
             context, engines, refused = await asyncio.to_thread(
-                _build_engines, served.config, self.llama_server
+                _build_engines, served.config, self.llama_server, self.prefix_cache
             )
             try:
                 for engine in engines.values():
@@ -202,3 +210,11 @@ class ModelRegistry:
         for served in self.models.values():
             for engine in served.engines.values():
                 await engine.stop()
+        # The prefix caches' disk writes still queued: a restart reads them.
+        from engines.loading import flush_prefix_caches
+
+        try:
+            await asyncio.wait_for(asyncio.to_thread(flush_prefix_caches), FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("prefix cache: disk writes still queued after %g s; left unwritten",
+                        FLUSH_TIMEOUT_S)  # fmt: skip

@@ -184,7 +184,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
-                       body.ignore_eos, prompt_text=messages[-1]["content"])
+                       body.ignore_eos, prompt_text=messages[-1]["content"],
+                       boundaries=chat.boundaries)  # fmt: skip
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}

@@ -25,7 +25,7 @@ from engines.builders.builtin_models import default_model_path
 from engines.builders.tiny import build_qwen3_next, build_qwen35_hybrid, build_qwen35_moe
 from engines.loading import LoadedModel
 from engines.mlx_mtp.loading import load_mtp_head
-from engines.prefix_cache import PrefixCache
+from engines.prefix_cache import Hit, PrefixCache
 from engines.proposers.base import Proposal
 from engines.proposers.mtp import MTPProposer
 from engines.spec_decoder import SpecDecoder
@@ -100,9 +100,11 @@ def decode(target: Target, prompt, depth, max_tokens=N_TOKENS, stop=frozenset(),
            prefix: PrefixCache | None = None, undo="tape", **inject):
     request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), max_tokens,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"), stop)
-    cache, rest = (prefix.fetch(prompt) if prefix else (None, prompt))
-    decoder = SpecDecoder(target.trunk, cls(target.trunk, target.head, **inject), request, cache,
-                          len(prompt) - len(rest), None, undo=undo)
+    hit = prefix.fetch(prompt, drafter="mtp") if prefix else Hit(None, 0)
+    decoder = SpecDecoder(target.trunk, cls(target.trunk, target.head, **inject), request,
+                          hit.cache, hit.cached, None, undo=undo)
+    if hit.drafter is not None:
+        decoder.proposer.restore(hit.drafter)
     step = decoder.prefill()
     tokens, rounds = list(step.tokens), []
     while step.finish_reason is None:
@@ -110,7 +112,8 @@ def decode(target: Target, prompt, depth, max_tokens=N_TOKENS, stop=frozenset(),
         tokens += step.tokens
         rounds.append(step.stats)
     if prefix is not None:
-        prefix.insert(decoder.tokens[:-1], decoder.cache)
+        prefix.insert(decoder.tokens[:-1], decoder.cache, drafter="mtp",
+                      drafter_state=decoder.proposer.snapshot())
     return tokens, step.finish_reason, rounds
 
 
@@ -187,7 +190,7 @@ def test_prefix_cache_seams(demo):
     middle = base + first[:10]
     reused = {}
     for name, prompt in (("extended", extended), ("middle", middle), ("base", base)):
-        reused[name] = len(prompt) - len(prefix.fetch(prompt)[1])
+        reused[name] = prefix.fetch(prompt).cached
         want, margins = greedy_reference(demo.model, prompt, 32)
         got, _, _ = decode(demo, prompt, 3, max_tokens=32, prefix=prefix)
         assert_same_greedy(got, want, margins)

@@ -46,6 +46,7 @@ from engines.base import (
     EngineStopped,
     GenerationRequest,
     LiveState,
+    MessageBoundaries,
     Method,
     Planner,
     Refusal,
@@ -205,6 +206,9 @@ class LlamaCppEngine:
         # The template already wrote the special tokens (BOS included, if any).
         return (await self._post("/tokenize", {"content": prompt, "add_special": False,
                                                "parse_special": True}))["tokens"]
+
+    async def message_boundaries(self, messages, tools, tokens) -> MessageBoundaries:
+        return MessageBoundaries()  # llama-server keeps its own prompt cache
 
     async def chat_template(self) -> str | None:
         r = await self._ask("GET", "/props")

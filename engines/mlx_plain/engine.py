@@ -113,7 +113,7 @@ class MLXPlainEngine(WorkerEngine):
         max_context: int,
         max_concurrent: int = 8,
         max_queue: int = 64,
-        prefix_cache_size: int = 8,
+        prefix_cache_size: int = 64,
         prefill_step_size: int = 512,
         prefill_step_while_decoding: int = 128,
     ):
@@ -245,9 +245,13 @@ class MLXPlainEngine(WorkerEngine):
             slot.generated = resume.generated
             slot.keys = resume.keys
         else:
-            cache, rest = self._prefix_cache.fetch(prompt)
-            slot.cached_tokens = len(prompt) - len(rest)
+            hit = self._prefix_cache.fetch(prompt, request.cache_scope)
+            cache, slot.cached_tokens = hit.cache, hit.cached
             known = prompt[: slot.cached_tokens]
+            # One segment per snapshot: BatchGenerator reports each segment's
+            # end, where _store_prompt_caches keeps the cache.
+            cuts = [slot.cached_tokens, *self._prefix_cache.snapshot_points(request, hit.cached)]
+            rest = [prompt[a:b] for a, b in zip(cuts, [*cuts[1:], len(prompt)], strict=True)]
         sampling = request.sampling
         slot.keys = slot.keys or KeyStream(sampling.seed)
         sampler = (
@@ -257,7 +261,9 @@ class MLXPlainEngine(WorkerEngine):
         )
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
         stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
-        (slot.uid,) = self._batch.insert(
+        if resume is not None:
+            rest = [rest]
+        (slot.uid,) = self._batch.insert_segments(
             [rest],
             max_tokens=[request.max_tokens - slot.generated],
             caches=[cache],
@@ -288,13 +294,14 @@ class MLXPlainEngine(WorkerEngine):
                           slot.keys, [pending]))
 
     def _store_prompt_caches(self, prompt_responses: list) -> None:
-        # The prompt minus its last token is a segment of its own; its cache
-        # lets a repeated prompt skip prefill even on hybrid models, whose
-        # recurrent state cannot be trimmed back from a longer cache.
+        # A segment ends at each snapshot point (PrefixCache.snapshot_points):
+        # keep the cache there.
         uids = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
-        for cache, tokens in self._batch.extract_cache(uids).values():
-            if tokens:
-                self._prefix_cache.insert(list(tokens), cache, kind="user")
+        for uid, (cache, tokens) in self._batch.extract_cache(uids).items():
+            slot = self._slots.get(uid)
+            if tokens and slot is not None:
+                scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
+                self._prefix_cache.insert(list(tokens), cache, scope)
 
     def _event(self, response: Any) -> tuple[_Slot, TokenEvent] | None:
         """The event a generation response makes for its request."""
@@ -327,7 +334,9 @@ class MLXPlainEngine(WorkerEngine):
             del self._slots[response.uid]
             self._running -= 1
             if response.prompt_cache is not None and response.all_tokens:
-                self._prefix_cache.insert(list(response.all_tokens), response.prompt_cache)
+                self._prefix_cache.insert(
+                    list(response.all_tokens), response.prompt_cache, slot.request.cache_scope
+                )
         return slot, event
 
     def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:

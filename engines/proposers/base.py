@@ -14,7 +14,13 @@ A `Proposer` is one sequence's drafter state. The decoder calls it:
 - `committed(last, drafts, accepted, forward)` after the round committed
   drafts[:accepted] and one target token; `forward` is the verify's, one
   row per input [last, *drafts];
-- `pending()`: its own arrays to evaluate with each prefill chunk.
+- `pending()`: its own arrays to evaluate with each prefill chunk;
+- `snapshot()`: its state matching the trunk's cache now (a copy, for the
+  prefix cache: engines/prefix_cache.py), or None where it keeps none; and
+  `restore(state)`, before a request fed only the rest of its prompt. The
+  state after a prompt chunk depends on that prefix alone (a drafter that
+  reads one token ahead keeps it owed), so a snapshot fits any prompt that
+  shares the prefix.
 Each module also has `drafting(loaded, target, drafter)`: the method's
 shared part, loaded once per engine (`Drafting`). A new method is one
 module here and one record in engines/registry.py.
@@ -29,6 +35,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from engines.base import Method, SamplingParams
+from engines.prefix_cache import DrafterState
 from engines.sampling import KeyStream, PenaltyState, penalised, probabilities
 from engines.targets import Forward, Target
 
@@ -80,6 +87,10 @@ class Proposer(Protocol):
 
     def pending(self) -> list: ...
 
+    def snapshot(self) -> DrafterState | None: ...
+
+    def restore(self, state: DrafterState) -> None: ...
+
 
 @dataclass(frozen=True)
 class Drafting:
@@ -88,10 +99,9 @@ class Drafting:
     method: Method
     proposer: Callable[[Target], Proposer]  # one sequence's proposer
     max_drafts: int | None = None  # the most drafts a round can propose (None: any)
-    # Whether a request may start from the model's shared prefix cache, which
-    # holds the trunk's caches only: a proposer that needs the features of
-    # every context token (block drafters) must see the whole prompt.
-    reads_prefix_cache: bool = True
+    # Whose state a prefix-cache entry keeps for it (Proposer.snapshot): one
+    # name per drafter (its weights), None for proposers without state.
+    cache_id: str | None = None
     weights: object | None = None  # its own module (head, drafter): memory accounting
 
 

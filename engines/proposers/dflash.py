@@ -23,21 +23,22 @@ import mlx.core as mx
 from engines import kv_buffer
 from engines.loading import LoadedModel
 from engines.mlx_block.dflash import DFlashDrafter, check_pairing, forget_block, load_dflash
+from engines.prefix_cache import DrafterState, drafter_id, snapshot
 from engines.proposers.base import Context, Drafting, Proposal
 from engines.targets import Forward, Target
 
 
 def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
     """A z-lab DFlash drafter directory, checked against the target. The
-    drafter reads the target's layer features of every context token, which
-    the shared prefix cache does not keep: it prefills the whole prompt."""
+    drafter reads the target's layer features of every context token: prefix-cache entries
+    keep its context cache and the features it is owed (`snapshot`)."""
     if drafter is None:
         raise ValueError("dflash needs a `drafter` directory")
     d = load_dflash(drafter)
     check_pairing(d, target)
     # The block's first position is the last committed token.
     return Drafting("dflash", lambda t: DFlashProposer(t, d), max_drafts=d.args.block_size - 1,
-                    reads_prefix_cache=False, weights=d)  # fmt: skip
+                    cache_id=drafter_id("dflash", drafter), weights=d)  # fmt: skip
 
 
 class BlockProposer:
@@ -64,6 +65,15 @@ class BlockProposer:
 
     def pending(self) -> list:
         return self.owed
+
+    def snapshot(self) -> DrafterState:
+        # Its context (fed, and owed) covers exactly what the trunk holds.
+        owed = {"owed": mx.concatenate(self.owed, axis=1)} if self.owed else {}
+        return DrafterState(snapshot(self.cache), owed)
+
+    def restore(self, state: DrafterState) -> None:
+        self.cache = state.caches
+        self.owed = [state.arrays["owed"]] if "owed" in state.arrays else []
 
     def _pass(self, embed, last: int) -> mx.array:
         """The drafter over [last, mask x (L-1)] (embedded by `embed`), with

@@ -13,6 +13,7 @@ import mlx.core as mx
 from engines.loading import LoadedModel
 from engines.mlx_block.dflash import check_pairing
 from engines.mlx_block.dspark import DSparkDrafter, load_dspark
+from engines.prefix_cache import drafter_id
 from engines.proposers.base import Context, Drafting, Proposal, drafted
 from engines.proposers.dflash import BlockProposer
 from engines.sampling import advanced
@@ -20,15 +21,14 @@ from engines.targets import Target
 
 
 def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
-    """A DeepSpec DSpark drafter directory, checked against the target; like
-    DFlash it prefills the whole prompt."""
+    """A DeepSpec DSpark drafter directory, checked against the target."""
     if drafter is None:
         raise ValueError("dspark needs a `drafter` directory")
     d = load_dspark(drafter)
     check_pairing(d, target, min_block=1)
     # One proposal per block position.
     return Drafting("dspark", lambda t: DSparkProposer(t, d), max_drafts=d.args.block_size,
-                    reads_prefix_cache=False, weights=d)  # fmt: skip
+                    cache_id=drafter_id("dspark", drafter), weights=d)  # fmt: skip
 
 
 class DSparkProposer(BlockProposer):

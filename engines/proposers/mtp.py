@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 from engines import kv_buffer
 from engines.loading import LoadedModel
 from engines.mlx_mtp.head import MTPHead
+from engines.prefix_cache import DrafterState, snapshot
 from engines.proposers.base import Context, Drafting, Proposal, drafted
 from engines.sampling import advanced
 from engines.targets import Forward, Target
@@ -30,7 +31,10 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None) ->
     from engines.mlx_mtp.loading import load_mtp_head
 
     head = load_mtp_head(loaded)
-    return Drafting("mtp", lambda t: MTPProposer(t, head), weights=head)
+    return Drafting("mtp", lambda t: MTPProposer(t, head), cache_id=CACHE_ID, weights=head)
+
+
+CACHE_ID = "mtp"  # the head is the checkpoint's own: the model's digest names it
 
 
 @dataclass
@@ -59,16 +63,38 @@ class MTPProposer:
     def pending(self) -> list:
         return [c.state for c in self.cache]
 
+    def snapshot(self) -> DrafterState:
+        arrays = {"h_prev": self.h_prev} if self.h_prev is not None else {}
+        if self.owed.tokens:
+            arrays["owed_tokens"] = mx.array(self.owed.tokens, dtype=mx.int32)
+            arrays["owed_hidden"] = mx.concatenate(self.owed.hidden, axis=1)
+        return DrafterState(snapshot(self.cache), arrays)
+
+    def restore(self, state: DrafterState) -> None:
+        self.cache = state.caches
+        self.h_prev = state.arrays.get("h_prev")
+        if "owed_tokens" in state.arrays:
+            self.owed = _HeadInput(state.arrays["owed_tokens"].tolist(),
+                                   [state.arrays["owed_hidden"]])  # fmt: skip
+
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
-        # Head entries for these positions: (token i+1, hidden i); the last
-        # prompt position's entry needs the first generated token.
-        hidden, n = forward.hidden, forward.tokens.shape[1]
-        nxt = list(prompt[start + 1 : start + 1 + n])
-        if len(nxt) < n:
-            self.h_prev = hidden[:, -1:]
-            hidden = hidden[:, : len(nxt)]
-        if nxt:
-            self.head(self.target.embed(mx.array([nxt])), hidden, self._cache(len(nxt)))
+        # Head entries (token i+1, hidden i) for this chunk's positions but its
+        # last, whose token lies past the chunk: that hidden state waits in
+        # h_prev, so the state after a chunk depends on the tokens so far
+        # alone (a prefix-cache snapshot fits any prompt sharing them). The
+        # last prompt position's entry needs the first generated token.
+        hidden, end = forward.hidden, start + forward.tokens.shape[1]
+        owed = self.owed
+        if self.h_prev is not None:  # the previous chunk's (or a restored) last position
+            owed.tokens.append(prompt[start])
+            owed.hidden.append(self.h_prev)
+        owed.tokens += prompt[start + 1 : end]
+        owed.hidden.append(hidden[:, :-1])
+        self.h_prev = hidden[:, -1:]
+        self.owed = _HeadInput()
+        if owed.tokens:
+            self.head(self.target.embed(mx.array([owed.tokens])),
+                      mx.concatenate(owed.hidden, axis=1), self._cache(len(owed.tokens)))  # fmt: skip
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         tokens = [*self.owed.tokens, context.last]

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from engines.loading import LoadedModel
 from engines.mlx_mtp.head import MTPHead
+from engines.prefix_cache import DrafterState
+from engines.proposers import mtp
 from engines.proposers.base import Context, Drafting, Proposal
 from engines.proposers.copy_length import CopyEvidence
 from engines.proposers.mtp import MTPProposer
@@ -35,7 +37,12 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None, *,
 
     head = load_mtp_head(loaded)
     evidence = CopyEvidence()  # the engine's
-    return Drafting(METHOD, lambda t: MTPNgramProposer(t, head, mtp_depth, evidence), weights=head)
+    return Drafting(
+        METHOD,
+        lambda t: MTPNgramProposer(t, head, mtp_depth, evidence),
+        cache_id=mtp.CACHE_ID,
+        weights=head,
+    )  # the head's state is the MTP engine's
 
 
 class MTPNgramProposer:
@@ -68,3 +75,9 @@ class MTPNgramProposer:
 
     def pending(self) -> list:
         return self.mtp.pending()
+
+    def snapshot(self) -> DrafterState:
+        return self.mtp.snapshot()
+
+    def restore(self, state: DrafterState) -> None:
+        self.mtp.restore(state)

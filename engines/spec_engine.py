@@ -198,7 +198,7 @@ class SpecEngine(WorkerEngine):
                 if fed in points:
                     prefix.insert(request.prompt_tokens[:fed], snapshot(decoder.cache),
                                   prefix.snapshot_scope(request, fed), drafter=cache_id,
-                                  drafter_state=decoder.proposer.snapshot())  # fmt: skip
+                                  drafter_state=self._drafter_state(decoder))  # fmt: skip
             with lock:
                 step = decoder.first_token()
         while True:
@@ -207,13 +207,8 @@ class SpecEngine(WorkerEngine):
                 # request must not find this one still counted as in flight.
                 self._running = 0
                 job.post(*self._events(step, detok, cached))
-                prefix.insert(
-                    decoder.tokens[:-1],
-                    decoder.cache,
-                    request.cache_scope,
-                    drafter=cache_id,
-                    drafter_state=decoder.proposer.snapshot(),
-                )
+                prefix.insert(decoder.tokens[:-1], decoder.cache, request.cache_scope,
+                              drafter=cache_id, drafter_state=self._drafter_state(decoder))
                 return
             job.post(*self._events(step, detok, cached))
             waiting.extend(self._submitted())
@@ -228,6 +223,10 @@ class SpecEngine(WorkerEngine):
             depth = plan.depth if plan.method == self.method else 0
             with lock:
                 step = decoder.round(depth)
+
+    def _drafter_state(self, decoder: SpecDecoder):
+        """The proposer's state for the prefix cache (None: it keeps none)."""
+        return decoder.proposer.snapshot() if self.drafting.cache_id is not None else None
 
     @staticmethod
     def _events(step: Step, detok, cached: int) -> list:

@@ -15,12 +15,12 @@ A `Proposer` is one sequence's drafter state. The decoder calls it:
   drafts[:accepted] and one target token; `forward` is the verify's, one
   row per input [last, *drafts];
 - `pending()`: its own arrays to evaluate with each prefill chunk;
-- `snapshot()`: its state matching the trunk's cache now (a copy, for the
-  prefix cache: engines/prefix_cache.py), or None where it keeps none; and
-  `restore(state)`, before a request fed only the rest of its prompt. The
-  state after a prompt chunk depends on that prefix alone (a drafter that
-  reads one token ahead keeps it owed), so a snapshot fits any prompt that
-  shares the prefix.
+- where its `Drafting` names a `cache_id` (a drafter with state of its
+  own): `snapshot()`, its state matching the trunk's cache now (a copy, for
+  the prefix cache: engines/prefix_cache.py), and `restore(state)`, before
+  a request feeds only the rest of its prompt. The state after a prompt
+  chunk must depend on that prefix alone (a drafter that reads one token
+  ahead keeps it owed), so a snapshot fits any prompt that shares the prefix.
 Each module also has `drafting(loaded, target, drafter)`: the method's
 shared part, loaded once per engine (`Drafting`). A new method is one
 module here and one record in engines/registry.py.
@@ -87,7 +87,8 @@ class Proposer(Protocol):
 
     def pending(self) -> list: ...
 
-    def snapshot(self) -> DrafterState | None: ...
+    # With a Drafting.cache_id only:
+    def snapshot(self) -> DrafterState: ...
 
     def restore(self, state: DrafterState) -> None: ...
 

@@ -80,12 +80,6 @@ class NgramProposer:
     def pending(self) -> list:
         return []
 
-    def snapshot(self) -> None:
-        return None  # the index is rebuilt from the tokens
-
-    def restore(self, state) -> None:
-        pass
-
 
 def copied(draft: Draft) -> Proposal:
     return Proposal(mx.array(draft.tokens, dtype=mx.int32))

@@ -22,15 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def serving(models: list[dict], workdir: Path, home: Path | None = None,
-            timeout: float = 300) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
+            timeout: float = 300, extra: dict | None = None,
+            ) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
     """(base url, process) of a ready gateway serving `models`; exits the
     bench with the gateway's log if it does not become ready. `home` is its
-    SPECGATE_HOME (default: the user's, where llama-server builds live)."""
+    SPECGATE_HOME (default: the user's, where llama-server builds live);
+    `extra`: more top-level config sections (e.g. prefix_cache)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-              "models": models}  # fmt: skip
+              "models": models, **(extra or {})}  # fmt: skip
     (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
     log = workdir / "gateway.log"
     env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})

@@ -70,6 +70,12 @@ def test_engines_default_by_format(tmp_path):
     ("auth:\n  metrics_requires_key: maybe\nmodels:\n  - {id: a, path: p}\n",
      ["auth.metrics_requires_key", "boolean"]),
     ("models:\n  - {id: a, path: p, max_queue_wait_s: 0}\n", ["max_queue_wait_s", "greater than 0"]),
+    ("prefix_cache:\n  ram_bytes: lots\nmodels:\n  - {id: a, path: p}\n",
+     ["prefix_cache.ram_bytes", "8GiB"]),
+    ("prefix_cache:\n  disk_bytes: -1\nmodels:\n  - {id: a, path: p}\n",
+     ["prefix_cache.disk_bytes", "greater than or equal to 0"]),
+    ("prefix_cache:\n  share: everyone\nmodels:\n  - {id: a, path: p}\n",
+     ["prefix_cache.share", "'system', 'none' or 'all'"]),
     ("", ["empty"]),
     ("models: [\n", ["not valid YAML"]),
 ])
@@ -170,3 +176,13 @@ def test_llamacpp_ngram_type_is_one_llama_server_has():
     assert ok.models[0].llamacpp.ngram_type == "ngram-mod"
     with pytest.raises(ConfigError, match="ngram_type.*one of ngram-simple, ngram-map-k"):
         parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-cache"}}]})
+
+
+def test_prefix_cache_sizes_take_units():
+    from gateway.config import parse_config
+
+    models = [{"id": "a", "path": "org/name"}]
+    pc = parse_config({"prefix_cache": {"ram_bytes": "1.5GiB", "disk_bytes": "512 MB"},
+                       "models": models}).prefix_cache  # fmt: skip
+    assert (pc.ram_bytes, pc.disk_bytes) == (3 << 29, 512 << 20)
+    assert parse_config({"prefix_cache": {"disk_bytes": 0}, "models": models}).prefix_cache.disk_bytes == 0

@@ -78,7 +78,6 @@ class DiskTier:
         self._index: dict[tuple[str, bytes], DiskRecord] = {}
         self._lock = threading.Lock()
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._scan()
         threading.Thread(target=self._writer, name=f"prefix-disk-{digest}", daemon=True).start()
 
@@ -93,6 +92,8 @@ class DiskTier:
     # -- reading ------------------------------------------------------------------------
 
     def _scan(self) -> None:
+        if not self.dir.is_dir():
+            return  # made at the first write
         for path in sorted(self.dir.glob("*.safetensors")):
             if path.name.endswith(TMP_SUFFIX):
                 path.unlink(missing_ok=True)  # a write cut short by a crash
@@ -229,6 +230,7 @@ class DiskTier:
         meta = {"format": FORMAT, "digest": self.digest, "scope": entry.scope,
                 "tokens": entry.tokens.tolist(), "trimmable": entry.trimmable,
                 "trunk": len(entry.trunk), "drafters": drafters}  # fmt: skip
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f"{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         save_prompt_cache(str(tmp), caches, {"specgate": json.dumps(meta)})
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()

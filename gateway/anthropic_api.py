@@ -156,9 +156,8 @@ def _sse(event: dict) -> bytes:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     _, engine = await resolve_model(request.app.state.registry, body.model)
-    chat = await render_chat(
-        engine, body.model, body.template_messages(), body.template_tools, body.parse_tools
-    )
+    chat = await render_chat(engine, body.model, body.template_messages(), body.template_tools,
+                             body.parse_tools, boundaries=False)  # fmt: skip
     return {"input_tokens": len(chat.tokens)}
 
 

@@ -78,9 +78,12 @@ async def render_chat(
     parse_tools: bool,
     *,
     messages_param: str = "messages",
+    boundaries: bool = True,
 ) -> ChatPrompt:
     """Render through the model's chat template; with tools, check first that
-    the template takes them and that its call format is one we can parse."""
+    the template takes them and that its call format is one we can parse.
+    `boundaries`: where its messages end, for the prefix cache (not needed
+    to count tokens)."""
     fmt = None
     if tools:
         template = await engine.chat_template()
@@ -121,5 +124,6 @@ async def render_chat(
             f"{messages_param}: the model's chat template rejected them: {e}",
             param=messages_param,
         ) from None
-    boundaries = await engine.message_boundaries(messages, tools or None, tokens)
-    return ChatPrompt(tokens, fmt if parse_tools else None, parameter_types(tools), boundaries)
+    marks = (await engine.message_boundaries(messages, tools or None, tokens) if boundaries
+             else MessageBoundaries())  # fmt: skip
+    return ChatPrompt(tokens, fmt if parse_tools else None, parameter_types(tools), marks)

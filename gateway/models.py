@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0  # at shutdown, for the prefix caches' queued disk writes
 
+
 @dataclass
 class ServedModel:
     config: ModelConfig

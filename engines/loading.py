@@ -120,7 +120,7 @@ def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> Prefix
         try:
             disk = DiskTier(prefix_cache_dir(), prefix_digest(key), settings.disk_bytes,
                             settings.disk_min_tokens)  # fmt: skip
-        except OSError as e:
+        except OSError as e:  # an unreadable checkpoint file or cache directory
             log.warning("prefix cache of %s: no disk tier (%s)", key, e)
     return PrefixCache(
         key,

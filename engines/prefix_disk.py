@@ -212,6 +212,8 @@ class DiskTier:
             entry = self._writes.get()
             try:
                 self._write(entry)
+            except OSError as e:  # a full or read-only disk: this entry stays in RAM only
+                log.warning("prefix cache %s: a disk write failed (%s)", self.digest, e)
             except Exception:
                 log.exception("prefix cache %s: a disk write failed", self.digest)
             finally:
@@ -232,10 +234,13 @@ class DiskTier:
                 "trunk": len(entry.trunk), "drafters": drafters}  # fmt: skip
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f"{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
-        save_prompt_cache(str(tmp), caches, {"specgate": json.dumps(meta)})
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        path = self.dir / f"{digest}.safetensors"
-        os.replace(tmp, path)
+        try:
+            save_prompt_cache(str(tmp), caches, {"specgate": json.dumps(meta)})
+            digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+            path = self.dir / f"{digest}.safetensors"
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # still there only if the write failed
         key = (entry.scope, entry.tokens.tobytes())
         record = DiskRecord(path, entry.tokens, entry.scope, entry.trimmable,
                             path.stat().st_size, path.stat().st_mtime)  # fmt: skip

@@ -222,3 +222,14 @@ def test_the_disk_budget_evicts_the_least_recently_used(tmp_path):
     cache.disk.flush()
     assert cache.disk.nbytes <= 2 * one and cache.disk.evictions >= 3
     assert 9 in {int(r.tokens[0]) for r in cache.disk._index.values()}
+
+
+def test_a_disk_that_cannot_be_written_leaves_ram_working(tmp_path, caplog):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")  # the tier's root is a file: every write fails
+    cache = store(trimmable=False, disk=DiskTier(blocked, "d1", 1 << 30, min_tokens=8))
+    with caplog.at_level(logging.WARNING, logger="engines.prefix_disk"):
+        cache.insert(TOKENS[:50], hybrid(50), "a")
+        cache.disk.flush()
+    assert "a disk write failed" in caplog.text
+    assert cache.fetch(TOKENS, "a").cached == 50 and len(cache.disk) == 0

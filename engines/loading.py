@@ -108,17 +108,20 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> PrefixCache:
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+    from engines.mlx_load import downloaded_checkpoint
+
     if settings.ram_bytes is not None:
         set_ram_budget(settings.ram_bytes)
     fresh = make_prompt_cache(model)
     classes = tuple(type(c).__name__ for c in fresh)
     disk = None
-    if settings.disk_bytes > 0 and Path(key).is_dir():  # a hub id: no local files to digest
+    root = downloaded_checkpoint(key) if settings.disk_bytes > 0 else None
+    if root is not None:  # its files name the model's entries on disk
         from engines.home import prefix_cache_dir
         from engines.prefix_disk import DiskTier, prefix_digest
 
         try:
-            disk = DiskTier(prefix_cache_dir(), prefix_digest(key), settings.disk_bytes,
+            disk = DiskTier(prefix_cache_dir(), prefix_digest(root), settings.disk_bytes,
                             settings.disk_min_tokens)  # fmt: skip
         except OSError as e:  # an unreadable checkpoint file or cache directory
             log.warning("prefix cache of %s: no disk tier (%s)", key, e)

@@ -76,6 +76,22 @@ def local_checkpoint(path: str) -> Path:
         ) from None
 
 
+def downloaded_checkpoint(path: str) -> Path | None:
+    """The local directory of `path` if it is there already (a directory, or
+    a hub repo in the local cache), never downloading; else None."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+        return Path(snapshot_download(path, allow_patterns=DEFAULT_ALLOW_PATTERNS,
+                                      local_files_only=True))  # fmt: skip
+    except Exception:  # not a repo id, or not in the cache
+        return None
+
+
 def _check_tokenizer(root: Path) -> None:
     t = read_tokenizer(root)
     if t.error:

@@ -90,6 +90,14 @@ class DFlashAttention(nn.Module):
                                     scaling_config=args.rope_scaling,
                                     max_position_embeddings=args.max_position_embeddings)
 
+    def absorb(self, context: mx.array, cache: KVCache) -> None:
+        """Context rows alone into the cache: their K/V depend on nothing
+        else (the block only reads them), as in __call__."""
+        B, C, _ = context.shape
+        k = self.k_norm(self.k_proj(context).reshape(B, C, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(context).reshape(B, C, self.n_kv, -1).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+
     def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
         C = context.shape[1]
@@ -128,6 +136,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DFlashLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def absorb(self, features: mx.array, cache: list[KVCache]) -> None:
+        """Committed tokens' features into the context cache, without a block
+        (a prompt chunk, as it is prefilled)."""
+        context = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache, strict=True):
+            layer.self_attn.absorb(context, c)
 
     def __call__(self, block: mx.array, features: mx.array, cache: list[KVCache]) -> mx.array:
         """block: (B, L, H) embedded block; features: (B, C, n*H) the target's

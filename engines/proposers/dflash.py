@@ -1,10 +1,10 @@
 """Drafting with a DFlash block drafter (engines/mlx_block/dflash.py).
 
 Every trunk forward (prefill chunks, verify) captures the outputs of the
-drafter's target layers; the rows of committed tokens are owed to the
-drafter's context cache and fed with the next draft, so the drafter sees
-each committed token exactly once, in order (`BlockProposer`, which DSpark
-shares).
+drafter's target layers: a prompt chunk's go into the drafter's context
+cache at once (`absorb`); the rows of tokens committed by a round are owed
+to it and fed with the next draft, so the drafter sees each committed token
+exactly once, in order (`BlockProposer`, which DSpark shares).
 
 The drafter always drafts its full block: it was trained on blocks of that
 size, and a shorter block of masks would ask it something it never saw. A
@@ -57,14 +57,20 @@ class BlockProposer:
         return mx.concatenate([forward.layers[i] for i in self.layers], axis=-1)
 
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
-        self.owed.append(self._features(forward))
+        # Into the context cache with the chunk: a snapshot then holds a cache,
+        # not every feature row since the drafter last ran, and the first
+        # round after a long prompt does not digest it all at once.
+        if self.owed:
+            self.drafter.absorb(mx.concatenate(self.owed, axis=1), self.cache)
+            self.owed = []
+        self.drafter.absorb(self._features(forward), self.cache)
 
     def committed(self, last: int, drafts: list[int], accepted: int, forward: Forward) -> None:
         # last and the accepted drafts are now history: the drafter's next context.
         self.owed.append(self._features(forward)[:, : accepted + 1])
 
     def pending(self) -> list:
-        return self.owed
+        return [c.state for c in self.cache] + self.owed
 
     def snapshot(self) -> DrafterState:
         # Its context (fed, and owed) covers exactly what the trunk holds.
@@ -81,7 +87,9 @@ class BlockProposer:
         bs, owed = self.drafter.args.block_size, self.owed
         self.owed = []
         block = mx.array([[last] + [self.drafter.args.mask_token_id] * (bs - 1)])
-        context = mx.concatenate(owed, axis=1)
+        width = self.drafter.fc.weight.shape[1]  # the features' width (its layers' outputs)
+        context = (mx.concatenate(owed, axis=1) if owed
+                   else mx.zeros((1, 0, width), dtype=self.drafter.fc.weight.dtype))
         cache = self.cache
         if self.target.whole_buffer:  # the trunk's reason, engines/kv_buffer.py
             cache = kv_buffer.views(cache, context.shape[1] + bs)

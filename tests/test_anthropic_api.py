@@ -24,6 +24,10 @@ def oai(gateway):
     return openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0, timeout=120)
 
 
+def prompt_tokens(usage) -> int:
+    """The whole prompt: Anthropic counts what came from the prefix cache apart."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
 def test_non_streaming_message(client):
     msg = client.messages.create(model="tiny", max_tokens=24, messages=MSG, metadata={"user_id": "someone"},
                                  **GREEDY)  # fmt: skip
@@ -41,7 +45,8 @@ def test_greedy_equals_openai_endpoint(client, oai):
         chat = oai.chat.completions.create(model="tiny", max_tokens=max_tokens, messages=MSG,
                                            temperature=0)  # fmt: skip
         assert msg.content[0].text == chat.choices[0].message.content
-        assert msg.usage.input_tokens == chat.usage.prompt_tokens
+        assert prompt_tokens(msg.usage) == chat.usage.prompt_tokens
+        assert msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens_details.cached_tokens
         assert msg.usage.output_tokens == chat.usage.completion_tokens
         want = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
         assert msg.stop_reason == want
@@ -62,7 +67,7 @@ def test_stream_helper_equals_non_streaming(client):
     assert text == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage)
 
 
 def test_raw_stream_event_sequence(gateway, client):
@@ -94,7 +99,7 @@ def test_system_prompt_changes_prompt_tokens(client):
     assert as_string.input_tokens == as_blocks.input_tokens > plain.input_tokens
     msg = client.messages.create(model="tiny", max_tokens=4, messages=MSG, system="Be brief.",
                                  **GREEDY)  # fmt: skip
-    assert msg.usage.input_tokens == as_string.input_tokens
+    assert prompt_tokens(msg.usage) == as_string.input_tokens
 
 
 def test_count_tokens_equals_usage_for_block_content(client):
@@ -106,7 +111,7 @@ def test_count_tokens_equals_usage_for_block_content(client):
     ]  # fmt: skip
     counted = client.messages.count_tokens(model="tiny", messages=messages)
     msg = client.messages.create(model="tiny", max_tokens=4, messages=messages, **GREEDY)
-    assert counted.input_tokens == msg.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens(msg.usage)
 
 
 def _cancelled(gateway) -> float:

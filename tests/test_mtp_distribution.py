@@ -117,6 +117,9 @@ def wrong_rule(draft, draft_probs, target_probs, key=None):
     return verdict
 
 
+# 20,000 samples of a round each take ~4-5 min on CI's 2 cores (the graphs are
+# tiny: MLX's per-op overhead, not arithmetic); fewer would widen the bound.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("rule,n", [("leviathan", N), ("wrong", N // 4)])
 def test_engine_samples_the_target_distribution(target, rule, n, monkeypatch, capsys):
     trunk, head, model = target

@@ -88,14 +88,21 @@ class Entry:
     scope: str
     drafters: dict[str, DrafterState] = field(default_factory=dict)
     used: int = 0  # the budget's clock at the last use
+    # Fixed once the entry is made (lookups and the budget read them often).
+    trimmable: bool = field(init=False)
+    nbytes: int = field(init=False)
 
-    @property
-    def trimmable(self) -> bool:
-        return can_trim_prompt_cache(self.trunk)
+    def __post_init__(self):
+        self.trimmable = can_trim_prompt_cache(self.trunk)
+        self.nbytes = sum(c.nbytes for c in self.trunk)
+        for state in self.drafters.values():
+            self.nbytes += state.nbytes
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.trunk) + sum(d.nbytes for d in self.drafters.values())
+    def add_drafters(self, drafters: dict[str, DrafterState]) -> None:
+        for name, state in drafters.items():
+            old = self.drafters.get(name)
+            self.nbytes += state.nbytes - (old.nbytes if old is not None else 0)
+            self.drafters[name] = state
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -310,9 +317,8 @@ class PrefixCache:
         mx.eval([c.state for c in trunk])
         if drafter_state is not None:
             drafter_state.evaluate()
-        entry = Entry(np.asarray(tokens, dtype=np.int32), trunk, scope)
-        if drafter is not None and drafter_state is not None:
-            entry.drafters[drafter] = drafter_state
+        drafters = {drafter: drafter_state} if drafter is not None and drafter_state is not None else {}
+        entry = Entry(np.asarray(tokens, dtype=np.int32), trunk, scope, drafters)
         with self._lock:
             self._put_locked(entry)
         self.budget.enforce()
@@ -321,7 +327,7 @@ class PrefixCache:
         k = (entry.scope, entry.tokens.tobytes())
         old = self._entries.get(k)
         if old is not None:  # the same state: keep the older trunk, gather the drafters
-            old.drafters.update(entry.drafters)
+            old.add_drafters(entry.drafters)
             old.used = self.budget.tick()
             if entry.drafters and self.disk is not None and not restored:
                 self.disk.save(old)  # again, with the new drafter's state

@@ -164,8 +164,7 @@ class DiskTier:
                 raise ValueError(f"caches {classes}, the model makes {cache_classes}")
             if meta["tokens"] != record.tokens.tolist() or meta["digest"] != self.digest:
                 raise ValueError("its record changed since it was indexed")
-            entry = Entry(record.tokens, trunk, record.scope)
-            at = n_trunk
+            drafters, at = {}, n_trunk
             for d in meta["drafters"]:
                 state = DrafterState(caches[at : at + d["caches"]])
                 at += d["caches"]
@@ -173,7 +172,8 @@ class DiskTier:
                     arrays = caches[at].cache
                     state.arrays = dict(zip(d["arrays"], arrays, strict=True))
                     at += 1
-                entry.drafters[d["id"]] = state
+                drafters[d["id"]] = state
+            entry = Entry(record.tokens, trunk, record.scope, drafters)
             # Loaded on the engine's thread: evaluate now, so any other thread
             # can use the arrays (see PrefixCache.insert).
             mx.eval([c.state for c in entry.trunk])

@@ -59,6 +59,11 @@ def test_a_prefix_entry_serves_longer_prompts_with_its_drafter_state():
     # A private copy: what the request does to it leaves the entry alone.
     hit.cache[1].trim(10)
     assert cache.fetch(TOKENS, "a").cache[1].offset == 50
+    # A second drafter's state after the same tokens joins the entry, and counts.
+    before, other = cache.nbytes, DrafterState([kv(49, 8)])
+    cache.insert(TOKENS[:50], hybrid(50), "a", drafter="dflash:x", drafter_state=other)
+    assert len(cache) == 1 and cache.nbytes == before + other.nbytes
+    assert cache.fetch(TOKENS, "a", "dflash:x").drafter is not None
 
 
 def test_a_hybrid_entry_is_never_cut_back():

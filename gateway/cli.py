@@ -226,6 +226,24 @@ def _tune(args) -> int:
         return 2
 
 
+def _config(args: argparse.Namespace) -> int:
+    import json
+
+    from gateway.config import ConfigError, json_schema, load_config
+
+    if args.action == "schema":
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    try:  # check: everything serve would check before loading a model
+        config = load_config(args.file)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"{args.file}: ok ({len(config.models)} model{'s' * (len(config.models) != 1)}: "
+          f"{', '.join(m.id for m in config.models)})")  # fmt: skip
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -276,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     revoke = actions.add_parser("revoke", parents=[where], help="delete a key by name")
     revoke.add_argument("name")
     keys.set_defaults(run=_keys)
+    config = sub.add_parser("config", help="the config file: its JSON Schema, or check one")
+    config_actions = config.add_subparsers(dest="action", required=True)
+    config_actions.add_parser("schema", help="print the JSON Schema (for editors)")
+    check = config_actions.add_parser("check", help="validate a config file as serve would")
+    check.add_argument("file")
+    config.set_defaults(run=_config)
     inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
     inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")

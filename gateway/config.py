@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -243,7 +244,11 @@ def _byte_size(v):
     return v
 
 
-ByteSize = Annotated[int, BeforeValidator(_byte_size), Field(ge=0)]
+ByteSize = Annotated[
+    int, BeforeValidator(_byte_size), Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {
+        "type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?([iI]?[bB])?\s*$"}]}),
+]  # fmt: skip
 
 
 class PrefixCacheConfig(_Strict):
@@ -329,3 +334,18 @@ def load_config(path: str | Path) -> Config:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return parse_config(data, str(path))
+
+
+SCHEMA_ID = "https://specgate.dev/specgate.schema.json"  # a name for editors, never fetched
+
+
+def json_schema() -> dict:
+    """The config file's JSON Schema (`specgate config schema`;
+    deploy/specgate.schema.json is this, kept in step by a test), for
+    editors. What a schema cannot say (paths that must exist, one block
+    drafter per model) is still checked by `specgate config check`."""
+    schema = Config.model_json_schema(mode="validation")
+    # The registry's engine names, which validation reads at run time.
+    schema["$defs"]["ModelConfig"]["properties"]["engines"]["items"]["enum"] = list(registry.names())
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
+            "title": "specgate config", **schema}  # fmt: skip

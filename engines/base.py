@@ -120,6 +120,17 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class HeldMemory:
+    """Memory an engine holds, measured: `holder` names what holds it, so
+    weights several engines share (one model's in-process engines) count
+    once. kind: "weights" (the target's) or "drafter" (a head or drafter)."""
+
+    holder: str
+    kind: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class MessageBoundaries:
     """Token offsets in a rendered chat prompt (0: none): where the system
     prompt (with the tools) ends, and where the conversation before the
@@ -306,6 +317,11 @@ class Engine(Protocol):
         ...
 
     def live_state(self) -> LiveState: ...
+
+    def memory(self) -> list[HeldMemory]:
+        """What it holds now, measured (empty while it holds nothing, e.g. a
+        llama-server not started yet)."""
+        ...
 
     def problem(self) -> str | None:
         """Why this engine cannot serve right now (a stuck or dead worker or

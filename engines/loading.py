@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from engines.base import CacheSettings
@@ -81,7 +83,10 @@ class LoadedModel:
         return self.text_config.get("max_position_embeddings")
 
 
-_loaded: dict[str, LoadedModel] = {}
+# Weights load once per path while an engine holds them: when the last
+# engine of a path is gone (its model unloaded), so are they, and a later
+# load reads them again.
+_loaded: weakref.WeakValueDictionary[str, LoadedModel] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
@@ -98,11 +103,15 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel
 
     key = str(Path(path).resolve()) if Path(path).exists() else path
     with _lock:
-        if key not in _loaded:
+        loaded = _loaded.get(key)
+        if loaded is None:
             model, tokenizer, config = load(path)
             prefix = _prefix_cache(key, model, cache or CacheSettings())
-            _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
-        return _loaded[key]
+            loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
+            if prefix.disk is not None:  # its queued writes finish, then its thread ends
+                weakref.finalize(loaded, prefix.disk.close)
+            weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS
+        return loaded
 
 
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> PrefixCache:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,8 @@ class CacheBudget:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._clock = itertools.count(1)
-        self._caches: list[PrefixCache] = []
+        # Weakly: a model's cache leaves the budget with the model (unloaded).
+        self._caches: weakref.WeakSet[PrefixCache] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def tick(self) -> int:
@@ -152,24 +153,23 @@ class CacheBudget:
 
     def join(self, cache: PrefixCache) -> None:
         with self._lock:
-            self._caches.append(cache)
+            self._caches.add(cache)
 
     def enforce(self) -> None:
         # Never called with a cache's lock held: it takes them one at a time.
         with self._lock:
-            while sum(c.nbytes for c in self._caches) > self.max_bytes:
-                oldest = min(self._caches, key=lambda c: c.oldest_use())
+            caches = list(self._caches)
+            while caches and sum(c.nbytes for c in caches) > self.max_bytes:
+                oldest = min(caches, key=lambda c: c.oldest_use())
                 if not oldest.evict_oldest():
                     break
 
 
 def default_budget() -> CacheBudget:
     """An eighth of physical memory (unified memory on Apple silicon)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 << 30
-    return CacheBudget(total // 8)
+    from engines.memory import physical_memory
+
+    return CacheBudget(physical_memory() // 8)
 
 
 _shared_budget: CacheBudget | None = None

@@ -207,9 +207,16 @@ class DiskTier:
         """Wait until every queued write is on disk."""
         self._writes.join()
 
+    def close(self) -> None:
+        """No more writes: the queued ones finish, then the writer thread ends."""
+        self._writes.put(None)
+
     def _writer(self) -> None:
         while True:
             entry = self._writes.get()
+            if entry is None:
+                self._writes.task_done()
+                return
             try:
                 self._write(entry)
             except OSError as e:  # a full or read-only disk: this entry stays in RAM only

@@ -25,6 +25,7 @@ from engines.base import (
     EngineOverloaded,
     GenerationRequest,
     Handoff,
+    HeldMemory,
     LiveState,
     Method,
     Planner,
@@ -104,6 +105,14 @@ class SpecEngine(WorkerEngine):
         self.target.kernels = self.kernel_wiring.enabled
         log.info("%s %s: verify %s", self.model_id, self.name,
                  "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
+
+    def memory(self) -> list[HeldMemory]:
+        from engines.memory import parameter_bytes
+
+        held = super().memory()
+        if (module := self.drafting.weights) is not None:  # a head or a drafter
+            held.append(HeldMemory(f"mlx:{id(module)}", "drafter", parameter_bytes(module)))
+        return held
 
     def make_decoder(
         self, request: GenerationRequest, cache: list | None, cached_tokens: int

@@ -18,6 +18,7 @@ from engines.base import (
     EngineError,
     EngineStopped,
     Handoff,
+    HeldMemory,
     LiveState,
     MessageBoundaries,
     Refusal,
@@ -160,6 +161,13 @@ class WorkerEngine:
     def live_state(self) -> LiveState:
         running = self._running
         return LiveState(running, max(0, self._in_flight - running), 0)
+
+    def memory(self) -> list[HeldMemory]:
+        from engines.memory import parameter_bytes
+
+        # Every engine of this model shares these weights (engines/loading.py).
+        return [HeldMemory(f"mlx:{id(self.loaded.model)}", "weights",
+                           parameter_bytes(self.loaded.model))]  # fmt: skip
 
     def _worker(self) -> None:
         raise NotImplementedError

@@ -55,6 +55,28 @@ def _ngram_type(name: str) -> str:
     return name
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(v):
+    """An int, or a string like "512MiB", "8 GiB", "2G" (binary units)."""
+    if isinstance(v, str):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
+        if not m:
+            raise PydanticCustomError("byte_size", "a byte count, like 8589934592 or \"8GiB\"")
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return v
+
+
+ByteSize = Annotated[
+    int, BeforeValidator(_byte_size), Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {
+        "type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?([iI]?[bB])?\s*$"}]}),
+]  # fmt: skip
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,6 +90,11 @@ class ServerConfig(_Strict):
     shutdown_grace_s: float = Field(10.0, ge=0)
     max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # Memory every loaded model together may take (weights, drafters, their
+    # KV reserve; the prefix cache's ram_bytes comes off it first). A model
+    # that does not fit evicts the least recently used idle ones; one that
+    # could never fit is refused. Default: 3/4 of physical memory.
+    memory_budget: ByteSize | None = None
 
 
 class AuthConfig(_Strict):
@@ -160,6 +187,14 @@ class ModelConfig(_Strict):
     # speculative verify forwards through the kernels this machine proved
     # correct and faster per shape (kernels/guard.py); "off": stock MLX always.
     kernels: Literal["auto", "off"] = "auto"
+    # When the model loads: at start ("boot"), or at its first request
+    # ("on_demand"; the request waits, as in the admission queue).
+    load: Literal["boot", "on_demand"] = "boot"
+    # Unload after this long with no request (any engine kind); it loads
+    # again on the next. Default: stay loaded.
+    idle_ttl_s: float | None = Field(None, gt=0)
+    # Never unloaded to make room for another model, nor for being idle.
+    pin: bool = False
     llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
@@ -202,6 +237,8 @@ class ModelConfig(_Strict):
                           if e == name or (e in registry.excludes(name) and e in self.engines)]
                 raise ValueError(f"one {registry.record(name).exclusive} per model: "
                                  f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
+        if self.pin and self.idle_ttl_s is not None:
+            raise ValueError("a pinned model is never unloaded: `pin` or `idle_ttl_s`, not both")
         drafted = [r.name for r in registry.records() if r.needs == "drafter"]
         if any(e in drafted for e in self.engines) != (self.drafter is not None):
             raise ValueError(f"a block engine ({' / '.join(drafted)}) and `drafter` go together")
@@ -229,26 +266,6 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
     return value
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _byte_size(v):
-    """An int, or a string like "512MiB", "8 GiB", "2G" (binary units)."""
-    if isinstance(v, str):
-        import re
-
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
-        if not m:
-            raise PydanticCustomError("byte_size", "a byte count, like 8589934592 or \"8GiB\"")
-        return int(float(m.group(1)) * _UNITS[m.group(2)])
-    return v
-
-
-ByteSize = Annotated[
-    int, BeforeValidator(_byte_size), Field(ge=0),
-    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {
-        "type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?([iI]?[bB])?\s*$"}]}),
-]  # fmt: skip
 
 
 class PrefixCacheConfig(_Strict):

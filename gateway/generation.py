@@ -92,14 +92,10 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             param="model",
             code="model_not_found",
         )
-    if served.engine is None:
-        if served.unloaded:
-            raise APIError(503, f"model '{model_id}' was unloaded by an admin")
-        if served.error:
-            raise APIError(503, f"model '{model_id}' failed to load: {served.error}")
-        raise APIError(
-            503, f"model '{model_id}' is still loading", headers={"Retry-After": "5"}
-        )
+    await registry.acquire(served)  # loads it if need be; held until the response ends
+    if served.engine is None:  # unloaded by an admin just now
+        raise APIError(503, f"model '{model_id}' was unloaded by an admin; retry",
+                       code="model_stopped", headers={"Retry-After": "1"})  # fmt: skip
     return served, served.engine
 
 
@@ -334,13 +330,15 @@ async def run(
             status = "rejected"
             raise
         admitted = True
+        live = metrics.live.begin(request.request_id, served.id, key, method, usage.prompt_tokens)
         work = served.gate.work  # the fair queue's measure: tokens this key had processed
         work.charge(key, usage.prompt_tokens)
         principal.usage.count_tokens(time.monotonic(), usage.prompt_tokens)
         metrics.key_prompt_tokens(key, usage.prompt_tokens)
         first = served.engines.get(request.plan.engine)
         if first is None:  # unloaded by an admin while this request waited
-            raise APIError(503, f"model '{served.id}' was unloaded by an admin")
+            raise APIError(503, f"model '{served.id}' was unloaded by an admin",
+                           code="model_stopped")  # fmt: skip
         # An engine at its own limit raises at once.
         events = first.generate(request, planner)
         while events is not None:
@@ -363,6 +361,7 @@ async def run(
                         principal.usage.count_tokens(time.monotonic(), len(event.token_ids))
                         last_token_at = now
                     usage.completion_tokens += len(event.token_ids)
+                    live.generated = usage.completion_tokens
                     if event.cached_tokens and not usage.cached_tokens:
                         work.charge(key, -event.cached_tokens)  # served from the prefix cache
                     work.charge(key, len(event.token_ids))
@@ -380,7 +379,7 @@ async def run(
             events = None
             if handoff is not None:  # the stream continues on another engine
                 metrics.planned(request.model, handoff.plan)
-                method = handoff.plan.method
+                method = live.method = handoff.plan.method
                 engine = served.engines[handoff.plan.engine]
                 events = engine.generate(request, planner, resume=handoff)
     except EngineOverloaded as e:
@@ -404,6 +403,7 @@ async def run(
         if admitted:
             served.gate.release()
             principal.usage.finish()
+            metrics.live.end(request.request_id)
         metrics.finished(
             request.model, request.plan, status, usage.prompt_tokens, ttft,
             time.perf_counter() - start, key,

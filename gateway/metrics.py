@@ -10,17 +10,23 @@ dashboard over these names.
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, field
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from engines.base import Plan, RoundStats
-from gateway.models import ModelRegistry
+from engines.memory import process_rss
+from gateway.models import STATES, ModelRegistry
 from policies.content import CONTENT_CLASSES
 
 # No *_created series: one per labelled counter/histogram, and nothing reads them.
@@ -36,9 +42,34 @@ _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 
                 90, 120, 180, 300, 450, 600)
 
 
+@dataclass
+class LiveRequest:
+    """A request decoding now (the status page lists them)."""
+
+    model: str
+    key: str
+    method: str
+    prompt_tokens: int
+    started: float = field(default_factory=time.monotonic)
+    generated: int = 0
+
+
+class LiveRequests:
+    def __init__(self):
+        self.requests: dict[str, LiveRequest] = {}
+
+    def begin(self, request_id: str, model: str, key: str, method: str, prompt: int) -> LiveRequest:
+        live = self.requests[request_id] = LiveRequest(model, key, method, prompt)
+        return live
+
+    def end(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
 class Metrics:
     def __init__(self, models: ModelRegistry):
         self.models = models
+        self.live = LiveRequests()
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "specgate_requests", "Finished requests", ["model", "method", "status"], registry=r
@@ -128,6 +159,8 @@ class Metrics:
         )
         # (model, method) -> [drafts, draft tokens, accepted], for the ratio gauges.
         self._spec: dict[tuple[str, str], list[int]] = {}
+        # process_* (CPU, resident memory, open files): read from /proc, so Linux only.
+        ProcessCollector(registry=r)
         r.register(self)  # collect() below: the scrape-time gauges
 
     def round(self, stats: RoundStats) -> None:
@@ -249,7 +282,50 @@ class Metrics:
             rate.add_metric([model, method], accepted / drafted)
             length.add_metric([model, method], 1 + accepted / drafts)
         yield from (running, waiting, policy, costs, spread, rate, length)
+        yield from self._models()
         yield from self._prefix_caches()
+
+    def _models(self):
+        """Residency (gateway/models.py): state, memory, loads and unloads."""
+        m = "model"
+        state = GaugeMetricFamily("specgate_model_state",
+                                  "1 for the state each model is in now", labels=[m, "state"])
+        memory = GaugeMetricFamily(
+            "specgate_model_memory_bytes",
+            "Memory a model holds by kind: weights and drafter as measured once loaded "
+            "(llama-server: its processes' resident size), kv_reserve as budgeted",
+            labels=[m, "kind"])  # fmt: skip
+        loads = CounterMetricFamily("specgate_model_loads", "Model loads, by result",
+                                    labels=[m, "result"])
+        unloads = CounterMetricFamily("specgate_model_unloads",
+                                      "Model unloads, by reason (idle, evicted, admin, reload)",
+                                      labels=[m, "reason"])
+        load_time = SummaryMetricFamily("specgate_model_load_seconds",
+                                        "Time to load a model (successful loads)", labels=[m])
+        budget = GaugeMetricFamily("specgate_memory_budget_bytes",
+                                   "server.memory_budget, and what of it models may use",
+                                   labels=["scope"])
+        budget.add_metric(["server"], self.models.memory_budget)
+        budget.add_metric(["models"], self.models.models_budget)
+        for served in self.models.models.values():
+            now = served.state
+            for name in STATES:
+                state.add_metric([served.id, name], float(name == now))
+            for kind, n in served.memory().items():
+                memory.add_metric([served.id, kind], n)
+            c = served.counts
+            loads.add_metric([served.id, "ok"], c.loads)
+            loads.add_metric([served.id, "failed"], c.load_failures)
+            for reason in ("idle", "evicted", "admin", "reload"):
+                unloads.add_metric([served.id, reason], c.unloads.get(reason, 0))
+            load_time.add_metric([served.id], c.loads, c.load_seconds)
+        resident = GaugeMetricFamily(
+            "specgate_process_resident_memory_bytes",
+            "The gateway process's resident memory (on macOS too, where the standard "
+            "process_resident_memory_bytes is missing)")  # fmt: skip
+        if (rss := process_rss(os.getpid())) is not None:
+            resident.add_metric([], rss)
+        yield from (state, memory, loads, unloads, load_time, budget, resident)
 
     def _prefix_caches(self):
         """The in-process models' prefix caches (engines/prefix_cache.py)."""

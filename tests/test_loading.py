@@ -49,7 +49,12 @@ def test_the_registry_reports_why_a_model_failed(tmp_path):
     bare = build_qwen35_hybrid(tmp_path / "bare", tokenizer=False)
     registry = ModelRegistry(parse_config({"models": [
         {"id": "bare", "path": str(bare)}, {"id": "hub", "path": "specgate-tests/absent"}]}))
-    asyncio.run(registry.load_all())
+
+    async def start_and_stop():
+        await registry.start()
+        await registry.stop_all()
+
+    asyncio.run(start_and_stop())
     assert "has no tokenizer" in registry.get("bare").error
     assert "is not downloaded" in registry.get("hub").error
     assert registry.get("bare").engine is None and not registry.ready
@@ -111,3 +116,35 @@ def test_chat_without_a_chat_template_is_a_clear_400(layouts):
         {"role": "user", "content": "hi"}]).choices[0].message.content is not None
     assert httpx.get(layouts.base_url + "/ready").json()["status"] == "ready"
     assert "Traceback" not in layouts.log()
+
+
+def test_an_unloaded_model_lets_its_weights_go_and_loads_again(tmp_path):
+    """Eviction and idle unloads free memory only if nothing keeps the
+    weights: not the per-path memo, not the prefix caches' RAM budget."""
+    import gc
+    import weakref
+
+    from engines import loading
+    from gateway.config import parse_config
+    from gateway.models import ModelRegistry
+
+    path = build_qwen35_hybrid(tmp_path / "m", seed=0)
+    registry = ModelRegistry(parse_config({"models": [
+        {"id": "m", "path": str(path), "engines": ["mlx_plain", "mlx_mtp"], "max_context": 512}]}))
+    served = registry.get("m")
+
+    async def cycle():
+        await registry.ensure_loaded(served)
+        loaded = weakref.ref(served.engine.loaded)
+        cache = weakref.ref(served.engine.loaded.prefix_cache)
+        assert served.memory()["weights"] > 0 and served.memory()["drafter"] > 0
+        await registry.unload(served)
+        gc.collect()
+        assert loaded() is None and cache() is None  # (the RAM budget held the cache)
+        assert str(path.resolve()) not in loading._loaded
+        await registry.ensure_loaded(served)
+        assert served.state == "ready" and served.counts.loads == 2
+        assert served.counts.unloads == {"admin": 1}
+        await registry.stop_all()
+
+    asyncio.run(cycle())

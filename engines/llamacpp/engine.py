@@ -45,6 +45,7 @@ from engines.base import (
     EngineOverloaded,
     EngineStopped,
     GenerationRequest,
+    HeldMemory,
     LiveState,
     MessageBoundaries,
     Method,
@@ -146,6 +147,14 @@ class LlamaCppEngine:
     def live_state(self) -> LiveState:
         active = min(self._in_flight, self.slots)
         return LiveState(active, self._in_flight - active, 0)
+
+    def memory(self) -> list[HeldMemory]:
+        from engines.memory import process_rss
+
+        # Its process's resident size: weights (mmapped pages it has touched), KV, buffers.
+        pid = self.server.pid if self.server.alive else None
+        rss = process_rss(pid) if pid is not None else None
+        return [] if rss is None else [HeldMemory(f"pid:{pid}", "weights", rss)]
 
     # -- the server's tokenizer ----------------------------------------------------
 

@@ -17,9 +17,9 @@ llama-server answers /health from its HTTP threads, not from the loop that
 decodes, so a long prompt or a slow token does not make a process look stuck.
 While a process is stuck, dead or restarting, `problem` says why.
 
-macOS has no parent-death signal, and a watchdog inside the child would need
-a wrapper process around llama-server; there the guarantee is only stop() and
-the atexit hook below, so a SIGKILLed gateway on macOS can leave an orphan.
+macOS has no parent-death signal: there (and on Linux too) llama-server is
+started through lifeline.py, whose watcher stops it once a pipe only the
+gateway holds reaches EOF, which a gateway's death of any kind causes.
 """
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ def _child_setup(parent_pid: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+LIFELINE = Path(__file__).with_name("lifeline.py")
+
 _LIVE: weakref.WeakSet[LlamaServer] = weakref.WeakSet()
 
 
@@ -194,6 +196,7 @@ class LlamaServer:
         # caller saw it: it asks other processes first for a while (engine.py).
         self.unanswered_at: float | None = None
         self._proc: subprocess.Popen | None = None
+        self._lifeline: int | None = None  # the pipe's write end: see lifeline.py
         self._healthy: subprocess.Popen | None = None  # _proc once it answered /health at start
         self._crashed = False  # the last process died without being asked to
         self._problem: str | None = None  # why it cannot serve now (stuck, died, restarting)
@@ -355,17 +358,24 @@ class LlamaServer:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"llama-server-{self.spec.model.stem}-{self.port}.log"
         argv = [str(binary), *self.spec.args(self.port)]
+        self._cut_lifeline()
+        read_end, self._lifeline = os.pipe()  # the write end stays here, never inherited
         with open(self.log_path, "ab") as out:
             out.write(f"\n--- specgate: starting {' '.join(argv)}\n".encode())
             out.flush()
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() signals the whole group
-                preexec_fn=functools.partial(_child_setup, os.getpid()),
-            )
+            try:
+                self._proc = subprocess.Popen(
+                    # lifeline.py execs llama-server in its own place: _proc is llama-server.
+                    [sys.executable, "-I", str(LIFELINE), str(read_end), *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own process group: stop() signals the whole group
+                    preexec_fn=functools.partial(_child_setup, os.getpid()),
+                    pass_fds=(read_end,),
+                )
+            finally:
+                os.close(read_end)
         _LIVE.add(self)
         self.starts += 1
         try:
@@ -430,8 +440,16 @@ class LlamaServer:
                 await asyncio.sleep(0.05)
         self._kill_group(signal.SIGKILL)  # no-op when SIGTERM did it
         proc.wait()
+        self._cut_lifeline()
         self._proc = self._healthy = None
         _LIVE.discard(self)
+
+    def _cut_lifeline(self) -> None:
+        """Close our end of the lifeline: the watcher of a process that has
+        ended leaves (lifeline.py)."""
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def _kill_group(self, sig: int) -> None:
         proc = self._proc
@@ -493,6 +511,7 @@ class LlamaServer:
     def _died(self, proc: subprocess.Popen, why: str) -> None:
         """The process ended without being asked to: say so, and restart it."""
         self._crashed = True
+        self._cut_lifeline()
         self.last_exit_code = proc.returncode
         self._dead, self._death, self._problem = proc, why, f"{why}; restarting"
         if self._recovery is None or self._recovery.done():

@@ -1,17 +1,22 @@
 """The FastAPI app: wiring of routes, keys, limits, errors and model lifecycle.
 
 Admin routes (an admin key; any caller on an open loopback server):
-`POST /admin/reload` re-reads the keys file (the model config is not
-reloaded: restart for that), `POST /admin/models/{id}/unload` and
-`.../load` stop a model's engines to free its memory and bring it back.
+`POST /admin/reload` re-reads the keys file and the config file
+(gateway/reloading.py), `GET /admin/models` lists the models with their
+residency, `GET /admin/status` feeds the status page at `/`, and `POST
+/admin/models/{id}/unload` and `.../load` stop a model's engines to free
+its memory and bring it back (a request for an unloaded model loads it
+again, too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -29,16 +34,21 @@ from gateway.auth import (
 )
 from gateway.config import Config
 from gateway.errors import APIError, install_error_handlers
-from gateway.keys import KeyFileError
 from gateway.limits import BodyLimitMiddleware
 from gateway.metrics import Metrics
-from gateway.models import ModelRegistry
+from gateway.models import ModelLeases, ModelRegistry, model_status
+from gateway.reloading import Reloader, ReloadRefused
+from gateway.status import RecentErrors, status
+from gateway.status import page as status_page_html
 
 log = logging.getLogger(__name__)
 
 
-def create_app(config: Config) -> FastAPI:
-    """KeyFileError if the keys file cannot be used."""
+def create_app(config: Config, config_path: str | Path | None = None,
+               overrides: dict | None = None) -> FastAPI:  # fmt: skip
+    """KeyFileError if the keys file cannot be used. config_path: the file
+    `config` came from, re-read by a reload (with the command line's
+    `overrides` of server settings applied again)."""
     registry = ModelRegistry(config)
     keys = KeyStore(config.auth.keys_path, open_when_empty=is_loopback(config.server.host))
     if keys.empty:
@@ -50,10 +60,14 @@ def create_app(config: Config) -> FastAPI:
     async def lifespan(app: FastAPI):
         # Models load in the background so /health answers at once and
         # /ready tells when serving can start.
-        loading = asyncio.create_task(registry.load_all())
+        loading = asyncio.create_task(registry.start())
+        hangup = _on_sighup(reloader)
+        errors.attach()
         try:
             yield
         finally:
+            errors.detach()
+            hangup()
             loading.cancel()
             await registry.stop_all()
 
@@ -62,7 +76,24 @@ def create_app(config: Config) -> FastAPI:
     app.state.started_at = int(time.time())
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
+    reloader = Reloader(registry, keys, config, Path(config_path) if config_path else None,
+                        overrides or {})  # fmt: skip
+    errors = RecentErrors()  # the status page's "recent warnings and errors"
     install_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/ui", include_in_schema=False)
+    async def status_page():
+        """The status page: static, its data from /admin/status (gateway/status.py)."""
+        return Response(status_page_html(), media_type="text/html; charset=utf-8", headers={
+            "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                       "style-src 'unsafe-inline'; frame-ancestors 'none'",
+            "Cache-Control": "no-cache"})  # fmt: skip
+
+    @app.get("/admin/status")
+    async def status_data():
+        admin_only()
+        return status(registry, metrics, errors)
 
     # Before the OpenAI router's own /v1/models, which lists every model:
     # a key sees only the models it may use.
@@ -118,39 +149,41 @@ def create_app(config: Config) -> FastAPI:
         served = registry.get(model_id)
         if served is None:
             raise APIError(404, f"model '{model_id}' does not exist", code="model_not_found")
-        if not served.loaded.is_set():
-            raise APIError(409, f"model '{model_id}' is loading", code="model_busy")
         return served
 
     @app.post("/admin/reload")
-    async def reload_keys():
+    async def reload():
+        """Re-read the keys file and the config file (SIGHUP does the same)."""
         admin_only()
         try:
-            count = keys.reload()
-        except KeyFileError as e:
-            raise APIError(400, f"keys not reloaded, the old ones stay: {e}",
-                           code="bad_keys_file") from None
-        log.info("reloaded %d API keys from %s", count, keys.path)
-        return {"keys": count, "names": keys.names}
+            return await reloader.reload()
+        except ReloadRefused as e:
+            raise APIError(400, str(e), code=e.code) from None
+
+    @app.get("/admin/models")
+    async def list_models_admin():
+        """Every configured model with its residency (`specgate models`)."""
+        admin_only()
+        return {"memory_budget": registry.memory_budget, "models_budget": registry.models_budget,
+                "models": [model_status(m) for m in registry.models.values()]}  # fmt: skip
 
     @app.post("/admin/models/{model_id}/unload")
     async def unload_model(model_id: str):
         admin_only()
         served = model_or_404(model_id)
-        if not served.unloaded:
-            await registry.unload(served)
+        if served.loading is not None:
+            raise APIError(409, f"model '{model_id}' is loading", code="model_busy")
+        await registry.unload(served)
         return {"id": model_id, "status": "unloaded"}
 
     @app.post("/admin/models/{model_id}/load")
     async def load_model(model_id: str):
         admin_only()
         served = model_or_404(model_id)
-        if served.engine is None:
-            await registry.load(served)
-        if served.error:
-            raise APIError(500, f"model '{model_id}' failed to load: {served.error}")
+        await registry.ensure_loaded(served)  # 503 with the reason if it cannot
         return {"id": model_id, "status": "ready"}
 
+    app.add_middleware(ModelLeases, registry=registry)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
                        body_timeout_s=config.server.body_timeout_s)
     # Outermost: a request without a valid key costs no body read.
@@ -159,3 +192,21 @@ def create_app(config: Config) -> FastAPI:
                        on_failure=metrics.auth_failed,
                        limiter=FailedAuthLimiter.from_config(config.auth))
     return app
+
+
+def _on_sighup(reloader: Reloader):
+    """SIGHUP reloads, as POST /admin/reload; returns the undo. Only where
+    the loop runs in the main thread (the server; not an in-process test)."""
+    loop = asyncio.get_running_loop()
+
+    async def reload():
+        try:
+            await reloader.reload()
+        except ReloadRefused as e:
+            log.error("SIGHUP: %s", e)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError):  # no SIGHUP here
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)

@@ -1,0 +1,91 @@
+"""Hot reload through a real server: POST /admin/reload and SIGHUP re-read
+the config; a model added appears, one removed goes, one changed is served
+anew, and a stream in flight on an unchanged model completes; a bad file
+changes nothing and says where it is wrong."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+from conftest import start_gateway, stop_gateway
+
+from gateway.cli import main
+
+
+def model(model_id: str, path, **extra) -> dict:
+    return {"id": model_id, "path": str(path), "max_context": 2048, "max_concurrent": 2, **extra}
+
+
+@pytest.fixture
+def reloadable(tiny_model, tmp_path):
+    config = {"models": [model("keep", tiny_model), model("gone", tiny_model),
+                         model("change", tiny_model, mtp_depth=2)]}  # fmt: skip
+    gw = start_gateway(config, tmp_path)
+    gw.config_file = tmp_path / "specgate.yaml"
+    gw.config = yaml.safe_load(gw.config_file.read_text())
+    yield gw
+    stop_gateway(gw)
+
+
+def served(gw) -> set[str]:
+    return {m.id for m in openai.OpenAI(base_url=gw.api, api_key="none").models.list()}
+
+
+def ask(gw, model_id: str) -> str:
+    c = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+    return c.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=2, temperature=0).choices[0].finish_reason  # fmt: skip
+
+
+def rewrite(gw, models: list[dict], **top) -> None:
+    gw.config_file.write_text(yaml.safe_dump(gw.config | {"models": models} | top))
+
+
+def test_reload_adds_removes_and_changes_models_while_a_stream_completes(reloadable, tiny_model):
+    gw = reloadable
+    with httpx.stream("POST", gw.api + "/chat/completions", timeout=120, json={
+            "model": "keep", "messages": [{"role": "user", "content": "count"}], "max_tokens": 1500,
+            "temperature": 0, "stream": True, "ignore_eos": True}) as stream:  # fmt: skip
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        rewrite(gw, [model("keep", tiny_model), model("change", tiny_model, mtp_depth=3),
+                     model("new", tiny_model, load="on_demand")],
+                server=gw.config["server"] | {"max_body_bytes": 12345})  # fmt: skip
+        r = httpx.post(gw.base_url + "/admin/reload", timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["models"] == {"added": ["new"], "removed": ["gone"], "changed": ["change"],
+                                  "unchanged": ["keep"]}  # fmt: skip
+        assert body["restart_needed"] == ["server.max_body_bytes"]
+        assert served(gw) == {"keep", "change", "new"}
+        with pytest.raises(openai.NotFoundError):
+            ask(gw, "gone")
+        assert ask(gw, "new") == "length" and ask(gw, "change") == "length"
+        tail = [line for line in lines if line.startswith("data: ")]
+    assert tail[-1] == "data: [DONE]" and '"finish_reason":"length"' in tail[-2].replace(" ", "")
+    models = {m["id"]: m for m in httpx.get(gw.base_url + "/admin/models").json()["models"]}
+    assert models["keep"]["loads"] == 1  # untouched: never reloaded
+
+
+def test_a_bad_config_changes_nothing_and_sighup_reloads(reloadable, tiny_model, capsys):
+    gw = reloadable
+    rewrite(gw, [model("keep", tiny_model, mtp_depth=99)])
+    r = httpx.post(gw.base_url + "/admin/reload", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_config"
+    assert f"{gw.config_file}: models.0.mtp_depth" in r.json()["error"]["message"]
+    assert served(gw) == {"keep", "gone", "change"} and ask(gw, "gone") == "length"
+    assert main(["reload", "--url", gw.base_url]) == 1  # the CLI says the same
+    assert "400: config not reloaded, the running one stays" in capsys.readouterr().err
+
+    rewrite(gw, [model("keep", tiny_model)])
+    os.kill(gw.process.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while served(gw) != {"keep"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert served(gw) == {"keep"} and ask(gw, "keep") == "length" and gw.alive()

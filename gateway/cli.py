@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -154,31 +155,46 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(_cannot_listen(host, port, e), file=sys.stderr)
         return EXIT_CANNOT_LISTEN
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
-        return _run_server(config, sockets)
+        return _run_server(config, sockets, args.config, overrides,
+                           Path(args.log_file).expanduser() if args.log_file else None)  # fmt: skip
     finally:
         for sock in sockets:
             sock.close()
 
 
-def _run_server(config: Config, sockets: list[socket.socket]) -> int:
+LOG_FILE_BYTES = 10 << 20  # --log-file: rotated at this size,
+LOG_FILES_KEPT = 5  # keeping this many old ones
+
+
+def _run_server(config: Config, sockets: list[socket.socket], config_path: str | None = None,
+                overrides: dict | None = None, log_file: Path | None = None) -> int:  # fmt: skip
     import logging
 
     from gateway.app import create_app
     from gateway.keys import KeyFileError
     from gateway.server import make_server
 
-    logging.basicConfig(
-        level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if log_file is not None:  # a service: one rotated file (gateway/service.py)
+        from logging.handlers import RotatingFileHandler
+
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = RotatingFileHandler(log_file, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILES_KEPT)
+        logging.basicConfig(level=config.server.log_level.upper(), format=fmt, handlers=[handler])
+    else:
+        logging.basicConfig(level=config.server.log_level.upper(), format=fmt)
     # httpx logs every call specgate makes to its llama-servers at INFO.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     try:
-        app = create_app(config)
+        app = create_app(config, config_path, overrides)
     except KeyFileError as e:
         print(f"specgate: {e}", file=sys.stderr)
         return 2
-    server = make_server(app, config)  # bounded headers, a graceful drain (gateway/server.py)
+    # Bounded headers, a graceful drain (gateway/server.py); with a log file,
+    # uvicorn's own loggers write there too.
+    server = make_server(app, config, own_logging=log_file is None)
     # Given sockets, uvicorn says nothing about where it listens.
     for sock in sockets:
         host, port = sock.getsockname()[:2]
@@ -244,11 +260,122 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin(args: argparse.Namespace) -> int:
+    """models / ps / load / unload / reload: the admin API of a running server."""
+    import os
+
+    import httpx
+
+    url = args.url.rstrip("/")
+    key = args.key or os.environ.get("SPECGATE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        if args.command in ("models", "ps"):
+            r = httpx.get(f"{url}/admin/models", headers=headers, timeout=10)
+        elif args.command == "reload":
+            r = httpx.post(f"{url}/admin/reload", headers=headers, timeout=60)
+        else:  # a load waits for the model: minutes for a big one
+            r = httpx.post(f"{url}/admin/models/{args.model}/{args.command}", headers=headers,
+                           timeout=httpx.Timeout(10, read=None if args.command == "load" else 120))  # fmt: skip
+    except httpx.HTTPError as e:
+        print(f"specgate {args.command}: cannot reach {url}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:200]
+        print(f"specgate {args.command}: {r.status_code}: {why}", file=sys.stderr)
+        return 1
+    body = r.json()
+    if args.command == "reload":
+        print(f"keys: {body['keys']}")
+        for what, ids in body.get("models", {}).items():
+            if ids and what != "unchanged":
+                print(f"{what}: {', '.join(ids)}")
+        if body.get("restart_needed"):
+            print(f"changed, applied at the next restart: {', '.join(body['restart_needed'])}")
+        return 0
+    if args.command in ("load", "unload"):
+        print(f"{body['id']}: {body['status']}")
+        return 0
+    rows = [m for m in body["models"] if args.command == "models" or m["state"] != "unloaded"]
+    print(_model_table(rows))
+    gib = 1 << 30
+    used = sum(sum(m["memory"].values()) for m in body["models"])
+    print(f"\nmemory: {used / gib:.2f} GiB of {body['models_budget'] / gib:.2f} GiB for models "
+          f"(server.memory_budget {body['memory_budget'] / gib:.2f} GiB)")  # fmt: skip
+    return 0
+
+
+def _model_table(models: list[dict]) -> str:
+    head = ("MODEL", "STATE", "MEMORY", "ENGINES", "IN FLIGHT", "IDLE", "POLICY")
+    rows = [head]
+    for m in models:
+        memory = sum(m["memory"].values())
+        policy = "pinned" if m["pin"] else (f"ttl {m['idle_ttl_s']:g}s" if m["idle_ttl_s"] else "-")
+        rows.append((m["id"], m["state"], f"{memory / (1 << 30):.2f} GiB" if memory else "-",
+                     ",".join(m["engines"]), str(m["in_flight"]), f"{m['idle_s']:g}s",
+                     f"{m['load']}, {policy}"))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    errors = [f"  {m['id']}: {m['error']}" for m in models if m["error"]]
+    return "\n".join(lines + (["", "errors:", *errors] if errors else []))
+
+
+def _service(args: argparse.Namespace) -> int:
+    from engines.home import specgate_home
+    from gateway import service
+    from gateway.config import ConfigError, load_config
+
+    system = service.current_system()
+    if args.action == "uninstall":
+        path = service.uninstall(system, stop=not args.no_stop)
+        print(f"removed {path}" if path else f"no service installed ({service.service_path(system)})")
+        return 0
+    home = specgate_home().resolve()
+    config = Path(args.config).expanduser().resolve() if args.config else home / "specgate.yaml"
+    if not config.exists():
+        if args.config:
+            print(f"specgate service: {config}: no such file", file=sys.stderr)
+            return 2
+        _write_starter_config(config)
+        print(f"wrote {config} (the demo model; edit it, then `specgate service install` again)")
+    try:
+        load_config(config)  # a service that cannot start would only restart forever
+    except ConfigError as e:
+        print(f"specgate service: bad config, nothing installed\n{e}", file=sys.stderr)
+        return 2
+    spec = service.ServiceSpec(service.this_specgate(), config, home, Path.cwd())
+    try:
+        path, commands = service.install(spec, system, start=not args.no_start)
+    except OSError as e:
+        print(f"specgate service: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}; logs in {spec.log_file}")
+    if args.no_start:
+        print("start it with:\n" + "\n".join("  " + " ".join(c) for c in commands[-1:]))
+    else:
+        print("started; it starts again at login and after any exit")
+    return 0
+
+
+def _write_starter_config(path: Path) -> None:
+    import yaml
+
+    from gateway.config import default_config
+
+    demo = default_config().models[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"models": [{"id": demo.id, "path": demo.path,
+                                                "engines": list(demo.engines)}]}))  # fmt: skip
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("specgate")
+        return version("specgate-llm")  # the distribution; `specgate` on PyPI is another project
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
 
@@ -276,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="YAML config (default: the embedded demo model)")
     serve.add_argument("--host", help="bind address (overrides the config)")
     serve.add_argument("--port", type=int, help="port (overrides the config)")
+    serve.add_argument("--log-file", help="log here, rotated at 10 MiB (5 kept), not to stderr")
     serve.set_defaults(run=_serve)
     keys = sub.add_parser("keys", help="API keys: add, list, revoke")
     where = argparse.ArgumentParser(add_help=False)
@@ -300,6 +428,27 @@ def main(argv: list[str] | None = None) -> int:
     check = config_actions.add_parser("check", help="validate a config file as serve would")
     check.add_argument("file")
     config.set_defaults(run=_config)
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
+    server.add_argument("--key", help="an admin API key (default: $SPECGATE_API_KEY)")
+    sub.add_parser("models", parents=[server], help="a running server's models: state, memory, "
+                   "engines, last use").set_defaults(run=_admin)
+    sub.add_parser("ps", parents=[server], help="the models loaded now").set_defaults(run=_admin)
+    sub.add_parser("reload", parents=[server], help="re-read the config and keys files "
+                   "(as SIGHUP)").set_defaults(run=_admin)
+    for verb, what in (("load", "load a model now"), ("unload", "unload a model (a request loads it again)")):
+        p = sub.add_parser(verb, parents=[server], help=what)
+        p.add_argument("model")
+        p.set_defaults(run=_admin)
+    svc = sub.add_parser("service", help="run specgate as a per-user service (launchd, systemd)")
+    svc_actions = svc.add_subparsers(dest="action", required=True)
+    svc_install = svc_actions.add_parser("install", help="write the service file and start it")
+    svc_install.add_argument("--config", help="the YAML it serves (default: $SPECGATE_HOME/specgate.yaml, "
+                             "written with the demo model if missing)")
+    svc_install.add_argument("--no-start", action="store_true", help="write the file only")
+    svc_uninstall = svc_actions.add_parser("uninstall", help="stop the service and remove its file")
+    svc_uninstall.add_argument("--no-stop", action="store_true", help="remove the file only")
+    svc.set_defaults(run=_service)
     inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
     inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")

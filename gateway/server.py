@@ -82,13 +82,15 @@ class GatewayServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(app: FastAPI, config: Config) -> GatewayServer:
+def make_server(app: FastAPI, config: Config, own_logging: bool = True) -> GatewayServer:
+    """own_logging=False: uvicorn's loggers go to the root logger's handlers."""
     s = config.server
     uv = uvicorn.Config(
         app,
         host=s.host,
         port=s.port,
         log_level=s.log_level,
+        **({} if own_logging else {"log_config": None}),
         http=bounded_headers_protocol(s.max_header_bytes),
         timeout_graceful_shutdown=CLOSE_WAIT_S,
     )

@@ -83,7 +83,7 @@ def test_demo_trainers_keep_their_options():
 def test_version():
     proc, probe = _probe("--version")
     assert probe == {"code": 0, "heavy": []}
-    assert proc.stdout.strip() == f"specgate {version('specgate')}"
+    assert proc.stdout.strip() == f"specgate {version('specgate-llm')}"  # the distribution's name
 
 
 # ---------------------------------------------------------------- serve: the port

@@ -59,7 +59,7 @@ class LiveRequests:
         self.requests: dict[str, LiveRequest] = {}
 
     def begin(self, request_id: str, model: str, key: str, method: str, prompt: int) -> LiveRequest:
-        live = self.requests[request_id] = LiveRequest(model, key, method, prompt)
+        self.requests[request_id] = live = LiveRequest(model, key, method, prompt)
         return live
 
     def end(self, request_id: str) -> None:

@@ -57,7 +57,7 @@ class ServedModel:
     load_waiters: int = 0  # requests waiting for it to load
     last_used: float = field(default_factory=time.monotonic)
     estimate: Footprint | None = None  # before loading (None: not known)
-    counts: ResidencyCounts = field(default_factory=lambda: ResidencyCounts())
+    counts: ResidencyCounts = field(default_factory=ResidencyCounts)
 
     def __post_init__(self) -> None:
         c = self.config

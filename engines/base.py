@@ -40,11 +40,25 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """Output held to a grammar (engines/grammar.py builds these).
+
+    grammar: llguidance's form, compiled from a JSON schema or a Lark
+    grammar; json_schema: the schema as JSON text where the grammar is one
+    (an engine with a grammar format of its own, llama-server, takes that);
+    param: the request parameter that asked for it, for error messages."""
+
+    grammar: str
+    json_schema: str | None
+    param: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy.
 
     Order of application (shared by every engine, see engines/sampling.py):
-    penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+    penalties -> grammar mask -> temperature -> top-k -> top-p -> min-p -> sample.
     """
 
     temperature: float = 1.0
@@ -57,6 +71,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    # Applied after the penalties, before temperature and truncation, to
+    # target and drafts alike (engines/grammar.py).
+    constraint: OutputConstraint | None = None
 
     @property
     def greedy(self) -> bool:

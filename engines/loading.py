@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -14,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engines.base import CacheSettings
+from engines.grammar import Grammars
 from engines.prefix_cache import PrefixCache, set_ram_budget
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,11 @@ class LoadedModel:
     @property
     def max_position_embeddings(self) -> int | None:
         return self.text_config.get("max_position_embeddings")
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Constrained decoding for this model's requests (engines/grammar.py)."""
+        return Grammars(self.tokenizer, self.vocab_size)
 
 
 # Weights load once per path while an engine holds them: when the last

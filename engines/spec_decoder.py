@@ -19,6 +19,14 @@ from: the proposer's own (MTP, DSpark), or, for drafts that come alone
 (DFlash's argmax, text copied from the context), a point mass on each draft:
 d is accepted with probability p(d), and a rejection resamples from p
 without d. That is exact for any drafts, however they were chosen.
+
+Under a grammar (engines/grammar.py) every position's logits are masked by
+the state the grammar reaches after the tokens before it: the drafter's q
+as it draws (proposers/base.Context.draw), the verify's p at each position
+from the committed tokens and the drafts before it. Drafts that come alone
+are cut at the first one the grammar refuses (a draft with p(d) = 0 would
+only be rejected). So p and q are masked alike and the output is the
+constrained target's, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engines.base import GenerationRequest, Handoff, RoundStats, TokenLogprob, TopLogprob
-from engines.proposers.base import Context, Proposer
+from engines.grammar import GrammarState, masked
+from engines.proposers.base import Context, Proposal, Proposer
 from engines.sampling import (
     KeyStream,
     PenaltyState,
@@ -65,6 +74,7 @@ class SpecDecoder:
         tokenizer,
         prefill_step: int = 512,
         undo: Undo = "tape",
+        grammar: GrammarState | None = None,
     ):
         self.target, self.proposer, self.request = target, proposer, request
         self.method = proposer.method
@@ -80,6 +90,7 @@ class SpecDecoder:
             else None
         )
         self.tokenizer = tokenizer
+        self.grammar = grammar  # after self.tokens[prompt_len:]
         self.prefill_step = prefill_step
         self.undo = undo
         self.cold = False  # resumed: the drafter has seen nothing yet
@@ -93,8 +104,11 @@ class SpecDecoder:
         self.tokens = handoff.tokens[: len(handoff.tokens) - n_pending]
         self.generated = handoff.generated - n_pending
         self.keys = handoff.keys
+        generated = self.tokens[len(self.request.prompt_tokens) :]
         if self.penalties is not None:
-            self.penalties = self.penalties.advance(self.tokens[len(self.request.prompt_tokens) :])
+            self.penalties = self.penalties.advance(generated)
+        if self.grammar is not None:
+            self.grammar.advance(generated)
         self.cold = True
         return self._commit(list(handoff.pending), [])
 
@@ -141,6 +155,8 @@ class SpecDecoder:
         logits = self.target.logits(self._prefill_hidden[:, -1:])[0, -1]
         self._prefill_hidden = None
         adjusted = penalised(logits, self.penalties, self.params)
+        if self.grammar is not None:
+            adjusted = masked(adjusted, self.grammar.allowed())
         token = int(sample(adjusted, self.params, self.keys.next()).item())
         return self._commit([token], [adjusted])
 
@@ -155,6 +171,9 @@ class SpecDecoder:
         # Drafting and verifying build one lazy graph: the only wait is for
         # the verdict, once per round (the drafts start computing early).
         proposal = self.proposer.propose(self._context(), depth) if depth > 0 else None
+        if self.grammar is not None:
+            self.grammar.undo_drafts()
+            proposal = self._grammatical(proposal)
         depth = 0 if proposal is None else proposal.drafts.shape[0]
         verify_arr = mx.array([last])
         if depth:  # the device drafts while this thread builds the verify graph
@@ -172,6 +191,10 @@ class SpecDecoder:
         for j in range(depth):
             states.append(advanced(states[-1], verify_arr[j + 1 : j + 2]))
         adjusted = [penalised(logits[j], states[j], self.params) for j in range(depth + 1)]
+        if self.grammar is not None:  # the masks, on the CPU while the verify runs
+            mx.async_eval(adjusted)
+            masks = mx.array(self.grammar.masks_along(proposal.drafts.tolist() if depth else []))
+            adjusted = [masked(a, masks[j]) for j, a in enumerate(adjusted)]
         if self.params.greedy:
             argmax = mx.argmax(mx.stack(adjusted), axis=-1)
             mx.eval(verify_arr, argmax)
@@ -212,7 +235,21 @@ class SpecDecoder:
 
     def _context(self) -> Context:
         return Context(self.tokens, len(self.request.prompt_tokens), self.params, self.penalties,
-                       self.keys)  # fmt: skip
+                       self.keys, self.grammar)  # fmt: skip
+
+    def _grammatical(self, proposal: Proposal | None) -> Proposal | None:
+        """The proposal cut before its first draft the grammar refuses (drawn
+        under the mask, a proposer's own drafts all stand; copied or argmax
+        drafts may not). One wait: the drafts are needed as values."""
+        if proposal is None:
+            return None
+        drafts = proposal.drafts.tolist()
+        n = self.grammar.valid_prefix(drafts)
+        if n == len(drafts):
+            return proposal
+        if n == 0:
+            return None
+        return Proposal(proposal.drafts[:n], None if proposal.q is None else proposal.q[:n])
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -233,6 +270,8 @@ class SpecDecoder:
                 break
         if self.penalties is not None:
             self.penalties = self.penalties.advance(out)
+        if self.grammar is not None:
+            self.grammar.advance(self.tokens[len(self.tokens) - len(out) - (finish == "stop") :])
         logprobs = None
         if self.params.logprobs and out:
             logprobs = [self._logprob(t, a) for t, a in zip(out, adjusted, strict=False)]

@@ -117,8 +117,10 @@ class SpecEngine(WorkerEngine):
     def make_decoder(
         self, request: GenerationRequest, cache: list | None, cached_tokens: int
     ) -> SpecDecoder:
+        grammar = self.loaded.grammars.state(request.sampling.constraint)
         return SpecDecoder(self.target, self.drafting.proposer(self.target), request, cache,
-                           cached_tokens, self.tokenizer, self.prefill_step_size)  # fmt: skip
+                           cached_tokens, self.tokenizer, self.prefill_step_size,
+                           grammar=grammar)  # fmt: skip
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None

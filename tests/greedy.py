@@ -15,13 +15,15 @@ NEAR_TIE = 1e-4
 
 
 def greedy_reference(
-    model, prompt: list[int], max_tokens: int, eos: frozenset[int] = frozenset()
+    model, prompt: list[int], max_tokens: int, eos: frozenset[int] = frozenset(),
+    logits_processors: list | None = None,
 ) -> tuple[list[int], list[float]]:
     """Plain mlx-lm greedy decoding: tokens (cut before EOS) and, at each
-    position, the top1-top2 logit margin."""
+    position, the top1-top2 logit margin (after the processors)."""
     tokens, margins = [], []
     for token, logprobs in generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda lp: mx.argmax(lp, axis=-1)
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
+        logits_processors=logits_processors,
     ):
         if token in eos:
             break

@@ -36,6 +36,7 @@ from engines.base import (
     TokenLogprob,
     TopLogprob,
 )
+from engines.grammar import GrammarState, masked
 from engines.loading import LoadedModel
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from engines.worker import WorkerEngine, deliver
@@ -80,6 +81,24 @@ class _PenaltyProcessor:
             self.state = self.state.advance(context[self.seen :].tolist())
             self.seen = context.size
         return apply_penalties(logits, self.state, self.params)
+
+
+class _GrammarProcessor:
+    """mlx-lm logits processor masking by the request's grammar
+    (engines/grammar.py); like _PenaltyProcessor, it reads the generated
+    tokens from the context mlx-lm hands it. Listed after the penalties,
+    so the mask comes between them and the sampler's truncation, as in the
+    speculative engines."""
+
+    def __init__(self, request: GenerationRequest, grammar: GrammarState):
+        self.grammar = grammar
+        self.seen = len(request.prompt_tokens)
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if context.size > self.seen:
+            self.grammar.advance(context[self.seen :].tolist())
+            self.seen = context.size
+        return masked(logits, self.grammar.allowed())
 
 
 @dataclass
@@ -260,6 +279,9 @@ class MLXPlainEngine(WorkerEngine):
             else _RequestSampler(request, slot.keys)
         )
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
+        grammar = self.loaded.grammars.state(sampling.constraint)
+        if grammar is not None:
+            processors.append(_GrammarProcessor(request, grammar))
         stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
         if resume is not None:
             rest = [rest]

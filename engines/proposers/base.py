@@ -35,6 +35,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from engines.base import Method, SamplingParams
+from engines.grammar import GrammarState, masked
 from engines.prefix_cache import DrafterState
 from engines.sampling import KeyStream, PenaltyState, penalised, probabilities
 from engines.targets import Forward, Target
@@ -55,6 +56,10 @@ class Context:
     params: SamplingParams
     penalties: PenaltyState | None  # after `tokens`; None without penalties
     keys: KeyStream  # the request's random keys (the decoder draws from them too)
+    # The request's grammar, after `tokens`, or None. `draw` masks by it and
+    # pushes each draft (so the next draw sees the state after it); the
+    # decoder takes the pushes back after `propose`.
+    grammar: GrammarState | None = None
 
     @property
     def last(self) -> int:
@@ -66,13 +71,22 @@ class Context:
 
     def draw(self, logits: mx.array, state: PenaltyState | None) -> tuple[mx.array, mx.array | None]:
         """A draft from the request's own distribution (penalties from
-        `state`, the same truncation as the target's): the argmax when
-        greedy; else a sample and the q it was drawn from."""
+        `state`, the grammar's mask, the same truncation as the target's):
+        the argmax when greedy; else a sample and the q it was drawn from.
+        Under a grammar each draft is computed at once (its successor's mask
+        depends on it)."""
         logits = penalised(logits, state, self.params)
+        q = None
+        if self.grammar is not None:
+            logits = masked(logits, self.grammar.allowed())
         if self.params.greedy:
-            return mx.argmax(logits, keepdims=True), None
-        q = probabilities(logits, self.params)
-        return mx.random.categorical(mx.log(q), key=self.keys.next())[None], q
+            token = mx.argmax(logits, keepdims=True)
+        else:
+            q = probabilities(logits, self.params)
+            token = mx.random.categorical(mx.log(q), key=self.keys.next())[None]
+        if self.grammar is not None:
+            self.grammar.draft(int(token.item()))
+        return token, q
 
 
 class Proposer(Protocol):

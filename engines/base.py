@@ -44,8 +44,8 @@ class OutputConstraint:
     """Output held to a grammar (engines/grammar.py builds these).
 
     grammar: llguidance's form, compiled from a JSON schema or a Lark
-    grammar; json_schema: the schema as JSON text where the grammar is one
-    (an engine with a grammar format of its own, llama-server, takes that);
+    grammar; json_schema: the schema as JSON text where the grammar is just
+    that (llama-server takes it in its own form), None for other grammars;
     param: the request parameter that asked for it, for error messages."""
 
     grammar: str

@@ -31,7 +31,7 @@ NEG_INF = float("-inf")
 
 # Separators fixed to one space and no free whitespace elsewhere: a
 # flexible-whitespace grammar lets a small model emit newlines forever.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -42,11 +42,11 @@ def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
     """Output that is one JSON value matching `schema` (None: any JSON object)."""
     body = {"type": "object"} if schema is None else schema
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(body, defaults=_JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:  # llguidance reports a bad schema as ValueError
         raise GrammarError(f"{param}: {e}") from None
     check(grammar, param)
-    return OutputConstraint(grammar, None if schema is None else json.dumps(schema), param)
+    return OutputConstraint(grammar, json.dumps(body), param)
 
 
 def lark_constraint(lark: str, param: str) -> OutputConstraint:

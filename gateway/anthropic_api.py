@@ -16,11 +16,12 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway import structured
 from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from gateway.chat import ClientGone, first_piece, render_chat, until_disconnect
 from gateway.errors import APIError
@@ -167,8 +168,10 @@ async def messages(body: MessagesRequest, request: Request):
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
     stops = check_stops(body.stop_sequences, "stop_sequences")
+    output = structured.constraint(None, body.forced_tools, [], chat.tool_format)
     req = plan_request(
-        served, engine, request.headers, chat.tokens, body.sampling(), body.max_tokens,
+        served, engine, request.headers, chat.tokens, replace(body.sampling(), constraint=output),
+        body.max_tokens,
         prompt_text=messages[-1]["content"], boundaries=chat.boundaries,
     )  # fmt: skip
     usage = Usage(len(chat.tokens))

@@ -23,6 +23,7 @@ from pydantic import (
 
 from engines.base import SamplingParams
 from gateway.openai_schema import refuse_lone_surrogates
+from gateway.structured import ForcedTools
 
 # Fields Anthropic defines that specgate cannot honour, with what to say.
 UNSUPPORTED = {
@@ -140,15 +141,12 @@ class ToolChoice(BaseModel):
 
     type: Literal["auto", "none", "any", "tool"]
     name: StrictStr | None = None
-    disable_parallel_tool_use: StrictBool = False  # a hint; the model decides
+    disable_parallel_tool_use: StrictBool = False  # with any or tool: one call
 
     @model_validator(mode="after")
-    def honourable(self):
-        if self.type in ("any", "tool"):
-            raise ValueError(
-                f'type "{self.type}" forces a tool call, which needs constrained decoding; '
-                'specgate does not do that: use "auto" or "none"'
-            )
+    def named(self):
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError('name: given with type "tool", and only then')
         return self
 
 
@@ -217,6 +215,14 @@ class _Conversation(BaseModel):
     @property
     def parse_tools(self) -> bool:
         return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
+
+    @property
+    def forced_tools(self) -> ForcedTools | None:
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        return ForcedTools(self.template_tools, choice.name, not choice.disable_parallel_tool_use,
+                           "tool_choice")  # fmt: skip
 
 
 class CountTokensRequest(_Conversation):

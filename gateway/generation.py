@@ -181,6 +181,9 @@ def plan_request(
             param=max_tokens_param,
             code="context_length_exceeded",
         )
+    if ignore_eos and sampling.constraint is not None:
+        raise APIError(400, f"ignore_eos: cannot be combined with {sampling.constraint.param}, "
+                            "whose output ends where the grammar does", param="ignore_eos")
     method, depth = _override(headers)
     content = content_class(prompt_text) if prompt_text else "prose"
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content)

@@ -6,11 +6,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engines.base import TokenLogprob
+from gateway import structured
 from gateway.chat import ClientGone, first_piece, render_chat, until_disconnect
 from gateway.errors import APIError
 from gateway.generation import (
@@ -181,7 +183,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
     prompt = chat.tokens
     limit, limit_param = body.token_limit
-    sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
+    json_output = body.response_format.json_output() if body.response_format else None
+    output = structured.constraint(json_output, body.forced_tools,
+                                   body.template_tools if chat.tool_format else [], chat.tool_format)
+    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
                        body.ignore_eos, prompt_text=messages[-1]["content"],

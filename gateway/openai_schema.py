@@ -20,12 +20,12 @@ from pydantic import (
 )
 
 from engines.base import SamplingParams
+from gateway.structured import ForcedTools, JsonOutput
 
 # Fields we know and cannot honour yet, with what to tell the client.
 UNSUPPORTED = {
     "functions": "the legacy `functions` field is not supported; send `tools`",
     "function_call": "the legacy `function_call` field is not supported; send `tool_choice`",
-    "response_format": "structured output (response_format) is not supported yet",
     "logit_bias": "logit_bias is not supported yet",
     "best_of": "best_of is not supported",
     "suffix": "suffix (insertion) is not supported",
@@ -37,7 +37,6 @@ UNSUPPORTED = {
 HARMLESS_DEFAULTS = {
     "functions": ([], None),
     "function_call": ("none", "auto", None),
-    "response_format": ({"type": "text"}, None),
     "logit_bias": ({}, None),
     "best_of": (1, None),
     "suffix": (None, ""),
@@ -141,13 +140,6 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("strict")
-    @classmethod
-    def not_strict(cls, v):
-        if v:
-            raise ValueError("strict function calling needs constrained decoding, which "
-                             "specgate does not do; leave strict unset or false")
-        return v
 
 
 class Tool(BaseModel):
@@ -226,6 +218,29 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class JsonSchemaFormat(BaseModel):
+    name: FunctionName
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema: given with type "json_schema", and only then')
+        return self
+
+    def json_output(self, param: str = "response_format") -> JsonOutput | None:
+        if self.type == "text":
+            return None
+        return JsonOutput(self.json_schema.schema_ if self.json_schema else None, param)
+
+
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -233,17 +248,33 @@ class ChatCompletionRequest(_Body):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # a hint; the model decides how many it makes
+    parallel_tool_calls: bool | None = None  # false: a forced call is one call
+    response_format: ResponseFormat | None = None
 
     @field_validator("tool_choice")
     @classmethod
-    def honourable_tool_choice(cls, choice, info):
+    def tools_to_choose(cls, choice, info):
         if not info.data.get("tools") and choice not in (None, "none", "auto"):
             raise ValueError("the request has no tools to choose from")
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise ValueError("forcing a tool call needs constrained decoding, which specgate "
-                             "does not do; use \"auto\" or \"none\"")
         return choice
+
+    @model_validator(mode="after")
+    def strict_when_forced(self):
+        # A strict function's arguments follow its schema only where the
+        # grammar holds the output to calls: a forced call.
+        if any(t.function.strict for t in self.tools or []) and self.forced_tools is None:
+            raise ValueError("tools: strict functions are honoured with a forced call only "
+                             '(tool_choice "required" or a named function); leave strict unset '
+                             'or false with tool_choice "auto"')
+        return self
+
+    @property
+    def forced_tools(self) -> ForcedTools | None:
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            name = None if self.tool_choice == "required" else self.tool_choice.function.name
+            return ForcedTools(self.template_tools, name, self.parallel_tool_calls is not False,
+                               "tool_choice")  # fmt: skip
+        return None
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:

@@ -159,8 +159,8 @@ BAD = {
     "last message from assistant": dict(messages=[*MSG, {"role": "assistant", "content": "x"}]),
     "tools on a template without tools": dict(tools=[{"name": "f", "input_schema": {
         "type": "object"}}]),
-    "forced tool choice": dict(tools=[{"name": "f", "input_schema": {"type": "object"}}],
-                               tool_choice={"type": "any"}),
+    "tool choice without a name": dict(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                       tool_choice={"type": "tool"}),
     "thinking": dict(thinking={"type": "enabled", "budget_tokens": 1024}),
     "too many stop sequences": dict(stop_sequences=[f"s{i}" for i in range(40)]),
     "max_tokens beyond context": dict(max_tokens=10**6),

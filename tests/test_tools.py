@@ -298,12 +298,44 @@ def _served(gw) -> list[dict]:
     return yaml.safe_load(cfg.read_text())["models"]
 
 
-def test_forced_tool_choice_is_refused(tool_gateway):
+def _valid_weather_args(arguments: dict) -> bool:
+    return (set(arguments) <= {"city", "days"} and isinstance(arguments.get("city"), str)
+            and isinstance(arguments.get("days", 0), int))  # fmt: skip
+
+
+@pytest.mark.parametrize("model", list(FORMATS))
+def test_forced_tool_calls(tool_gateway, model):
+    """tool_choice "required" / a named function (OpenAI), "any" / "tool"
+    (Anthropic): the output is calls in the model's format, arguments of the
+    tool's schema, and no text, though this model answers with text first
+    (hermes) when free to."""
     client = openai.OpenAI(base_url=tool_gateway.api, api_key="unused", max_retries=0)
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(
-                model="hermes", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4
-            )
-        assert err.value.body["param"] == "tool_choice"
-        assert "constrained decoding" in err.value.body["message"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, stream in (("required", False), (named, True)):
+        kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+                  max_tokens=100, parallel_tool_calls=False)
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+            calls = [t.function for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice_ = client.chat.completions.create(**kw).choices[0]
+            assert not choice_.message.content
+            calls, finish = [t.function for t in choice_.message.tool_calls], choice_.finish_reason
+        assert finish == "tool_calls" and [c.name for c in calls] == ["get_weather"]
+        assert _valid_weather_args(json.loads(calls[0].arguments))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.body["param"] == "tool_choice" and "nope" in err.value.body["message"]
+
+    claude = anthropic.Anthropic(base_url=tool_gateway.base_url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        msg = claude.messages.create(model=model, messages=ASK, tools=tools, tool_choice=choice,
+                                     max_tokens=100, extra_body={"temperature": 0})
+        assert msg.stop_reason == "tool_use"
+        assert [b.type for b in msg.content] == ["tool_use"]
+        assert msg.content[0].name == "get_weather" and _valid_weather_args(msg.content[0].input)

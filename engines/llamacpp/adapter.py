@@ -20,10 +20,16 @@ from specgate's sampling (engines/sampling.py), and what we do about it:
 - Seeds: honoured (same seed, same output on the same server), but llama.cpp
   draws its own random stream, so a seed does not reproduce an MLX engine's
   sample; the distribution is the same.
+- Grammars: a JSON-schema constraint goes as `json_schema` (llama.cpp turns
+  it into its own grammar). llama.cpp samples first and masks only to
+  resample a token the grammar refuses, which is the masked distribution
+  greedy but not above temperature 0: refused there, and for grammars that
+  are not one JSON schema (a forced tool call).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engines.base import (
@@ -57,6 +63,23 @@ def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
             "logprobs: llama-server reports no token probabilities for tokens produced by "
             "speculation",
             "logprobs",
+        )
+    constraint = sampling.constraint
+    if constraint is not None and constraint.json_schema is None:
+        return Refusal(
+            "unsupported_params",
+            f"{constraint.param}: llama-server takes a JSON schema for the whole output; this "
+            "needs a grammar of specgate's own (a forced tool call in the model's format)",
+            constraint.param,
+        )
+    if constraint is not None and not sampling.greedy:
+        return Refusal(
+            "unsupported_params",
+            f"{constraint.param}: llama-server applies a grammar after its samplers (it samples, "
+            "then resamples from the masked distribution if the token breaks the grammar), so "
+            "above temperature 0 it does not sample specgate's masked distribution; use "
+            "temperature 0, or an MLX engine",
+            constraint.param,
         )
     if sampling.logprobs and sampling.repetition_penalty != 1.0:
         return Refusal(
@@ -103,6 +126,8 @@ def completion_body(request: GenerationRequest) -> dict:
     }
     if s.logprobs:
         body["n_probs"] = max(1, s.top_logprobs)
+    if s.constraint is not None:  # refusal() let only JSON schemas through
+        body["json_schema"] = json.loads(s.constraint.json_schema)
     return body
 
 

@@ -38,6 +38,8 @@ from gateway.limits import BodyLimitMiddleware
 from gateway.metrics import Metrics
 from gateway.models import ModelLeases, ModelRegistry, model_status
 from gateway.reloading import Reloader, ReloadRefused
+from gateway.responses_api import ResponseStore
+from gateway.responses_api import router as responses_router
 from gateway.status import RecentErrors, status
 from gateway.status import page as status_page_html
 
@@ -76,6 +78,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.started_at = int(time.time())
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
+    app.state.responses = ResponseStore()  # for previous_response_id (gateway/responses_api.py)
     reloader = Reloader(registry, keys, config, Path(config_path) if config_path else None,
                         overrides or {})  # fmt: skip
     errors = RecentErrors()  # the status page's "recent warnings and errors"
@@ -105,6 +108,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
         return listing
 
     app.include_router(openai_api.router)
+    app.include_router(responses_router)
     app.include_router(anthropic_router)
 
     @app.get("/health")

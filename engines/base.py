@@ -208,6 +208,9 @@ class RoundStats:
     # context drafts fewer, or none, where nothing longer matched. None: as
     # many as it drafted.
     depth: int | None = None
+    # Masked by a grammar (engines/grammar.py): a round then also waits for
+    # its drafts and computes masks, so the policy learns its cost apart.
+    constrained: bool = False
 
     @property
     def accepted(self) -> int:

@@ -25,7 +25,7 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
-from engines.base import OutputConstraint
+from engines.base import EngineError, OutputConstraint
 
 NEG_INF = float("-inf")
 
@@ -34,8 +34,10 @@ NEG_INF = float("-inf")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled, or a sequence it cannot follow."""
+class GrammarError(EngineError):
+    """A grammar that cannot be compiled, or a sequence it cannot follow
+    (the gateway checks grammars before a request runs: while it runs,
+    this is the engine failing that request)."""
 
 
 def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
@@ -79,8 +81,12 @@ class Grammars:
             if self._ll is None:
                 hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
                 eos = sorted(getattr(self._tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
-                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                        eos_token=eos)  # fmt: skip
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                            eos_token=eos)  # fmt: skip
+                except Exception as e:  # e.g. a slow (non-`tokenizers`) tokenizer
+                    raise GrammarError(f"this model's tokenizer cannot drive constrained "
+                                       f"decoding: {e}") from None
             return self._ll
 
     def state(self, constraint: OutputConstraint | None) -> GrammarState | None:

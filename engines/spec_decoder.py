@@ -230,6 +230,7 @@ class SpecDecoder:
             seconds=time.perf_counter() - t0,
             context_tokens=context,
             depth=asked,
+            constrained=self.grammar is not None,
         )
         return step
 

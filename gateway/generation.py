@@ -185,8 +185,11 @@ def plan_request(
         raise APIError(400, f"ignore_eos: cannot be combined with {sampling.constraint.param}, "
                             "whose output ends where the grammar does", param="ignore_eos")
     method, depth = _override(headers)
-    content = content_class(prompt_text) if prompt_text else "prose"
-    features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content)
+    constrained = sampling.constraint is not None
+    content = ("structured" if constrained else content_class(prompt_text) if prompt_text
+               else "prose")  # fmt: skip
+    features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content,
+                               constrained)  # fmt: skip
     try:
         plan, planner = served.policy.start(features, served.planning_state())
     except OverrideError as e:

@@ -3,16 +3,18 @@
 Drafters accept far more of code than of prose (the demo's MTP head: 0.62
 vs 0.55 per draft; published DFlash numbers differ more), so one running
 acceptance rate per model and method would plan code with prose's numbers
-and the other way round. Two classes keep it bounded: a metric label and a
-policy key, not a taxonomy.
+and the other way round. Output held to a grammar (structured outputs,
+forced tool calls) is a third class: the grammar fixes many tokens, and
+masks the drafts' distributions, so its acceptance is its own. Three
+classes keep it bounded: a metric label and a policy key, not a taxonomy.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-ContentClass = Literal["code", "prose"]
-CONTENT_CLASSES: tuple[ContentClass, ...] = ("code", "prose")
+ContentClass = Literal["code", "prose", "structured"]
+CONTENT_CLASSES: tuple[ContentClass, ...] = ("code", "prose", "structured")
 _CODE_MARKS = set("{}[]();=<>_#:")
 _SAMPLE_CHARS = 4000  # the end of the prompt: what the model continues from
 

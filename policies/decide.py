@@ -68,6 +68,7 @@ class RequestFeatures:
     forced_method: Method | None = None
     forced_depth: int | None = None
     content: ContentClass = "prose"  # whose acceptance rates the caller plans with
+    constrained: bool = False  # held to a grammar: whose round costs it plans with
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,15 @@ class Estimate:
 class LiveCosts:
     """Running round costs of one model, fed by its engines' RoundStats."""
 
-    def __init__(self, alpha: float = 0.1, min_samples: int = 4):
+    def __init__(self, alpha: float = 0.1, min_samples: int = 4,
+                 fallback: LiveCosts | None = None):  # fmt: skip
         self.alpha = alpha
         self.min_samples = min_samples  # before an estimate is used
         # (method, depth, bucket) -> estimate; plain steps are ("none", B, bucket).
         self._rounds: dict[tuple[Method, int, int], RunningEstimate] = {}
+        # Where this one has not measured a shape, the other's estimate (a
+        # grammar's rounds start from the unconstrained costs, then learn).
+        self.fallback = fallback
 
     def observe(self, stats: RoundStats) -> None:
         if stats.seconds <= 0:
@@ -91,12 +95,15 @@ class LiveCosts:
         """The trusted estimate of a plain step of batch `width` ("none") or
         a round at depth `width`, in this context bucket."""
         e = self._rounds.get((method, width, bucket))
-        return e if e is not None and e.count >= self.min_samples else None
+        if e is not None and e.count >= self.min_samples:
+            return e
+        return self.fallback.get(method, width, bucket) if self.fallback else None
 
     def measured(self, method: Method, bucket: int | None = None) -> dict[tuple[int, int], RunningEstimate]:
         """(width, bucket) -> estimate of every trusted one of this method."""
-        return {(w, b): e for (m, w, b), e in self._rounds.items()
-                if m == method and e.count >= self.min_samples and bucket in (None, b)}  # fmt: skip
+        own = {(w, b): e for (m, w, b), e in self._rounds.items()
+               if m == method and e.count >= self.min_samples and bucket in (None, b)}  # fmt: skip
+        return (self.fallback.measured(method, bucket) if self.fallback else {}) | own
 
     def snapshot(self) -> dict[tuple[Method, int, int], RunningEstimate]:
         return {k: e for k, e in self._rounds.items() if e.count >= self.min_samples}

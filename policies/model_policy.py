@@ -91,6 +91,9 @@ class LivePolicy:
         self.timed = timed
         self.acceptance = AcceptanceTracker()
         self.costs = LiveCosts()
+        # Rounds under a grammar wait for their drafts and compute masks: their
+        # costs are learned apart, starting from the unconstrained ones.
+        self.constrained_costs = LiveCosts(fallback=self.costs)
         self._explorers = {c: Explorer(every=explore_every) for c in CONTENT_CLASSES}
         self._lock = threading.Lock()
 
@@ -101,20 +104,21 @@ class LivePolicy:
     def observe(self, stats: RoundStats, content: ContentClass) -> None:
         with self._lock:
             self.acceptance.update(stats, content)
-            self.costs.observe(stats)
+            (self.constrained_costs if stats.constrained else self.costs).observe(stats)
 
-    def view(self) -> CostView | None:
+    def view(self, constrained: bool = False) -> CostView | None:
         """The round costs to plan with, or None when nothing can be known
         (no prior and no engine that times its rounds)."""
         prior = self.prior()
-        return CostView(self.costs, prior) if prior is not None or self.timed else None
+        costs = self.constrained_costs if constrained else self.costs
+        return CostView(costs, prior) if prior is not None or self.timed else None
 
     def start(self, features: RequestFeatures, live: LiveState) -> tuple[Plan, RequestPlanner | FixedPlanner]:
         """The plan a new request starts on, and its planner (raises
         OverrideError on a bad override)."""
         with self._lock:
             acceptance = self.acceptance.rates(self.model_id, features.content)
-            view = self.view()
+            view = self.view(features.constrained)
             plan = decide(self.policy, features, live, view, acceptance)
             if plan.reason in _FIXED_REASONS:
                 return plan, FixedPlanner(plan)
@@ -153,7 +157,7 @@ class LivePolicy:
 
     def next_round(self, features: RequestFeatures, live: LiveState, incumbent: Method) -> Plan:
         with self._lock:
-            return decide(self.policy, features, live, self.view(),
+            return decide(self.policy, features, live, self.view(features.constrained),
                           self.acceptance.rates(self.model_id, features.content), incumbent)
 
 

@@ -63,6 +63,21 @@ def test_live_costs_skip_the_warm_up_cap_stalls_and_wait_for_samples():
     assert costs.measured("mtp") == {}
 
 
+def test_rounds_under_a_grammar_are_costed_apart_from_the_unconstrained_ones():
+    p = live_policy()
+    for _ in range(10):
+        p.observe(spec(2, 0, 0.010), "prose")
+    assert p.view(constrained=True).round("mtp", 2, 100).seconds == pytest.approx(0.010)
+    for _ in range(10):  # masks and a wait per draft make constrained rounds dearer
+        p.observe(RoundStats("m", "mtp", 2, [True, False], 3, 0.030, 100, constrained=True),
+                  "structured")
+    assert p.view(constrained=True).round("mtp", 2, 100).seconds == pytest.approx(0.030)
+    assert p.view().round("mtp", 2, 100).seconds == pytest.approx(0.010)  # untouched
+    # ... and their acceptance is the "structured" class's own.
+    assert p.acceptance.rates("m", "structured")["mtp"] == [1.0, 0.0]
+    assert p.acceptance.rates("m", "prose")["mtp"] == [0.0]
+
+
 def test_cost_view_prefers_live_then_the_scaled_prior_then_a_line_through_depth_zero():
     live = LiveCosts(min_samples=1)
     view = CostView(live, None)

@@ -36,7 +36,7 @@ from engines.base import (
     TokenLogprob,
     TopLogprob,
 )
-from engines.grammar import GrammarState, masked
+from engines.grammar import GrammarError, GrammarState, masked
 from engines.loading import LoadedModel
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from engines.worker import WorkerEngine, deliver
@@ -93,12 +93,21 @@ class _GrammarProcessor:
     def __init__(self, request: GenerationRequest, grammar: GrammarState):
         self.grammar = grammar
         self.seen = len(request.prompt_tokens)
+        # Raising here would fail the whole batch step: the worker ends this
+        # request with the error after the step instead.
+        self.error: GrammarError | None = None
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        if context.size > self.seen:
-            self.grammar.advance(context[self.seen :].tolist())
-            self.seen = context.size
-        return masked(logits, self.grammar.allowed())
+        if self.error is not None:
+            return logits
+        try:
+            if context.size > self.seen:
+                self.grammar.advance(context[self.seen :].tolist())
+                self.seen = context.size
+            return masked(logits, self.grammar.allowed())
+        except GrammarError as e:
+            self.error = e
+            return logits
 
 
 @dataclass
@@ -116,6 +125,7 @@ class _Slot:
     started: bool = False
     generated: int = 0  # output tokens so far, earlier engines' included
     keys: KeyStream | None = None
+    grammar: _GrammarProcessor | None = None
 
     def post(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -211,6 +221,7 @@ class MLXPlainEngine(WorkerEngine):
                         by_loop.setdefault(slot.loop, []).append((slot.out, event))
                 for loop, items in by_loop.items():
                     loop.call_soon_threadsafe(deliver, items)
+                self._end_broken_grammars()
                 if len(self._slots) == 1:
                     self._maybe_hand_off(next(iter(self._slots.values())))
             except Exception as exc:  # a failed step fails its batch, not the server
@@ -229,7 +240,18 @@ class MLXPlainEngine(WorkerEngine):
     def _step_stats(self, decoding: list[_Slot], seconds: float) -> RoundStats:
         contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
         return RoundStats(self.model_id, "none", 0, seconds=seconds, batch=len(decoding),
-                          context_tokens=sum(contexts) // max(1, len(contexts)))  # fmt: skip
+                          context_tokens=sum(contexts) // max(1, len(contexts)),
+                          constrained=any(s.grammar is not None for s in decoding))  # fmt: skip
+
+    def _end_broken_grammars(self) -> None:
+        """End the requests whose grammar failed in the step (its processor
+        kept the error), and only those."""
+        for uid, slot in list(self._slots.items()):
+            if slot.grammar is not None and slot.grammar.error is not None:
+                self._batch.remove([uid])
+                del self._slots[uid]
+                self._running -= slot.started
+                slot.post(slot.grammar.error)
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued submits and cancels; False once asked to stop."""
@@ -279,9 +301,14 @@ class MLXPlainEngine(WorkerEngine):
             else _RequestSampler(request, slot.keys)
         )
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
-        grammar = self.loaded.grammars.state(sampling.constraint)
+        try:
+            grammar = self.loaded.grammars.state(sampling.constraint)
+        except GrammarError as e:  # this request's alone: the batch goes on
+            slot.post(e)
+            return
         if grammar is not None:
-            processors.append(_GrammarProcessor(request, grammar))
+            slot.grammar = _GrammarProcessor(request, grammar)
+            processors.append(slot.grammar)
         stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
         if resume is not None:
             rest = [rest]

@@ -18,7 +18,7 @@ from fastapi import Request
 from engines.base import Engine, EngineError, MessageBoundaries
 from gateway.errors import APIError
 from gateway.generation import Piece
-from gateway.tools import ToolCallStream, ToolFormat, parameter_types, tool_format
+from gateway.tools import ToolCallStream, ToolFormat, tool_format
 
 T = TypeVar("T")
 
@@ -61,13 +61,13 @@ async def first_piece(request: Request, pieces: AsyncIterator[Piece]) -> Piece |
 class ChatPrompt:
     tokens: list[int]
     tool_format: ToolFormat | None  # set when the output is parsed for tool calls
-    parameter_types: dict[str, dict[str, str]]
+    tools: list[dict]  # OpenAI-shaped, as the parsers read parameter types
     boundaries: MessageBoundaries = MessageBoundaries()  # for the prefix cache
 
     def tool_stream(self) -> ToolCallStream | None:
         if self.tool_format is None:
             return None
-        return ToolCallStream(self.tool_format, self.parameter_types)
+        return ToolCallStream(self.tool_format, self.tools)
 
 
 async def render_chat(
@@ -99,8 +99,8 @@ async def render_chat(
             raise APIError(
                 400,
                 f"tools: model '{model_id}' calls tools in a format specgate "
-                "cannot parse (supported: Qwen3 hermes-style JSON and "
-                "Qwen3.5/Qwen3-Coder XML tool calls)",
+                "cannot parse (it parses the formats mlx-lm's tool parsers know: "
+                "Qwen's JSON and XML calls, Mistral, GLM, Kimi, MiniMax, Gemma, ...)",
                 param="tools",
                 code="tools_unsupported",
             )
@@ -126,4 +126,4 @@ async def render_chat(
         ) from None
     marks = (await engine.message_boundaries(messages, tools or None, tokens) if boundaries
              else MessageBoundaries())  # fmt: skip
-    return ChatPrompt(tokens, fmt if parse_tools else None, parameter_types(tools), marks)
+    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks)

@@ -230,7 +230,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def final(text, ids, lps, finish) -> dict:
         calls = []
         if chat.tool_format is not None:
-            text, calls = split_output(text, chat.tool_format, chat.parameter_types)
+            text, calls = split_output(text, chat.tool_format, chat.tools)
         message = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = _tool_calls(calls)

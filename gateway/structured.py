@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engines.base import OutputConstraint
 from engines.grammar import JSON_OPTIONS, GrammarError, json_constraint, lark_constraint
 from gateway.errors import APIError
-from gateway.tools import CALL_END, CALL_START, ToolFormat
+from gateway.tools import CALL_END, CALL_START, GRAMMAR_FORMATS, ToolFormat
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,14 @@ def constraint(
             if not chosen:
                 raise APIError(400, f"{forced.param}: no tool named '{forced.name}' in tools",
                                param=forced.param)  # fmt: skip
+            _check_format(fmt, forced.param)
             lark = f"start: {_calls_rule(chosen, fmt, forced.parallel)}\n{_call_rules(chosen, fmt)}"
             return lark_constraint(lark, forced.param)
         if json_output is None:
             return None
         if not tools or fmt is None:
             return json_constraint(json_output.schema, json_output.param)
+        _check_format(fmt, json_output.param)
         value = _inline_json(json_output.schema or {"type": "object"})
         lark = f"start: {value} | {_calls_rule(tools, fmt, True)}\n{_call_rules(tools, fmt)}"
         return lark_constraint(lark, json_output.param)
@@ -91,9 +93,14 @@ def _inline_json(schema: dict) -> str:
     return "%json" + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
-def _calls_rule(tools: list[dict], fmt: ToolFormat | None, parallel: bool) -> str:
-    if fmt is None:
-        raise GrammarError("tools: the model's tool-call format is not known")
+def _check_format(fmt: ToolFormat | None, param: str) -> None:
+    if fmt not in GRAMMAR_FORMATS:
+        raise GrammarError(f"{param}: holding the output to tool calls is supported for models "
+                           "that call tools in Qwen's JSON (hermes) or XML format, not in "
+                           f"{fmt or 'an unknown'} format")
+
+
+def _calls_rule(tools: list[dict], fmt: ToolFormat, parallel: bool) -> str:
     return 'call ("\\n" call)*' if parallel else "call"
 
 

@@ -1,30 +1,40 @@
 """Tool calls in model output: which format a chat template uses, and parsing it.
 
-Plain functions and one small streaming parser, API-neutral: the OpenAI and
-Anthropic adapters turn the `ToolCall`s into their own shapes.
+Parsing is mlx-lm's (`mlx_lm.tool_parsers`: one module per format, each
+with its call markers and a `parse_tool_call(text, tools)`); this module
+finds the calls in streamed text, turns each parse into `ToolCall`s, and
+gives a call that does not parse back as ordinary text, never dropped.
+The OpenAI, Responses and Anthropic adapters turn `ToolCall`s into their
+own shapes.
 
-Supported formats, both wrapped in `<tool_call>` ... `</tool_call>`:
+Format names are mlx-lm's parser modules, except the two whose grammars
+specgate also writes for forced calls (gateway/structured.py):
 
-- "hermes" (Qwen3, Qwen2.5): a JSON object inside,
+- "hermes" (Qwen3, Qwen2.5; mlx-lm's json_tools): a JSON object inside,
   `<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>`
-- "qwen3_xml" (Qwen3.5, Qwen3.6, Qwen3-Coder): XML-ish tags inside,
+- "qwen3_xml" (Qwen3.5, Qwen3.6, Qwen3-Coder; mlx-lm's qwen3_coder):
   `<tool_call>\\n<function=f>\\n<parameter=x>\\n1\\n</parameter>\\n</function>\\n</tool_call>`;
   parameter values are text, typed by the tool's JSON schema.
 
-A call that does not parse is given back as ordinary text, never dropped.
+Others (mistral, glm47, kimi_k2, minimax_m2, gemma4, pythonic, ...) are
+recognised from the template as mlx-lm recognises them.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Literal
+from types import ModuleType
 
-ToolFormat = Literal["hermes", "qwen3_xml"]
-FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_xml")
+from mlx_lm.tokenizer_utils import _infer_tool_parser  # pinned mlx-lm (uv.lock)
 
-CALL_START = "<tool_call>"
+ToolFormat = str
+# specgate's names for the formats it also writes grammars for -> mlx-lm's module
+_MODULES = {"hermes": "json_tools", "qwen3_xml": "qwen3_coder"}
+GRAMMAR_FORMATS: tuple[ToolFormat, ...] = tuple(_MODULES)
+
+CALL_START = "<tool_call>"  # both grammar formats' markers
 CALL_END = "</tool_call>"
 
 
@@ -39,112 +49,68 @@ def template_mentions_tools(template: str | None) -> bool:
     return template is not None and "tools" in template
 
 
+class _TemplateOnly:
+    """What mlx-lm's format inference reads of a tokenizer, from a template
+    alone (llama-server's models have no HF tokenizer here)."""
+
+    def __init__(self, template: str):
+        self.chat_template = template
+
+    def get_vocab(self) -> dict:
+        return {}
+
+
 def tool_format(template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template teaches its model, if one we parse.
 
-    Read from the template's own text: it shows the model the exact format it
-    was trained to emit. The XML format's templates also say `<tool_call>`, so
-    `<function=` is checked first.
+    Read from the template's own text: it shows the model the exact format
+    it was trained to emit. The XML format's templates also say
+    `<tool_call>`, so `<function=` is checked first; then mlx-lm's own
+    inference, for the formats of its other parsers.
     """
     if not template_mentions_tools(template):
         return None
-    if "<function=" in template:
+    if "<function=" in template and CALL_START in template:
         return "qwen3_xml"
-    if CALL_START in template:
+    if CALL_START in template and "<function" not in template:
         return "hermes"
-    return None
+    module = _infer_tool_parser(_TemplateOnly(template))
+    return {v: k for k, v in _MODULES.items()}.get(module, module)
 
 
-def parameter_types(tools: list[dict]) -> dict[str, dict[str, str]]:
-    """{function name: {parameter: JSON-schema type}} from OpenAI-shaped tools."""
-    types: dict[str, dict[str, str]] = {}
-    for tool in tools:
-        fn = tool.get("function", tool)
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        types[fn.get("name", "")] = {
-            p: s.get("type", "") if isinstance(s, dict) and isinstance(s.get("type"), str) else ""
-            for p, s in props.items()
-        }
-    return types
+def parser(fmt: ToolFormat) -> ModuleType:
+    """The mlx-lm parser module of a format."""
+    return importlib.import_module(f"mlx_lm.tool_parsers.{_MODULES.get(fmt, fmt)}")
 
 
-# -- one call's body (the text between the tags) --------------------------------
-
-
-def parse_hermes(body: str) -> ToolCall | None:
-    """`{"name": ..., "arguments": {...}}`; arguments may also be a JSON string."""
+def parse_call(body: str, fmt: ToolFormat, tools: list[dict] | None = None) -> list[ToolCall] | None:
+    """The calls in one call's body (the text between its markers), or None
+    when it does not parse. `tools`: OpenAI-shaped, for the parameter types."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        parsed = parser(fmt).parse_tool_call(body, tools)
+    except Exception:  # mlx-lm's parsers raise what they meet: it is text
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        call = _tool_call(item)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _tool_call(item: object) -> ToolCall | None:
+    """A parser's {"name": ..., "arguments": ...} as a ToolCall; arguments
+    may come as JSON text, or as "parameters"."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = item.get("arguments", item.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
             return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], args)
-
-
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-def parse_qwen3_xml(body: str, types: dict[str, dict[str, str]] | None = None) -> ToolCall | None:
-    """`<function=NAME>` with `<parameter=P>VALUE</parameter>` children.
-
-    Values are text; a parameter whose schema type is not "string" is read as
-    JSON when it parses (numbers, booleans, objects, arrays), as the template
-    wrote them. Anything between parameters but whitespace makes the call
-    malformed.
-    """
-    m = _FUNCTION.fullmatch(body)
-    if m is None:
-        return None
-    name, inner = m.group(1).strip(), m.group(2)
-    schema = (types or {}).get(name, {})
-    args: dict = {}
-    end = 0
-    for p in _PARAMETER.finditer(inner):
-        if inner[end : p.start()].strip():
-            return None
-        end = p.end()
-        key, value = p.group(1).strip(), _strip_one_newline(p.group(2))
-        args[key] = _typed(value, schema.get(key, "string"))
-    if inner[end:].strip() or not name:
-        return None
-    return ToolCall(name, args)
-
-
-def _strip_one_newline(value: str) -> str:
-    # The format puts the value on its own line: one newline each side is syntax.
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
-def _typed(value: str, kind: str):
-    if kind in ("string", ""):
-        return value
-    if kind == "boolean" and value.strip() in ("True", "False"):
-        return value.strip() == "True"  # a Jinja template renders Python's spelling
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
-def parse_call(body: str, fmt: ToolFormat, types: dict[str, dict[str, str]] | None = None):
-    """One call's body in `fmt`, or None when it is malformed."""
-    if fmt == "hermes":
-        return parse_hermes(body)
-    return parse_qwen3_xml(body, types)
+    return ToolCall(item["name"], args) if isinstance(args, dict) else None
 
 
 # -- a whole output, streamed or not -------------------------------------------------
@@ -155,57 +121,69 @@ class ToolCallStream:
     """Splits streamed model text into text and complete tool calls.
 
     `feed` returns what can be sent now: strings (text) and `ToolCall`s. Text
-    that might be the start of `<tool_call>` is held back; from `<tool_call>`
-    on, everything is held until `</tool_call>` closes it. Whitespace-only
-    runs next to tool calls are dropped (the newlines models put between
-    calls are syntax, not content); elsewhere whitespace is kept. The output
-    does not depend on how the text is cut into pieces.
+    that might be the start of the format's call marker is held back; from
+    the marker on, everything is held until its end marker closes the call
+    (a format without one, Mistral's, calls to the end of the output).
+    Whitespace-only runs next to tool calls are dropped (the newlines models
+    put between calls are syntax, not content); elsewhere whitespace is
+    kept. The output does not depend on how the text is cut into pieces.
     """
 
     fmt: ToolFormat
-    types: dict[str, dict[str, str]] = field(default_factory=dict)
+    tools: list[dict] = field(default_factory=list)  # OpenAI-shaped: parameter types
     calls: int = 0  # complete calls parsed so far
     _buf: str = ""
     _inside: bool = False
     _pending_ws: str = ""  # whitespace held until we know what follows it
     _ws_before_call: str = ""  # given back if the call turns out malformed
 
+    def __post_init__(self) -> None:
+        module = parser(self.fmt)
+        self._start, self._end = module.tool_call_start, module.tool_call_end
+
     def feed(self, text: str) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
         self._buf += text
         while True:
             if self._inside:
-                end = self._buf.find(CALL_END)
+                end = self._buf.find(self._end) if self._end else -1
                 if end < 0:
                     return out
-                raw = self._buf[: end + len(CALL_END)]
-                self._buf, self._inside = self._buf[end + len(CALL_END) :], False
-                call = parse_call(raw[len(CALL_START) : end], self.fmt, self.types)
-                if call is None:  # malformed: it is text, with the whitespace before it
-                    self._text(self._ws_before_call + raw, out, last=False)
-                else:
-                    self.calls += 1
-                    self._pending_ws = ""
-                    out.append(call)
+                raw = self._buf[: end + len(self._end)]
+                self._buf, self._inside = self._buf[end + len(self._end) :], False
+                self._call(raw, raw[len(self._start) : end], out)
                 continue
-            start = self._buf.find(CALL_START)
+            start = self._buf.find(self._start)
             if start >= 0:
                 self._text(self._buf[:start], out, last=False)
                 self._ws_before_call, self._pending_ws = self._pending_ws, ""
                 self._buf, self._inside = self._buf[start:], True
                 continue
-            keep = _partial_suffix(self._buf, CALL_START)
+            keep = _partial_suffix(self._buf, self._start)
             self._text(self._buf[: len(self._buf) - keep], out, last=False)
             self._buf = self._buf[len(self._buf) - keep :]
             return out
 
     def finish(self) -> list[str | ToolCall]:
-        """The end of the output: whatever is held is text (an unclosed call too)."""
+        """The end of the output: a call without an end marker ends here;
+        whatever else is held is text (an unclosed call too)."""
         out: list[str | ToolCall] = []
+        if self._inside and not self._end:
+            raw, self._buf, self._inside = self._buf, "", False
+            self._call(raw, raw[len(self._start) :], out)
         rest = (self._ws_before_call if self._inside else "") + self._buf
         self._buf, self._inside = "", False
         self._text(rest, out, last=True)
         return out
+
+    def _call(self, raw: str, body: str, out: list) -> None:
+        calls = parse_call(body, self.fmt, self.tools)
+        if calls is None:  # malformed: it is text, with the whitespace before it
+            self._text(self._ws_before_call + raw, out, last=False)
+            return
+        self.calls += len(calls)
+        self._pending_ws = ""
+        out.extend(calls)
 
     def _text(self, text: str, out: list, last: bool) -> None:
         text = self._pending_ws + text
@@ -228,11 +206,10 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def split_output(
-    text: str, fmt: ToolFormat, types: dict[str, dict[str, str]] | None = None
-) -> tuple[str, list[ToolCall]]:
+def split_output(text: str, fmt: ToolFormat, tools: list[dict] | None = None
+                 ) -> tuple[str, list[ToolCall]]:  # fmt: skip
     """A complete output as (text, tool calls), exactly as streaming gives them."""
-    stream = ToolCallStream(fmt, types or {})
+    stream = ToolCallStream(fmt, tools or [])
     events = stream.feed(text) + stream.finish()
     return (
         "".join(e for e in events if isinstance(e, str)),

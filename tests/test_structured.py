@@ -57,9 +57,8 @@ def test_forced_calls_accept_the_template_format(tokenizer, fmt, text):
     assert accepts(tokenizer, c.grammar, text)
     assert accepts(tokenizer, c.grammar, text + "\n" + text)  # parallel calls
     body = text[len("<tool_call>") : -len("</tool_call>")]
-    call = parse_call(body, fmt, {"read_file": {"path": "string", "limit": "integer",
-                                                "mode": "string"}})
-    assert call is not None and call.name == "read_file" and call.arguments["limit"] == 3
+    (call,) = parse_call(body, fmt, TOOLS)
+    assert call.name == "read_file" and call.arguments["limit"] == 3
     named = constraint(None, ForcedTools(TOOLS, "list_dir", False, "tool_choice"), TOOLS, fmt)
     assert not accepts(tokenizer, named.grammar, text)  # another function
     single = constraint(None, ForcedTools(TOOLS, None, False, "tool_choice"), TOOLS, fmt)

@@ -1,4 +1,4 @@
-"""Tool calls: parsing both Qwen formats, and end to end through both SDKs.
+"""Tool calls: parsing (mlx-lm's parsers) in streamed text, and end to end through both SDKs.
 
 The end-to-end half serves two hand-built checkpoints (tests/tool_caller.py)
 whose greedy answer is a known tool call, one per format, each with its own
@@ -17,15 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tool_caller import HERMES_TEMPLATE, XML_TEMPLATE, build_tool_caller
 
-from gateway.tools import (
-    ToolCall,
-    ToolCallStream,
-    parameter_types,
-    parse_hermes,
-    parse_qwen3_xml,
-    split_output,
-    tool_format,
-)
+from gateway.tools import ToolCall, ToolCallStream, parse_call, split_output, tool_format
 
 TOOLS = [
     {
@@ -41,7 +33,6 @@ TOOLS = [
         },
     }
 ]
-TYPES = parameter_types(TOOLS)
 CALL = ToolCall("get_weather", {"city": "Paris", "days": 3})
 HERMES_ANSWER = (
     "Let me look that up.\n<tool_call>\n"
@@ -60,8 +51,16 @@ def test_format_is_read_from_the_template():
     assert tool_format(XML_TEMPLATE) == "qwen3_xml"
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_format(None) is None
-    # Mentions tools, but in no format we parse.
-    assert tool_format("{% if tools %}[TOOL_CALLS]{% endif %}") is None
+    # Other formats, as mlx-lm recognises them, parsed by its parsers.
+    assert tool_format("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    assert tool_format("{% if tools %}<arg_key>{% endif %}") == "glm47"
+    assert tool_format("{% if tools %}<call>{% endif %}") is None  # in no format we know
+
+
+def test_formats_mlx_lm_parses():
+    text = 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+    assert split_output(text, "mistral") == ("Checking.", [CALL])
+    assert split_output(text[:-3], "mistral") == (text[:-3], [])  # cut short: text
 
 
 def test_hermes_calls():
@@ -71,23 +70,26 @@ def test_hermes_calls():
         '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": [1, 2]}"}\n</tool_call>'
     )
     assert split_output(two, "hermes") == ("", [ToolCall("a", {}), ToolCall("b", {"x": [1, 2]})])
-    assert parse_hermes('{"name": "f"}') == ToolCall("f", {})
+    assert parse_call('{"name": "f"}', "hermes") == [ToolCall("f", {})]
+    assert parse_call('{"name": "f", "parameters": {"a": 1}}', "hermes") == [ToolCall("f", {"a": 1})]
 
 
 def test_xml_calls_typed_by_schema():
-    assert split_output(XML_ANSWER, "qwen3_xml", TYPES) == ("", [CALL])
+    assert split_output(XML_ANSWER, "qwen3_xml", TOOLS) == ("", [CALL])
     # Without a schema every value is text; multi-line values keep their lines.
     body = "\n<function=write>\n<parameter=text>\nline 1\nline 2\n</parameter>\n</function>\n"
-    assert parse_qwen3_xml(body) == ToolCall("write", {"text": "line 1\nline 2"})
-    types = {"f": {"n": "number", "ok": "boolean", "xs": "array", "o": "object"}}
+    assert parse_call(body, "qwen3_xml") == [ToolCall("write", {"text": "line 1\nline 2"})]
+    types = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "n": {"type": "number"}, "ok": {"type": "boolean"}, "xs": {"type": "array"},
+        "o": {"type": "object"}}}}}]  # fmt: skip
     body = (
         "<function=f>\n<parameter=n>\n2.5\n</parameter>\n<parameter=ok>\nTrue\n</parameter>\n"
         '<parameter=xs>\n[1, "a"]\n</parameter>\n<parameter=o>\n{"k": null}\n</parameter>\n'
         "</function>"
     )
-    assert parse_qwen3_xml(body, types) == ToolCall(
+    assert parse_call(body, "qwen3_xml", types) == [ToolCall(
         "f", {"n": 2.5, "ok": True, "xs": [1, "a"], "o": {"k": None}}
-    )
+    )]
 
 
 MALFORMED = [
@@ -96,7 +98,6 @@ MALFORMED = [
     ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
     ("hermes", 'text <tool_call>\n{"name": "f", "arguments": {}}'),  # never closed
     ("qwen3_xml", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>"),
-    ("qwen3_xml", "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>"),
     ("qwen3_xml", "<tool_call>\n<function=f>\n<parameter=a>\n1\n"),  # cut off
 ]
 
@@ -111,8 +112,8 @@ def test_text_without_calls_is_untouched():
         assert split_output(text, "hermes") == (text, []), text
 
 
-def _streamed(text: str, cuts: list[int], fmt, types=None):
-    stream = ToolCallStream(fmt, types or {})
+def _streamed(text: str, cuts: list[int], fmt, tools=None):
+    stream = ToolCallStream(fmt, tools or [])
     events, last = [], 0
     for cut in [*sorted(cuts), len(text)]:
         events += stream.feed(text[last:cut])
@@ -127,6 +128,7 @@ SAMPLES = [
     ("hermes", HERMES_ANSWER + "\nDone."),
     ("hermes", HERMES_ANSWER + "\n" + HERMES_ANSWER),
     ("qwen3_xml", "I'll check.\n\n" + XML_ANSWER + "\n" + XML_ANSWER),
+    ("mistral", 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
     *MALFORMED,
 ]
 
@@ -136,7 +138,7 @@ SAMPLES = [
 def test_streaming_split_anywhere_equals_whole(sample, data):
     fmt, text = sample
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    assert _streamed(text, cuts, fmt, TYPES) == split_output(text, fmt, TYPES)
+    assert _streamed(text, cuts, fmt, TOOLS) == split_output(text, fmt, TOOLS)
 
 
 @settings(max_examples=200, deadline=None)

@@ -3,8 +3,9 @@
 Greedy: a tiny Qwen3.5 hybrid with a real byte-level tokenizer, held to a
 JSON schema, decodes with MTP (its own random head, drafting under the
 mask), DFlash (a random drafter, and injected drafts: the true continuation
-corrupted at one position, often into a token the grammar refuses) and
-ngram (injected copies, likewise corrupted). Each equals plain mlx-lm
+corrupted at one position, often into a token the grammar refuses), DSpark
+(a random drafter drawing under the mask), ngram (injected copies, likewise
+corrupted) and mtp+ngram. Each equals plain mlx-lm
 greedy decoding whose logits are masked by a separate llguidance matcher,
 token for token, and the output is valid JSON of the schema.
 
@@ -39,16 +40,19 @@ from test_mtp_distribution import PARAMS, PROMPT, tv
 from test_ngram_exactness import InjectedNgram
 
 from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import build_dflash_drafter
+from engines.builders.drafters import build_dflash_drafter, build_dspark_drafter
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.grammar import GrammarState, json_constraint, lark_constraint
 from engines.loading import LoadedModel
 from engines.mlx_block.dflash import load_dflash
+from engines.mlx_block.dspark import load_dspark
 from engines.mlx_mtp.loading import load_mtp_head
 from engines.prefix_cache import PrefixCache
 from engines.proposers.base import Proposal
 from engines.proposers.dflash import DFlashProposer
+from engines.proposers.dspark import DSparkProposer
 from engines.proposers.mtp import MTPProposer
+from engines.proposers.mtp_ngram import MTPNgramProposer
 from engines.sampling import KeyStream, probabilities
 from engines.spec_decoder import SpecDecoder
 from engines.targets import target_for
@@ -79,6 +83,9 @@ class Hybrid:
         self.head.set_dtype(mx.float32)
         self.drafter = load_dflash(build_dflash_drafter(root / "dflash", target=path, block_size=5,
                                                         num_hidden_layers=2, tokenizer=False))
+        self.dspark = load_dspark(build_dspark_drafter(root / "dspark", target=path, block_size=4,
+                                                       num_hidden_layers=2, target_layer_ids=[-1, 2],
+                                                       tokenizer=False))
         self.grammars = loaded.grammars
         self.eos = frozenset(self.tokenizer.eos_token_ids)
         self.constraint = json_constraint(SCHEMA, "response_format")
@@ -140,7 +147,8 @@ def check(h: Hybrid, prompt, tokens, finish) -> int:
     return diverged
 
 
-@pytest.mark.parametrize("method", ["mtp", "dflash", "dflash_injected", "ngram_injected"])
+@pytest.mark.parametrize("method", ["mtp", "dflash", "dflash_injected", "dspark", "ngram_injected",
+                                    "mtp_ngram"])
 def test_greedy_under_a_grammar_equals_plain(hybrid, method):
     h, rng = hybrid, random.Random(1)
     stopped, drafted, accepted = 0, 0, 0
@@ -150,6 +158,10 @@ def test_greedy_under_a_grammar_equals_plain(hybrid, method):
             proposer = MTPProposer(h.trunk, h.head)
         elif method == "dflash":
             proposer = DFlashProposer(h.trunk, h.drafter)
+        elif method == "dspark":
+            proposer = DSparkProposer(h.trunk, h.dspark)
+        elif method == "mtp_ngram":
+            proposer = MTPNgramProposer(h.trunk, h.head, mtp_depth=3)
         elif method == "dflash_injected":  # failure injection: drafts the test chose
             proposer = InjectedDrafts(h.trunk, h.drafter, reference=h.reference(prompt)[0], rng=rng)
         else:  # failure injection: the index is handed a corrupted copy of the answer
@@ -162,7 +174,7 @@ def test_greedy_under_a_grammar_equals_plain(hybrid, method):
         drafted, accepted = drafted + d, accepted + a
     assert stopped >= 3, "the schema should end most outputs well within MAX_TOKENS"
     assert drafted > 0
-    if method != "dflash":  # a random block drafter rarely agrees with the trunk
+    if method not in ("dflash", "dspark"):  # a random block drafter rarely agrees with the trunk
         assert accepted > 0
 
 

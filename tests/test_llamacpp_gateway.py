@@ -268,6 +268,26 @@ def test_json_schema_through_llama_server(client):
     assert e.value.body["param"] == "response_format" and "temperature 0" in e.value.body["message"]
 
 
+def test_responses_through_llama_server(client):
+    """/v1/responses on a GGUF model: text, streamed and not, and a
+    json_schema text.format, greedy, with draft-mtp."""
+    import jsonschema_rs
+
+    kw = dict(model="demo-gguf", input="Write a function that adds two numbers.", temperature=0,
+              max_output_tokens=24)
+    whole = client.responses.create(**kw)
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 24 and whole.output_text
+    events = list(client.responses.create(**kw, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        whole.output_text)
+    fmt = {"format": {"type": "json_schema", "name": "s", "schema": SYMBOL, "strict": True}}
+    r = client.responses.create(model="demo-gguf", input=PROMPTS[0], temperature=0,
+                                max_output_tokens=120, text=fmt)
+    assert r.status == "completed"
+    assert jsonschema_rs.validator_for(SYMBOL).is_valid(json.loads(r.output_text))
+
+
 def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):
     report = subprocess.run([sys.executable, "-m", "gateway.cli", "inspect", str(ar_gguf)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -44,13 +44,16 @@ class OutputConstraint:
     """Output held to a grammar (engines/grammar.py builds these).
 
     grammar: llguidance's form, compiled from a JSON schema or a Lark
-    grammar; json_schema: the schema as JSON text where the grammar is just
-    that (llama-server takes it in its own form), None for other grammars;
-    param: the request parameter that asked for it, for error messages."""
+    grammar; json_schema: the schema as JSON text where the grammar is one
+    JSON value between the fixed texts `prefix` and `suffix` (llama-server
+    takes the schema in its own form, the prefix as prompt), None for other
+    grammars; param: the request parameter that asked for it, for errors."""
 
     grammar: str
     json_schema: str | None
     param: str
+    prefix: str = ""
+    suffix: str = ""
 
 
 @dataclass(frozen=True)

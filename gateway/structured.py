@@ -17,7 +17,7 @@ calls the model saw in training.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engines.base import OutputConstraint
 from engines.grammar import JSON_OPTIONS, GrammarError, json_constraint, lark_constraint
@@ -63,7 +63,14 @@ def constraint(
                                param=forced.param)  # fmt: skip
             _check_format(fmt, forced.param)
             lark = f"start: {_calls_rule(chosen, fmt, forced.parallel)}\n{_call_rules(chosen, fmt)}"
-            return lark_constraint(lark, forced.param)
+            grammar = lark_constraint(lark, forced.param)
+            if fmt == "hermes" and not forced.parallel:
+                # One JSON call between fixed tags: also a JSON schema, which
+                # llama-server can take.
+                schema = json.dumps({"anyOf": _hermes_calls(chosen)})
+                grammar = replace(grammar, json_schema=schema, prefix=CALL_START + "\n",
+                                  suffix="\n" + CALL_END)  # fmt: skip
+            return grammar
         if json_output is None:
             return None
         if not tools or fmt is None:
@@ -75,6 +82,16 @@ def constraint(
     except GrammarError as e:
         raise APIError(400, str(e), param=(forced or json_output).param,
                        code="invalid_schema") from None  # fmt: skip
+
+
+def _hermes_calls(tools: list[dict]) -> list[dict]:
+    """A hermes call's JSON object per tool: its name, its arguments' schema."""
+    return [
+        {"type": "object",
+         "properties": {"name": {"const": _name(t)}, "arguments": _parameters(t)},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for t in tools
+    ]  # fmt: skip
 
 
 def _name(tool: dict) -> str:
@@ -106,13 +123,7 @@ def _calls_rule(tools: list[dict], fmt: ToolFormat, parallel: bool) -> str:
 
 def _call_rules(tools: list[dict], fmt: ToolFormat) -> str:
     if fmt == "hermes":
-        one_of = [
-            {"type": "object",
-             "properties": {"name": {"const": _name(t)}, "arguments": _parameters(t)},
-             "required": ["name", "arguments"], "additionalProperties": False}
-            for t in tools
-        ]  # fmt: skip
-        return f"call: {_CALL_OPEN} {_inline_json({'anyOf': one_of})} {_CALL_CLOSE}\n"
+        return f"call: {_CALL_OPEN} {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}\n"
     # qwen3_xml: <function=NAME>, then its parameters in the schema's order.
     functions = " | ".join(f"fn{i}" for i in range(len(tools)))
     rules = [f"call: {_CALL_OPEN} ({functions}) {_FUNCTION_CLOSE} {_CALL_CLOSE}"]

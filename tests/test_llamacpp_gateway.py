@@ -25,6 +25,7 @@ import pytest
 
 from engines.builders.gguf_export import export_gguf
 from tests.conftest import REPO, start_gateway, stop_gateway
+from tests.tool_caller import HERMES_TEMPLATE
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
 
@@ -60,6 +61,10 @@ def gw(ar_gguf, llama_server_binary, tmp_path_factory):
     models[0]["engines"] = ["llamacpp", "llamacpp_mtp", "llamacpp_ngram"]
     # ngram-simple's default key is 12 tokens; 4 finds the demo's loops sooner.
     models[0]["llamacpp"] = {"extra_args": ["--spec-ngram-simple-size-n", "4"]}
+    # The trunk-only GGUF takes tools, through a hermes template of our own.
+    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    models[1]["llamacpp"] = {"extra_args": ["--chat-template-file", str(template)]}
     g = start_gateway(
         {"llama_server": {"binary": str(llama_server_binary)},
          "models": models + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
@@ -286,6 +291,48 @@ def test_responses_through_llama_server(client):
                                 max_output_tokens=120, text=fmt)
     assert r.status == "completed"
     assert jsonschema_rs.validator_for(SYMBOL).is_valid(json.loads(r.output_text))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 12},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}  # fmt: skip
+
+
+def test_forced_tool_calls_through_llama_server(gw, client):
+    """A forced call (one call, hermes format) on all three APIs: the opening
+    tag goes as prompt, the call's JSON as llama-server's json_schema."""
+    import anthropic
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="ar-gguf", messages=ask, tools=[WEATHER],
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "days"}
+    # Several calls need a grammar llama-server cannot take: a clear 400.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ar-gguf", messages=ask, tools=[WEATHER],
+                                       tool_choice="required", temperature=0, max_tokens=8)
+    assert e.value.body["param"] == "tool_choice" and "parallel_tool_calls" in e.value.body["message"]
+
+    claude = anthropic.Anthropic(base_url=gw.base_url, api_key="none", max_retries=0)
+    msg = claude.messages.create(
+        model="ar-gguf", messages=ask, max_tokens=80, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    assert msg.content[0].input == args  # greedy: the same call
+
+    resp = client.responses.create(model="ar-gguf", input=ask[0]["content"], temperature=0,
+                                   max_output_tokens=80, parallel_tool_calls=False,
+                                   tools=[{"type": "function", **WEATHER["function"]}],
+                                   tool_choice="required")
+    assert [(o.type, o.name) for o in resp.output] == [("function_call", "get_weather")]
+    assert json.loads(resp.output[0].arguments) == args
 
 
 def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):

@@ -21,7 +21,8 @@ from specgate's sampling (engines/sampling.py), and what we do about it:
   draws its own random stream, so a seed does not reproduce an MLX engine's
   sample; the distribution is the same.
 - Grammars: a JSON-schema constraint goes as `json_schema` (llama.cpp turns
-  it into its own grammar). llama.cpp samples first and masks only to
+  it into its own grammar), its fixed prefix (a forced call's opening tag)
+  as prompt, the engine writing prefix and suffix into the text. llama.cpp samples first and masks only to
   resample a token the grammar refuses, which is the masked distribution
   greedy but not above temperature 0: refused there, and for grammars that
   are not one JSON schema (a forced tool call).
@@ -68,8 +69,9 @@ def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
     if constraint is not None and constraint.json_schema is None:
         return Refusal(
             "unsupported_params",
-            f"{constraint.param}: llama-server takes a JSON schema for the whole output; this "
-            "needs a grammar of specgate's own (a forced tool call in the model's format)",
+            f"{constraint.param}: llama-server takes one JSON schema, so a forced tool call "
+            "there is one call in Qwen's JSON (hermes) format: set parallel_tool_calls false "
+            "(Anthropic: disable_parallel_tool_use)",
             constraint.param,
         )
     if constraint is not None and not sampling.greedy:
@@ -91,11 +93,13 @@ def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
     return None
 
 
-def completion_body(request: GenerationRequest) -> dict:
-    """The streaming /completion body for a request (token-id prompt, all samplers explicit)."""
+def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -> dict:
+    """The streaming /completion body for a request (token-id prompt, all
+    samplers explicit); `prefix_tokens`: its constraint's fixed prefix, as
+    prompt (the schema covers what follows)."""
     s = request.sampling
     body = {
-        "prompt": list(request.prompt_tokens),
+        "prompt": [*request.prompt_tokens, *prefix_tokens],
         "n_predict": request.max_tokens,
         "stream": True,
         "return_tokens": True,

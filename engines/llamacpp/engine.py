@@ -260,10 +260,15 @@ class LlamaCppEngine:
         process = self.server.starts  # which process serves this request (set again below)
         self._in_flight += 1
         try:
+            constraint = request.sampling.constraint
+            prefix, suffix = (constraint.prefix, constraint.suffix) if constraint else ("", "")
             async with self.server.use() as url:
                 process = self.server.starts
+                # The fixed text before the schema's value is prompt to
+                # llama-server, and text of the output to the client.
+                prefix_tokens = await self._tokenized(prefix) if prefix else []
                 req = self._client.build_request("POST", url + "/completion",
-                                                 json=completion_body(request))
+                                                 json=completion_body(request, prefix_tokens))
                 # llama-server sends the headers once a slot takes the request.
                 resp = await self._progress(self._client.send(req, stream=True))
                 try:
@@ -276,8 +281,10 @@ class LlamaCppEngine:
                             raise EngineError(f"llama-server: {_error_message(chunk)}")
                         got = read_chunk(chunk, request)
                         finished = got.finish_reason is not None
-                        if got.token_ids or got.text or finished:
-                            yield TokenEvent(got.token_ids, got.text, got.finish_reason,
+                        text = prefix + got.text + (suffix if got.finish_reason == "stop" else "")
+                        prefix = ""
+                        if got.token_ids or text or finished:
+                            yield TokenEvent(got.token_ids, text, got.finish_reason,
                                              got.logprobs, got.cached_tokens)
                         if finished:
                             break
@@ -294,6 +301,13 @@ class LlamaCppEngine:
             raise EngineError(str(e)) from e
         finally:
             self._in_flight -= 1
+
+    async def _tokenized(self, text: str) -> list[int]:
+        try:
+            return (await self._post("/tokenize", {"content": text, "add_special": False,
+                                                   "parse_special": True}))["tokens"]  # fmt: skip
+        except ValueError as e:
+            raise EngineError(f"llama-server could not tokenize {text!r}: {e}") from None
 
     async def _progress(self, step: Awaitable[T]) -> T:
         """The next step of a request, or EngineError if llama-server takes

@@ -29,7 +29,6 @@ from gateway.chat import ChatPrompt, ClientGone, first_piece, render_chat, until
 from gateway.errors import APIError
 from gateway.generation import (
     Usage,
-    check_stops,
     new_id,
     plan_headers,
     plan_request,
@@ -230,7 +229,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             "output": json.loads(json.dumps(built.items)), "usage": _usage(usage),
         }  # fmt: skip
 
-    pieces = run(served, req, check_stops(None), usage, request.app.state.metrics)
+    pieces = run(served, req, [], usage, request.app.state.metrics)  # no stop strings here
     headers = plan_headers(req.plan)
     if not body.stream:
         try:

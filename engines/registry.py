@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # The engines' names, for the few places that must pick one (the default config).
 MLX_PLAIN, MLX_MTP, MLX_DFLASH, MLX_DSPARK = "mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_dspark"
-MLX_NGRAM, MLX_MTP_NGRAM = "mlx_ngram", "mlx_mtp_ngram"
+MLX_NGRAM, MLX_MTP_NGRAM, MLX_ASSISTANT = "mlx_ngram", "mlx_mtp_ngram", "mlx_assistant"
 LLAMACPP, LLAMACPP_MTP, LLAMACPP_NGRAM = "llamacpp", "llamacpp_mtp", "llamacpp_ngram"
 
 # Tokens of context when neither the config nor the checkpoint names a length.
@@ -277,12 +277,18 @@ for _record in (
                  needs="mtp_head", depth=_mtp_depth, tune=spec_rounds),
     EngineRecord(MLX_DFLASH, "dflash", MLX,
                  spec_engine(MLX_DFLASH, "engines.proposers.dflash", lambda c: c.block_depth),
-                 needs="drafter", drafter_kind="dflash", exclusive="block drafter",
+                 needs="drafter", drafter_kind="dflash", exclusive="drafter",
                  depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
     EngineRecord(MLX_DSPARK, "dspark", MLX,
                  spec_engine(MLX_DSPARK, "engines.proposers.dspark", lambda c: c.block_depth),
-                 needs="drafter", drafter_kind="dspark", exclusive="block drafter",
+                 needs="drafter", drafter_kind="dspark", exclusive="drafter",
                  depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
+    # A drafter that reads the target's own K/V (Gemma-4's -assistant
+    # checkpoints): drafts one token a step, like an MTP head.
+    EngineRecord(MLX_ASSISTANT, "assistant", MLX,
+                 spec_engine(MLX_ASSISTANT, "engines.proposers.assistant", lambda c: c.mtp_depth),
+                 needs="drafter", drafter_kind="gemma4_assistant", exclusive="drafter",
+                 depth=_mtp_depth, tune=spec_rounds),
     # Copies from the context: any model. No tune timer (a fresh prompt has
     # nothing to copy): its prior is the verify cost, learned live from there.
     EngineRecord(MLX_NGRAM, "ngram", MLX,

@@ -155,7 +155,8 @@ class ModelConfig(_Strict):
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
-    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`, mlx_ngram
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`,
+    # mlx_assistant with a Gemma-4 -assistant drafter at `drafter`, mlx_ngram
     # drafts copied from the context (any model), mlx_mtp_ngram copies where
     # the context has a match and asks the MTP head elsewhere. The policy
     # picks among them by measured speed; before anything is measured, in
@@ -166,9 +167,10 @@ class ModelConfig(_Strict):
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
     # (The engines are engines/registry.py's records.)
     engines: list[EngineName] = Field(default_factory=list)
-    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (llamacpp_mtp: --spec-draft-n-max)
-    # The block engine's drafter: a DFlash (z-lab layout) or DSpark (DeepSpec)
-    # directory, or "builtin:demo-dflash".
+    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (mlx_assistant too; llamacpp_mtp: --spec-draft-n-max)
+    # The drafter engine's drafter: a DFlash (z-lab layout) or DSpark
+    # (DeepSpec) directory, a Gemma-4 -assistant checkpoint (mlx_assistant),
+    # or "builtin:demo-dflash".
     drafter: str | None = None
     block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
     # The most tokens a round copies from the context (mlx_ngram, mlx_mtp_ngram;
@@ -231,7 +233,7 @@ class ModelConfig(_Strict):
             )
         if len(set(self.engines)) != len(self.engines):
             raise ValueError(f"engines lists one twice: {self.engines}")
-        for name in self.engines:  # e.g. one block drafter per model: dflash or dspark
+        for name in self.engines:  # e.g. one drafter per model: dflash, dspark or assistant
             if any(e in self.engines for e in registry.excludes(name)):
                 listed = [e for e in registry.names()
                           if e == name or (e in registry.excludes(name) and e in self.engines)]
@@ -241,7 +243,7 @@ class ModelConfig(_Strict):
             raise ValueError("a pinned model is never unloaded: `pin` or `idle_ttl_s`, not both")
         drafted = [r.name for r in registry.records() if r.needs == "drafter"]
         if any(e in drafted for e in self.engines) != (self.drafter is not None):
-            raise ValueError(f"a block engine ({' / '.join(drafted)}) and `drafter` go together")
+            raise ValueError(f"a drafter engine ({' / '.join(drafted)}) and `drafter` go together")
         return self
 
 

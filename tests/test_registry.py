@@ -154,7 +154,7 @@ def test_a_made_up_engine_is_refused_with_the_valid_ones(tmp_path):
 
 def test_one_engine_of_an_exclusive_group_and_the_drafter_it_needs(tmp_path):
     message = _error(tmp_path, MLX, ["mlx_dflash", "mlx_dspark"], drafter="builtin:demo-dflash")
-    assert "one block drafter per model: mlx_dflash or mlx_dspark, not both" in message
+    assert "one drafter per model: mlx_dflash or mlx_dspark, not both" in message
     assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain", "mlx_dspark"])
     assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain"],
                                               drafter="builtin:demo-dflash")

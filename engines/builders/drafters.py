@@ -23,6 +23,7 @@ plain RMSNorms (scale = w).
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -430,8 +431,13 @@ def build_gemma4_assistant(
     seed: int = 0,
     dtype: str = "float32",
     tokenizer: bool = True,
+    target: Path | None = None,
 ) -> Path:
     """Write a random Gemma-4 assistant drafter (Gemma4AssistantForCausalLM) to dest.
+
+    With `target` (a Gemma-4 checkpoint directory), the sizes the pair must
+    share are the target's: backbone_hidden_size, vocabulary, head widths,
+    K/V heads and sliding window.
 
     Tensors: `model.embed_tokens` (also the tied lm_head, not stored),
     `model.layers.{i}.self_attn.{q_proj, q_norm, o_proj}` (q of width
@@ -443,6 +449,14 @@ def build_gemma4_assistant(
     `masked_embedding.token_ordering [V]` (int64). The tokenizer written is
     this repo's Qwen-format one, not Gemma's.
     """
+    if target is not None:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+        tc = cfg.get("text_config") or cfg
+        target_hidden_size, head_dim = tc["hidden_size"], tc["head_dim"]
+        vocab_size = cfg.get("vocab_size") or tc["vocab_size"]
+        global_head_dim = tc.get("global_head_dim") or head_dim
+        num_key_value_heads = tc["num_key_value_heads"]
+        sliding_window = tc["sliding_window"]
     if use_ordered_embeddings and vocab_size % num_centroids:
         raise ValueError(f"vocab_size {vocab_size} must be a multiple of num_centroids")
     dest = Path(dest)

@@ -51,6 +51,7 @@ class Forward:
     hidden: mx.array  # (1, T, H), after the final norm
     layers: dict[int, mx.array] = field(default_factory=dict)  # named layer -> (1, T, H)
     undo: object | None = None  # the adapter's record for `rollback`
+    cache: list | None = None  # the caches it ran on (a drafter reading the trunk's K/V keeps them)
 
 
 class Target(Protocol):
@@ -175,7 +176,7 @@ class TransformerTarget:
             hidden = self.inner(tokens, cache=seen)
         captured = {i: self.embed(tokens) if i < 0 else recorder.layers[i] for i in layers}
         record = ("replay", saved) if undo == "replay" else ("tape", recorder.tape) if undo else None
-        return Forward(tokens, hidden, captured, record)
+        return Forward(tokens, hidden, captured, record, cache)
 
     def rollback(self, cache: list, forward: Forward, kept: int) -> None:
         rejected = forward.tokens.shape[1] - kept

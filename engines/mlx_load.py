@@ -9,6 +9,11 @@
   config, `model.*` weights) loads with the mlx-lm model that reads that
   layout, named for this one load (mlx-lm's `model_config`), not by editing
   mlx-lm's MODEL_REMAPPING for the whole process.
+- Arrays a module keeps outside its parameters (a RoPE's `_freqs`: Gemma-4's
+  proportional RoPE, Llama-3 and YaRN scaling) are evaluated here. mlx-lm
+  evaluates the parameters only; the rest stays a lazy graph on the loading
+  thread's stream, and the engine thread that first runs the model fails
+  with "There is no Stream(cpu, 0) in current thread".
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def load(path: str) -> tuple[Any, Any, dict]:
     _check_tokenizer(root)
     model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),
                                            return_config=True)
+    evaluate_buffers(model)
     if not tokenizer.encode("Hello, world"):
         raise CheckpointLoadError(f"{root}: its tokenizer encodes text to no tokens; "
                                   "copy the original model's tokenizer files into it")
@@ -113,3 +119,11 @@ def _model_config(root: Path) -> dict | None:
     if model_type in TEXT_ONLY_MODEL_TYPES and module == TEXT_ONLY_MODEL_TYPES[model_type]:
         return {"model_type": module}
     return None
+
+
+def evaluate_buffers(model) -> None:
+    """Evaluate every array any submodule holds, its private ones (`_freqs`,
+    which `parameters()` leaves out) included."""
+    import mlx.core as mx
+
+    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])

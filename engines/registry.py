@@ -285,7 +285,7 @@ for _record in (
                  depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
     # A drafter that reads the target's own K/V (Gemma-4's -assistant
     # checkpoints): drafts one token a step, like an MTP head.
-    EngineRecord(MLX_ASSISTANT, "assistant", MLX,
+    EngineRecord(MLX_ASSISTANT, "gemma4_assistant", MLX,
                  spec_engine(MLX_ASSISTANT, "engines.proposers.assistant", lambda c: c.mtp_depth),
                  needs="drafter", drafter_kind="gemma4_assistant", exclusive="drafter",
                  depth=_mtp_depth, tune=spec_rounds),

@@ -97,7 +97,7 @@ def decode(pair, prompt, depth, params=None, cls=AssistantProposer, max_tokens=N
     """`schedule`: the depth of each round in turn (cycled), instead of `depth`."""
     params = params or SamplingParams(temperature=0)
     request = GenerationRequest("t", "m", prompt, params, max_tokens,
-                                Plan("mlx_assistant", "assistant", depth, "spec_on"))
+                                Plan("mlx_assistant", "gemma4_assistant", depth, "spec_on"))
     decoder = SpecDecoder(pair.trunk, cls(pair.trunk, pair.drafter, **inject), request, None, 0,
                           None, undo=undo)  # fmt: skip
     step = decoder.prefill()
@@ -122,7 +122,7 @@ def test_greedy_equals_plain_at_every_depth(pair, depth, capsys):
         want, margins = pair.reference(prompt)
         got, rounds = decode(pair, prompt, depth)
         ties += assert_same_greedy(got, want, margins)
-        assert all(r.method == "assistant" and r.drafted == depth for r in rounds)
+        assert all(r.method == "gemma4_assistant" and r.drafted == depth for r in rounds)
         got, rounds = decode(pair, prompt, depth, cls=InjectedDrafts, reference=want,
                              rng=random.Random(i))  # fmt: skip
         ties += assert_same_greedy(got, want, margins)

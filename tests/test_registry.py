@@ -35,8 +35,8 @@ def _fake_builder(calls: list):
 
 
 def test_the_records_list_the_methods():
-    assert registry.methods() == ("none", "mtp", "dflash", "dspark", "ngram", "mtp+ngram",
-                                  "llamacpp_mtp", "llamacpp_ngram")
+    assert registry.methods() == ("none", "mtp", "dflash", "dspark", "gemma4_assistant", "ngram",
+                                  "mtp+ngram", "llamacpp_mtp", "llamacpp_ngram")
     assert registry.methods()[0] == PLAIN
     for r in registry.records():
         assert registry.record(r.name) is r and registry.method_of(r.name) == r.method
@@ -54,15 +54,18 @@ def test_records_describe_the_engines():
     r = {rec.name: rec for rec in registry.records()}
     assert r["mlx_plain"].always and not any(x.always for x in registry.records(GGUF))
     assert r["mlx_mtp"].needs == "mtp_head" and r["llamacpp_mtp"].needs == "mtp_head"
-    assert (r["mlx_dflash"].drafter_kind, r["mlx_dspark"].drafter_kind) == ("dflash", "dspark")
-    assert registry.excludes("mlx_dflash") == ("mlx_dspark",)
-    assert registry.excludes("mlx_dspark") == ("mlx_dflash",) and registry.excludes("mlx_mtp") == ()
+    assert (r["mlx_dflash"].drafter_kind, r["mlx_dspark"].drafter_kind,
+            r["mlx_assistant"].drafter_kind) == ("dflash", "dspark", "gemma4_assistant")
+    assert registry.excludes("mlx_dflash") == ("mlx_dspark", "mlx_assistant")
+    assert registry.excludes("mlx_dspark") == ("mlx_dflash", "mlx_assistant")
+    assert registry.excludes("mlx_mtp") == ()
     assert [n for n, x in r.items() if x.fixed_depth] == ["llamacpp_mtp", "llamacpp_ngram"]
     assert [n for n, x in r.items() if x.times_rounds] == ["mlx_plain", "mlx_mtp", "mlx_dflash",
-                                                            "mlx_dspark", "mlx_ngram",
-                                                            "mlx_mtp_ngram"]
+                                                            "mlx_dspark", "mlx_assistant",
+                                                            "mlx_ngram", "mlx_mtp_ngram"]
     # A copying proposer has nothing to copy in tune's random prompt: not timed there.
-    assert [n for n, x in r.items() if x.tune] == ["mlx_mtp", "mlx_dflash", "mlx_dspark"]
+    assert [n for n, x in r.items() if x.tune] == ["mlx_mtp", "mlx_dflash", "mlx_dspark",
+                                                   "mlx_assistant"]
     assert r["mlx_ngram"].needs == "nothing" and r["mlx_mtp_ngram"].needs == "mtp_head"
     # llama.cpp's engines are built together, from one read of the GGUF.
     assert r["llamacpp"].build is r["llamacpp_mtp"].build is r["llamacpp_ngram"].build
@@ -177,7 +180,7 @@ def test_a_new_record_is_accepted_by_the_config(tmp_path):
     with registry.registered(*_fake_records([])):
         assert _config(tmp_path, MLX, ["mlx_plain", "mlx_fake"]).models[0].engines == [
             "mlx_plain", "mlx_fake"]
-        assert "use mlx_plain / mlx_mtp / mlx_dflash / mlx_dspark / mlx_ngram / mlx_mtp_ngram / mlx_fake" in _error(
+        assert "use mlx_plain / mlx_mtp / mlx_dflash / mlx_dspark / mlx_assistant / mlx_ngram / mlx_mtp_ngram / mlx_fake" in _error(
             tmp_path, MLX, ["gguf_fake"])
         assert "mlx_fake" in _error(tmp_path, MLX, ["warp"])  # the list names it
     assert "no such engine" in _error(tmp_path, MLX, ["mlx_fake"])  # and forgets it after

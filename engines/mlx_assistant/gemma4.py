@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 
+from engines.mlx_load import evaluate_buffers
+
 
 @dataclass
 class AssistantArgs:
@@ -161,6 +163,7 @@ def load_assistant(path: str | Path) -> Gemma4Assistant:
                     class_predicate=lambda p, m: f"{p}.scales" in weights)  # fmt: skip
     drafter.load_weights(list(weights.items()), strict=True)
     mx.eval(drafter.parameters())
+    evaluate_buffers(drafter)  # its RoPEs' frequencies
     return drafter
 
 

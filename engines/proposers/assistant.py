@@ -30,11 +30,11 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafti
         raise ValueError("assistant needs a `drafter` directory (a Gemma-4 -assistant checkpoint)")
     d = load_assistant(drafter)
     check_pairing(d, target)
-    return Drafting("assistant", lambda t: AssistantProposer(t, d), weights=d)
+    return Drafting("gemma4_assistant", lambda t: AssistantProposer(t, d), weights=d)
 
 
 class AssistantProposer:
-    method = "assistant"
+    method = "gemma4_assistant"
     layers = ()
 
     def __init__(self, target: Target, drafter: Gemma4Assistant):

@@ -1,0 +1,68 @@
+"""A Gemma-4 model with its assistant drafter behind the gateway, through the real SDKs."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from engines.builders.drafters import build_gemma4_assistant
+from engines.builders.gemma4 import build_gemma4
+from tests.conftest import start_gateway, stop_gateway
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gw-gemma4")
+    target = build_gemma4(root / "gemma4", sliding_window=16)
+    drafter = build_gemma4_assistant(root / "assistant", target=target, tokenizer=False)
+    g = start_gateway({"models": [
+        {"id": "gemma", "path": str(target), "engines": ["mlx_plain", "mlx_assistant"],
+         "drafter": str(drafter), "max_context": 2048},
+    ]}, root)  # fmt: skip
+    g.target = target
+    yield g
+    stop_gateway(g)
+
+
+MESSAGES = [{"role": "user", "content": "Write a function that sorts a list of words by length, "
+                                        "then alphabetically, and explain it."}]  # fmt: skip
+
+
+def test_assistant_drafting_is_exact_and_measured(gw):
+    client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+    texts = {}
+    for method in ("gemma4_assistant", "none"):
+        raw = client.chat.completions.with_raw_response.create(
+            model="gemma", messages=MESSAGES, max_tokens=48, temperature=0,
+            extra_headers={"X-Specgate-Method": method})  # fmt: skip
+        texts[method] = raw.parse().choices[0].message.content
+        assert raw.headers["x-specgate-plan"].startswith(f"method={method};")
+    assert texts["gemma4_assistant"] == texts["none"] and texts["none"]
+    stream = client.chat.completions.create(
+        model="gemma", messages=MESSAGES, max_tokens=48, temperature=0, stream=True,
+        extra_headers={"X-Specgate-Method": "gemma4_assistant"})  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == texts["none"]
+    msg = anthropic.Anthropic(base_url=gw.base_url, api_key="none", max_retries=0).messages.create(
+        model="gemma", max_tokens=48, messages=MESSAGES, extra_body={"temperature": 0},
+        extra_headers={"X-Specgate-Method": "gemma4_assistant"})  # fmt: skip
+    assert msg.content[0].text == texts["none"]
+    sampled = client.chat.completions.create(
+        model="gemma", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=3,
+        extra_headers={"X-Specgate-Method": "gemma4_assistant"})  # fmt: skip
+    assert sampled.usage.completion_tokens > 0
+    metrics = httpx.get(gw.base_url + "/metrics").text
+    assert ('specgate_spec_decode_num_drafts_total{method="gemma4_assistant",model="gemma"}'
+            in metrics)  # fmt: skip
+
+
+def test_a_drafter_for_another_size_is_refused_naming_the_mismatch(gw, tmp_path):
+    # Released for a target of hidden size 96, paired with one of 128.
+    other = build_gemma4(tmp_path / "gemma4-other", hidden_size=96, tokenizer=False)
+    wrong = build_gemma4_assistant(tmp_path / "assistant-other", target=other, tokenizer=False)
+    with pytest.raises(RuntimeError, match="gemma-wrong failed to load: .*hidden size 96 "
+                                           r"\(backbone_hidden_size\), this target's is 128"):
+        start_gateway({"models": [
+            {"id": "gemma-wrong", "path": str(gw.target), "engines": ["mlx_plain", "mlx_assistant"],
+             "drafter": str(wrong)}]}, tmp_path.resolve())  # fmt: skip

@@ -23,6 +23,8 @@ from engines.builders.drafters import (
 )
 from engines.builders.tiny import (
     apply_double_norm_shift,
+    apply_gemma4_norm_shift,
+    build_gemma4,
     build_qwen3_dense,
     build_qwen3_next,
     build_qwen35_hybrid,
@@ -415,7 +417,53 @@ BUILDERS = {
         d, target=target, seed=seed
     ),
     "build_gemma4_assistant": lambda d, seed, target: build_gemma4_assistant(d, seed=seed),
+    "build_gemma4": lambda d, seed, target: build_gemma4(d, seed=seed),
 }
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe", "small"])
+def test_gemma4_layout_and_mlx_lm_decode(tmp_path, variant):
+    from mlx_lm.utils import load_model
+    from transformers import AutoConfig
+
+    path = build_gemma4(tmp_path / variant, variant=variant, tokenizer=False)
+    config = _config(path)
+    tc = config["text_config"]
+    assert (config["model_type"], tc["model_type"]) == ("gemma4", "gemma4_text")
+    assert type(AutoConfig.from_pretrained(path)).__name__ == "Gemma4Config"
+    t = _tensors(path)
+    p = "model.language_model.layers."
+    full = tc["layer_types"].index("full_attention")
+    assert t["model.language_model.layers.0.layer_scalar"].shape == (1,)
+    assert abs(t[f"{p}0.input_layernorm.weight"].mean() - 1) < 0.1  # x * w, stored near 1
+    # 26B/31B: keys serve as values on full layers (no v_proj there).
+    assert (f"{p}{full}.self_attn.v_proj.weight" in t) == (variant != "moe")
+    if variant == "moe":
+        e, i, h = tc["num_experts"], tc["moe_intermediate_size"], tc["hidden_size"]
+        assert t[f"{p}0.experts.gate_up_proj"].shape == (e, 2 * i, h)
+        assert t[f"{p}0.experts.down_proj"].shape == (e, h, i)
+    if variant == "small":  # E2B/E4B: per-layer inputs, KV-shared last layers
+        assert "model.language_model.embed_tokens_per_layer.weight" in t
+        last = tc["num_hidden_layers"] - 1
+        assert f"{p}{last}.self_attn.k_proj.weight" in t  # stored, dropped by mlx-lm's sanitize
+    model, _ = load_model(path)
+    text = model.language_model.model
+    shared = tc["num_hidden_layers"] - tc["num_kv_shared_layers"]
+    assert len(model.make_cache()) == shared
+    assert not hasattr(text.layers[-1].self_attn, "k_proj") or variant != "small"
+    logits = model(mx.array([[1, 2, 3] * 12]))  # longer than the sliding window
+    assert logits.shape == (1, 36, tc["vocab_size"]) and mx.isfinite(logits).all().item()
+
+
+def test_gemma4_norm_shift_moves_norms_only(tmp_path):
+    path = build_gemma4(tmp_path / "g", tokenizer=False)
+    before = _tensors(path)
+    after = _tensors(apply_gemma4_norm_shift(path))
+    for name, w in before.items():
+        moved = name.endswith("norm.weight") or name.endswith("layernorm.weight")
+        assert np.allclose(after[name], w - 1 if moved else w), name
+    with pytest.raises(ValueError, match="not a Gemma-4"):
+        apply_gemma4_norm_shift(build_qwen3_dense(tmp_path / "q", tokenizer=False))
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

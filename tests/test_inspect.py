@@ -25,6 +25,8 @@ from engines.builders.drafters import (
 from engines.builders.tiny import (
     LAYOUT_CONFIRMED,
     apply_double_norm_shift,
+    apply_gemma4_norm_shift,
+    build_gemma4,
     build_qwen3_dense,
     build_qwen3_next,
     build_qwen35_hybrid,
@@ -308,9 +310,49 @@ def test_gemma4_assistant(tmp_path, dense):
     drafter = build_gemma4_assistant(tmp_path / "g", target_hidden_size=128, tokenizer=False)
     r = inspect_checkpoint(str(drafter))
     assert r.verdict == "verified" and r.drafter["target_hidden_size"] == 128
-    assert engines(r) == {"mlx_mtp": ["mtp"]} and r.memory.kv_cache_bytes_per_1k_tokens == 0
+    assert engines(r) == {"mlx_assistant": ["gemma4_assistant"]}
+    assert r.memory.kv_cache_bytes_per_1k_tokens == 0
     r = inspect_checkpoint(str(drafter), target=str(dense))
     assert r.verdict == "incompatible" and codes(r) == ["target_family"]
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> Path:
+    return build_gemma4(tmp_path_factory.mktemp("gemma4") / "target")
+
+
+def test_gemma4_target_and_its_assistant(tmp_path, gemma4):
+    r = inspect_checkpoint(str(gemma4))
+    assert r.verdict == "ar-only" and codes(r) == [] and r.family.startswith("Gemma-4")
+    assert engines(r)["mlx_assistant"] == ["gemma4_assistant"]
+    drafter = build_gemma4_assistant(tmp_path / "a", target=gemma4, tokenizer=False)
+    r = inspect_checkpoint(str(drafter), target=str(gemma4))
+    assert r.verdict == "verified" and codes(r) == []
+    assert any("matches the drafter" in n for n in r.notes)
+
+
+def test_gemma4_assistant_for_another_size_is_incompatible(tmp_path, gemma4):
+    other = build_gemma4(tmp_path / "other", hidden_size=96, head_dim=16, tokenizer=False)
+    drafter = build_gemma4_assistant(tmp_path / "a", target=other, tokenizer=False)
+    r = inspect_checkpoint(str(drafter), target=str(gemma4))
+    assert r.verdict == "incompatible"
+    assert codes(r) == ["target_attention", "target_hidden_size"]
+    text = render_text(r)
+    assert "target hidden size 96, the target has 128" in text
+    assert "head_dim is 16, the target's 32" in text
+
+
+@pytest.mark.parametrize("which", ["assistant", "target"])
+def test_gemma4_norms_stored_for_one_plus_weight_are_flagged(tmp_path, gemma4, which):
+    """A port that stores Gemma-4's norms for a (1 + w) RMSNorm (w - 1, near 0)."""
+    if which == "assistant":
+        path = build_gemma4_assistant(tmp_path / "a", target=gemma4, tokenizer=False)
+    else:
+        path = build_gemma4(tmp_path / "t")
+    apply_gemma4_norm_shift(path)
+    r = inspect_checkpoint(str(path))
+    assert r.verdict == "incompatible" and codes(r) == ["norms_shifted"]
+    assert "(1 + w) convention" in render_text(r)
 
 
 def test_target_flag_on_a_target_is_a_usage_error(hybrid, dense):

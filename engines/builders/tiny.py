@@ -5,7 +5,8 @@ shapes and norm conventions are those of the real releases, so that every
 loader (mlx-lm's sanitize, our MTP head reader, `inspect`) is exercised on
 what it will meet in the wild. Only the sizes are small and the weights random.
 
-Targets live here (Qwen3.5 hybrid and MoE, Qwen3 dense) and in qwen3_next.py;
+Targets live here (Qwen3.5 hybrid and MoE, Qwen3 dense), in qwen3_next.py and
+gemma4.py;
 drafters (DFlash, DSpark, Gemma-4 assistant) in drafters.py; helpers that
 reproduce known conversion traps in traps.py. All public builders and the
 trap helpers are importable from this module.
@@ -29,14 +30,17 @@ from ._build import (
     write_generation_config,
     write_json,
 )
+from .gemma4 import build_gemma4
 from .qwen3_next import build_qwen3_next
 from .tokenizer import ENDOFTEXT, IM_END, build_tokenizer, special_token_ids
-from .traps import apply_double_norm_shift, strip_mtp
+from .traps import apply_double_norm_shift, apply_gemma4_norm_shift, strip_mtp
 
 __all__ = [
     "LAYOUT_CONFIRMED",
     "UNCONFIRMED",
     "apply_double_norm_shift",
+    "apply_gemma4_norm_shift",
+    "build_gemma4",
     "build_qwen3_dense",
     "build_qwen3_next",
     "build_qwen35_hybrid",
@@ -58,6 +62,7 @@ LAYOUT_CONFIRMED: dict[str, bool] = {
     # checkpoint (file listing or loader) was found.
     "build_dspark_drafter": False,
     "build_gemma4_assistant": True,
+    "build_gemma4": True,
 }
 
 # Points inside an otherwise confirmed layout that no source settled.
@@ -69,6 +74,11 @@ UNCONFIRMED: dict[str, tuple[str, ...]] = {
         "mask_token_id: Qwen3 releases use the first id past the tokenizer, an "
         "unused embedding row; the tiny target has none, so the last BPE id is used",
         "layer_types in config.json: written as transformers >= 4.56 saves Qwen3 configs",
+    ),
+    "build_gemma4": (
+        "the top-level vocab_size: mlx-lm's gemma4 reads the vocabulary there (its "
+        "default is the releases' 262144); a tiny vocabulary must be written there too",
+        "no vision or audio tower tensors are written (the text path only)",
     ),
     "build_dspark_drafter": (
         "the whole file layout: names follow Qwen3DSparkModel's modules, "

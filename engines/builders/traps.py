@@ -40,6 +40,33 @@ def apply_double_norm_shift(dest: Path) -> Path:
     return dest
 
 
+def apply_gemma4_norm_shift(dest: Path) -> Path:
+    """The wrong-convention port: Gemma-4 norms stored for a (1 + w) RMSNorm.
+
+    Gemma-4 scales by the stored weight (x * w); a converter that reuses
+    Gemma-2/3's zero-centred convention stores w - 1, which a loader that
+    (rightly) applies x * w turns into a scale near 0. Every RMSNorm weight
+    of a Gemma-4 target or assistant is rewritten; `layer_scalar` is not a
+    norm and is left alone.
+    """
+    import re
+
+    import mlx.core as mx
+
+    dest = Path(dest)
+    cfg = read_config(dest)
+    if not str(cfg.get("model_type", "")).startswith("gemma4"):
+        raise ValueError(f"{dest}: {cfg.get('model_type')!r} is not a Gemma-4 checkpoint")
+    norm = re.compile(r"norm(_\d)?\.weight$")  # every RMSNorm: q/k norms, _1/_2 ones
+    shards = read_shards(dest)
+    for arrays in shards.values():
+        for name, w in arrays.items():
+            if norm.search(name):
+                arrays[name] = (w.astype(mx.float32) - 1.0).astype(w.dtype)
+    write_arrays(dest, shards)
+    return dest
+
+
 def strip_mtp(dest: Path) -> Path:
     """The "converter stripped them" trap: no mtp.* tensors, config unchanged.
 

@@ -28,6 +28,9 @@ class Family:
     # declare nothing and readers find the head by its tensors (Qwen3-Next:
     # neither transformers' config nor the published config.json has one).
     mtp_key: str | None = None
+    # Norms that store the scale itself (x * w, stored near 1) and whose
+    # ports have been met storing them zero-centred: inspect checks them.
+    scale_norms: bool = False
 
 
 _QWEN_HYBRID = "hybrid (GatedDeltaNet + gated attention)"
@@ -41,6 +44,10 @@ FAMILIES = {
     # Same nextn layout, but specgate's head is not checked against them.
     "deepseek_v32": Family("DeepSeek-V3.2 (nextn MTP layer)", "nextn", False, False, _NEXTN),
     "glm4_moe": Family("GLM-4.5/4.6 MoE (nextn MTP layer)", "nextn", False, False, _NEXTN),
+    # MTP by a separate -assistant drafter (engines/mlx_assistant/), not a head.
+    "gemma4": Family("Gemma-4 (sliding + full attention)", None, False, False, scale_norms=True),
+    "gemma4_text": Family("Gemma-4 (sliding + full attention)", None, False, False,
+                          scale_norms=True),
     "qwen3": Family("Qwen3 dense", None, False, False),
     "qwen3_moe": Family("Qwen3 MoE", None, False, False),
 }

@@ -131,6 +131,34 @@ def _judge_norms(info: CheckpointInfo, j: Judgement) -> None:
                       "or serve without MTP", "family-compatible")
 
 
+def _judge_scale_norms(info: CheckpointInfo, j: Judgement, what: str) -> None:
+    """Gemma-4 scales by the stored weight (x * w), so its layer norms sit
+    near 1. Stored near 0 they were written for a (1 + w) convention
+    (Gemma-2/3's): loaded as Gemma-4 defines them, every norm scales by
+    about w. Ports of the assistant that got this wrong drafted at 0 %."""
+    ev = info.norms
+    if ev is None or ev.trunk_mean is None:
+        j.problem("norms_unchecked", f"no layer norm weights of the {what} could be read to check "
+                  "Gemma-4's norm convention", "compare a greedy generation against the "
+                  "original model", "family-compatible")
+        return
+    j.notes.append(f"norm evidence: {what}'s layer norms median mean {ev.trunk_mean:.3f} over "
+                   f"{ev.trunk_tensors} tensors (Gemma-4 stores the scale: near 1)")
+    stored = _offset(ev.trunk_mean)
+    if stored == 0:
+        j.problem("norms_shifted",
+                  f"the {what}'s layer norms are stored near 0 (median mean {ev.trunk_mean:.3f}), "
+                  "as a (1 + w) convention stores them; Gemma-4's RMSNorm is x * w, so every "
+                  "norm would scale by about w",
+                  "re-convert from the original Hugging Face checkpoint without shifting the "
+                  "norms; do not serve this copy", "incompatible")
+    elif stored is None:
+        j.problem("norms_inconclusive",
+                  f"the {what}'s layer norms have median mean {ev.trunk_mean:.3f}, not near 1 "
+                  "(Gemma-4 stores the scale itself)",
+                  "compare a greedy generation against the original model", "family-compatible")
+
+
 def _judge_mtp(info: CheckpointInfo, fam: Family | None, j: Judgement) -> None:
     mtp = info.mtp
     where = "model.layers.{N}.* nextn" if fam and fam.mtp_style == "nextn" else "mtp.*"
@@ -251,6 +279,8 @@ def judge_target(info: CheckpointInfo) -> Judgement:
     _judge_tokenizer(info, j)
     if fam and fam.zero_centred:
         _judge_norms(info, j)
+    elif fam and fam.scale_norms:
+        _judge_scale_norms(info, j, "model")
     _judge_mtp(info, fam, j)
     if fam is None and plain:
         j.notes.append(f"model_type {info.model_type}: plain decoding through mlx-lm")
@@ -261,6 +291,9 @@ def judge_target(info: CheckpointInfo) -> Judgement:
         j.engines.append(EngineFit("mlx_plain", ["none"]))
         if j.mtp_usable:
             j.engines.append(EngineFit("mlx_mtp", ["mtp"]))
+        if (info.model_type or "").startswith("gemma4"):
+            j.engines.append(EngineFit("mlx_assistant", ["gemma4_assistant"],
+                                       "with the -assistant drafter released for this model"))
         j.engines.append(EngineFit("mlx_block", ["dflash", "dspark"],
                                    "with a drafter trained for this target"))
     return j
@@ -294,6 +327,7 @@ def judge_drafter(info: CheckpointInfo, target: CheckpointInfo | None,
                       f"its {len(d.target_layer_ids)} target layers",
                       "re-download the drafter", "incompatible")
     else:
+        _judge_scale_norms(info, j, "assistant")
         pre = info.tensors.get("pre_projection.weight")
         hb, hd = d.target_hidden_size, d.hidden_size
         if pre is None:
@@ -309,7 +343,8 @@ def judge_drafter(info: CheckpointInfo, target: CheckpointInfo | None,
     else:
         _judge_pairing(info, target, target_judgement, j)
     if j.verdict != "incompatible":
-        engine = ("mlx_mtp", "mtp") if d.kind == "gemma4_assistant" else ("mlx_block", d.kind)
+        engine = (("mlx_assistant", "gemma4_assistant") if d.kind == "gemma4_assistant"
+                  else ("mlx_block", d.kind))
         j.engines.append(EngineFit(engine[0], [engine[1]], "paired with its target"))
     return j
 
@@ -342,6 +377,9 @@ def _judge_pairing(info: CheckpointInfo, target: CheckpointInfo, tj: Judgement |
     if d.kind == "gemma4_assistant" and not (target.model_type or "").startswith("gemma4"):
         mismatch("target_family", f"a Gemma-4 assistant drafts for Gemma-4 targets; the target "
                  f"is {target.model_type}")
+    if d.kind == "gemma4_assistant":
+        for what in _gemma4_mismatches(info.text_config, target.text_config):
+            mismatch("target_attention", what)
     th = target.hidden_size
     if d.target_hidden_size and th and d.target_hidden_size != th:
         mismatch("target_hidden_size", f"{name} drafter expects target hidden size "
@@ -359,6 +397,20 @@ def _judge_pairing(info: CheckpointInfo, target: CheckpointInfo, tj: Judgement |
     if not any(p.code.startswith("target_") for p in j.problems):
         j.notes.append(f"target {target.path}: hidden {th}, vocab {target.vocab_size}, "
                        f"{tl} layers; matches the drafter")
+
+
+def _gemma4_mismatches(mine: dict, target: dict) -> list[str]:
+    """What an assistant's attention cannot share with the target's K/V:
+    head widths per attention type, K/V heads, the sliding window."""
+    out = []
+    for key in ("head_dim", "global_head_dim", "sliding_window"):
+        a, b = mine.get(key), target.get(key)
+        if a and b and a != b:
+            out.append(f"the assistant's {key} is {a}, the target's {b}")
+    heads, kv = mine.get("num_attention_heads"), target.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        out.append(f"the assistant's {heads} query heads cannot share the target's {kv} K/V heads")
+    return out
 
 
 # ---------------------------------------------------------------- GGUF

@@ -66,3 +66,20 @@ def test_a_drafter_for_another_size_is_refused_naming_the_mismatch(gw, tmp_path)
         start_gateway({"models": [
             {"id": "gemma-wrong", "path": str(gw.target), "engines": ["mlx_plain", "mlx_assistant"],
              "drafter": str(wrong)}]}, tmp_path.resolve())  # fmt: skip
+
+
+def test_a_losing_assistant_goes_plain_by_itself(gw):
+    """A random assistant is (almost) never accepted, so once its rounds and
+    plain steps are measured the policy plans plain decoding on its own;
+    only exploration tries the assistant again."""
+    client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+    for method in ("gemma4_assistant", "none"):  # both measured, whatever ran before
+        client.chat.completions.create(model="gemma", messages=MESSAGES, max_tokens=24,
+                                       temperature=0, extra_headers={"X-Specgate-Method": method})
+    plans = []
+    for _ in range(8):
+        raw = client.chat.completions.with_raw_response.create(
+            model="gemma", messages=MESSAGES, max_tokens=24, temperature=0)  # fmt: skip
+        plans.append(raw.headers["x-specgate-plan"])
+    assert "method=none;depth=0;reason=measured_loss;source=live" in plans, plans
+    assert not [p for p in plans if p.startswith("method=gemma4_assistant") and "source=live" in p]

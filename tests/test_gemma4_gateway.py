@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
+import threading
+
 import anthropic
 import httpx
+import mlx.core as mx
 import openai
 import pytest
+from greedy import assert_same_greedy, greedy_reference
+from mlx_lm.utils import load_model
 
 from engines.builders.drafters import build_gemma4_assistant
 from engines.builders.gemma4 import build_gemma4
@@ -20,6 +26,9 @@ def gw(tmp_path_factory):
     g = start_gateway({"models": [
         {"id": "gemma", "path": str(target), "engines": ["mlx_plain", "mlx_assistant"],
          "drafter": str(drafter), "max_context": 2048},
+        # For the hand-off test: its own policy, no exploration (as in test_plan_switch).
+        {"id": "gemma-switch", "path": str(target), "engines": ["mlx_plain", "mlx_assistant"],
+         "drafter": str(drafter), "max_context": 2048, "policy": {"explore_every": 0}},
     ]}, root)  # fmt: skip
     g.target = target
     yield g
@@ -83,3 +92,44 @@ def test_a_losing_assistant_goes_plain_by_itself(gw):
         plans.append(raw.headers["x-specgate-plan"])
     assert "method=none;depth=0;reason=measured_loss;source=live" in plans, plans
     assert not [p for p in plans if p.startswith("method=gemma4_assistant") and "source=live" in p]
+
+
+def test_a_stream_moves_to_batching_and_back_across_wrapped_windows(gw):
+    """The hand-off of test_plan_switch on Gemma-4: the stream starts with the
+    assistant, goes to the batching engine (mlx-lm's batched rotating caches)
+    when a second request comes, and comes back alone; the prompt and the
+    output are longer than the sliding window, so the caches handed over
+    have wrapped. The text equals plain greedy decoding's."""
+    model, _ = load_model(gw.target)
+    model.set_dtype(mx.float32)
+    prompt = [random.Random(7).randrange(2000) for _ in range(40)]
+    n = 160
+    want, margins = greedy_reference(model, prompt, n)
+    client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+    got, b_done = [], threading.Event()
+
+    def second_request():
+        client.completions.create(model="gemma-switch", prompt=[5, 6, 7], max_tokens=40,
+                                  temperature=0, extra_body={"ignore_eos": True})
+        b_done.set()
+
+    stream = client.completions.create(model="gemma-switch", prompt=prompt, max_tokens=n,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    b = threading.Thread(target=second_request)
+    during_b = after_b = 0
+    for chunk in stream:
+        ids = chunk.choices[0].token_ids or [] if chunk.choices else []
+        got += ids
+        if len(got) >= 20 and not b.is_alive() and not b_done.is_set():
+            b.start()
+        elif b.is_alive():
+            during_b += len(ids)
+        elif b_done.is_set():
+            after_b += len(ids)
+    b.join(timeout=60)
+    assert b_done.is_set() and during_b > 0 and after_b > 0, (during_b, after_b)
+    assert_same_greedy(got, want, margins)
+    metrics = httpx.get(gw.base_url + "/metrics").text
+    assert 'method="gemma4_assistant",model="gemma-switch",reason="spec_on"' in metrics
+    assert 'method="none",model="gemma-switch",reason="concurrency"' in metrics

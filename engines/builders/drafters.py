@@ -327,6 +327,8 @@ def _gemma4_text_config(
     sliding_window: int,
     max_position_embeddings: int,
     dtype: str,
+    attention_k_eq_v: bool = False,
+    num_global_key_value_heads: int | None = None,
 ) -> dict:
     # Keys and values of the released assistants (E2B/E4B), scaled down: three
     # sliding layers then one full one, every layer KV-shared with the target.
@@ -334,7 +336,7 @@ def _gemma4_text_config(
         "model_type": "gemma4_text",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "attention_k_eq_v": False,
+        "attention_k_eq_v": attention_k_eq_v,
         "dtype": dtype,
         "enable_moe_block": False,
         "final_logit_softcapping": None,
@@ -347,8 +349,12 @@ def _gemma4_text_config(
         "intermediate_size": intermediate_size,
         "layer_types": ["sliding_attention"] * (num_hidden_layers - 1) + ["full_attention"],
         "max_position_embeddings": max_position_embeddings,
+        # transformers writes every Gemma4TextConfig key (llama.cpp's converter
+        # looks the MoE ones up unconditionally).
+        "moe_intermediate_size": None,
         "num_attention_heads": num_attention_heads,
-        "num_global_key_value_heads": None,
+        "num_experts": None,
+        "num_global_key_value_heads": num_global_key_value_heads,
         "num_hidden_layers": num_hidden_layers,
         "num_key_value_heads": num_key_value_heads,
         "num_kv_shared_layers": num_hidden_layers,
@@ -363,6 +369,7 @@ def _gemma4_text_config(
         },
         "sliding_window": sliding_window,
         "tie_word_embeddings": True,
+        "top_k_experts": None,
         "use_double_wide_mlp": False,
         "vocab_size": vocab_size,
         "vocab_size_per_layer_input": 0,
@@ -457,6 +464,10 @@ def build_gemma4_assistant(
         global_head_dim = tc.get("global_head_dim") or head_dim
         num_key_value_heads = tc["num_key_value_heads"]
         sliding_window = tc["sliding_window"]
+        # Full layers with keys as values (26B/31B) and their own K/V head count.
+        k_eq_v, global_kv_heads = tc.get("attention_k_eq_v", False), tc.get("num_global_key_value_heads")
+    else:
+        k_eq_v, global_kv_heads = False, None
     if use_ordered_embeddings and vocab_size % num_centroids:
         raise ValueError(f"vocab_size {vocab_size} must be a multiple of num_centroids")
     dest = Path(dest)
@@ -480,6 +491,8 @@ def build_gemma4_assistant(
             sliding_window=sliding_window,
             max_position_embeddings=max_position_embeddings,
             dtype=dtype,
+            attention_k_eq_v=k_eq_v,
+            num_global_key_value_heads=global_kv_heads,
         ),
         "tie_word_embeddings": True,
         "use_ordered_embeddings": use_ordered_embeddings,

@@ -27,6 +27,14 @@ from .tokenizer import ENDOFTEXT, IM_END, build_tokenizer, special_token_ids
 _TEXT = "model.language_model."
 
 
+def gemma4_text_config_layer_types(n: int, pattern: int) -> list[str]:
+    """`pattern - 1` sliding layers then a full one, repeated; the last layer
+    is full, as in the releases."""
+    kinds = ((["sliding_attention"] * (pattern - 1) + ["full_attention"]) * n)[:n]
+    kinds[-1] = "full_attention"
+    return kinds
+
+
 def gemma4_text_config(
     *,
     vocab_size: int,
@@ -45,9 +53,7 @@ def gemma4_text_config(
     max_position_embeddings: int,
     dtype: str,
 ) -> dict:
-    pattern = ["sliding_attention"] * (sliding_window_pattern - 1) + ["full_attention"]
-    layer_types = (pattern * num_hidden_layers)[:num_hidden_layers]
-    layer_types[-1] = "full_attention"  # the releases end on a full layer
+    layer_types = gemma4_text_config_layer_types(num_hidden_layers, sliding_window_pattern)
     return {
         "model_type": "gemma4_text",
         "attention_bias": False,
@@ -166,7 +172,7 @@ def build_gemma4(
     seed: int = 0,
     vocab_size: int = 2048,
     hidden_size: int = 128,
-    num_hidden_layers: int = 6,
+    num_hidden_layers: int | None = None,
     intermediate_size: int = 256,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
@@ -181,14 +187,25 @@ def build_gemma4(
     """Write a random Gemma-4 (Gemma4ForConditionalGeneration, text path) to dest.
 
     variant: "dense", "moe" (26B-A4B-like) or "small" (E2B/E4B-like:
-    per-layer inputs, the last third of the layers KV-shared). The sliding
+    per-layer inputs, the last third of the layers KV-shared). Layers: 6, or
+    9 for "small", whose layers that keep a cache must end on a sliding then
+    a full layer as the released ones do (llama.cpp maps each KV-shared
+    layer to the last or second-to-last of them by that rule). The sliding
     window is small so that short prompts wrap it.
     """
     if variant not in ("dense", "moe", "small"):
         raise ValueError(f"variant must be dense, moe or small, got {variant!r}")
+    small = variant == "small"
+    num_hidden_layers = num_hidden_layers or (9 if small else 6)
+    if small:
+        kinds = gemma4_text_config_layer_types(num_hidden_layers, sliding_window_pattern)
+        owning = kinds[: num_hidden_layers - num_hidden_layers // 3]
+        if owning[-2:] != ["sliding_attention", "full_attention"]:
+            raise ValueError(f"{num_hidden_layers} layers with a full one every "
+                             f"{sliding_window_pattern}: the layers that keep a cache end on "
+                             f"{owning[-2:]}, not a sliding then a full layer")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    small = variant == "small"
     tc = gemma4_text_config(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
         intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,

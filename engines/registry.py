@@ -135,6 +135,9 @@ class EngineRecord:
     build: Builder
     needs: Needs = "nothing"
     drafter_kind: str | None = None  # needs == "drafter": what the directory holds
+    # Takes the model's `drafter` where one is given, drafting without it
+    # otherwise (llamacpp_mtp: a Gemma-4 -assistant GGUF, llama-server -md).
+    accepts_drafter: bool = False
     # One engine per model of each group: the `drafter` key holds one drafter.
     exclusive: str | None = None
     default: bool = False  # listed when a model's config lists no engines
@@ -200,6 +203,7 @@ def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
     from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
 
     ls = ctx.llama_server
+    drafter = Path(ctx.drafter) if ctx.drafter else None
     return build_llamacpp_engines(
         ctx.model_id, Path(ctx.path), list(names), depth=ctx.mtp_depth,
         max_context=ctx.max_context, max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
@@ -208,6 +212,7 @@ def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
         threads=ls.threads, extra_args=list(ls.extra_args), read_timeout=ls.read_timeout,
         progress_timeout=ls.progress_timeout,
         health=HealthCheck(ls.health_interval, ls.health_timeout, ls.health_failures),
+        drafter=drafter,
     )
 
 
@@ -301,7 +306,8 @@ for _record in (
     # One builder: every process comes from one read of the GGUF.
     EngineRecord(LLAMACPP, PLAIN, GGUF, _llamacpp, default=True, times_rounds=False),
     EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, needs="mtp_head",
-                 depth=_mtp_depth, fixed_depth=True, times_rounds=False, answers_to="mtp"),
+                 accepts_drafter=True, depth=_mtp_depth, fixed_depth=True, times_rounds=False,
+                 answers_to="mtp"),
     EngineRecord(LLAMACPP_NGRAM, "llamacpp_ngram", GGUF, _llamacpp,
                  depth=_ngram_depth, fixed_depth=True, times_rounds=False, answers_to="ngram"),
 ):  # fmt: skip

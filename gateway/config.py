@@ -170,7 +170,8 @@ class ModelConfig(_Strict):
     mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (mlx_assistant too; llamacpp_mtp: --spec-draft-n-max)
     # The drafter engine's drafter: a DFlash (z-lab layout) or DSpark
     # (DeepSpec) directory, a Gemma-4 -assistant checkpoint (mlx_assistant),
-    # or "builtin:demo-dflash".
+    # or "builtin:demo-dflash"; for a GGUF model with llamacpp_mtp, a
+    # Gemma-4 -assistant .gguf (llama-server -md).
     drafter: str | None = None
     block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
     # The most tokens a round copies from the context (mlx_ngram, mlx_mtp_ngram;
@@ -241,9 +242,15 @@ class ModelConfig(_Strict):
                                  f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
         if self.pin and self.idle_ttl_s is not None:
             raise ValueError("a pinned model is never unloaded: `pin` or `idle_ttl_s`, not both")
-        drafted = [r.name for r in registry.records() if r.needs == "drafter"]
-        if any(e in drafted for e in self.engines) != (self.drafter is not None):
-            raise ValueError(f"a drafter engine ({' / '.join(drafted)}) and `drafter` go together")
+        needs = [r.name for r in registry.records(self.format) if r.needs == "drafter"]
+        takes = needs + [r.name for r in registry.records(self.format) if r.accepts_drafter]
+        if any(e in needs for e in self.engines) and self.drafter is None:
+            raise ValueError(f"{' / '.join(e for e in self.engines if e in needs)} needs a `drafter`")
+        if self.drafter is not None and not any(e in takes for e in self.engines):
+            raise ValueError(f"`drafter` goes with an engine that drafts with it ({' / '.join(takes)})")
+        if self.drafter is not None and self.is_gguf != self.drafter.lower().endswith(".gguf"):
+            raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
+                             f"model's a checkpoint directory; got {self.drafter}")
         return self
 
 

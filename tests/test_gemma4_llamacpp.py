@@ -35,6 +35,7 @@ import shutil
 from pathlib import Path
 
 import gguf
+import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -308,3 +309,68 @@ def test_aligned_assistant_has_every_draft_accepted(binary, hf, tmp_path):
     timings = out["timings"]
     assert timings["draft_n"] > 0
     assert timings["draft_n_accepted"] == timings["draft_n"]
+
+
+# The gateway
+# --------------------------------------------------------------------------
+
+
+def test_a_gemma4_gguf_drafts_with_its_assistant_behind_the_gateway(
+    llama_server_binary, hf, ggufs, tmp_path
+):
+    """`drafter:` on a GGUF model is the assistant GGUF llamacpp_mtp runs with
+    (-md): the openai SDK gets plain decoding's tokens with either method,
+    the server's drafts are counted; without a drafter llamacpp_mtp is refused
+    saying what to set, and an assistant for another size fails the model."""
+    import openai
+
+    from tests.conftest import start_gateway, stop_gateway
+
+    exact = {"extra_args": list(EXACT_F32)}
+    g = start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [
+        {"id": "g4", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
+         "drafter": str(ggufs[1]), "llamacpp": exact, "max_context": 512, "max_concurrent": 1},
+        {"id": "g4-alone", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
+         "llamacpp": exact, "max_context": 512, "max_concurrent": 1},
+    ]}, tmp_path)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=g.api, api_key="none", max_retries=0, timeout=120)
+        ids = {}
+        for method in ("mtp", "none"):
+            raw = client.completions.with_raw_response.create(
+                model="g4", prompt=PROMPT, max_tokens=N, temperature=0,
+                extra_headers={"X-Specgate-Method": method},
+                extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+            assert raw.headers["x-specgate-plan"].startswith(
+                "method=llamacpp_mtp;" if method == "mtp" else "method=none;")
+            ids[method] = raw.parse().choices[0].token_ids
+        tokens, margins = greedy_reference(load_model(hf[0])[0], PROMPT, N)
+        assert_greedy_within(ids["mtp"], ids["none"], margins, GGML_TOL)
+        metrics = httpx.get(g.base_url + "/metrics").text
+        assert 'specgate_spec_decode_num_drafts_total{method="llamacpp_mtp",model="g4"}' in metrics
+        with pytest.raises(openai.BadRequestError, match="-assistant GGUF.*`drafter:`"):
+            client.completions.create(model="g4-alone", prompt=PROMPT, max_tokens=4,
+                                      extra_headers={"X-Specgate-Method": "mtp"})
+    finally:
+        stop_gateway(g)
+    other = build_gemma4(tmp_path / "other", hidden_size=96)
+    wrong = export_gemma4_assistant_gguf(
+        build_gemma4_assistant(tmp_path / "other-a", target=other, tokenizer=False),
+        tmp_path / "other-a.gguf", tokenizer_dir=other)  # fmt: skip
+    (tmp_path / "second").mkdir()
+    with pytest.raises(RuntimeError, match=r"g4-wrong failed to load: .*hidden size 96 "
+                                           r"\(gemma4-assistant.embedding_length_out\)"):
+        start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [
+            {"id": "g4-wrong", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
+             "drafter": str(wrong)}]}, (tmp_path / "second").resolve())  # fmt: skip
+
+
+def test_inspect_names_the_pair(ggufs):
+    from engines.checkpoints.inspect import inspect_checkpoint
+
+    target, assistant = (inspect_checkpoint(str(p)) for p in ggufs)
+    assert target.verdict == "ar-only" and not target.problems
+    assert {e.engine: e.methods for e in target.engines} == {"llamacpp": ["none", "llamacpp_mtp"]}
+    assert any("-assistant GGUF" in n and "`drafter:`" in n for n in target.notes)
+    assert assistant.verdict == "verified" and not assistant.problems
+    assert any("`drafter:` of the gemma4 GGUF" in n for n in assistant.notes)

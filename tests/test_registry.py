@@ -158,9 +158,14 @@ def test_a_made_up_engine_is_refused_with_the_valid_ones(tmp_path):
 def test_one_engine_of_an_exclusive_group_and_the_drafter_it_needs(tmp_path):
     message = _error(tmp_path, MLX, ["mlx_dflash", "mlx_dspark"], drafter="builtin:demo-dflash")
     assert "one drafter per model: mlx_dflash or mlx_dspark, not both" in message
-    assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain", "mlx_dspark"])
-    assert "`drafter` go together" in _error(tmp_path, MLX, ["mlx_plain"],
-                                              drafter="builtin:demo-dflash")
+    assert "mlx_dspark needs a `drafter`" in _error(tmp_path, MLX, ["mlx_plain", "mlx_dspark"])
+    message = _error(tmp_path, MLX, ["mlx_plain"], drafter="builtin:demo-dflash")
+    assert "`drafter` goes with an engine that drafts with it (mlx_dflash / mlx_dspark / " \
+        "mlx_assistant)" in message
+    # A GGUF model's drafter is a .gguf for llamacpp_mtp's -md (Gemma-4's assistant).
+    assert "llamacpp_mtp" in _error(tmp_path, GGUF, ["llamacpp"], drafter="builtin:demo-dflash")
+    assert "a GGUF model's drafter is a .gguf file" in _error(
+        tmp_path, GGUF, ["llamacpp", "llamacpp_mtp"], drafter="builtin:demo-dflash")
 
 
 def _fake_records(calls: list) -> tuple[EngineRecord, ...]:

@@ -127,10 +127,16 @@ GGUF_MTP_VERIFIED = {"qwen35", "qwen35moe"}
 GGUF_SINGLE_HEAD = {"qwen35", "qwen35moe"}
 
 
+# Drafters in a GGUF of their own, given to llama-server with -md beside the
+# target they were released for (gguf 0.19's names lack it; llama.cpp b11312
+# has src/models/gemma4-assistant.cpp).
+GGUF_ASSISTANT_ARCHS = {"gemma4-assistant": "gemma4"}
+
+
 def gguf_known_arch(arch: str) -> bool:
     from gguf.constants import MODEL_ARCH_NAMES
 
-    return arch in GGUF_MTP_ARCHS or arch in MODEL_ARCH_NAMES.values()
+    return arch in GGUF_MTP_ARCHS or arch in GGUF_ASSISTANT_ARCHS or arch in MODEL_ARCH_NAMES.values()
 
 
 # ---------------------------------------------------------------- MTP head shapes

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .families import (
+    GGUF_ASSISTANT_ARCHS,
     GGUF_MTP_ARCHS,
     GGUF_MTP_VERIFIED,
     GGUF_SINGLE_HEAD,
@@ -423,7 +424,16 @@ def judge_gguf(info: CheckpointInfo) -> Judgement:
         j.problem("unsupported_architecture", f"GGUF architecture {g.arch!r} is unknown to "
                   "llama.cpp", "use a GGUF of a supported architecture", "incompatible")
     n, blocks = g.nextn_predict_layers, g.nextn_blocks
-    if n > 0 and not blocks:
+    if g.arch in GGUF_ASSISTANT_ARCHS:
+        # Its nextn_predict_layers counts its own layers; it has no nextn blocks.
+        j.base = "verified"
+        j.notes.append(f"a {g.arch} drafter: serve it as the `drafter:` of the "
+                       f"{GGUF_ASSISTANT_ARCHS[g.arch]} GGUF it was released for, with llamacpp_mtp "
+                       "(llama-server -md)")
+    elif g.arch in GGUF_ASSISTANT_ARCHS.values():
+        j.notes.append(f"{g.arch} drafts with a separate -assistant GGUF (its repo's MTP/ folder): "
+                       "set it as the model's `drafter:` for llamacpp_mtp")
+    elif n > 0 and not blocks:
         j.problem("mtp_stripped",
                   f"the GGUF declares {_layers(n)} ({g.arch}.nextn_predict_layers) but holds no "
                   "blk.N.nextn.* tensors: it was converted without the head (--no-mtp, or from a "
@@ -460,5 +470,11 @@ def judge_gguf(info: CheckpointInfo) -> Judgement:
                   "load it", "re-convert with llama.cpp's convert_hf_to_gguf.py from a checkpoint "
                   "that has its tokenizer files", "incompatible")
     if j.verdict != "incompatible":
-        j.engines.append(EngineFit("llamacpp", ["none"] + (["llamacpp_mtp"] if j.mtp_usable else [])))
+        if g.arch in GGUF_ASSISTANT_ARCHS:
+            j.engines.append(EngineFit("llamacpp_mtp", ["llamacpp_mtp"], "as a target's drafter"))
+        elif g.arch in GGUF_ASSISTANT_ARCHS.values():
+            j.engines.append(EngineFit("llamacpp", ["none", "llamacpp_mtp"],
+                                       "llamacpp_mtp with the -assistant GGUF as `drafter:`"))
+        else:
+            j.engines.append(EngineFit("llamacpp", ["none"] + (["llamacpp_mtp"] if j.mtp_usable else [])))
     return j

@@ -36,12 +36,14 @@ class HealthCheck:
 
 @dataclass(frozen=True)
 class GgufFacts:
+    arch: str
     vocab_size: int
     eos_token_ids: frozenset[int]
     context_length: int | None
     verdict: str  # `specgate inspect`'s verdict for the file
     mtp_usable: bool
     mtp_problem: str | None  # why draft-mtp cannot run, when it cannot
+    embedding_length: int | None = None
 
 
 def read_gguf_facts(path: Path) -> GgufFacts:
@@ -65,9 +67,36 @@ def read_gguf_facts(path: Path) -> GgufFacts:
     if not judgement.mtp_usable:
         found = "; ".join(p.message for p in judgement.problems) or "it has no MTP (nextn) layers"
         problem = f"`specgate inspect` says {judgement.verdict}: {found}"
-    ctx = info.gguf.kv.get("context_length")
-    return GgufFacts(int(info.vocab_size or len(tokens)), frozenset(eos),
-                     int(ctx) if ctx else None, judgement.verdict, judgement.mtp_usable, problem)
+    kv = info.gguf.kv
+    ctx, width = kv.get("context_length"), kv.get("embedding_length")
+    return GgufFacts(info.gguf.arch, int(info.vocab_size or len(tokens)), frozenset(eos),
+                     int(ctx) if ctx else None, judgement.verdict, judgement.mtp_usable, problem,
+                     int(width) if width else None)
+
+
+def check_assistant_gguf(drafter: Path, target: GgufFacts) -> None:
+    """A drafter GGUF for draft-mtp's -md (Gemma-4's assistant), checked
+    against the target it will read K/V from: ValueError naming what differs."""
+    from engines.checkpoints.families import GGUF_ASSISTANT_ARCHS
+    from engines.checkpoints.gguf_info import read_gguf
+
+    info = read_gguf(drafter)
+    arch, kv = info.gguf.arch, info.gguf.kv
+    if arch not in GGUF_ASSISTANT_ARCHS:
+        raise ValueError(f"drafter {drafter}: a GGUF of architecture {arch}, not a drafter "
+                         f"llama-server takes with -md ({', '.join(GGUF_ASSISTANT_ARCHS)})")
+    wrong = []
+    if target.arch != GGUF_ASSISTANT_ARCHS[arch]:
+        wrong.append(f"it drafts for {GGUF_ASSISTANT_ARCHS[arch]} targets, the model is {target.arch}")
+    else:
+        out = kv.get("embedding_length_out")
+        if out and target.embedding_length and int(out) != target.embedding_length:
+            wrong.append(f"it was released for a target of hidden size {int(out)} "
+                         f"({arch}.embedding_length_out), the model's is {target.embedding_length}")
+        if info.vocab_size and int(info.vocab_size) != target.vocab_size:
+            wrong.append(f"its vocabulary has {int(info.vocab_size)} tokens, the model's {target.vocab_size}")
+    if wrong:
+        raise ValueError(f"drafter {drafter} does not fit the model: " + "; ".join(wrong))
 
 
 def build_llamacpp_engines(
@@ -89,6 +118,7 @@ def build_llamacpp_engines(
     read_timeout: float,
     progress_timeout: float = 60.0,
     health: HealthCheck | None = None,
+    drafter: Path | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
     """The model's engines by name, and the engines refused with why: one
     process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp
@@ -97,6 +127,8 @@ def build_llamacpp_engines(
 
     An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
     refused (not started), and the model still serves through `llamacpp`.
+    With a `drafter` (a separate drafter GGUF: Gemma-4's assistant) it
+    drafts with that instead (`-md`), checked against the model first.
     The engines tokenize through each other's processes when their own hangs.
     """
     if ngram_type not in NGRAM_TYPES:
@@ -108,12 +140,14 @@ def build_llamacpp_engines(
     facts = read_gguf_facts(gguf)
     if facts.verdict == "incompatible":
         raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
+    if drafter is not None:
+        check_assistant_gguf(drafter, facts)
     ctx = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
     built: dict[str, LlamaCppEngine] = {}
     refused: dict[str, str] = {}
     for name in engines:
-        if name == "llamacpp_mtp" and not facts.mtp_usable:
-            refused[name] = f"draft-mtp needs MTP layers in the GGUF; {facts.mtp_problem}"
+        if name == "llamacpp_mtp" and drafter is None and not facts.mtp_usable:
+            refused[name] = _no_mtp(facts)
             log.warning("model %s: llamacpp_mtp refused: %s", model_id, refused[name])
             continue
         spec = ServerSpec(
@@ -124,6 +158,7 @@ def build_llamacpp_engines(
             parallel=max_concurrent,
             spec=speculation.get(name),
             extra_args=list(extra_args),
+            draft_model=drafter if name == "llamacpp_mtp" else None,
             **({"threads": threads} if threads else {}),
         )
         server = LlamaServer(spec, binary=binary, ttl=idle_ttl, health_interval=health.interval,
@@ -139,3 +174,12 @@ def build_llamacpp_engines(
     for engine in built.values():
         engine.tokenize_with([e.server for e in built.values()])
     return built, refused
+
+
+def _no_mtp(facts: GgufFacts) -> str:
+    from engines.checkpoints.families import GGUF_ASSISTANT_ARCHS
+
+    if facts.arch in GGUF_ASSISTANT_ARCHS.values():
+        return (f"{facts.arch} drafts with a separate -assistant GGUF (the MTP/ folder of its "
+                "repo), which llama-server takes with -md: set the model's `drafter:` to it")
+    return f"draft-mtp needs MTP layers in the GGUF; {facts.mtp_problem}"

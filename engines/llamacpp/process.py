@@ -82,6 +82,7 @@ class ServerSpec:
     threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
     spec: dict | None = None  # None or {"type": one of SPEC_TYPES, "n_max": int}
     extra_args: list[str] = field(default_factory=list)
+    draft_model: Path | None = None  # draft-mtp's separate drafter GGUF (-md): Gemma-4's assistant
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -106,6 +107,8 @@ class ServerSpec:
             argv += ["--spec-type", kind]
             for flag in SPEC_TYPES[kind]:
                 argv += [flag, "1" if flag.endswith("-n-min") else n_max]
+        if self.draft_model is not None:
+            argv += ["-md", str(self.draft_model)]
         return argv + list(self.extra_args)
 
 

@@ -122,7 +122,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel
 
 
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> PrefixCache:
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+    from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
     from engines.mlx_load import downloaded_checkpoint
 
@@ -145,7 +145,10 @@ def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> Prefix
         key,
         disk=disk,
         cache_classes=classes,
-        trimmable=can_trim_prompt_cache(fresh),
+        # Snapshots at message boundaries wherever a trunk cannot always be
+        # cut back: recurrent state, or a sliding window once it has wrapped.
+        trimmable=can_trim_prompt_cache(fresh)
+        and not any(isinstance(c, RotatingKVCache) for c in fresh),
         snapshot_interval=settings.snapshot_interval,
     )
 

@@ -14,7 +14,8 @@ What is usable:
   last prompt token's logits come from that forward);
 - a longer entry, or one that diverges, only where every trunk cache can be
   trimmed (all-KV models): cut back to the common prefix, drafter state
-  dropped. A hybrid's recurrent state cannot be cut: there the engines take
+  dropped. A hybrid's recurrent state cannot be cut, nor a sliding window
+  (Gemma-4's rotating caches) once it has wrapped: there the engines take
   snapshots at the prompt's message boundaries (GenerationRequest.boundaries).
 
 Scopes keep keys apart (the gateway names a request's scope): an entry is

@@ -243,3 +243,17 @@ def test_sampled_output_follows_the_target_distribution(small, rule, monkeypatch
         assert accepted > 0 and set(counts) <= set(exact) and distance < bound
     else:
         assert distance > bound
+
+
+def test_the_prefix_cache_keeps_snapshots_at_message_boundaries(tmp_path):
+    """A wrapped window cannot be cut back to where a later prompt parts, so
+    Gemma-4 models get the snapshots hybrids get: at message boundaries."""
+    from engines.base import CacheSettings
+    from engines.loading import load_mlx_model
+
+    path = build_gemma4(tmp_path / "g", sliding_window=WINDOW)
+    prefix = load_mlx_model(str(path), CacheSettings(disk_bytes=0)).prefix_cache
+    assert not prefix.trimmable
+    request = GenerationRequest("t", "m", list(range(300)), SamplingParams(), 8,
+                                Plan("mlx_plain", "none", 0, "rule"), boundaries=(120, 250))
+    assert {120, 250} <= set(prefix.snapshot_points(request, 0))

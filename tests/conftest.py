@@ -131,6 +131,20 @@ def gateway(tiny_model, tmp_path_factory):
     assert gw.process.returncode is not None
 
 
+# Building llama-server takes minutes (about 5 on 2 cores); the build runs in
+# the setup of whichever test first asks for it, under that test's time limit.
+LLAMA_SERVER_BUILD_TIMEOUT = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    """The first test (in run order) that needs llama-server gets the
+    build's time limit, whatever file it is in and whatever its own limit."""
+    for item in items:
+        if "llama_server_binary" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)
+            break
+
+
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
     """specgate's own llama-server, as `specgate install-llama-server` builds

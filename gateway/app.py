@@ -37,6 +37,8 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.limits import BodyLimitMiddleware
 from gateway.metrics import Metrics
 from gateway.models import ModelLeases, ModelRegistry, model_status
+from gateway.peers import Peers, peer_status
+from gateway.proxy import PeerRouter
 from gateway.reloading import Reloader, ReloadRefused
 from gateway.responses_api import ResponseStore
 from gateway.responses_api import router as responses_router
@@ -65,12 +67,14 @@ def create_app(config: Config, config_path: str | Path | None = None,
         loading = asyncio.create_task(registry.start())
         hangup = _on_sighup(reloader)
         errors.attach()
+        await peers.start()
         try:
             yield
         finally:
             errors.detach()
             hangup()
             loading.cancel()
+            await peers.stop()
             await registry.stop_all()
 
     app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -79,6 +83,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
     app.state.responses = ResponseStore()  # for previous_response_id (gateway/responses_api.py)
+    app.state.peers = metrics.peers = peers = Peers(config.peers)  # gateway/peers.py, proxy.py
     reloader = Reloader(registry, keys, config, Path(config_path) if config_path else None,
                         overrides or {})  # fmt: skip
     errors = RecentErrors()  # the status page's "recent warnings and errors"
@@ -96,13 +101,15 @@ def create_app(config: Config, config_path: str | Path | None = None,
     @app.get("/admin/status")
     async def status_data():
         admin_only()
-        return status(registry, metrics, errors)
+        return status(registry, metrics, errors) | {"peers": peer_status(peers)}
 
-    # Before the OpenAI router's own /v1/models, which lists every model:
-    # a key sees only the models it may use.
+    # Before the OpenAI router's own /v1/models, which lists this node's
+    # models: the peers' are added, and a key sees only the models it may use.
     @app.get("/v1/models")
     async def list_models(request: Request):
         listing = await openai_api.list_models(request)
+        if peers:
+            listing["data"] = peers.listing(listing["data"], app.state.started_at)
         principal = current_principal()
         listing["data"] = [m for m in listing["data"] if principal.may_use(m["id"])]
         return listing
@@ -121,12 +128,16 @@ def create_app(config: Config, config_path: str | Path | None = None,
         state and errors (file paths, engine problems) only for an admin key,
         or anyone on an open loopback server."""
         ok = registry.ready and not registry.draining
+        if not registry.models:  # a front for its peers: ready while one of them is
+            ok = ok and any(n.up for n in peers.nodes.values())
         body: dict = {"status": "ready" if ok else "not_ready"}
         if registry.draining:
             body["reason"] = "shutting_down"
         if await _sees_details(request):
             body["models"] = {m.id: m.state for m in registry.models.values()}
             body["errors"] = {m.id: m.problem for m in registry.models.values() if m.problem}
+            if peers:
+                body["peers"] = {n.name: "up" if n.up else n.problem for n in peers.nodes.values()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def _sees_details(request: Request) -> bool:
@@ -188,6 +199,9 @@ def create_app(config: Config, config_path: str | Path | None = None,
         return {"id": model_id, "status": "ready"}
 
     app.add_middleware(ModelLeases, registry=registry)
+    # Inside the body limit and the key check: a relayed body is bounded, its key checked here.
+    app.add_middleware(PeerRouter, peers=peers, registry=registry, responses=app.state.responses,
+                       metrics=metrics)  # fmt: skip
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
                        body_timeout_s=config.server.body_timeout_s)
     # Outermost: a request without a valid key costs no body read.

@@ -16,6 +16,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -294,19 +295,51 @@ class PrefixCacheConfig(_Strict):
     share: Literal["system", "none", "all"] = "system"
 
 
+LOCAL_NODE = "local"  # this node, in routing metrics and X-Specgate-Node
+
+
+class PeerConfig(_Strict):
+    """Another specgate this one routes requests to (gateway/peers.py):
+    its models are listed here, and a request for one goes to the least
+    loaded healthy node that serves it, this one included."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")  # a metrics label
+    url: str = Field(pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")  # e.g. http://10.0.0.2:8000
+    # The API key this node presents there (one of the peer's keys; its model
+    # allow-list limits what is routed). Clients' keys are checked here and
+    # never sent on. Unset: the peer is an open loopback server.
+    key: SecretStr | None = None
+    health_interval_s: float = Field(2.0, gt=0)  # between checks of a healthy peer
+    max_backoff_s: float = Field(30.0, gt=0)  # longest wait between checks of a down one
+    connect_timeout_s: float = Field(3.0, gt=0)  # a check, or the start of a request
+    # Longest silence within a proxied response (a long prefill answers late).
+    read_timeout_s: float = Field(600.0, gt=0)
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
 class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
-    models: list[ModelConfig] = Field(min_length=1)
+    # A node with peers may serve no model itself (a front for the others).
+    models: list[ModelConfig] = Field(default_factory=list)
+    peers: list[PeerConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Config:
-        ids = [m.id for m in self.models]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"model ids must be unique; repeated: {', '.join(dupes)}")
+        if not self.models and not self.peers:
+            raise ValueError("models: at least one model (or `peers` to route to)")
+        for what, ids in (("model ids", [m.id for m in self.models]),
+                          ("peer names", [p.name for p in self.peers])):  # fmt: skip
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            if dupes:
+                raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
+        if any(p.name == LOCAL_NODE for p in self.peers):
+            raise ValueError(f"peer name '{LOCAL_NODE}' is this node's own label")
         return self
 
     @field_validator("models", mode="before")

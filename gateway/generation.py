@@ -99,9 +99,14 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
     return served, served.engine
 
 
+# On the 503 of a server shutting down: a front node (gateway/proxy.py)
+# then sends the request to another node, which it may do for no other 503.
+DRAINING_HEADER = "X-Specgate-Shutting-Down"
+
+
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; retry on another instance or later",
-                    code="shutting_down", headers={"Retry-After": "5"})  # fmt: skip
+                    code="shutting_down", headers={"Retry-After": "5", DRAINING_HEADER: "1"})  # fmt: skip
 
 
 def check_stops(stop: str | list[str] | None, param: str = "stop") -> list[str]:

@@ -3,7 +3,7 @@
 One registry per app, so several gateways in one process (tests) never share
 counters. Gauges (running/waiting requests, acceptance) are computed at scrape
 time rather than kept in step by hand. Labels are bounded: model, method,
-reason, status, position, and key: an API key's NAME from the keys file
+reason, status, position, node (a peer's configured name), and key: an API key's NAME from the keys file
 (never the key; "anonymous" on an open server). deploy/grafana/ ships a
 dashboard over these names.
 """
@@ -157,6 +157,23 @@ class Metrics:
             "specgate_request_queue_time_seconds", "Time waiting for a decoding slot",
             ["model"], buckets=_TTFT_BUCKETS, registry=r,
         )
+        # Several nodes (gateway/peers.py): where requests went, by node
+        # ("local": this one), and how the peers' ones ended.
+        self.routed_requests = Counter(
+            "specgate_routed_requests", "Requests routed, by the node chosen to serve them",
+            ["node", "model"], registry=r,
+        )
+        self.peer_requests = Counter(
+            "specgate_peer_requests",
+            "Requests relayed to a peer, by outcome (ok, error: the peer's 4xx/5xx, failed: "
+            "the peer broke off, unreachable: tried the next node, cancelled: the client left)",
+            ["node", "model", "outcome"], registry=r,
+        )
+        self.peer_latency = Histogram(
+            "specgate_peer_request_seconds", "Relayed requests, from sending to the last byte",
+            ["node", "model"], buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.peers = None  # gateway.peers.Peers, when the node has some
         # (model, method) -> [drafts, draft tokens, accepted], for the ratio gauges.
         self._spec: dict[tuple[str, str], list[int]] = {}
         # process_* (CPU, resident memory, open files): read from /proc, so Linux only.
@@ -230,6 +247,31 @@ class Metrics:
     def queued(self, model: str, seconds: float) -> None:
         self.queue_time.labels(model).observe(seconds)
 
+    def routed(self, node: str, model: str) -> None:
+        self.routed_requests.labels(node, model).inc()
+
+    def proxied(self, node: str, model: str, outcome: str, seconds: float) -> None:
+        self.peer_requests.labels(node, model, outcome).inc()
+        if outcome != "unreachable":
+            self.routed_requests.labels(node, model).inc()
+            self.peer_latency.labels(node, model).observe(seconds)
+
+    def _peers(self):
+        up = GaugeMetricFamily("specgate_peer_up", "1 while the peer answers its checks",
+                               labels=["node"])  # fmt: skip
+        inflight = GaugeMetricFamily("specgate_peer_requests_in_flight",
+                                     "Requests relayed to the peer now", labels=["node"])  # fmt: skip
+        load = GaugeMetricFamily(
+            "specgate_peer_load",
+            "A peer's (running + waiting) / max_concurrent per model, as routing estimates it",
+            labels=["node", "model"])  # fmt: skip
+        for node in self.peers.nodes.values():
+            up.add_metric([node.name], 1.0 if node.up else 0.0)
+            inflight.add_metric([node.name], float(sum(node.inflight.values())))
+            for model in node.models:
+                load.add_metric([node.name, model], node.load(model))
+        yield from (up, inflight, load)
+
     def collect(self):
         running = GaugeMetricFamily(
             "specgate_num_requests_running", "Requests decoding now", labels=["model"]
@@ -284,6 +326,8 @@ class Metrics:
         yield from (running, waiting, policy, costs, spread, rate, length)
         yield from self._models()
         yield from self._prefix_caches()
+        if self.peers:
+            yield from self._peers()
 
     def _models(self):
         """Residency (gateway/models.py): state, memory, loads and unloads."""

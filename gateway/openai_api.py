@@ -26,6 +26,7 @@ from gateway.generation import (
     run,
 )
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.peers import load_fields
 from gateway.tools import ToolCall, split_output
 
 router = APIRouter()
@@ -150,15 +151,19 @@ async def _collect(pieces: AsyncIterator[Piece]):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
+    """Each model with its load in a `specgate` field, which a front node
+    routing to this one reads (gateway/peers.py)."""
     registry = request.app.state.registry
     created = request.app.state.started_at
     return {
         "object": "list",
         "data": [
-            {"id": m.id, "object": "model", "created": created, "owned_by": "specgate"}
+            {"id": m.id, "object": "model", "created": created, "owned_by": "specgate",
+             "specgate": load_fields(m.gate.running, m.gate.waiting, m.config.max_concurrent,
+                                     "shutting_down" if registry.draining else m.state)}
             for m in registry.models.values()
         ],
-    }
+    }  # fmt: skip
 
 
 def _tool_calls(calls: list[ToolCall], first_index: int = 0, stream: bool = False) -> list[dict]:

@@ -68,6 +68,10 @@ class ResponseStore:
                 _, (_, _, freed) = self._entries.popitem(last=False)
                 self._chars -= freed
 
+    def holds(self, key: str, response_id: str) -> bool:
+        with self._lock:
+            return (key, response_id) in self._entries
+
     def conversation(self, key: str, response_id: str) -> list | None:
         """Every item up to and including this response's output, or None."""
         chain: list[list] = []

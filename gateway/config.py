@@ -406,5 +406,8 @@ def json_schema() -> dict:
     schema = Config.model_json_schema(mode="validation")
     # The registry's engine names, which validation reads at run time.
     schema["$defs"]["ModelConfig"]["properties"]["engines"]["items"]["enum"] = list(registry.names())
+    # A model to serve, or peers to route to (Config._unique_ids).
+    schema["anyOf"] = [{"required": [key], "properties": {key: {"minItems": 1}}}
+                       for key in ("models", "peers")]  # fmt: skip
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
             "title": "specgate config", **schema}  # fmt: skip

@@ -42,10 +42,13 @@ GOOD = [
      "models": [{"id": "m", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_ngram"]}]},
     {"prefix_cache": {"disk_bytes": "512 MiB"}, "server": {"port": 9000, "log_level": "debug"},
      "models": [{"id": "g", "path": "builtin:demo-gguf", "llamacpp": {"idle_ttl_s": 60}}]},
+    {"peers": [{"name": "mac2", "url": "http://10.0.0.2:8000", "key": "sg-x"}]},  # a front only
 ]
 BAD = [
     {},  # no models
     {"models": []},
+    {"models": [], "peers": []},
+    {"peers": [{"name": "mac2", "url": "10.0.0.2:8000"}]},  # no scheme
     {"models": [{"id": "m", "path": "builtin:demo", "enignes": ["mlx_plain"]}]},  # a typo
     {"models": [{"id": "m", "path": "builtin:demo", "engines": ["mlx_warp"]}]},
     {"server": {"port": 70000}, "models": [{"id": "m", "path": "builtin:demo"}]},

@@ -71,6 +71,9 @@ class LoadedModel:
     # once. Engines of other models have their own and run alongside: a long
     # prefill of one model does not hold up another's decoding.
     lock: FairLock = field(default_factory=FairLock)
+    # A model over several ranks (engines/lockstep.py): its lock, and the
+    # decisions its engines share with the other ranks. None on one machine.
+    lockstep: Any = None
 
     @property
     def text_config(self) -> dict:
@@ -97,7 +100,8 @@ _loaded: weakref.WeakValueDictionary[str, LoadedModel] = weakref.WeakValueDictio
 _lock = threading.Lock()
 
 
-def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel:
+def load_mlx_model(path: str, cache: CacheSettings | None = None,
+                   distribution=None) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
 
     `path` is a local directory or a hub repo id; only a hub repo id that is
@@ -105,6 +109,9 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
     path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
     prefix cache's settings (the first load of a path decides them).
+    `distribution` (engines/lockstep.Distribution): this rank's shard, with
+    the lockstep as its lock and no prefix cache (whose hits would differ
+    between ranks whose entries differ in size, so evictions do too).
     """
     from engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
 
@@ -112,9 +119,18 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None) -> LoadedModel
     with _lock:
         loaded = _loaded.get(key)
         if loaded is None:
-            model, tokenizer, config = load(path)
-            prefix = _prefix_cache(key, model, cache or CacheSettings())
-            loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
+            model, tokenizer, config = load(path, distribution)
+            if distribution is None:
+                prefix = _prefix_cache(key, model, cache or CacheSettings())
+                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
+            else:
+                from engines.lockstep import Lockstep
+
+                prefix = _prefix_cache(key, model, CacheSettings(disk_bytes=0))
+                prefix.resize(0)
+                lockstep = Lockstep(distribution.group)
+                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix,
+                                                    lock=lockstep, lockstep=lockstep)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends
                 weakref.finalize(loaded, prefix.disk.close)
             weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS

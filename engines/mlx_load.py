@@ -31,14 +31,24 @@ class CheckpointLoadError(Exception):
     """A checkpoint that cannot be loaded; the message says why and what to do."""
 
 
-def load(path: str) -> tuple[Any, Any, dict]:
-    """(model, TokenizerWrapper, config) as mlx_lm.load returns them."""
+def load(path: str, distribution=None) -> tuple[Any, Any, dict]:
+    """(model, TokenizerWrapper, config) as mlx_lm.load returns them; with
+    a `distribution` (engines/lockstep.py), this rank's shard of the model."""
+    import mlx.core as mx
     import mlx_lm  # lazily: it pulls in transformers
 
     root = local_checkpoint(path)
     _check_tokenizer(root)
     model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),
-                                           return_config=True)
+                                           return_config=True, lazy=distribution is not None)
+    if distribution is not None:
+        from engines.lockstep import shard_model
+
+        try:
+            shard_model(model, distribution)
+        except ValueError as e:
+            raise CheckpointLoadError(f"{root}: {e}") from None
+        mx.eval(model.parameters())
     evaluate_buffers(model)
     if not tokenizer.encode("Hello, world"):
         raise CheckpointLoadError(f"{root}: its tokenizer encodes text to no tokens; "

@@ -156,7 +156,8 @@ class MLXPlainEngine(WorkerEngine):
         # first token) from stretching everyone's next token by seconds.
         self.prefill_step_while_decoding = min(prefill_step_while_decoding, prefill_step_size)
         self._prefix_cache = loaded.prefix_cache
-        self._prefix_cache.resize(prefix_cache_size)
+        # A model over several ranks keeps none (engines/loading.py says why).
+        self._prefix_cache.resize(0 if loaded.lockstep is not None else prefix_cache_size)
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
         self._batch: BatchGenerator | None = None
 

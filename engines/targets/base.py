@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engines import kv_buffer
@@ -135,6 +136,9 @@ class TransformerTarget:
         self.model = model
         self.inner = text.model  # returns hidden states after the final norm
         self._lm_head = None if text.args.tie_word_embeddings else text.lm_head
+        # Tensor parallel (mlx-lm's shard()): each rank's head makes a slice
+        # of the vocabulary, gathered as mlx-lm's own __call__ gathers it.
+        self._head_group = getattr(text, "sharding_group", None)
         # Whether verify forwards run through kernels/hook.py's proved kernels
         # (set by the engine from kernels/wiring.py at load; off by default).
         self.kernels = False
@@ -142,6 +146,8 @@ class TransformerTarget:
         # (engines/kv_buffer.py: where each new key length costs a build).
         self.whole_buffer = kv_buffer.HELPS
         for i, layer in enumerate(self.inner.layers):
+            if layer is None:  # another rank's, in a pipeline (mlx-lm's pipeline())
+                continue
             swap_class(layer, _capturing_classes,
                        lambda cls: type(f"Capturing{cls.__name__}", (cls,),
                                         {"__call__": _capturing_call}))  # fmt: skip
@@ -197,6 +203,8 @@ class TransformerTarget:
     def logits(self, hidden: mx.array) -> mx.array:
         if self._lm_head is None:
             return self.inner.embed_tokens.as_linear(hidden)
+        if self._head_group is not None:
+            return gather_last_axis(self._lm_head(hidden), self._head_group)
         return self._lm_head(hidden)
 
     def embed(self, tokens: mx.array) -> mx.array:

@@ -1,0 +1,258 @@
+"""One model over several processes (a model's `distributed:` config), kept
+in lockstep through MLX's own collectives.
+
+Every rank loads its shard of the model (`shard_model`: mlx-lm's `shard()`
+for tensor parallelism, `pipeline()` for layers split in order) and builds
+the same engines. Rank 0 serves HTTP and makes every decision that is not
+a function of the model's numbers: which request an engine takes next,
+whether its client left, the plan for the next round. The other ranks run
+the same engine code on the same requests and, at each of those points,
+receive rank 0's decision instead of making one (`Lockstep.share`). So
+every rank runs the same forwards in the same order with the same shapes,
+which is what the collectives inside a sharded model need.
+
+The order is the model's lock. On rank 0 every collective happens under it
+(forwards did already; a shared decision takes it), and taking it sends
+whose turn it is: the name of the engine thread that took it. On the other
+ranks a conductor thread (`follow`) reads those turns and hands the lock to
+that engine's thread, which runs the same section, receiving decisions
+where rank 0 sent them, then hands the lock back on release.
+
+A rank that is gone makes the next collective raise on the others; the
+lockstep is then broken for good (`problem`), and the model's engines fail
+their requests with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from engines.loading import FairLock
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+STOP = ("stop",)  # rank 0 stopping: every other rank ends its conductor
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """How a model is spread: `mode` "tensor" (every layer split across the
+    ranks) or "pipeline" (the layers split in order); the group is
+    mx.distributed's, as `mlx.launch` set it up."""
+
+    mode: str
+    group: Any  # mx.distributed.Group
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+
+def shard_model(model, distribution: Distribution) -> None:
+    """Split a lazily loaded mlx-lm model across the group, before its
+    weights are evaluated (each rank then reads only its part)."""
+    group, mode = distribution.group, distribution.mode
+    if mode == "tensor":
+        if not hasattr(model, "shard"):
+            raise ValueError(f"mlx-lm's {type(model).__module__} has no shard(): "
+                             "use distributed.mode: pipeline, if it has pipeline()")  # fmt: skip
+        model.shard(group)
+        return
+    text = model.language_model if hasattr(model, "language_model") else model
+    if not hasattr(text.model, "pipeline"):
+        raise ValueError(f"mlx-lm's {type(model).__module__} has no pipeline(): "
+                         "use distributed.mode: tensor, if it has shard()")  # fmt: skip
+    text.model.pipeline(group)
+
+
+class Channel:
+    """Python objects from rank 0 to every rank. The ring backend has no
+    broadcast, so it is an all_sum to which the other ranks add zeros: the
+    length, then the bytes. Rank 0 is trusted (the ranks are one program,
+    started together by mlx.launch), so the bytes are a pickle."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = group.rank()
+
+    def _sum(self, x: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        return out
+
+    def send(self, obj: object) -> None:
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        self._sum(mx.array([payload.size], dtype=mx.int64))
+        self._sum(mx.array(payload))
+
+    def receive(self) -> object:
+        size = int(self._sum(mx.zeros((1,), dtype=mx.int64)).item())
+        data = self._sum(mx.zeros((size,), dtype=mx.uint8))
+        return pickle.loads(np.array(data).tobytes())
+
+
+class Lockstep:
+    """The model's lock and shared decisions, for a model over several
+    ranks (engines use it where a single-process model has a FairLock)."""
+
+    def __init__(self, group):
+        self.channel = Channel(group)
+        self.rank = group.rank()
+        self.problem: str | None = None  # why the lockstep broke (a rank is gone)
+        self._order = FairLock()  # rank 0: mutual exclusion among its threads
+        self._holder: int | None = None  # the thread holding the lock
+        self._depth = 0
+        # Other ranks: the thread whose turn it is, handed over by `follow`.
+        self._turn = threading.Condition()
+        self._turn_of: str | None = None
+        # Handoffs between the model's engines on other ranks, by request id
+        # (engines/spec_engine.py and mlx_plain: a follower engine posts
+        # them here, the engine resuming the request takes them).
+        self.handoffs: dict[str, Any] = {}
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # -- the lock --------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        if self._holder == me:
+            self._depth += 1
+            return
+        if self.leader:
+            self._order.acquire()
+            self._holder, self._depth = me, 1
+            try:
+                self._send(("turn", threading.current_thread().name))
+            except BaseException:
+                self._holder, self._depth = None, 0
+                self._order.release()
+                raise
+            return
+        name = threading.current_thread().name
+        with self._turn:
+            while self._turn_of != name:
+                if self.problem is not None:
+                    raise LockstepBroken(self.problem)
+                self._turn.wait(1.0)
+        self._holder, self._depth = me, 1
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self._holder = None
+        if self.leader:
+            self._order.release()
+            return
+        with self._turn:
+            self._turn_of = None
+            self._turn.notify_all()
+
+    def __enter__(self) -> Lockstep:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # -- decisions -------------------------------------------------------------------
+
+    def share(self, decide: Callable[[], T], encode: Callable[[T], Any] | None = None,
+              decode: Callable[[Any], T] | None = None) -> T:  # fmt: skip
+        """Rank 0: `decide()` (outside the lock: it may wait for a request),
+        then send it (as `encode` makes it) to every rank. Other ranks:
+        receive it (`decode`d) without calling `decide`. Each call site must
+        run the same on every rank, which it does when everything before it
+        was shared."""
+        if self.leader:
+            value = decide()
+            with self:
+                self._send(("value", value if encode is None else encode(value)))
+            return value
+        with self:
+            kind, value = self._receive()
+        if kind != "value":
+            self._broke(RuntimeError(f"lockstep lost its order: expected a decision, got {kind}"))
+        return value if decode is None else decode(value)
+
+    def _send(self, message: tuple) -> None:
+        if self.problem is not None:
+            raise LockstepBroken(self.problem)
+        try:
+            self.channel.send(message)
+        except RuntimeError as e:
+            self._broke(e)
+
+    def _receive(self) -> tuple:
+        if self.problem is not None:
+            raise LockstepBroken(self.problem)
+        try:
+            return self.channel.receive()
+        except RuntimeError as e:
+            self._broke(e)
+
+    def _broke(self, error: BaseException):
+        self.problem = (f"a rank of this distributed model is gone ({error}); "
+                        "restart specgate under mlx.launch")  # fmt: skip
+        log.error("%s", self.problem)
+        with self._turn:
+            self._turn.notify_all()
+        raise LockstepBroken(self.problem) from error
+
+    def check(self, error: BaseException) -> None:
+        """A forward failed: if it was a collective, the lockstep is broken."""
+        if isinstance(error, RuntimeError) and "[ring]" in str(error) and self.problem is None:
+            try:
+                self._broke(error)
+            except LockstepBroken:
+                pass
+
+    def stop(self) -> None:
+        """Rank 0: tell every other rank to end (its conductor returns)."""
+        if self.leader and self.problem is None:
+            try:
+                with self:
+                    self.channel.send(STOP)
+            except (RuntimeError, LockstepBroken):
+                pass
+
+    # -- other ranks -----------------------------------------------------------------
+
+    def follow(self, alive: Callable[[str], bool]) -> None:
+        """Other ranks: hand the lock to each thread rank 0 names, in rank
+        0's order, until rank 0 stops (or is gone: then raises).
+        alive(name): whether that engine thread still runs."""
+        while True:
+            message = self._receive()
+            if message == STOP:
+                return
+            kind, name = message
+            if kind != "turn":
+                self._broke(RuntimeError(f"lockstep lost its order: expected a turn, got {kind}"))
+            with self._turn:
+                self._turn_of = name
+                self._turn.notify_all()
+                while self._turn_of is not None:
+                    if not alive(name):
+                        self._broke(RuntimeError(f"engine thread {name} ended on rank {self.rank}"))
+                    self._turn.wait(1.0)
+
+
+class LockstepBroken(RuntimeError):
+    """A rank of a distributed model is gone; nothing on it can run."""

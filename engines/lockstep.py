@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
+import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
+from engines.base import GenerationRequest, Handoff
 from engines.loading import FairLock
 
 log = logging.getLogger(__name__)
@@ -115,6 +119,7 @@ class Lockstep:
         self._order = FairLock()  # rank 0: mutual exclusion among its threads
         self._holder: int | None = None  # the thread holding the lock
         self._depth = 0
+        self._by_turn = False  # other ranks: held as a turn the conductor handed over
         # Other ranks: the thread whose turn it is, handed over by `follow`.
         self._turn = threading.Condition()
         self._turn_of: str | None = None
@@ -122,10 +127,25 @@ class Lockstep:
         # (engines/spec_engine.py and mlx_plain: a follower engine posts
         # them here, the engine resuming the request takes them).
         self.handoffs: dict[str, Any] = {}
+        self.active = False  # rank 0: sections are turns (begin())
+        self._following = False  # other ranks: the conductor runs (follow())
+        self._deciding: set[int] = set()  # other ranks: threads inside share()
+        self._ended = False  # other ranks: rank 0 stopped
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    def begin(self) -> None:
+        """Rank 0, once the model's engines are built and started: from now
+        on every section of the lock is a turn the other ranks follow. (Before,
+        as while loading, each rank's sections are its own.)"""
+        self.active = True
+
+    def _turns(self, me: int) -> bool:
+        """Other ranks: whether this thread's section waits for its turn:
+        while the conductor runs, and for a decision at any time."""
+        return self._following or me in self._deciding
 
     # -- the lock --------------------------------------------------------------------
 
@@ -134,30 +154,37 @@ class Lockstep:
         if self._holder == me:
             self._depth += 1
             return
-        if self.leader:
+        if self.leader or not self._turns(me):
             self._order.acquire()
-            self._holder, self._depth = me, 1
-            try:
-                self._send(("turn", threading.current_thread().name))
-            except BaseException:
-                self._holder, self._depth = None, 0
-                self._order.release()
-                raise
+            self._holder, self._depth, self._by_turn = me, 1, False
+            if self.leader and self.active:
+                try:
+                    self._send(("turn", threading.current_thread().name))
+                except BaseException:
+                    self._holder, self._depth = None, 0
+                    self._order.release()
+                    raise
             return
         name = threading.current_thread().name
         with self._turn:
             while self._turn_of != name:
-                if self.problem is not None:
-                    raise LockstepBroken(self.problem)
+                if self.problem is not None or self._ended:
+                    raise LockstepBroken(self.problem or "rank 0 stopped")
                 self._turn.wait(1.0)
-        self._holder, self._depth = me, 1
+        self._holder, self._depth, self._by_turn = me, 1, True
 
     def release(self) -> None:
         self._depth -= 1
         if self._depth > 0:
             return
+        if self._by_turn or (self.leader and self.active):
+            # What the section launched finishes inside it: mlx-lm evaluates
+            # a batch step's tokens asynchronously, and collectives still in
+            # flight would interleave with the next section's on the wire.
+            mx.synchronize(generation_stream)
+            mx.synchronize()
         self._holder = None
-        if self.leader:
+        if not self._by_turn:
             self._order.release()
             return
         with self._turn:
@@ -185,8 +212,13 @@ class Lockstep:
             with self:
                 self._send(("value", value if encode is None else encode(value)))
             return value
-        with self:
-            kind, value = self._receive()
+        me = threading.get_ident()
+        self._deciding.add(me)
+        try:
+            with self:
+                kind, value = self._receive()
+        finally:
+            self._deciding.discard(me)
         if kind != "value":
             self._broke(RuntimeError(f"lockstep lost its order: expected a decision, got {kind}"))
         return value if decode is None else decode(value)
@@ -217,7 +249,8 @@ class Lockstep:
 
     def check(self, error: BaseException) -> None:
         """A forward failed: if it was a collective, the lockstep is broken."""
-        if isinstance(error, RuntimeError) and "[ring]" in str(error) and self.problem is None:
+        if (isinstance(error, RuntimeError) and self.problem is None
+                and re.search(r"\[(ring|jaccl|mpi)\]", str(error))):  # fmt: skip
             try:
                 self._broke(error)
             except LockstepBroken:
@@ -225,7 +258,7 @@ class Lockstep:
 
     def stop(self) -> None:
         """Rank 0: tell every other rank to end (its conductor returns)."""
-        if self.leader and self.problem is None:
+        if self.leader and self.active and self.problem is None:
             try:
                 with self:
                     self.channel.send(STOP)
@@ -238,9 +271,13 @@ class Lockstep:
         """Other ranks: hand the lock to each thread rank 0 names, in rank
         0's order, until rank 0 stops (or is gone: then raises).
         alive(name): whether that engine thread still runs."""
+        self._following = True
         while True:
             message = self._receive()
             if message == STOP:
+                self._ended = True  # the engine threads waiting for a turn end
+                with self._turn:
+                    self._turn.notify_all()
                 return
             kind, name = message
             if kind != "turn":
@@ -252,6 +289,41 @@ class Lockstep:
                     if not alive(name):
                         self._broke(RuntimeError(f"engine thread {name} ended on rank {self.rank}"))
                     self._turn.wait(1.0)
+
+
+def pin_seed(request: GenerationRequest) -> GenerationRequest:
+    """Sampling without a seed draws from each process's own random state,
+    which differs between ranks: rank 0 gives such a request a seed, which
+    every rank then uses (a random seed: the same distribution)."""
+    s = request.sampling
+    if s.greedy or s.seed is not None:
+        return request
+    return replace(request, sampling=replace(s, seed=secrets.randbits(63)))
+
+
+SHARED_PLANS = object()  # another rank's stand-in for a request's planner: rank 0 plans
+
+
+class Immediate:
+    """A follower's stand-in for a request's event loop: it runs the
+    callback at once, on the engine's thread."""
+
+    @staticmethod
+    def call_soon_threadsafe(callback, *args) -> None:
+        callback(*args)
+
+
+class FollowerOut:
+    """Where an engine on another rank sends a request's events: nowhere
+    (rank 0 answers the client), but a Handoff is kept for the engine that
+    resumes the request, which rank 0 names next."""
+
+    def __init__(self, request_id: str, handoffs: dict[str, Any]):
+        self.request_id, self.handoffs = request_id, handoffs
+
+    def put_nowait(self, item: object) -> None:
+        if isinstance(item, Handoff):
+            self.handoffs[self.request_id] = item
 
 
 class LockstepBroken(RuntimeError):

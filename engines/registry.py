@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engines.base import (
     PLAIN,
@@ -104,13 +104,14 @@ class BuildContext:
     llamacpp_ngram: str = "ngram-simple"  # llamacpp_ngram's --spec-type
     drafter: str | None = None  # a local directory (builtins resolved)
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
+    distribution: Any = None  # engines/lockstep.Distribution: this rank's shard of the model
     loaded: LoadedModel | None = None
 
     def mlx_model(self) -> LoadedModel:
         if self.loaded is None:
             from engines.loading import load_mlx_model
 
-            self.loaded = load_mlx_model(self.path, self.prefix_cache)
+            self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution)
         return self.loaded
 
     def context_length(self) -> int:

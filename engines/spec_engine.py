@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import (
+    EngineError,
     EngineOverloaded,
     GenerationRequest,
     Handoff,
@@ -33,6 +34,7 @@ from engines.base import (
     TokenEvent,
 )
 from engines.loading import LoadedModel
+from engines.lockstep import FollowerOut, Immediate, LockstepBroken, pin_seed
 from engines.prefix_cache import Hit, snapshot
 from engines.proposers.base import Drafting
 from engines.spec_decoder import SpecDecoder, Step
@@ -141,29 +143,84 @@ class SpecEngine(WorkerEngine):
 
     def _worker(self) -> None:
         waiting: deque[_Job] = deque()
-        while not self._stopping:
-            block = not waiting
-            try:
-                command, job = self._inbox.get(timeout=None if block else 0)
-            except queue.Empty:
-                command = None
-            if command == "submit":
-                waiting.append(job)
-                continue  # drain the inbox before starting work
-            if waiting:
-                self._serve(waiting.popleft(), waiting)
+        try:
+            while True:
+                command, job = self._share(lambda: self._next_command(block=not waiting),
+                                           self._describe, self._follow)  # fmt: skip
+                if command == "stop":
+                    break
+                if command == "submit":
+                    waiting.append(job)
+                    continue  # drain the inbox before starting work
+                if waiting:
+                    self._serve(waiting.popleft(), waiting)
+        except LockstepBroken as e:  # a distributed model lost a rank: nothing runs
+            for job in [*waiting, *self._submitted()]:
+                job.post(EngineError(str(e)))
+            raise
         waiting.extend(self._submitted())  # submitted after the stop
         for job in waiting:
             job.post(self.stopped_error())
 
+    def _next_command(self, block: bool) -> tuple[str | None, _Job | None]:
+        if self._stopping:
+            return "stop", None
+        try:
+            command, job = self._inbox.get(timeout=None if block else 0)
+        except queue.Empty:
+            return None, None
+        if command == "submit" and self.loaded.lockstep is not None:
+            job.request = pin_seed(job.request)
+        return command, job
+
+    # A command as it travels to the other ranks of a distributed model, and
+    # the job it makes there (engines/lockstep.py).
+    @staticmethod
+    def _describe(command: tuple[str | None, _Job | None]) -> tuple:
+        name, job = command
+        if job is None:
+            return name, None
+        return name, (job.request, job.resume is not None)
+
+    def _follow(self, described: tuple) -> tuple[str | None, _Job | None]:
+        name, job = described
+        if job is None:
+            return name, None
+        request, resumed = job
+        lockstep = self.loaded.lockstep
+        resume = lockstep.handoffs.pop(request.request_id) if resumed else None
+        # No planner there: rank 0's plans are shared.
+        return name, _Job(request, None, Immediate(), FollowerOut(request.request_id,
+                                                                  lockstep.handoffs), resume)
+
+    def _between_rounds(self, job: _Job, waiting: deque[_Job], decoder: SpecDecoder) -> tuple:
+        """What the next round hangs on, decided at once (one message for a
+        distributed model): the jobs submitted since, whether this one is
+        gone ("stopping", "left" or None), and else the plan."""
+        jobs = self._submitted()
+        if self.loaded.lockstep is not None:
+            for new in jobs:
+                new.request = pin_seed(new.request)
+        why = "stopping" if self._stopping else "left" if job.cancelled else None
+        live = LiveState(1, len(waiting) + len(jobs), len(decoder.tokens))
+        return jobs, why, None if why else job.planner.plan(live)
+
+    def _share_between_rounds(self, job: _Job, waiting: deque[_Job], decoder: SpecDecoder) -> tuple:
+        return self._share(
+            lambda: self._between_rounds(job, waiting, decoder),
+            lambda d: ([self._describe(("submit", j))[1] for j in d[0]], *d[1:]),
+            lambda d: ([self._follow(("submit", j))[1] for j in d[0]], *d[1:]))
+
     def _serve(self, job: _Job, waiting: deque[_Job]) -> None:
-        if job.cancelled:
+        if self._share(lambda: job.cancelled):
             return
         self._running = 1
         try:
             self._decode(job, waiting)
         except Exception as exc:
             log.exception("%s failed on request %s", self.name, job.request.request_id)
+            if self.loaded.lockstep is not None:
+                self.loaded.lockstep.check(exc)
             job.post(exc)
         finally:
             self._running = 0
@@ -171,10 +228,10 @@ class SpecEngine(WorkerEngine):
     def _gone(self, job: _Job) -> bool:
         """Checked between steps: the client left, or the engine is stopping
         (then the request ends with EngineStopped)."""
-        if self._stopping:
+        why = self._share(lambda: "stopping" if self._stopping else "left" if job.cancelled else None)
+        if why == "stopping":
             job.post(self.stopped_error())
-            return True
-        return job.cancelled
+        return why is not None
 
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
         request, resume = job.request, job.resume
@@ -222,10 +279,12 @@ class SpecEngine(WorkerEngine):
                               drafter=cache_id, drafter_state=self._drafter_state(decoder))
                 return
             job.post(*self._events(step, detok, cached))
-            waiting.extend(self._submitted())
-            if self._gone(job):
+            jobs, why, plan = self._share_between_rounds(job, waiting, decoder)
+            waiting.extend(jobs)
+            if why is not None:
+                if why == "stopping":
+                    job.post(self.stopped_error())
                 return
-            plan = job.planner.plan(LiveState(1, len(waiting), len(decoder.tokens)))
             if plan.engine != self.name:  # e.g. batching: another request arrived
                 handoff = decoder.handoff(plan, detok)
                 self._running = 0

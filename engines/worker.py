@@ -119,8 +119,10 @@ class WorkerEngine:
     async def start(self) -> None:
         if self._thread is None:
             self._stopping = False
+            # The name is the same on every rank of a distributed model: rank
+            # 0's turns name the thread (engines/lockstep.py).
             self._thread = threading.Thread(
-                target=self._worker, name=f"{self.name}-{self.model_id}", daemon=True
+                target=self._work, name=f"{self.name}-{self.model_id}", daemon=True
             )
             self._thread.start()
 
@@ -150,10 +152,20 @@ class WorkerEngine:
             if command == "submit":
                 jobs.append(job)
 
+    # -- a model over several ranks (engines/lockstep.py) ----------------------------
+
+    def _share(self, decide, encode=None, decode=None):
+        """A decision every rank of a distributed model takes from rank 0
+        (`decode(encode(value))` on the others); just `decide()` otherwise."""
+        lockstep = self.loaded.lockstep
+        return decide() if lockstep is None else lockstep.share(decide, encode, decode)
+
     def stopped_error(self) -> EngineStopped:
         return EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped")
 
     def problem(self) -> str | None:
+        if self.loaded.lockstep is not None and self.loaded.lockstep.problem:
+            return self.loaded.lockstep.problem
         if self._thread is not None and not self._thread.is_alive():
             return f"the {self.name} worker thread of model '{self.model_id}' has exited"
         return None
@@ -171,6 +183,24 @@ class WorkerEngine:
 
     def _worker(self) -> None:
         raise NotImplementedError
+
+    def _work(self) -> None:
+        from engines.lockstep import LockstepBroken
+
+        try:
+            self._worker()
+        except LockstepBroken as e:
+            if not self.loaded.lockstep.leader:  # rank 0 stopped, or a rank is gone
+                log.info("%s of model %s ended: %s", self.name, self.model_id, e)
+                return
+            # Rank 0 without its other ranks: every request from now on gets
+            # the reason (the engine had answered those it held).
+            while not self._stopping:  # (the stop may be what found the rank gone)
+                command, job = self._inbox.get()
+                if command == "stop":
+                    return
+                if command == "submit":
+                    job.post(EngineError(str(e)))
 
     # -- the async side of one request -----------------------------------------------
 

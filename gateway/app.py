@@ -188,6 +188,9 @@ def create_app(config: Config, config_path: str | Path | None = None,
         served = model_or_404(model_id)
         if served.loading is not None:
             raise APIError(409, f"model '{model_id}' is loading", code="model_busy")
+        if served.config.distributed is not None:
+            raise APIError(409, f"model '{model_id}' is distributed: its other ranks hold their "
+                                "shards until specgate stops", code="model_distributed")  # fmt: skip
         await registry.unload(served)
         return {"id": model_id, "status": "unloaded"}
 

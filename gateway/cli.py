@@ -139,6 +139,17 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    from gateway import distributed
+
+    if (spread := distributed.distributed_model(config)) is not None:
+        if not distributed.launched():
+            print(f"specgate: model '{spread.id}' is distributed: start specgate on every "
+                  f"machine at once with\n  {distributed.launch_command(spread, args.config)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if distributed.rank(config) != 0:  # serves no HTTP: follows rank 0's steps
+            _logging(config, None, prefix=f"rank {distributed.rank(config)} ")
+            return distributed.follow(config)
     from gateway.keys import KeyFileError
 
     try:
@@ -168,15 +179,10 @@ LOG_FILE_BYTES = 10 << 20  # --log-file: rotated at this size,
 LOG_FILES_KEPT = 5  # keeping this many old ones
 
 
-def _run_server(config: Config, sockets: list[socket.socket], config_path: str | None = None,
-                overrides: dict | None = None, log_file: Path | None = None) -> int:  # fmt: skip
+def _logging(config: Config, log_file: Path | None, prefix: str = "") -> None:
     import logging
 
-    from gateway.app import create_app
-    from gateway.keys import KeyFileError
-    from gateway.server import make_server
-
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    fmt = f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
     if log_file is not None:  # a service: one rotated file (gateway/service.py)
         from logging.handlers import RotatingFileHandler
 
@@ -187,6 +193,17 @@ def _run_server(config: Config, sockets: list[socket.socket], config_path: str |
         logging.basicConfig(level=config.server.log_level.upper(), format=fmt)
     # httpx logs every call specgate makes to its llama-servers at INFO.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+
+
+def _run_server(config: Config, sockets: list[socket.socket], config_path: str | None = None,
+                overrides: dict | None = None, log_file: Path | None = None) -> int:  # fmt: skip
+    import logging
+
+    from gateway.app import create_app
+    from gateway.keys import KeyFileError
+    from gateway.server import make_server
+
+    _logging(config, log_file)
     try:
         app = create_app(config, config_path, overrides)
     except KeyFileError as e:

@@ -149,6 +149,15 @@ class LlamaCppConfig(_Strict):
     health_failures: int = Field(3, ge=1)
 
 
+class DistributedConfig(_Strict):
+    """One model over several machines (engines/lockstep.py): specgate runs
+    under `mlx.launch`, rank 0 serves the API, the others follow its steps."""
+
+    mode: Literal["tensor", "pipeline"] = "tensor"  # every layer split, or the layers in order
+    backend: Literal["ring", "jaccl", "mpi"] = "ring"  # mx.distributed's; mlx.launch --backend
+    hostfile: str | None = None  # mlx.launch --hostfile (what `specgate serve` says to run)
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
@@ -199,6 +208,7 @@ class ModelConfig(_Strict):
     idle_ttl_s: float | None = Field(None, gt=0)
     # Never unloaded to make room for another model, nor for being idle.
     pin: bool = False
+    distributed: DistributedConfig | None = None
     llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
@@ -241,6 +251,8 @@ class ModelConfig(_Strict):
                           if e == name or (e in registry.excludes(name) and e in self.engines)]
                 raise ValueError(f"one {registry.record(name).exclusive} per model: "
                                  f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
+        if self.distributed is not None:
+            _distribution_fits(self)
         if self.pin and self.idle_ttl_s is not None:
             raise ValueError("a pinned model is never unloaded: `pin` or `idle_ttl_s`, not both")
         needs = [r.name for r in registry.records(self.format) if r.needs == "drafter"]
@@ -253,6 +265,25 @@ class ModelConfig(_Strict):
             raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
                              f"model's a checkpoint directory; got {self.drafter}")
         return self
+
+
+DISTRIBUTED_ENGINES = ("mlx_plain", "mlx_mtp")  # kept in lockstep (engines/lockstep.py)
+
+
+def _distribution_fits(mc: ModelConfig) -> None:
+    """What a model over several ranks may be, for now: plain and MTP (the
+    engines whose steps are shared), loaded at start and never unloaded
+    (every rank holds its shard for the process's life)."""
+    if mc.is_gguf:
+        raise ValueError("distributed: MLX models only (llama.cpp has its own RPC backend)")
+    other = [e for e in mc.engines if e not in DISTRIBUTED_ENGINES]
+    if other:
+        raise ValueError(f"distributed: engines {other} do not run over several ranks yet; "
+                         f"use {' / '.join(DISTRIBUTED_ENGINES)}")
+    if mc.load != "boot" or mc.idle_ttl_s is not None:
+        raise ValueError("distributed: the model loads at start and stays (no `load: on_demand`, "
+                         "no `idle_ttl_s`)")
+    mc.pin = True  # never evicted: its other ranks hold their shards until specgate stops
 
 
 def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool = False) -> str:
@@ -338,6 +369,9 @@ class Config(_Strict):
             dupes = sorted({i for i in ids if ids.count(i) > 1})
             if dupes:
                 raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
+        spread = [m.id for m in self.models if m.distributed is not None]
+        if len(spread) > 1:
+            raise ValueError(f"one distributed model per server; got {', '.join(spread)}")
         if any(p.name == LOCAL_NODE for p in self.peers):
             raise ValueError(f"peer name '{LOCAL_NODE}' is this node's own label")
         return self

@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engines import registry
 from engines.base import CacheSettings, Engine, LiveState
@@ -58,6 +59,7 @@ class ServedModel:
     last_used: float = field(default_factory=time.monotonic)
     estimate: Footprint | None = None  # before loading (None: not known)
     counts: ResidencyCounts = field(default_factory=ResidencyCounts)
+    lockstep: Any = None  # a distributed model's (engines/lockstep.py), once loaded
 
     def __post_init__(self) -> None:
         c = self.config
@@ -109,7 +111,7 @@ class ServedModel:
         if self.error:
             return self.error
         problems = [p for e in self.engines.values() if (p := e.problem())]
-        return "; ".join(problems) or None
+        return "; ".join(dict.fromkeys(problems)) or None  # engines sharing a cause say it once
 
     def live_state(self) -> LiveState:
         """What its engines are doing: decoding, and queued inside them."""
@@ -137,10 +139,14 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
                   prefix_cache: PrefixCacheConfig | None = None) -> registry.BuildContext:  # fmt: skip
     """What the model's engines are built from (engines/registry.py), as plain values."""
     lc, pc = mc.llamacpp, prefix_cache or PrefixCacheConfig()
+    from gateway.distributed import distribution
+
     return registry.BuildContext(
         mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
-        prefix_cache_size=mc.prefix_cache_size, kernels=mc.kernels, mtp_depth=mc.mtp_depth,
+        prefix_cache_size=mc.prefix_cache_size, mtp_depth=mc.mtp_depth,
+        # Proving kernels runs forwards at load, before the ranks follow each other.
+        kernels="off" if mc.distributed else mc.kernels, distribution=distribution(mc),
         block_depth=mc.block_depth, ngram_depth=mc.ngram_depth, llamacpp_ngram=lc.ngram_type,
         drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
@@ -357,6 +363,9 @@ class ModelRegistry:
                     await engine.stop()
                 raise
             served.engines, served.refused = engines, refused
+            if context.loaded is not None and context.loaded.lockstep is not None:
+                served.lockstep = context.loaded.lockstep
+                served.lockstep.begin()  # its other ranks follow from here
             served.policy = _policy(served, context)
             served.counts.loads += 1
             served.counts.load_seconds += time.monotonic() - t0
@@ -410,6 +419,7 @@ class ModelRegistry:
             return
         for engine in engines.values():
             await engine.stop()
+        await _release_ranks(served)
         served.counts.unloads[reason] = served.counts.unloads.get(reason, 0) + 1
         log.info("model %s unloaded (%s)", served.id, reason)
 
@@ -456,6 +466,7 @@ class ModelRegistry:
                 served.loading.cancel()
             for engine in served.engines.values():
                 await engine.stop()
+            await _release_ranks(served)
         # The prefix caches' disk writes still queued: a restart reads them.
         from engines.loading import flush_prefix_caches
 
@@ -464,6 +475,20 @@ class ModelRegistry:
         except TimeoutError:
             log.warning("prefix cache: disk writes still queued after %g s; left unwritten",
                         FLUSH_TIMEOUT_S)  # fmt: skip
+
+
+RANKS_STOP_S = 10.0  # telling a distributed model's other ranks to end
+
+
+async def _release_ranks(served: ServedModel) -> None:
+    """A distributed model's engines stopped: its other ranks end too."""
+    lockstep, served.lockstep = served.lockstep, None
+    if lockstep is not None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lockstep.stop), RANKS_STOP_S)
+        except TimeoutError:
+            log.warning("model %s: its other ranks did not take the stop within %g s",
+                        served.id, RANKS_STOP_S)  # fmt: skip
 
 
 class _CannotFit(Exception):

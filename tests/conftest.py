@@ -55,11 +55,17 @@ class Gateway:
 
 
 def start_gateway(
-    config: dict | None, workdir: Path, *, timeout: float = 120.0, home: Path | None = None
+    config: dict | None, workdir: Path, *, timeout: float = 120.0, home: Path | None = None,
+    ranks: int = 1,
 ) -> Gateway:
-    """Start `specgate serve` with this config (None: no --config, the embedded default)."""
+    """Start `specgate serve` with this config (None: no --config, the embedded
+    default); `ranks` > 1: under `mlx.launch -n ranks --backend ring` on loopback."""
     port = free_port()
     args = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    if ranks > 1:
+        launcher = Path(sys.executable).with_name("mlx.launch")
+        args = [str(launcher), "-n", str(ranks), "--backend", "ring",
+                "--starting-port", str(free_port()), "--", *args]  # fmt: skip
     if config is not None:
         config = config | {"server": {"host": "127.0.0.1", **config.get("server", {})}}
         cfg = workdir / "specgate.yaml"

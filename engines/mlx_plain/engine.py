@@ -38,6 +38,7 @@ from engines.base import (
 )
 from engines.grammar import GrammarError, GrammarState, masked
 from engines.loading import LoadedModel
+from engines.lockstep import SHARED_PLANS, FollowerOut, Immediate, LockstepBroken, pin_seed
 from engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from engines.worker import WorkerEngine, deliver
 
@@ -227,11 +228,15 @@ class MLXPlainEngine(WorkerEngine):
                     self._maybe_hand_off(next(iter(self._slots.values())))
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
+                if self.loaded.lockstep is not None:
+                    self.loaded.lockstep.check(exc)
                 for slot in self._slots.values():
                     slot.post(exc)
                 self._slots.clear()
                 self._running = 0
                 self._batch = self._new_batch()
+                if isinstance(exc, LockstepBroken):  # a distributed model lost a rank
+                    raise
         for slot in self._submitted():  # submitted after the stop
             slot.post(self.stopped_error())
         for slot in self._slots.values():
@@ -254,15 +259,59 @@ class MLXPlainEngine(WorkerEngine):
                 self._running -= slot.started
                 slot.post(slot.grammar.error)
 
+    def _commands(self, block: bool) -> list[tuple[str, _Slot]]:
+        """The queued submits and cancels, up to a stop."""
+        try:
+            commands = [self._inbox.get(timeout=None if block else 0)]
+        except queue.Empty:
+            return []
+        while commands[-1][0] != "stop":
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if self.loaded.lockstep is not None:
+            for command, slot in commands:
+                if command == "submit":
+                    slot.request = pin_seed(slot.request)
+        return commands
+
+    # Commands as they travel to the other ranks of a distributed model, and
+    # the slots they make there (engines/lockstep.py).
+    @staticmethod
+    def _describe(commands: list[tuple[str, _Slot]]) -> list[tuple]:
+        return [(c, None if slot is None else
+                 (slot.request, slot.resume is not None, slot.planner is not None))
+                for c, slot in commands]  # fmt: skip
+
+    def _follow(self, described: list[tuple]) -> list[tuple[str, _Slot]]:
+        lockstep, out = self.loaded.lockstep, []
+        slots = {s.request.request_id: s for s in self._slots.values()}
+        for command, what in described:
+            if what is None:
+                out.append((command, None))
+                continue
+            request, resumed, planned = what
+            if command == "cancel":
+                out.append((command, slots.get(request.request_id)))
+                continue
+            resume = lockstep.handoffs.pop(request.request_id) if resumed else None
+            # Rank 0's plans are shared: a planner here only says one is asked.
+            slot = _Slot(request, Immediate(), FollowerOut(request.request_id, lockstep.handoffs),
+                         resume.detokenizer if resume else self.tokenizer.detokenizer,
+                         SHARED_PLANS if planned else None, resume)  # fmt: skip
+            slots[request.request_id] = slot
+            out.append((command, slot))
+        return out
+
     def _take_commands(self, block: bool) -> bool:
         """Apply queued submits and cancels; False once asked to stop."""
-        try:
-            command, slot = self._inbox.get(timeout=None if block else 0)
-        except queue.Empty:
-            return True
-        while True:
+        commands = self._share(lambda: self._commands(block), self._describe, self._follow)
+        for command, slot in commands:
             if command == "stop":
                 return False
+            if slot is None:
+                continue
             if command == "submit":
                 try:
                     self._insert(slot)
@@ -273,10 +322,7 @@ class MLXPlainEngine(WorkerEngine):
                 self._batch.remove([slot.uid])
                 del self._slots[slot.uid]
                 self._running -= slot.started
-            try:
-                command, slot = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+        return True
 
     def _insert(self, slot: _Slot) -> None:
         request, resume = slot.request, slot.resume
@@ -329,7 +375,8 @@ class MLXPlainEngine(WorkerEngine):
         engine (speculation) should take it from here."""
         if slot.planner is None or not slot.started or slot.request.sampling.logprobs:
             return  # logprobs: the pending token's distribution is not kept
-        plan = slot.planner.plan(LiveState(1, 0, len(slot.request.prompt_tokens) + slot.generated))
+        context = len(slot.request.prompt_tokens) + slot.generated
+        plan = self._share(lambda: slot.planner.plan(LiveState(1, 0, context)))
         if plan.engine == self.name:
             return
         gen = self._batch._generation_batch  # mlx-lm internals, pinned version (uv.lock)

@@ -1,0 +1,178 @@
+"""One model over two processes: `mlx.launch -n 2 --backend ring` on
+loopback running specgate with the demo model split by tensor and by
+pipeline parallelism, through the real openai SDK, against the
+single-process server (conftest's `gateway`, the same model and depth)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import REPO, start_gateway, stop_gateway
+
+from gateway.config import ConfigError, parse_config
+
+DEMO = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3}
+PROMPTS = ["def fibonacci(n):", "The river was"]
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def launch(tmp_path, mode: str):
+    return start_gateway({"models": [DEMO | {"distributed": {"mode": mode}}]}, tmp_path, ranks=2)
+
+
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def spread(request, tmp_path_factory):
+    gw = launch(tmp_path_factory.mktemp(f"spread-{request.param}"), request.param)
+    yield gw
+    stop_gateway(gw)
+    assert gone(gw)  # mlx.launch and both ranks
+
+
+def gone(gw, timeout: float = 60) -> bool:
+    """Whether every rank has exited (rank 0 drains first: shutdown_grace_s)."""
+    deadline = time.monotonic() + timeout
+    while ranks_of(gw) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not ranks_of(gw)
+
+
+def ranks_of(gw) -> dict[int, int]:
+    """rank -> pid of the launched specgate processes still running."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        rank = next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
+        if rank is not None and b"gateway.cli" in cmd and gw.base_url.rsplit(":", 1)[1].encode() in cmd:
+            found[rank] = int(entry.name)
+    return found
+
+
+def client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=180)
+
+
+def complete(gw, prompt: str, method: str, max_tokens: int = 20, **kw):
+    return client(gw).completions.with_raw_response.create(
+        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_headers={"X-Specgate-Method": method}, **kw)
+
+
+@pytest.mark.parametrize("method", ["none", "mtp"])
+def test_greedy_equals_the_single_process_server(spread, gateway, method):
+    assert sorted(ranks_of(spread)) == [0, 1]
+    for prompt in PROMPTS:
+        raw = complete(spread, prompt, method)
+        assert raw.headers["x-specgate-plan"].startswith(f"method={method}")
+        want = complete(gateway, prompt, method).parse().choices[0].text
+        assert raw.parse().choices[0].text == want, (prompt, method)
+    got = client(spread).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=24, temperature=0, stream=True,
+        extra_headers={"X-Specgate-Method": method})
+    text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
+    assert text == client(gateway).chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=24, temperature=0,
+        extra_headers={"X-Specgate-Method": method}).choices[0].message.content
+
+
+def test_concurrent_requests_batch_in_step(spread, gateway):
+    """Three at once: plain batched decoding on both ranks (and sampled ones,
+    whose seeds rank 0 chose); then greedy still matches, so no rank drifted."""
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        r = client(spread).completions.create(model="demo", prompt=PROMPTS[i], max_tokens=16,
+                                              temperature=0)  # fmt: skip
+        results[i] = r.choices[0].text
+
+    sampled = [threading.Thread(target=lambda: client(spread).completions.create(
+        model="demo", prompt="Once", max_tokens=8, temperature=0.9)) for _ in range(2)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))] + sampled
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, prompt in enumerate(PROMPTS):
+        want = client(gateway).completions.create(model="demo", prompt=prompt, max_tokens=16,
+                                                  temperature=0).choices[0].text  # fmt: skip
+        assert results[i] == want
+    assert complete(spread, PROMPTS[0], "mtp").parse().choices[0].text == \
+        complete(gateway, PROMPTS[0], "mtp").parse().choices[0].text
+
+
+def test_a_client_that_leaves_frees_both_ranks(spread):
+    with httpx.stream("POST", spread.api + "/completions", timeout=120, json={
+            "model": "demo", "prompt": "Count:", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}, headers={"X-Specgate-Method": "mtp"}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break
+    # Both ranks went on to the next request: it is served, and in step.
+    assert complete(spread, PROMPTS[1], "none").parse().choices[0].text
+
+
+def test_killing_rank_1_fails_the_request_cleanly(tmp_path):
+    gw = launch(tmp_path, "tensor")
+    try:
+        follower = ranks_of(gw)[1]
+        got = []
+        with pytest.raises(openai.APIError, match="rank of this distributed model is gone"):
+            stream = client(gw).completions.create(
+                model="demo", prompt="Count:", max_tokens=3000, stream=True,
+                extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": "mtp"})
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    os.kill(follower, signal.SIGKILL)
+        assert got and all(c.choices[0].finish_reason is None for c in got)
+        try:  # rank 0 says why until mlx.launch stops it (it stops every rank once one died)
+            ready = httpx.get(gw.base_url + "/ready", timeout=5)
+            assert ready.status_code == 503
+        except httpx.TransportError:
+            pass
+        gw.process.wait(timeout=60)
+        assert gone(gw)
+    finally:
+        stop_gateway(gw)
+
+
+def test_serve_without_mlx_launch_says_what_to_run(tmp_path):
+    config = tmp_path / "spread.yaml"
+    config.write_text("models:\n  - {id: demo, path: 'builtin:demo', distributed: {mode: pipeline,"
+                      " hostfile: macs.json}}\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "MLX_RANK"}
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert "mlx.launch --hostfile macs.json --backend ring --" in done.stderr
+
+
+def test_what_a_distributed_model_may_be():
+    ok = parse_config({"models": [DEMO | {"distributed": {}}]})
+    assert ok.models[0].pin and ok.models[0].distributed.mode == "tensor"
+    for bad, words in (
+        ({"models": [DEMO | {"engines": ["mlx_plain", "mlx_dflash"], "drafter": "builtin:demo-dflash",
+                             "distributed": {}}]}, "do not run over several ranks"),
+        ({"models": [{"id": "g", "path": "builtin:demo-gguf", "distributed": {}}]}, "MLX models only"),
+        ({"models": [DEMO | {"load": "on_demand", "distributed": {}}]}, "loads at start"),
+        ({"models": [DEMO | {"distributed": {}}, DEMO | {"id": "b", "distributed": {}}]},
+         "one distributed model per server"),
+        ({"models": [DEMO | {"distributed": {"mode": "expert"}}]}, "distributed.mode"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            parse_config(bad)
+

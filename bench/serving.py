@@ -22,12 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def serving(models: list[dict], workdir: Path, home: Path | None = None,
-            timeout: float = 300, extra: dict | None = None,
+            timeout: float = 300, extra: dict | None = None, ranks: int = 1,
             ) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
     """(base url, process) of a ready gateway serving `models`; exits the
     bench with the gateway's log if it does not become ready. `home` is its
     SPECGATE_HOME (default: the user's, where llama-server builds live);
-    `extra`: more top-level config sections (e.g. prefix_cache)."""
+    `extra`: more top-level config sections (e.g. prefix_cache); `ranks` > 1:
+    under `mlx.launch -n ranks --backend ring` on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -36,11 +37,16 @@ def serving(models: list[dict], workdir: Path, home: Path | None = None,
     (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
     log = workdir / "gateway.log"
     env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")]
+    if ranks > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ring = s.getsockname()[1]
+        command = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks),
+                   "--backend", "ring", "--starting-port", str(ring), "--", *command]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, proc, log, timeout)
@@ -48,6 +54,18 @@ def serving(models: list[dict], workdir: Path, home: Path | None = None,
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+        _wait_gone(proc.pid)
+
+
+def _wait_gone(group: int, timeout: float = 60) -> None:
+    """Until the process group is empty (mlx.launch's ranks drain after it exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -39,7 +39,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from engines.base import GenerationRequest, Handoff
-from engines.loading import FairLock
+from engines.fair_lock import FairLock
 
 log = logging.getLogger(__name__)
 

@@ -152,6 +152,9 @@ class EngineRecord:
     # The method a request may also name it by (X-Specgate-Method: ngram on a
     # GGUF model means its llamacpp_ngram), so clients need not know the backend.
     answers_to: Method | None = None
+    # Runs over several ranks of a distributed model (engines/lockstep.py):
+    # every decision it takes outside the model's numbers is shared.
+    distributed: bool = False
 
     @property
     def speculative(self) -> bool:
@@ -277,10 +280,11 @@ def registered(*records: EngineRecord) -> Iterator[None]:
 
 
 for _record in (
-    EngineRecord(MLX_PLAIN, PLAIN, MLX, _single(_plain), default=True, always=True),
+    EngineRecord(MLX_PLAIN, PLAIN, MLX, _single(_plain), default=True, always=True,
+                 distributed=True),
     EngineRecord(MLX_MTP, "mtp", MLX,
                  spec_engine(MLX_MTP, "engines.proposers.mtp", lambda c: c.mtp_depth),
-                 needs="mtp_head", depth=_mtp_depth, tune=spec_rounds),
+                 needs="mtp_head", depth=_mtp_depth, tune=spec_rounds, distributed=True),
     EngineRecord(MLX_DFLASH, "dflash", MLX,
                  spec_engine(MLX_DFLASH, "engines.proposers.dflash", lambda c: c.block_depth),
                  needs="drafter", drafter_kind="dflash", exclusive="drafter",

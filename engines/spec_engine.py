@@ -169,9 +169,13 @@ class SpecEngine(WorkerEngine):
             command, job = self._inbox.get(timeout=None if block else 0)
         except queue.Empty:
             return None, None
-        if command == "submit" and self.loaded.lockstep is not None:
-            job.request = pin_seed(job.request)
+        if command == "submit":
+            self._taken(job)
         return command, job
+
+    def _taken(self, job: _Job) -> None:
+        if self.loaded.lockstep is not None:  # every rank must draw the same keys
+            job.request = pin_seed(job.request)
 
     # A command as it travels to the other ranks of a distributed model, and
     # the job it makes there (engines/lockstep.py).
@@ -198,10 +202,9 @@ class SpecEngine(WorkerEngine):
         distributed model): the jobs submitted since, whether this one is
         gone ("stopping", "left" or None), and else the plan."""
         jobs = self._submitted()
-        if self.loaded.lockstep is not None:
-            for new in jobs:
-                new.request = pin_seed(new.request)
-        why = "stopping" if self._stopping else "left" if job.cancelled else None
+        for new in jobs:
+            self._taken(new)
+        why = self._why_gone(job)
         live = LiveState(1, len(waiting) + len(jobs), len(decoder.tokens))
         return jobs, why, None if why else job.planner.plan(live)
 
@@ -228,7 +231,12 @@ class SpecEngine(WorkerEngine):
     def _gone(self, job: _Job) -> bool:
         """Checked between steps: the client left, or the engine is stopping
         (then the request ends with EngineStopped)."""
-        why = self._share(lambda: "stopping" if self._stopping else "left" if job.cancelled else None)
+        return self._ended(job, self._share(lambda: self._why_gone(job)))
+
+    def _why_gone(self, job: _Job) -> str | None:
+        return "stopping" if self._stopping else "left" if job.cancelled else None
+
+    def _ended(self, job: _Job, why: str | None) -> bool:
         if why == "stopping":
             job.post(self.stopped_error())
         return why is not None
@@ -281,9 +289,7 @@ class SpecEngine(WorkerEngine):
             job.post(*self._events(step, detok, cached))
             jobs, why, plan = self._share_between_rounds(job, waiting, decoder)
             waiting.extend(jobs)
-            if why is not None:
-                if why == "stopping":
-                    job.post(self.stopped_error())
+            if self._ended(job, why):
                 return
             if plan.engine != self.name:  # e.g. batching: another request arrived
                 handoff = decoder.handoff(plan, detok)

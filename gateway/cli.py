@@ -139,16 +139,16 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
-    from gateway import distributed
+    from gateway import distributed, ranks
 
-    if (spread := distributed.distributed_model(config)) is not None:
+    if (spread := ranks.distributed_model(config)) is not None:
         if not distributed.launched():
             print(f"specgate: model '{spread.id}' is distributed: start specgate on every "
                   f"machine at once with\n  {distributed.launch_command(spread, args.config)}",
                   file=sys.stderr)  # fmt: skip
             return 2
-        if distributed.rank(config) != 0:  # serves no HTTP: follows rank 0's steps
-            _logging(config, None, prefix=f"rank {distributed.rank(config)} ")
+        if ranks.rank(config) != 0:  # serves no HTTP: follows rank 0's steps
+            _logging(config, None, prefix=f"rank {ranks.rank(config)} ")
             return distributed.follow(config)
     from gateway.keys import KeyFileError
 

@@ -267,19 +267,17 @@ class ModelConfig(_Strict):
         return self
 
 
-DISTRIBUTED_ENGINES = ("mlx_plain", "mlx_mtp")  # kept in lockstep (engines/lockstep.py)
-
-
 def _distribution_fits(mc: ModelConfig) -> None:
-    """What a model over several ranks may be, for now: plain and MTP (the
-    engines whose steps are shared), loaded at start and never unloaded
-    (every rank holds its shard for the process's life)."""
+    """What a model over several ranks may be, for now: its engines those
+    tested in lockstep (the registry's `distributed`), loaded at start and
+    never unloaded (every rank holds its shard for the process's life)."""
     if mc.is_gguf:
         raise ValueError("distributed: MLX models only (llama.cpp has its own RPC backend)")
-    other = [e for e in mc.engines if e not in DISTRIBUTED_ENGINES]
+    spread = [r.name for r in registry.records(mc.format) if r.distributed]
+    other = [e for e in mc.engines if e not in spread]
     if other:
         raise ValueError(f"distributed: engines {other} do not run over several ranks yet; "
-                         f"use {' / '.join(DISTRIBUTED_ENGINES)}")
+                         f"use {' / '.join(spread)}")
     if mc.load != "boot" or mc.idle_ttl_s is not None:
         raise ValueError("distributed: the model loads at start and stays (no `load: on_demand`, "
                          "no `idle_ttl_s`)")

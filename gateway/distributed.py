@@ -16,15 +16,11 @@ import shlex
 import signal
 import sys
 import threading
-from functools import cache
 
 from gateway.config import Config, ModelConfig
+from gateway.ranks import distributed_model, process_group
 
 log = logging.getLogger(__name__)
-
-
-def distributed_model(config: Config) -> ModelConfig | None:
-    return next((m for m in config.models if m.distributed is not None), None)
 
 
 def launched() -> bool:
@@ -41,40 +37,17 @@ def launch_command(mc: ModelConfig, config_path: str | None) -> str:
             f"{shlex.quote(sys.executable)} -m gateway.cli serve{config}")  # fmt: skip
 
 
-@cache
-def process_group(backend: str):
-    """This process's mx.distributed group (one per process, made once)."""
-    import mlx.core as mx
-
-    return mx.distributed.init(strict=True, backend=backend)
-
-
-def rank(config: Config) -> int:
-    """This process's rank (0 without a distributed model)."""
-    mc = distributed_model(config)
-    return 0 if mc is None else process_group(mc.distributed.backend).rank()
-
-
-def distribution(mc: ModelConfig):
-    """The model's engines/lockstep.Distribution, or None."""
-    if mc.distributed is None:
-        return None
-    from engines.lockstep import Distribution
-
-    return Distribution(mc.distributed.mode, process_group(mc.distributed.backend))
-
-
 def follow(config: Config) -> int:
     """Another rank: build the distributed model's engines as rank 0 does,
     then run the steps rank 0 names until it stops. Exit status 0 when rank
     0 stopped, 1 when it is gone (mlx.launch then stops every rank)."""
     from engines.lockstep import LockstepBroken
-    from gateway.models import _build_engines
+    from gateway.models import build_model_engines
 
     mc = distributed_model(config)
     me = process_group(mc.distributed.backend).rank()
     log.info("rank %d: loading %s (%s parallel)", me, mc.id, mc.distributed.mode)
-    context, engines, refused = _build_engines(mc, config.llama_server, config.prefix_cache)
+    context, engines, refused = build_model_engines(mc, config.llama_server, config.prefix_cache)
     for name, why in refused.items():
         log.warning("rank %d: %s not built: %s", me, name, why)
     lockstep = context.loaded.lockstep

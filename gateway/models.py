@@ -139,7 +139,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
                   prefix_cache: PrefixCacheConfig | None = None) -> registry.BuildContext:  # fmt: skip
     """What the model's engines are built from (engines/registry.py), as plain values."""
     lc, pc = mc.llamacpp, prefix_cache or PrefixCacheConfig()
-    from gateway.distributed import distribution
+    from gateway.ranks import distribution
 
     return registry.BuildContext(
         mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
@@ -160,7 +160,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
     )
 
 
-def _build_engines(
+def build_model_engines(
     mc: ModelConfig, llama_server: LlamaServerConfig, prefix_cache: PrefixCacheConfig
 ) -> tuple[registry.BuildContext, dict[str, Engine], dict[str, str]]:
     """Blocking (a builtin may be made on first use; weights load, once per
@@ -353,7 +353,7 @@ class ModelRegistry:
                 served.estimate = await asyncio.to_thread(estimate, served.config)
             await self._make_room(served)
             context, engines, refused = await asyncio.to_thread(
-                _build_engines, served.config, self.llama_server, self.prefix_cache
+                build_model_engines, served.config, self.llama_server, self.prefix_cache
             )
             try:
                 for engine in engines.values():

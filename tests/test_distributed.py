@@ -176,3 +176,19 @@ def test_what_a_distributed_model_may_be():
         with pytest.raises(ConfigError, match=words):
             parse_config(bad)
 
+
+
+def test_the_two_macs_example_is_a_valid_config_and_hostfile():
+    import json
+
+    import jsonschema_rs
+    import yaml
+    from mlx._distributed_utils.common import Hostfile
+
+    example = REPO / "deploy/examples/two-macs"
+    config = yaml.safe_load((example / "specgate.yaml").read_text())
+    schema = json.loads((REPO / "deploy/specgate.schema.json").read_text())
+    jsonschema_rs.validate(schema, config)
+    hosts = Hostfile.from_file(str(example / "hosts.json"))
+    assert hosts.backend == config["models"][0]["distributed"]["backend"] == "jaccl"
+    assert [h.rdma[i] for i, h in enumerate(hosts.hosts)] == [None, None]  # each rank's own: none

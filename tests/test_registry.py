@@ -196,7 +196,7 @@ def test_a_new_record_is_accepted_by_the_config(tmp_path):
 
 def test_a_new_record_is_built_and_planned_without_editing_gateway_or_policies(tmp_path):
     from engines.base import LiveState
-    from gateway.models import ServedModel, _build_engines, _policy
+    from gateway.models import ServedModel, _policy, build_model_engines
     from policies.decide import RequestFeatures, decide
 
     calls = []
@@ -205,7 +205,7 @@ def test_a_new_record_is_built_and_planned_without_editing_gateway_or_policies(t
         config = _config(tmp_path, GGUF, ["gguf_fake_plain", "gguf_fake"], mtp_depth=3)
         mc = config.models[0]
         served = ServedModel(mc)
-        context, served.engines, served.refused = _build_engines(mc, config.llama_server, config.prefix_cache)
+        context, served.engines, served.refused = build_model_engines(mc, config.llama_server, config.prefix_cache)
         assert calls == [("gguf_fake_plain", "gguf_fake")] and list(served.engines) == [
             "gguf_fake_plain", "gguf_fake"]
         assert served.engine is served.engines["gguf_fake_plain"]

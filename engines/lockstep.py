@@ -247,14 +247,16 @@ class Lockstep:
             self._turn.notify_all()
         raise LockstepBroken(self.problem) from error
 
-    def check(self, error: BaseException) -> None:
-        """A forward failed: if it was a collective, the lockstep is broken."""
+    def check(self, error: Exception) -> Exception:
+        """A step failed: if a collective did (a rank is gone), the lockstep
+        is broken, and what the request gets is that reason; else `error`."""
         if (isinstance(error, RuntimeError) and self.problem is None
                 and re.search(r"\[(ring|jaccl|mpi)\]", str(error))):  # fmt: skip
             try:
                 self._broke(error)
             except LockstepBroken:
                 pass
+        return LockstepBroken(self.problem) if self.problem is not None else error
 
     def stop(self) -> None:
         """Rank 0: tell every other rank to end (its conductor returns)."""

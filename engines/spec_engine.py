@@ -223,7 +223,7 @@ class SpecEngine(WorkerEngine):
         except Exception as exc:
             log.exception("%s failed on request %s", self.name, job.request.request_id)
             if self.loaded.lockstep is not None:
-                self.loaded.lockstep.check(exc)
+                exc = self.loaded.lockstep.check(exc)
             job.post(exc)
         finally:
             self._running = 0

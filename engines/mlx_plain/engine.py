@@ -229,7 +229,7 @@ class MLXPlainEngine(WorkerEngine):
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
                 if self.loaded.lockstep is not None:
-                    self.loaded.lockstep.check(exc)
+                    exc = self.loaded.lockstep.check(exc)
                 for slot in self._slots.values():
                     slot.post(exc)
                 self._slots.clear()

@@ -236,7 +236,7 @@ class MLXPlainEngine(WorkerEngine):
                 self._running = 0
                 self._batch = self._new_batch()
                 if isinstance(exc, LockstepBroken):  # a distributed model lost a rank
-                    raise
+                    raise exc from None
         for slot in self._submitted():  # submitted after the stop
             slot.post(self.stopped_error())
         for slot in self._slots.values():

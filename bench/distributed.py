@@ -14,7 +14,7 @@ Communication share: the collectives each decoded token costs, counted
 from the model's shape (tensor: an all_sum of the hidden state after every
 attention and every MLP, an all_gather of the vocabulary slices; pipeline:
 the hidden state sent between stages and gathered) plus specgate's own
-lockstep messages (a turn and a decision per step or round), each timed
+lockstep messages (turns and decisions, CONTROL_PER_STEP), each timed
 alone by the same ring on loopback, as a share of the measured time. Both
 ranks share this machine's cores, so the rest is not "compute at half the
 cost" as it would be on two machines.
@@ -43,7 +43,10 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
 DEMO = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3}
 MODES = [("single", None), ("tensor x2", "tensor"), ("pipeline x2", "pipeline")]
 METHODS = ["none", "mtp"]
-CONTROL_PER_STEP = {"none": 4, "mtp": 6}  # ring all_sums of specgate's lockstep per step / round
+# specgate's lockstep messages per plain step of one request (the commands
+# shared, the step's turn, the planner asked) and per MTP round (new jobs,
+# gone and plan; the round's turn); each a turn or a value (engines/lockstep.py).
+CONTROL_PER_STEP = {"none": 5, "mtp": 3}
 
 # Thunderbolt 5, published: 80 Gb/s each way (Apple's Mac Studio (2025) tech
 # specs; USB-IF/Intel TB5: 80 Gb/s symmetric, 120 Gb/s Bandwidth Boost);
@@ -143,7 +146,7 @@ def comm_ms(shape: dict, mode: str, method: str, tokens_per_round: float, t: dic
                "all_gather_draft": "all_gather_v/1"}[kind]  # fmt: skip
         model += n * t[key]
     steps = 1 if method == "none" else 1 / tokens_per_round
-    control = CONTROL_PER_STEP[method] / 2 * steps * t["control"]  # a Channel message is 2 all_sums
+    control = CONTROL_PER_STEP[method] * steps * t["control"]
     return model * 1e3, control * 1e3
 
 

@@ -83,29 +83,62 @@ def shard_model(model, distribution: Distribution) -> None:
 
 
 class Channel:
-    """Python objects from rank 0 to every rank. The ring backend has no
-    broadcast, so it is an all_sum to which the other ranks add zeros: the
-    length, then the bytes. Rank 0 is trusted (the ranks are one program,
-    started together by mlx.launch), so the bytes are a pickle."""
+    """Python objects from rank 0 to every rank, passed down the ring
+    (rank r receives from r-1 and sends on to r+1: the ring backend sends
+    between neighbours). Point-to-point, not a collective: on the ring a
+    small all_sum or all_gather takes milliseconds, a send tens of
+    microseconds (bench/distributed.py). A message is a fixed-size head
+    (its length, and the bytes when they fit), for a longer one the rest,
+    then the last rank's acknowledgement to rank 0. Rank 0 is trusted (the ranks are one program, started together
+    by mlx.launch), so the bytes are a pickle."""
+
+    HEAD = 1024  # bytes: 8 of length, the rest payload
 
     def __init__(self, group):
         self.group = group
-        self.rank = group.rank()
+        self.rank, self.size = group.rank(), group.size()
 
-    def _sum(self, x: mx.array) -> mx.array:
-        out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
-        mx.eval(out)
-        return out
+    def _pass(self, data: mx.array | None, like: mx.array) -> mx.array:
+        """Receive from the previous rank (unless rank 0), send to the next (unless last)."""
+        if self.rank > 0:
+            data = mx.distributed.recv_like(like, self.rank - 1, group=self.group, stream=mx.cpu)
+            mx.eval(data)
+        if self.rank < self.size - 1:
+            mx.eval(mx.distributed.send(data, self.rank + 1, group=self.group, stream=mx.cpu))
+        return data
+
+    def _ack(self) -> None:
+        """The last rank tells rank 0 (its ring neighbour) the message went
+        round. Rank 0 learns of a rank that is gone here: waiting for a
+        receive from a closed socket fails, a send into one may not."""
+        ack = mx.zeros((1,), dtype=mx.uint8)
+        if self.rank == 0:
+            mx.eval(mx.distributed.recv_like(ack, self.size - 1, group=self.group, stream=mx.cpu))
+        elif self.rank == self.size - 1:
+            mx.eval(mx.distributed.send(ack, 0, group=self.group, stream=mx.cpu))
 
     def send(self, obj: object) -> None:
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        self._sum(mx.array([payload.size], dtype=mx.int64))
-        self._sum(mx.array(payload))
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = np.zeros(self.HEAD, dtype=np.uint8)
+        head[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+        first = payload[: self.HEAD - 8]
+        head[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+        self._pass(mx.array(head), mx.array(head))
+        rest = payload[self.HEAD - 8 :]
+        if rest:
+            data = mx.array(np.frombuffer(rest, dtype=np.uint8))
+            self._pass(data, data)
+        self._ack()
 
     def receive(self) -> object:
-        size = int(self._sum(mx.zeros((1,), dtype=mx.int64)).item())
-        data = self._sum(mx.zeros((size,), dtype=mx.uint8))
-        return pickle.loads(np.array(data).tobytes())
+        head = bytes(np.array(self._pass(None, mx.zeros((self.HEAD,), dtype=mx.uint8))))
+        size = int.from_bytes(head[:8], "little")
+        payload = head[8 : 8 + min(size, self.HEAD - 8)]
+        if size > self.HEAD - 8:
+            rest = self._pass(None, mx.zeros((size - (self.HEAD - 8),), dtype=mx.uint8))
+            payload += bytes(np.array(rest))
+        self._ack()
+        return pickle.loads(payload)
 
 
 class Lockstep:

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import start_gateway, stop_gateway
+from conftest import free_port, start_gateway, stop_gateway
 
 from gateway.config import ConfigError, PeerConfig, parse_config
 from gateway.keys import add_key
@@ -329,6 +329,60 @@ def test_a_client_that_leaves_stops_the_peers_work(cluster):
     stop.set()  # the client closes its connection to the front
     t.join(60)
     wait_idle(front.peers[node[0]], timeout=2)  # 1500 tokens take longer than that
+
+
+@pytest.fixture
+def draining_peer():
+    """FAILURE INJECTION: a fake peer that lists "tiny" as idle and answers
+    every request as a specgate shutting down does (503 with its header)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from gateway.generation import shutting_down
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model",
+                             "specgate": {"running": 0, "waiting": 0, "max_concurrent": 8,
+                                          "state": "ready"}}]})  # fmt: skip
+
+    async def refuse(request):
+        return shutting_down().response()
+
+    app = Starlette(routes=[Route("/v1/models", models),
+                            Route("/v1/completions", refuse, methods=["POST"])])  # fmt: skip
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_peer_shutting_down_is_passed_over(cluster, draining_peer, tmp_path):
+    """A front whose first choice answers "shutting down" sends the request on
+    to the next node (its checks, 60 s apart, have not seen the drain yet)."""
+    b = cluster.peers["b"]
+    front = start_gateway({"models": [], "peers": [
+        {"name": "a-draining", "url": draining_peer, "health_interval_s": 60},
+        {"name": "b", "url": b.base_url, "key": b.node_key, "health_interval_s": 60}]}, tmp_path)
+    try:
+        deadline = time.monotonic() + 20
+        while len(up(front)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        raw = openai.OpenAI(base_url=front.api, api_key="none", max_retries=0).completions \
+            .with_raw_response.create(model="tiny", prompt="x", max_tokens=2)
+        assert node_of(raw) == "b" and raw.parse().usage.completion_tokens == 2
+        metrics = httpx.get(front.base_url + "/metrics").text
+        assert 'specgate_peer_requests_total{model="tiny",node="a-draining",outcome="unreachable"} 1.0' in metrics
+        assert 'specgate_peer_up{node="a-draining"} 0.0' in metrics
+    finally:
+        stop_gateway(front)
 
 
 def test_a_peer_killed_mid_stream(cluster):

@@ -6,9 +6,12 @@ a front that relays them, side by side in one run.
 A peer `specgate serve` with the demo model, and a front `specgate serve`
 with no model and the peer under `peers:`. Each pass sends short greedy
 completions (8 tokens, whole), and streams of 64 tokens, one at a time,
-alternating direct and through the front. Reported: median over passes of
-the median request time, range over passes in brackets, and the front's
-added milliseconds; for streams, time to first token and decode tokens/s.
+alternating direct and through the front; and count_tokens requests, which
+the peer answers without a forward: the relay's own cost. Reported: median
+over passes of the median request time, range over passes in brackets, and
+the front's added milliseconds; for streams, time to first token and decode
+tokens/s. All three processes share this machine's cores: while the peer
+decodes, the front's relaying competes with it for them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ def whole(url: str) -> float:
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+    r.raise_for_status()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def count_tokens(url: str) -> float:
+    """A request the peer answers without the model's forward: the relay alone."""
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/messages/count_tokens", timeout=60, json={
+        "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     r.raise_for_status()
     return (time.perf_counter() - t0) * 1e3
 
@@ -68,9 +80,11 @@ def main() -> None:
                 rows: dict[str, dict[str, list[float]]] = {}
                 for _ in range(args.passes):
                     for name, url in (("direct", peer), ("via front", front)):
+                        counts = [count_tokens(url) for _ in range(args.requests)]
                         times = [whole(url) for _ in range(args.requests)]
                         streams = [stream(url) for _ in range(max(1, args.requests // 4))]
-                        row = rows.setdefault(name, {"whole": [], "ttft": [], "tps": []})
+                        row = rows.setdefault(name, {"count": [], "whole": [], "ttft": [], "tps": []})
+                        row["count"].append(statistics.median(counts))
                         row["whole"].append(statistics.median(times))
                         row["ttft"].append(statistics.median(s[0] for s in streams))
                         row["tps"].append(statistics.median(s[1] for s in streams))
@@ -80,12 +94,15 @@ def main() -> None:
 
     print(f"\ndemo model, {args.requests} whole requests (8 tokens) and {max(1, args.requests // 4)} "
           f"streams (64 tokens) per pass, {args.passes} passes: median (range over passes)\n")
-    print("| path | whole request ms | stream TTFT ms | stream decode tok/s |")
-    print("|---|---:|---:|---:|")
+    print("| path | count_tokens ms | whole request ms | stream TTFT ms | stream decode tok/s |")
+    print("|---|---:|---:|---:|---:|")
     for name, row in rows.items():
-        print(f"| {name} | {cell(row['whole'])} | {cell(row['ttft'])} | {cell(row['tps'], '{:.0f}')} |")
-    added = statistics.median(rows["via front"]["whole"]) - statistics.median(rows["direct"]["whole"])
-    print(f"\nthe front adds {added:.1f} ms to a whole request (median of medians)")
+        print(f"| {name} | {cell(row['count'], '{:.2f}')} | {cell(row['whole'])} | {cell(row['ttft'])} "
+              f"| {cell(row['tps'], '{:.0f}')} |")
+    for what in ("count", "whole"):
+        added = statistics.median(rows["via front"][what]) - statistics.median(rows["direct"][what])
+        print(f"the front adds {added:.1f} ms to {'a count_tokens' if what == 'count' else 'a whole'} "
+              "request (median of medians)")
 
 
 if __name__ == "__main__":

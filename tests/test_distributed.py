@@ -76,10 +76,11 @@ def complete(gw, prompt: str, method: str, max_tokens: int = 20, **kw):
 def test_greedy_equals_the_single_process_server(spread, gateway, method):
     assert sorted(ranks_of(spread)) == [0, 1]
     for prompt in PROMPTS:
-        raw = complete(spread, prompt, method)
+        raw = complete(spread, prompt, method, logprobs=1)
         assert raw.headers["x-specgate-plan"].startswith(f"method={method}")
-        want = complete(gateway, prompt, method).parse().choices[0].text
-        assert raw.parse().choices[0].text == want, (prompt, method)
+        got, want = raw.parse(), complete(gateway, prompt, method, logprobs=1).parse()
+        assert got.choices[0].text == want.choices[0].text, (prompt, method)
+        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens  # token for token
     got = client(spread).chat.completions.create(
         model="demo", messages=CHAT, max_tokens=24, temperature=0, stream=True,
         extra_headers={"X-Specgate-Method": method})

@@ -6,7 +6,6 @@ single-process server (conftest's `gateway`, the same model and depth)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -57,7 +56,8 @@ def ranks_of(gw) -> dict[int, int]:
         except OSError:
             continue
         rank = next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
-        if rank is not None and b"gateway.cli" in cmd and gw.base_url.rsplit(":", 1)[1].encode() in cmd:
+        port = gw.base_url.rsplit(":", 1)[1].encode()
+        if rank is not None and b"gateway.cli" in cmd and b"\0--port\0" + port + b"\0" in cmd:
             found[rank] = int(entry.name)
     return found
 
@@ -124,31 +124,6 @@ def test_a_client_that_leaves_frees_both_ranks(spread):
                 break
     # Both ranks went on to the next request: it is served, and in step.
     assert complete(spread, PROMPTS[1], "none").parse().choices[0].text
-
-
-def test_killing_rank_1_fails_the_request_cleanly(tmp_path):
-    gw = launch(tmp_path, "tensor")
-    try:
-        follower = ranks_of(gw)[1]
-        got = []
-        with pytest.raises(openai.APIError, match="rank of this distributed model is gone"):
-            stream = client(gw).completions.create(
-                model="demo", prompt="Count:", max_tokens=3000, stream=True,
-                extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": "mtp"})
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 3:
-                    os.kill(follower, signal.SIGKILL)
-        assert got and all(c.choices[0].finish_reason is None for c in got)
-        try:  # rank 0 says why until mlx.launch stops it (it stops every rank once one died)
-            ready = httpx.get(gw.base_url + "/ready", timeout=5)
-            assert ready.status_code == 503
-        except httpx.TransportError:
-            pass
-        gw.process.wait(timeout=60)
-        assert gone(gw)
-    finally:
-        stop_gateway(gw)
 
 
 def test_serve_without_mlx_launch_says_what_to_run(tmp_path):

@@ -49,17 +49,7 @@ class BodyLimitMiddleware:
                 return await self._reject(scope, send)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(b"".join(chunks), receive), send)
 
     async def _reject(self, scope, send, status: int = 413, message: str | None = None,
                       code: str = "body_too_large"):
@@ -67,3 +57,17 @@ class BodyLimitMiddleware:
         response = error_response(scope["path"], status, message, code=code,
                                   headers={"connection": "close"})  # fmt: skip
         await response(scope, None, send)
+
+
+def replay(body: bytes, receive):
+    """An ASGI receive that gives `body` whole once, then the client's own."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

@@ -37,6 +37,7 @@ from gateway.auth import Principal, client_of, current_principal
 from gateway.config import LOCAL_NODE
 from gateway.errors import error_response
 from gateway.generation import DRAINING_HEADER
+from gateway.limits import replay as body_once
 from gateway.metrics import Metrics
 from gateway.models import ModelRegistry
 from gateway.peers import SERVING_STATES, Candidate, PeerNode, Peers, choose, describe, fraction
@@ -200,7 +201,7 @@ class PeerRouter:
         raw = await _whole_body(receive)
         if raw is None:  # the client left
             return
-        replay = _replay(raw, receive)
+        replay = body_once(raw, receive)
         asked = peek(raw)
         principal = current_principal()
         try:
@@ -440,19 +441,6 @@ async def _whole_body(receive) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
 
 
 async def _disconnected(receive) -> None:

@@ -18,6 +18,9 @@ ranks a conductor thread (`follow`) reads those turns and hands the lock to
 that engine's thread, which runs the same section, receiving decisions
 where rank 0 sent them, then hands the lock back on release.
 
+An idle rank waits for rank 0's next turn in a plain socket read
+(engines/doorbell.py), not in MLX's receive, which polls.
+
 A rank that is gone makes the next collective raise on the others; the
 lockstep is then broken for good (`problem`), and the model's engines fail
 their requests with that reason.
@@ -39,6 +42,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from engines.base import GenerationRequest, Handoff
+from engines.doorbell import answer_doorbell, leader_host, open_doorbell
 from engines.fair_lock import FairLock
 
 log = logging.getLogger(__name__)
@@ -164,6 +168,8 @@ class Lockstep:
         self._following = False  # other ranks: the conductor runs (follow())
         self._deciding: set[int] = set()  # other ranks: threads inside share()
         self._ended = False  # other ranks: rank 0 stopped
+        self._doorbell = None  # rank 0: rings the other ranks before each turn (begin())
+        self._bell = None  # other ranks: where the conductor waits for a ring (follow())
 
     @property
     def leader(self) -> bool:
@@ -172,7 +178,12 @@ class Lockstep:
     def begin(self) -> None:
         """Rank 0, once the model's engines are built and started: from now
         on every section of the lock is a turn the other ranks follow. (Before,
-        as while loading, each rank's sections are its own.)"""
+        as while loading, each rank's sections are its own.) First the other
+        ranks' doorbells: this waits for them to finish loading and follow."""
+        if self.channel.size > 1:
+            with self._order:
+                self._doorbell = open_doorbell(lambda offer: self._send(("doorbell", offer)),
+                                               self.channel.size - 1, leader_host())  # fmt: skip
         self.active = True
 
     def _turns(self, me: int) -> bool:
@@ -192,7 +203,7 @@ class Lockstep:
             self._holder, self._depth, self._by_turn = me, 1, False
             if self.leader and self.active:
                 try:
-                    self._send(("turn", threading.current_thread().name))
+                    self._send(("turn", threading.current_thread().name), ring=True)
                 except BaseException:
                     self._holder, self._depth = None, 0
                     self._order.release()
@@ -256,9 +267,12 @@ class Lockstep:
             self._broke(RuntimeError(f"lockstep lost its order: expected a decision, got {kind}"))
         return value if decode is None else decode(value)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, ring: bool = False) -> None:
+        """ring: a message the other ranks' conductors wait for (a turn, the stop)."""
         if self.problem is not None:
             raise LockstepBroken(self.problem)
+        if ring and self._doorbell is not None:
+            self._doorbell.ring()
         try:
             self.channel.send(message)
         except RuntimeError as e:
@@ -292,13 +306,18 @@ class Lockstep:
         return LockstepBroken(self.problem) if self.problem is not None else error
 
     def stop(self) -> None:
-        """Rank 0: tell every other rank to end (its conductor returns)."""
-        if self.leader and self.active and self.problem is None:
+        """Rank 0, once the model's engines stopped: tell every other rank
+        to end (its conductor returns)."""
+        if not (self.leader and self.active):
+            return
+        with self._order:
+            self.active = False
             try:
-                with self:
-                    self.channel.send(STOP)
+                self._send(STOP, ring=True)
             except (RuntimeError, LockstepBroken):
                 pass
+            if self._doorbell is not None:
+                self._doorbell.close()
 
     # -- other ranks -----------------------------------------------------------------
 
@@ -307,7 +326,20 @@ class Lockstep:
         0's order, until rank 0 stops (or is gone: then raises).
         alive(name): whether that engine thread still runs."""
         self._following = True
+        kind, offer = self._receive()
+        if kind != "doorbell":
+            self._broke(RuntimeError(f"lockstep lost its order: expected the doorbell, got {kind}"))
+        self._bell = answer_doorbell(offer)
+        try:
+            self._conduct(alive)
+        finally:
+            if self._bell is not None:
+                self._bell.close()
+
+    def _conduct(self, alive: Callable[[str], bool]) -> None:
         while True:
+            if self._bell is not None and not self._bell.wait():
+                self._broke(ConnectionError("rank 0 closed its connection"))
             message = self._receive()
             if message == STOP:
                 self._ended = True  # the engine threads waiting for a turn end

@@ -150,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         if ranks.rank(config) != 0:  # serves no HTTP: follows rank 0's steps
             _logging(config, None, prefix=f"rank {ranks.rank(config)} ")
             return distributed.follow(config)
+        distributed.end_drained_with_success()
     from gateway.keys import KeyFileError
 
     try:

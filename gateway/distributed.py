@@ -69,6 +69,20 @@ def follow(config: Config) -> int:
         asyncio.run(_each(engines, "stop"))
 
 
+def end_drained_with_success() -> None:
+    """Rank 0: uvicorn, stopped by a signal, drains and then raises the
+    signal again through the handler it found, so the process ends as
+    signalled. Under mlx.launch that reads as a failed rank, and it kills
+    the other ranks, which were about to end on rank 0's stop. The handler
+    found is this one: it ends the process with status 0."""
+
+    def on_signal(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
 FOLLOWER_GRACE_S = 60.0  # after a SIGTERM, how long another rank waits for rank 0's stop
 
 

@@ -365,7 +365,7 @@ class ModelRegistry:
             served.engines, served.refused = engines, refused
             if context.loaded is not None and context.loaded.lockstep is not None:
                 served.lockstep = context.loaded.lockstep
-                served.lockstep.begin()  # its other ranks follow from here
+                await asyncio.to_thread(served.lockstep.begin)  # its other ranks follow from here
             served.policy = _policy(served, context)
             served.counts.loads += 1
             served.counts.load_seconds += time.monotonic() - t0

@@ -126,6 +126,23 @@ def test_a_client_that_leaves_frees_both_ranks(spread):
     assert complete(spread, PROMPTS[1], "none").parse().choices[0].text
 
 
+def test_an_idle_rank_waits_without_polling(spread):
+    """Between requests rank 1 blocks on rank 0's doorbell (engines/doorbell.py);
+    waiting in MLX's ring receive, it polled at most of a core."""
+    complete(spread, PROMPTS[0], "mtp", max_tokens=4)
+    follower = ranks_of(spread)[1]
+    time.sleep(0.5)  # the request's last section ends
+    before = cpu_seconds(follower)
+    time.sleep(3)
+    used = cpu_seconds(follower) - before
+    assert used < 0.3, f"rank 1 used {used:.2f} s of CPU in 3 s with nothing to do"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def test_serve_without_mlx_launch_says_what_to_run(tmp_path):
     config = tmp_path / "spread.yaml"
     config.write_text("models:\n  - {id: demo, path: 'builtin:demo', distributed: {mode: pipeline,"

@@ -1,8 +1,9 @@
-"""A rank of a distributed model killed mid-stream (tests/test_distributed.py
-has the rest). A module of its own: while another distributed server idles,
-its ranks poll the ring and take most of this machine's two cores (see
-docs/DESIGN.md), and rank 0 here would be stopped by mlx.launch before it
-had noticed the lost rank."""
+"""Distributed servers started and stopped by the test itself: a rank
+killed mid-stream, and a clean stop (tests/test_distributed.py has the
+rest). A module of their own: while another distributed server is up, its
+mlx.launch polls (docs/DESIGN.md) and takes much of this machine's two
+cores, and rank 0 here could be stopped by mlx.launch before it had
+noticed the lost rank."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import stop_gateway
-from test_distributed import client, gone, launch, ranks_of
+from test_distributed import PROMPTS, client, complete, gone, launch, ranks_of
 
 
 def test_killing_rank_1_fails_the_request_cleanly(tmp_path):
@@ -36,6 +37,23 @@ def test_killing_rank_1_fails_the_request_cleanly(tmp_path):
         except httpx.TransportError:
             pass
         gw.process.wait(timeout=60)
+        assert gone(gw)
+    finally:
+        stop_gateway(gw)
+
+
+def test_stopping_the_ranks_ends_each_cleanly(tmp_path):
+    """A service manager signals every rank at once: rank 0 drains and sends
+    the stop, rank 1 takes it and exits 0. (mlx.launch is left running here,
+    to pass on what the ranks log as they end.)"""
+    gw = launch(tmp_path, "pipeline")
+    try:
+        complete(gw, PROMPTS[0], "none", max_tokens=4)
+        for pid in ranks_of(gw).values():
+            os.kill(pid, signal.SIGTERM)
+        assert gw.process.wait(timeout=60) == 0  # mlx.launch saw every rank succeed
+        assert "rank 1: rank 0 stopped" in gw.log()
+        assert "is gone" not in gw.log() and "rank 1 exited with code" not in gw.log()
         assert gone(gw)
     finally:
         stop_gateway(gw)

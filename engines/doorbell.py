@@ -1,0 +1,179 @@
+"""Waking the other ranks of a distributed model without keeping them busy.
+
+While a receive is pending, MLX's ring backend polls its socket in a loop
+(its socket thread retries a non-blocking recv): a rank waiting for rank
+0's next turn burned most of a core while the server sat idle, and on a
+small machine starved the rank serving HTTP. So before each message the
+other ranks' conductors wait for (engines/lockstep.py: turns and the stop),
+rank 0 writes one byte to each of them over a plain TCP connection, and a
+conductor blocks in an ordinary read for that byte, costing nothing, before
+it posts the MLX receive.
+
+The connections are made once, through the lockstep's own channel: rank 0
+listens on its address as mlx.launch gave it to every rank (the ring
+hostfile's first entry, jaccl's coordinator), sends the port and a one-time
+token down the channel, keeps the connections that present the token, and
+closes the listener. A rank without an address (MPI) or a connection does
+without, and polls as before.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SETUP_S = 10.0  # rank 0: how long it waits for the other ranks to connect
+TOKEN_BYTES = 16
+RING = b"\x01"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Where the other ranks connect, sent down the lockstep's channel."""
+
+    host: str
+    port: int
+    token: bytes
+
+
+def leader_host() -> str | None:
+    """Rank 0's address, as mlx.launch gave it to every rank; None when it
+    gave none (MPI) or the file is unreadable."""
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return _host(coordinator)
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if not hostfile:
+        return None
+    try:
+        with open(hostfile) as f:
+            return _host(json.load(f)[0][0])
+    except (OSError, ValueError, LookupError, TypeError) as e:
+        log.warning("doorbell: no address for rank 0 in %s (%s)", hostfile, e)
+        return None
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+class Doorbell:
+    """Rank 0's side: one connection to each other rank that answered."""
+
+    def __init__(self, connections: list[socket.socket]):
+        self.connections = connections
+
+    def ring(self) -> None:
+        for c in self.connections:
+            try:
+                c.sendall(RING)
+            except OSError:
+                pass  # a rank that is gone: the channel's acknowledgement says so
+
+    def close(self) -> None:
+        for c in self.connections:
+            c.close()
+        self.connections = []
+
+
+def open_doorbell(send: Callable[[object], None], followers: int, host: str | None,
+                  timeout: float = SETUP_S) -> Doorbell:  # fmt: skip
+    """Rank 0: offer a connection to the `followers` other ranks through
+    `send` (every rank receives the offer, or None), and keep those that
+    present the token within `timeout`."""
+    if host is None:
+        send(None)
+        return Doorbell([])
+    try:
+        listener = socket.create_server((host, 0))
+    except OSError as e:
+        log.warning("doorbell: cannot listen on %s (%s); idle ranks will poll", host, e)
+        send(None)
+        return Doorbell([])
+    with listener:
+        offer = Offer(host, listener.getsockname()[1], secrets.token_bytes(TOKEN_BYTES))
+        send(offer)
+        kept: list[socket.socket] = []
+        deadline = time.monotonic() + timeout
+        while len(kept) < followers and (left := deadline - time.monotonic()) > 0:
+            listener.settimeout(left)
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the deadline
+                break
+            if _admit(conn, offer.token, deadline):
+                kept.append(conn)
+            else:
+                conn.close()  # not a rank of this model (or too late)
+    if len(kept) < followers:
+        log.warning("doorbell: %d of %d other ranks connected; the others poll while idle",
+                    len(kept), followers)  # fmt: skip
+    return Doorbell(kept)
+
+
+def _admit(conn: socket.socket, token: bytes, deadline: float) -> bool:
+    try:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        got = b""
+        while len(got) < TOKEN_BYTES:
+            chunk = conn.recv(TOKEN_BYTES - len(got))
+            if not chunk:
+                return False
+            got += chunk
+        if not hmac.compare_digest(got, token):
+            return False
+        conn.sendall(RING)  # the rank now waits for rings
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return True
+    except OSError:
+        return False
+
+
+class Bell:
+    """Another rank's side of its connection to rank 0."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection = connection
+
+    def wait(self) -> bool:
+        """Block until rank 0 rings (True), or its connection closes (False)."""
+        try:
+            return self.connection.recv(1) == RING
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def answer_doorbell(offer: Offer | None, timeout: float = 2 * SETUP_S) -> Bell | None:
+    """Another rank: connect to rank 0's offer; None without one."""
+    if offer is None:
+        return None
+    try:
+        conn = socket.create_connection((offer.host, offer.port), timeout=timeout)
+    except OSError as e:
+        log.warning("doorbell: cannot reach rank 0 at %s:%d (%s); polling while idle",
+                    offer.host, offer.port, e)  # fmt: skip
+        return None
+    try:
+        conn.sendall(offer.token)
+        if conn.recv(1) != RING:
+            raise ConnectionError("rank 0 did not keep the connection")
+        conn.settimeout(None)
+        return Bell(conn)
+    except OSError as e:
+        log.warning("doorbell: rank 0 at %s:%d refused (%s); polling while idle",
+                    offer.host, offer.port, e)  # fmt: skip
+        conn.close()
+        return None

@@ -1,0 +1,119 @@
+"""engines/doorbell.py on loopback: rank 0's one-byte wake-ups to the other
+ranks of a distributed model (tests/test_distributed.py runs it under
+mlx.launch). Here the offer goes through a queue, where the lockstep's
+channel would carry it."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+
+import pytest
+
+from engines.doorbell import Offer, answer_doorbell, leader_host, open_doorbell
+
+
+def offered(followers: int, *, timeout: float = 5.0, answer: bool = True):
+    """Rank 0's doorbell opened in a thread; each follower answers the offer."""
+    offers: queue.Queue = queue.Queue()
+    done: dict = {}
+    opener = threading.Thread(target=lambda: done.update(
+        bell=open_doorbell(offers.put, followers, "127.0.0.1", timeout)))  # fmt: skip
+    opener.start()
+    offer = offers.get(timeout=5)
+    bells = [answer_doorbell(offer, timeout=5) for _ in range(followers)] if answer else []
+    opener.join(timeout=10)
+    return done["bell"], bells, offer
+
+
+def test_each_ring_wakes_each_rank_once_and_a_close_says_gone():
+    doorbell, bells, _ = offered(2)
+    try:
+        assert len(doorbell.connections) == 2 and all(bells)
+        doorbell.ring()
+        doorbell.ring()
+        assert [b.wait() for b in bells for _ in range(2)] == [True] * 4
+        doorbell.close()
+        assert [b.wait() for b in bells] == [False, False]  # rank 0 gone or stopped
+    finally:
+        for b in bells:
+            b.close()
+
+
+def test_a_wait_blocks_until_the_ring():
+    doorbell, [bell], _ = offered(1)
+    try:
+        woke = threading.Event()
+        waiter = threading.Thread(target=lambda: bell.wait() and woke.set())
+        waiter.start()
+        assert not woke.wait(0.3)
+        doorbell.ring()
+        assert woke.wait(5)
+        waiter.join(5)
+    finally:
+        doorbell.close()
+        bell.close()
+
+
+def test_a_stranger_without_the_token_is_not_kept():
+    offers: queue.Queue = queue.Queue()
+    done: dict = {}
+    opener = threading.Thread(target=lambda: done.update(
+        bell=open_doorbell(offers.put, 1, "127.0.0.1", 5.0)))  # fmt: skip
+    opener.start()
+    offer = offers.get(timeout=5)
+    with socket.create_connection((offer.host, offer.port), timeout=5) as stranger:
+        stranger.sendall(b"x" * len(offer.token))
+        assert stranger.recv(1) == b""  # closed on it
+        bell = answer_doorbell(offer, timeout=5)  # the real rank still gets in
+    opener.join(10)
+    try:
+        assert bell is not None and len(done["bell"].connections) == 1
+        done["bell"].ring()
+        assert bell.wait()
+    finally:
+        done["bell"].close()
+        bell.close()
+
+
+def test_a_rank_that_never_answers_leaves_rank_0_ringing_the_rest():
+    doorbell, bells, offer = offered(1, timeout=0.5, answer=False)
+    assert doorbell.connections == []
+    doorbell.ring()  # nobody to ring: no error
+    assert answer_doorbell(offer, timeout=2) is None  # too late: the listener closed
+
+
+def test_without_an_address_nobody_waits_for_a_ring():
+    offers: list = []
+    doorbell = open_doorbell(offers.append, 1, None)
+    assert offers == [None] and doorbell.connections == []
+    assert answer_doorbell(None) is None
+
+
+def test_rank_0s_address_comes_from_what_mlx_launch_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_JACCL_COORDINATOR", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert leader_host() is None  # MPI sets neither
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["10.0.0.2:5000", "10.0.1.2:5000"], ["10.0.0.3:5000"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hosts))
+    assert leader_host() == "10.0.0.2"
+    hosts.write_text("not json")
+    assert leader_host() is None
+    monkeypatch.setenv("MLX_JACCL_COORDINATOR", "[fe80::1]:32323")
+    assert leader_host() == "fe80::1"
+
+
+def test_an_offer_to_a_closed_port_is_refused_quietly():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    assert answer_doorbell(Offer("127.0.0.1", port, b"t" * 16), timeout=2) is None
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left():
+    before = set(threading.enumerate())
+    yield
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]

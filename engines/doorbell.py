@@ -15,6 +15,11 @@ hostfile's first entry, jaccl's coordinator), sends the port and a one-time
 token down the channel, keeps the connections that present the token, and
 closes the listener. A rank without an address (MPI) or a connection does
 without, and polls as before.
+
+The same connections tell rank 0 that another rank is lost, which MLX's
+collectives say only once one runs, and never for a rank that is alive but
+stuck: each other rank sends a heartbeat every second, and rank 0's watcher
+reports a rank whose connection closed or who went silent.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import json
 import logging
 import os
 import secrets
+import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +40,9 @@ log = logging.getLogger(__name__)
 
 SETUP_S = 10.0  # rank 0: how long it waits for the other ranks to connect
 TOKEN_BYTES = 16
-RING = b"\x01"
+RING = b"\x01"  # rank 0 to another rank: a message follows
+BEAT = b"\x02"  # another rank to rank 0: still here
+BEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,22 +76,52 @@ def _host(address: str) -> str:
 
 
 class Doorbell:
-    """Rank 0's side: one connection to each other rank that answered."""
+    """Rank 0's side: a connection to each other rank that answered, by rank."""
 
-    def __init__(self, connections: list[socket.socket]):
+    def __init__(self, connections: dict[int, socket.socket]):
         self.connections = connections
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def ring(self) -> None:
-        for c in self.connections:
+        for c in self.connections.values():
             try:
                 c.sendall(RING)
             except OSError:
-                pass  # a rank that is gone: the channel's acknowledgement says so
+                pass  # a rank that is gone: the watcher or the channel says so
+
+    def watch(self, silent_s: float, lost: Callable[[str], None]) -> None:
+        """From now on, call lost(why) once when a rank's connection closes
+        or it sent nothing for `silent_s`."""
+        self._watcher = threading.Thread(target=self._watch, args=(silent_s, lost),
+                                         name="doorbell-watch", daemon=True)  # fmt: skip
+        self._watcher.start()
+
+    def _watch(self, silent_s: float, lost: Callable[[str], None]) -> None:
+        last = dict.fromkeys(self.connections, time.monotonic())
+        with selectors.DefaultSelector() as selector:
+            for rank, c in self.connections.items():
+                selector.register(c, selectors.EVENT_READ, rank)
+            while not self._closing.is_set():
+                for key, _ in selector.select(timeout=0.5):
+                    try:
+                        heard = key.fileobj.recv(256)
+                    except OSError:
+                        heard = b""
+                    if not heard:
+                        return lost(f"rank {key.data}'s connection to rank 0 closed")
+                    last[key.data] = time.monotonic()
+                silent = [r for r, t in last.items() if time.monotonic() - t > silent_s]
+                if silent:
+                    return lost(f"rank {silent[0]} sent no heartbeat for {silent_s:g} s")
 
     def close(self) -> None:
-        for c in self.connections:
+        self._closing.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
+        for c in self.connections.values():
             c.close()
-        self.connections = []
+        self.connections = {}
 
 
 def open_doorbell(send: Callable[[object], None], followers: int, host: str | None,
@@ -92,17 +131,17 @@ def open_doorbell(send: Callable[[object], None], followers: int, host: str | No
     present the token within `timeout`."""
     if host is None:
         send(None)
-        return Doorbell([])
+        return Doorbell({})
     try:
         listener = socket.create_server((host, 0))
     except OSError as e:
         log.warning("doorbell: cannot listen on %s (%s); idle ranks will poll", host, e)
         send(None)
-        return Doorbell([])
+        return Doorbell({})
     with listener:
         offer = Offer(host, listener.getsockname()[1], secrets.token_bytes(TOKEN_BYTES))
         send(offer)
-        kept: list[socket.socket] = []
+        kept: dict[int, socket.socket] = {}
         deadline = time.monotonic() + timeout
         while len(kept) < followers and (left := deadline - time.monotonic()) > 0:
             listener.settimeout(left)
@@ -110,8 +149,9 @@ def open_doorbell(send: Callable[[object], None], followers: int, host: str | No
                 conn, _ = listener.accept()
             except OSError:  # the deadline
                 break
-            if _admit(conn, offer.token, deadline):
-                kept.append(conn)
+            rank = _admit(conn, offer.token, deadline)
+            if rank is not None and rank not in kept:
+                kept[rank] = conn
             else:
                 conn.close()  # not a rank of this model (or too late)
     if len(kept) < followers:
@@ -120,30 +160,34 @@ def open_doorbell(send: Callable[[object], None], followers: int, host: str | No
     return Doorbell(kept)
 
 
-def _admit(conn: socket.socket, token: bytes, deadline: float) -> bool:
+def _admit(conn: socket.socket, token: bytes, deadline: float) -> int | None:
+    """The rank that presented the token (token, then its rank in 4 bytes), or None."""
     try:
         conn.settimeout(max(deadline - time.monotonic(), 0.01))
         got = b""
-        while len(got) < TOKEN_BYTES:
-            chunk = conn.recv(TOKEN_BYTES - len(got))
+        while len(got) < TOKEN_BYTES + 4:
+            chunk = conn.recv(TOKEN_BYTES + 4 - len(got))
             if not chunk:
-                return False
+                return None
             got += chunk
-        if not hmac.compare_digest(got, token):
-            return False
+        if not hmac.compare_digest(got[:TOKEN_BYTES], token):
+            return None
         conn.sendall(RING)  # the rank now waits for rings
         conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return True
+        return int.from_bytes(got[TOKEN_BYTES:], "little")
     except OSError:
-        return False
+        return None
 
 
 class Bell:
-    """Another rank's side of its connection to rank 0."""
+    """Another rank's side of its connection to rank 0; it beats while open."""
 
     def __init__(self, connection: socket.socket):
         self.connection = connection
+        self._closing = threading.Event()
+        self._beating = threading.Thread(target=self._beat, name="doorbell-beat", daemon=True)
+        self._beating.start()
 
     def wait(self) -> bool:
         """Block until rank 0 rings (True), or its connection closes (False)."""
@@ -152,11 +196,21 @@ class Bell:
         except OSError:
             return False
 
+    def _beat(self) -> None:
+        while not self._closing.wait(BEAT_S):
+            try:
+                self.connection.sendall(BEAT)
+            except OSError:
+                return
+
     def close(self) -> None:
+        self._closing.set()
+        self._beating.join()
         self.connection.close()
 
 
-def answer_doorbell(offer: Offer | None, timeout: float = 2 * SETUP_S) -> Bell | None:
+def answer_doorbell(offer: Offer | None, rank: int,
+                    timeout: float = 2 * SETUP_S) -> Bell | None:  # fmt: skip
     """Another rank: connect to rank 0's offer; None without one."""
     if offer is None:
         return None
@@ -167,7 +221,7 @@ def answer_doorbell(offer: Offer | None, timeout: float = 2 * SETUP_S) -> Bell |
                     offer.host, offer.port, e)  # fmt: skip
         return None
     try:
-        conn.sendall(offer.token)
+        conn.sendall(offer.token + rank.to_bytes(4, "little"))
         if conn.recv(1) != RING:
             raise ConnectionError("rank 0 did not keep the connection")
         conn.settimeout(None)

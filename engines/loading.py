@@ -90,7 +90,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
 
                 prefix = _prefix_cache(key, model, CacheSettings(disk_bytes=0))
                 prefix.resize(0)
-                lockstep = Lockstep(distribution.group)
+                lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
                 loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix,
                                                     lock=lockstep, lockstep=lockstep)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends

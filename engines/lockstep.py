@@ -21,9 +21,11 @@ where rank 0 sent them, then hands the lock back on release.
 An idle rank waits for rank 0's next turn in a plain socket read
 (engines/doorbell.py), not in MLX's receive, which polls.
 
-A rank that is gone makes the next collective raise on the others; the
-lockstep is then broken for good (`problem`), and the model's engines fail
-their requests with that reason.
+A rank that is gone makes the next collective raise on the others, and
+rank 0's doorbell watcher finds it sooner, or a rank that is stuck, without
+waiting for one; the lockstep is then broken for good (`problem`), and the
+model's engines fail their requests with that reason, from the event loop
+if their thread is stuck in a collective (`when_broken`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Distribution:
 
     mode: str
     group: Any  # mx.distributed.Group
+    rank_timeout_s: float = 15.0  # engines/doorbell.py's watcher
 
     @property
     def rank(self) -> int:
@@ -149,10 +152,12 @@ class Lockstep:
     """The model's lock and shared decisions, for a model over several
     ranks (engines use it where a single-process model has a FairLock)."""
 
-    def __init__(self, group):
+    def __init__(self, group, rank_timeout_s: float = 15.0):
         self.channel = Channel(group)
         self.rank = group.rank()
+        self.rank_timeout_s = rank_timeout_s  # rank 0: a rank silent this long is lost
         self.problem: str | None = None  # why the lockstep broke (a rank is gone)
+        self._when_broken: list[Callable[[str], None]] = []
         self._order = FairLock()  # rank 0: mutual exclusion among its threads
         self._holder: int | None = None  # the thread holding the lock
         self._depth = 0
@@ -184,6 +189,7 @@ class Lockstep:
             with self._order:
                 self._doorbell = open_doorbell(lambda offer: self._send(("doorbell", offer)),
                                                self.channel.size - 1, leader_host())  # fmt: skip
+            self._doorbell.watch(self.rank_timeout_s, self._lost)
         self.active = True
 
     def _turns(self, me: int) -> bool:
@@ -287,12 +293,32 @@ class Lockstep:
             self._broke(e)
 
     def _broke(self, error: BaseException):
-        self.problem = (f"a rank of this distributed model is gone ({error}); "
+        self._fail(str(error))
+        raise LockstepBroken(self.problem) from error
+
+    def _lost(self, why: str) -> None:
+        """Rank 0's doorbell watcher: a rank's connection closed, or it went silent."""
+        if self.active and self.problem is None:  # (not while stopping: ranks then leave)
+            self._fail(why)
+
+    def _fail(self, why: str) -> None:
+        if self.problem is not None:
+            return
+        self.problem = (f"a rank of this distributed model is gone ({why}); "
                         "restart specgate under mlx.launch")  # fmt: skip
         log.error("%s", self.problem)
         with self._turn:
             self._turn.notify_all()
-        raise LockstepBroken(self.problem) from error
+        for callback in self._when_broken:
+            callback(self.problem)
+
+    def when_broken(self, callback: Callable[[str], None]) -> None:
+        """callback(problem), on whichever thread finds the lockstep broken (at
+        once if it is): an engine answers its requests from the event loop,
+        in case its own thread is stuck in a collective to the lost rank."""
+        self._when_broken.append(callback)
+        if self.problem is not None:
+            callback(self.problem)
 
     def check(self, error: Exception) -> Exception:
         """A step failed: if a collective did (a rank is gone), the lockstep
@@ -309,6 +335,11 @@ class Lockstep:
         """Rank 0, once the model's engines stopped: tell every other rank
         to end (its conductor returns)."""
         if not (self.leader and self.active):
+            return
+        if self.problem is not None:  # (and an engine may hold the lock, stuck)
+            self.active = False
+            if self._doorbell is not None:
+                self._doorbell.close()
             return
         with self._order:
             self.active = False
@@ -329,7 +360,7 @@ class Lockstep:
         kind, offer = self._receive()
         if kind != "doorbell":
             self._broke(RuntimeError(f"lockstep lost its order: expected the doorbell, got {kind}"))
-        self._bell = answer_doorbell(offer)
+        self._bell = answer_doorbell(offer, self.rank)
         try:
             self._conduct(alive)
         finally:

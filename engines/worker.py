@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 # How long stop() waits for the worker to finish its current step (one prefill
 # chunk or decoding step, seconds on a big model) before giving up on it.
 STOP_JOIN_S = 30.0
+STOP_POLL_S = 0.25
+# The worker threads stop() gave up on. One stuck in MLX (a collective to a
+# lost rank) holds MLX's locks, which its exit-time cleanup waits for: the
+# process must then end without it (gateway/cli.py).
+ABANDONED: list[threading.Thread] = []
 
 
 def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -82,6 +87,10 @@ class WorkerEngine:
         # Set by stop(); the worker reads it between steps and ends every
         # request it holds with EngineStopped, the current one included.
         self._stopping = False
+        # The queues of the requests being answered (event loop only), by id.
+        self._outs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        if loaded.lockstep is not None:
+            loaded.lockstep.when_broken(self._answer_all)
 
     # -- the model's tokenizer ------------------------------------------------------
 
@@ -133,10 +142,17 @@ class WorkerEngine:
             self._stopping = True
             self._inbox.put(("stop", None))
             thread, self._thread = self._thread, None
-            await asyncio.to_thread(thread.join, STOP_JOIN_S)
-            if thread.is_alive():  # a daemon thread: it cannot keep the process alive
+            lockstep = self.loaded.lockstep
+            waited = 0.0
+            while thread.is_alive() and waited < STOP_JOIN_S:
+                await asyncio.to_thread(thread.join, STOP_POLL_S)
+                waited += STOP_POLL_S
+                if lockstep is not None and lockstep.problem is not None:
+                    break  # a rank is gone: the thread may wait in a collective for good
+            if thread.is_alive():
+                ABANDONED.append(thread)
                 log.error("%s of model %s did not stop within %g s", self.name,
-                          self.model_id, STOP_JOIN_S)  # fmt: skip
+                          self.model_id, waited)  # fmt: skip
 
     def _submitted(self) -> list:
         """The jobs submitted since the worker last looked. Other commands are
@@ -159,6 +175,13 @@ class WorkerEngine:
         (`decode(encode(value))` on the others); just `decide()` otherwise."""
         lockstep = self.loaded.lockstep
         return decide() if lockstep is None else lockstep.share(decide, encode, decode)
+
+    def _answer_all(self, problem: str) -> None:
+        """The model's lockstep broke (any thread): every request being
+        answered gets the reason now, from its event loop, whether or not
+        this engine's thread is stuck in a collective to the lost rank."""
+        for loop, out in self._outs.copy().values():  # (a copy is atomic; iterating is not)
+            loop.call_soon_threadsafe(out.put_nowait, EngineError(problem))
 
     def stopped_error(self) -> EngineStopped:
         return EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped")
@@ -212,6 +235,10 @@ class WorkerEngine:
         final TokenEvent; an exception from the worker becomes EngineError.
         If the consumer stops early (closed stream, client gone), `abandon`
         tells the worker."""
+        lockstep = self.loaded.lockstep
+        if lockstep is not None and lockstep.problem is not None:
+            raise EngineError(lockstep.problem)  # (its thread may be stuck: refused here)
+        self._outs[id(out)] = (asyncio.get_running_loop(), out)
         self._inbox.put(("submit", job))
         self._in_flight += 1
         finished = False
@@ -232,5 +259,6 @@ class WorkerEngine:
                     return
         finally:
             self._in_flight -= 1
+            del self._outs[id(out)]
             if not finished:
                 abandon()

@@ -218,9 +218,29 @@ def _run_server(config: Config, sockets: list[socket.socket], config_path: str |
         host, port = sock.getsockname()[:2]
         logging.getLogger("gateway.cli").info(
             "listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        _end_now_if_a_worker_is_stuck()
     # As uvicorn.run: an app whose startup failed never started serving.
     return 0 if server.started else EXIT_CANNOT_LISTEN
+
+
+def _end_now_if_a_worker_is_stuck() -> None:
+    """A worker thread that did not stop (engines/worker.py's ABANDONED)
+    would hang the interpreter's exit: end the process here, status 1."""
+    import logging
+    import os
+
+    worker = sys.modules.get("engines.worker")  # (not imported: no MLX engine ever ran)
+    stuck = [t.name for t in worker.ABANDONED if t.is_alive()] if worker else []
+    if stuck:
+        logging.getLogger("gateway.cli").error("exiting without %s, which did not stop",
+                                               ", ".join(stuck))  # fmt: skip
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -156,6 +156,9 @@ class DistributedConfig(_Strict):
     mode: Literal["tensor", "pipeline"] = "tensor"  # every layer split, or the layers in order
     backend: Literal["ring", "jaccl", "mpi"] = "ring"  # mx.distributed's; mlx.launch --backend
     hostfile: str | None = None  # mlx.launch --hostfile (what `specgate serve` says to run)
+    # Rank 0 fails the model when another rank's connection closes or it sends
+    # no heartbeat (one a second) for this long: a rank stuck or cut off.
+    rank_timeout_s: float = Field(15.0, gt=0, le=3600)
 
 
 class ModelConfig(_Strict):

@@ -355,17 +355,19 @@ class ModelRegistry:
             context, engines, refused = await asyncio.to_thread(
                 build_model_engines, served.config, self.llama_server, self.prefix_cache
             )
+            lockstep = context.loaded.lockstep if context.loaded is not None else None
             try:
                 for engine in engines.values():
                     await engine.start()
+                if lockstep is not None:  # its other ranks follow from here
+                    await asyncio.to_thread(lockstep.begin)
             except BaseException:
                 for engine in engines.values():
                     await engine.stop()
                 raise
-            served.engines, served.refused = engines, refused
-            if context.loaded is not None and context.loaded.lockstep is not None:
-                served.lockstep = context.loaded.lockstep
-                await asyncio.to_thread(served.lockstep.begin)  # its other ranks follow from here
+            # From here to the policy, nothing awaits: a request may come as
+            # soon as the model has engines.
+            served.engines, served.refused, served.lockstep = engines, refused, lockstep
             served.policy = _policy(served, context)
             served.counts.loads += 1
             served.counts.load_seconds += time.monotonic() - t0

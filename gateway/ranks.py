@@ -31,4 +31,5 @@ def distribution(mc: ModelConfig):
         return None
     from engines.lockstep import Distribution
 
-    return Distribution(mc.distributed.mode, process_group(mc.distributed.backend))
+    d = mc.distributed
+    return Distribution(d.mode, process_group(d.backend), d.rank_timeout_s)

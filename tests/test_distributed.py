@@ -24,8 +24,9 @@ PROMPTS = ["def fibonacci(n):", "The river was"]
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
-def launch(tmp_path, mode: str):
-    return start_gateway({"models": [DEMO | {"distributed": {"mode": mode}}]}, tmp_path, ranks=2)
+def launch(tmp_path, mode: str, **distributed):
+    spread = {"distributed": {"mode": mode, **distributed}}
+    return start_gateway({"models": [DEMO | spread]}, tmp_path, ranks=2)
 
 
 @pytest.fixture(scope="module", params=["tensor", "pipeline"])

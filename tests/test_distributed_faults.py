@@ -57,3 +57,31 @@ def test_stopping_the_ranks_ends_each_cleanly(tmp_path):
         assert gone(gw)
     finally:
         stop_gateway(gw)
+
+
+def test_a_stuck_rank_is_found_by_its_silence(tmp_path):
+    """Rank 1 frozen mid-stream (SIGSTOP: alive, its connections open, so no
+    collective ever fails): rank 0 hears no heartbeat for rank_timeout_s and
+    answers the stream with the reason, though its own engine thread is
+    stuck in a collective; /ready says why."""
+    gw = launch(tmp_path, "tensor", rank_timeout_s=3)
+    follower = ranks_of(gw)[1]
+    try:
+        got = []
+        with pytest.raises(openai.APIError, match="rank 1 sent no heartbeat for 3 s"):
+            stream = client(gw).completions.create(
+                model="demo", prompt="Count:", max_tokens=3000, stream=True,
+                extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": "none"})
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    os.kill(follower, signal.SIGSTOP)
+        assert got and all(c.choices[0].finish_reason is None for c in got)
+        ready = httpx.get(gw.base_url + "/ready", timeout=5)
+        assert ready.status_code == 503 and "no heartbeat" in ready.text
+        with pytest.raises(openai.APIError, match="rank 1 sent no heartbeat"):  # refused at once
+            complete(gw, PROMPTS[0], "mtp", max_tokens=4)
+    finally:
+        os.kill(follower, signal.SIGKILL)
+        stop_gateway(gw)
+    assert gone(gw)

@@ -1,7 +1,7 @@
 """engines/doorbell.py on loopback: rank 0's one-byte wake-ups to the other
-ranks of a distributed model (tests/test_distributed.py runs it under
-mlx.launch). Here the offer goes through a queue, where the lockstep's
-channel would carry it."""
+ranks of a distributed model, and its watch over their heartbeats
+(tests/test_distributed.py and _faults run it under mlx.launch). Here the
+offer goes through a queue, where the lockstep's channel would carry it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import queue
 import socket
 import threading
+import time
 
 import pytest
 
@@ -23,7 +24,7 @@ def offered(followers: int, *, timeout: float = 5.0, answer: bool = True):
         bell=open_doorbell(offers.put, followers, "127.0.0.1", timeout)))  # fmt: skip
     opener.start()
     offer = offers.get(timeout=5)
-    bells = [answer_doorbell(offer, timeout=5) for _ in range(followers)] if answer else []
+    bells = [answer_doorbell(offer, r + 1, timeout=5) for r in range(followers)] if answer else []
     opener.join(timeout=10)
     return done["bell"], bells, offer
 
@@ -31,7 +32,7 @@ def offered(followers: int, *, timeout: float = 5.0, answer: bool = True):
 def test_each_ring_wakes_each_rank_once_and_a_close_says_gone():
     doorbell, bells, _ = offered(2)
     try:
-        assert len(doorbell.connections) == 2 and all(bells)
+        assert sorted(doorbell.connections) == [1, 2] and all(bells)
         doorbell.ring()
         doorbell.ring()
         assert [b.wait() for b in bells for _ in range(2)] == [True] * 4
@@ -65,9 +66,9 @@ def test_a_stranger_without_the_token_is_not_kept():
     opener.start()
     offer = offers.get(timeout=5)
     with socket.create_connection((offer.host, offer.port), timeout=5) as stranger:
-        stranger.sendall(b"x" * len(offer.token))
+        stranger.sendall(b"x" * (len(offer.token) + 4))
         assert stranger.recv(1) == b""  # closed on it
-        bell = answer_doorbell(offer, timeout=5)  # the real rank still gets in
+        bell = answer_doorbell(offer, 1, timeout=5)  # the real rank still gets in
     opener.join(10)
     try:
         assert bell is not None and len(done["bell"].connections) == 1
@@ -80,16 +81,16 @@ def test_a_stranger_without_the_token_is_not_kept():
 
 def test_a_rank_that_never_answers_leaves_rank_0_ringing_the_rest():
     doorbell, bells, offer = offered(1, timeout=0.5, answer=False)
-    assert doorbell.connections == []
+    assert doorbell.connections == {}
     doorbell.ring()  # nobody to ring: no error
-    assert answer_doorbell(offer, timeout=2) is None  # too late: the listener closed
+    assert answer_doorbell(offer, 1, timeout=2) is None  # too late: the listener closed
 
 
 def test_without_an_address_nobody_waits_for_a_ring():
     offers: list = []
     doorbell = open_doorbell(offers.append, 1, None)
-    assert offers == [None] and doorbell.connections == []
-    assert answer_doorbell(None) is None
+    assert offers == [None] and doorbell.connections == {}
+    assert answer_doorbell(None, 1) is None
 
 
 def test_rank_0s_address_comes_from_what_mlx_launch_set(tmp_path, monkeypatch):
@@ -109,7 +110,50 @@ def test_rank_0s_address_comes_from_what_mlx_launch_set(tmp_path, monkeypatch):
 def test_an_offer_to_a_closed_port_is_refused_quietly():
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
-    assert answer_doorbell(Offer("127.0.0.1", port, b"t" * 16), timeout=2) is None
+    assert answer_doorbell(Offer("127.0.0.1", port, b"t" * 16), 1, timeout=2) is None
+
+
+def watched(doorbell, silent_s: float) -> queue.Queue:
+    lost: queue.Queue = queue.Queue()
+    doorbell.watch(silent_s, lost.put)
+    return lost
+
+
+def test_a_rank_that_beats_is_not_lost_and_one_that_leaves_is_at_once():
+    doorbell, bells, _ = offered(2)
+    try:
+        lost = watched(doorbell, silent_s=2.5)
+        time.sleep(4)  # longer than the silence allowed: the heartbeats cover it
+        assert lost.empty()
+        t0 = time.monotonic()
+        bells[1].close()  # rank 2's process ends
+        assert lost.get(timeout=5) == "rank 2's connection to rank 0 closed"
+        assert time.monotonic() - t0 < 2  # not after a timeout
+    finally:
+        doorbell.close()
+        bells[0].close()
+
+
+def test_a_rank_that_stops_beating_is_lost_after_the_timeout():
+    """A rank stuck (or cut off) keeps its connection open and says nothing:
+    here a hand-made connection that presents the token and then goes
+    quiet stands in for it (failure injection)."""
+    offers: queue.Queue = queue.Queue()
+    done: dict = {}
+    opener = threading.Thread(target=lambda: done.update(
+        bell=open_doorbell(offers.put, 1, "127.0.0.1", 5.0)))  # fmt: skip
+    opener.start()
+    offer = offers.get(timeout=5)
+    with socket.create_connection((offer.host, offer.port), timeout=5) as quiet:
+        quiet.sendall(offer.token + (1).to_bytes(4, "little"))
+        assert quiet.recv(1) == b"\x01"
+        opener.join(10)
+        doorbell = done["bell"]
+        try:
+            lost = watched(doorbell, silent_s=1.5)
+            assert lost.get(timeout=10) == "rank 1 sent no heartbeat for 1.5 s"
+        finally:
+            doorbell.close()
 
 
 @pytest.fixture(autouse=True)

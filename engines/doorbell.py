@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SETUP_S = 10.0  # rank 0: how long it waits for the other ranks to connect
 TOKEN_BYTES = 16
+TOKEN_WAIT_S = 2.0  # rank 0: how long one connection has to present the token
 RING = b"\x01"  # rank 0 to another rank: a message follows
 BEAT = b"\x02"  # another rank to rank 0: still here
 BEAT_S = 1.0
@@ -93,6 +94,8 @@ class Doorbell:
     def watch(self, silent_s: float, lost: Callable[[str], None]) -> None:
         """From now on, call lost(why) once when a rank's connection closes
         or it sent nothing for `silent_s`."""
+        if not self.connections:
+            return
         self._watcher = threading.Thread(target=self._watch, args=(silent_s, lost),
                                          name="doorbell-watch", daemon=True)  # fmt: skip
         self._watcher.start()
@@ -109,11 +112,13 @@ class Doorbell:
                     except OSError:
                         heard = b""
                     if not heard:
-                        return lost(f"rank {key.data}'s connection to rank 0 closed")
+                        lost(f"rank {key.data}'s connection to rank 0 closed")
+                        return
                     last[key.data] = time.monotonic()
                 silent = [r for r, t in last.items() if time.monotonic() - t > silent_s]
                 if silent:
-                    return lost(f"rank {silent[0]} sent no heartbeat for {silent_s:g} s")
+                    lost(f"rank {silent[0]} sent no heartbeat for {silent_s:g} s")
+                    return
 
     def close(self) -> None:
         self._closing.set()
@@ -163,7 +168,8 @@ def open_doorbell(send: Callable[[object], None], followers: int, host: str | No
 def _admit(conn: socket.socket, token: bytes, deadline: float) -> int | None:
     """The rank that presented the token (token, then its rank in 4 bytes), or None."""
     try:
-        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        # A rank sends its token at once; a stranger that stalls holds up the others only briefly.
+        conn.settimeout(min(max(deadline - time.monotonic(), 0.01), TOKEN_WAIT_S))
         got = b""
         while len(got) < TOKEN_BYTES + 4:
             chunk = conn.recv(TOKEN_BYTES + 4 - len(got))

@@ -79,6 +79,23 @@ def test_a_stranger_without_the_token_is_not_kept():
         bell.close()
 
 
+def test_a_stranger_who_stalls_holds_the_ranks_up_only_briefly():
+    offers: queue.Queue = queue.Queue()
+    done: dict = {}
+    opener = threading.Thread(target=lambda: done.update(
+        bell=open_doorbell(offers.put, 1, "127.0.0.1", 8.0)))  # fmt: skip
+    opener.start()
+    offer = offers.get(timeout=5)
+    with socket.create_connection((offer.host, offer.port), timeout=10):
+        bell = answer_doorbell(offer, 1, timeout=10)  # queued behind the silent stranger
+        opener.join(10)
+    try:
+        assert bell is not None and list(done["bell"].connections) == [1]
+    finally:
+        done["bell"].close()
+        bell.close()
+
+
 def test_a_rank_that_never_answers_leaves_rank_0_ringing_the_rest():
     doorbell, bells, offer = offered(1, timeout=0.5, answer=False)
     assert doorbell.connections == {}

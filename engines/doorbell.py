@@ -122,7 +122,7 @@ class Doorbell:
 
     def close(self) -> None:
         self._closing.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
+        if self._watcher is not None:
             self._watcher.join()
         for c in self.connections.values():
             c.close()

@@ -336,19 +336,16 @@ class Lockstep:
         to end (its conductor returns)."""
         if not (self.leader and self.active):
             return
-        if self.problem is not None:  # (and an engine may hold the lock, stuck)
-            self.active = False
-            if self._doorbell is not None:
-                self._doorbell.close()
-            return
-        with self._order:
-            self.active = False
-            try:
-                self._send(STOP, ring=True)
-            except (RuntimeError, LockstepBroken):
-                pass
-            if self._doorbell is not None:
-                self._doorbell.close()
+        if self.problem is None:  # (else nobody listens, and an engine may hold the lock, stuck)
+            with self._order:
+                self.active = False
+                try:
+                    self._send(STOP, ring=True)
+                except (RuntimeError, LockstepBroken):
+                    pass
+        self.active = False
+        if self._doorbell is not None:
+            self._doorbell.close()
 
     # -- other ranks -----------------------------------------------------------------
 

@@ -17,20 +17,26 @@ from conftest import stop_gateway
 from test_distributed import PROMPTS, client, complete, gone, launch, ranks_of
 
 
+def signal_mid_stream(gw, method: str, pid: int, signum: int, error: str) -> None:
+    """Stream a long completion, send `signum` to `pid` after 3 chunks: the
+    stream must end in an APIError matching `error`, no chunk claiming to finish."""
+    got = []
+    with pytest.raises(openai.APIError, match=error):
+        stream = client(gw).completions.create(
+            model="demo", prompt="Count:", max_tokens=3000, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": method})
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 3:
+                os.kill(pid, signum)
+    assert got and all(c.choices[0].finish_reason is None for c in got)
+
+
 def test_killing_rank_1_fails_the_request_cleanly(tmp_path):
     gw = launch(tmp_path, "tensor")
     try:
-        follower = ranks_of(gw)[1]
-        got = []
-        with pytest.raises(openai.APIError, match="rank of this distributed model is gone"):
-            stream = client(gw).completions.create(
-                model="demo", prompt="Count:", max_tokens=3000, stream=True,
-                extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": "mtp"})
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 3:
-                    os.kill(follower, signal.SIGKILL)
-        assert got and all(c.choices[0].finish_reason is None for c in got)
+        signal_mid_stream(gw, "mtp", ranks_of(gw)[1], signal.SIGKILL,
+                          "rank of this distributed model is gone")  # fmt: skip
         try:  # rank 0 says why until mlx.launch stops it (it stops every rank once one died)
             ready = httpx.get(gw.base_url + "/ready", timeout=5)
             assert ready.status_code == 503
@@ -67,16 +73,7 @@ def test_a_stuck_rank_is_found_by_its_silence(tmp_path):
     gw = launch(tmp_path, "tensor", rank_timeout_s=3)
     follower = ranks_of(gw)[1]
     try:
-        got = []
-        with pytest.raises(openai.APIError, match="rank 1 sent no heartbeat for 3 s"):
-            stream = client(gw).completions.create(
-                model="demo", prompt="Count:", max_tokens=3000, stream=True,
-                extra_body={"ignore_eos": True}, extra_headers={"X-Specgate-Method": "none"})
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 3:
-                    os.kill(follower, signal.SIGSTOP)
-        assert got and all(c.choices[0].finish_reason is None for c in got)
+        signal_mid_stream(gw, "none", follower, signal.SIGSTOP, "rank 1 sent no heartbeat for 3 s")
         ready = httpx.get(gw.base_url + "/ready", timeout=5)
         assert ready.status_code == 503 and "no heartbeat" in ready.text
         with pytest.raises(openai.APIError, match="rank 1 sent no heartbeat"):  # refused at once

@@ -16,17 +16,27 @@ import pytest
 from engines.doorbell import Offer, answer_doorbell, leader_host, open_doorbell
 
 
-def offered(followers: int, *, timeout: float = 5.0, answer: bool = True):
-    """Rank 0's doorbell opened in a thread; each follower answers the offer."""
+def opening(followers: int, timeout: float = 5.0):
+    """Rank 0 opening its doorbell in a thread: its offer, and a function
+    that waits for the opening to end and returns the Doorbell."""
     offers: queue.Queue = queue.Queue()
     done: dict = {}
     opener = threading.Thread(target=lambda: done.update(
         bell=open_doorbell(offers.put, followers, "127.0.0.1", timeout)))  # fmt: skip
     opener.start()
-    offer = offers.get(timeout=5)
+
+    def opened():
+        opener.join(10)
+        return done["bell"]
+
+    return offers.get(timeout=5), opened
+
+
+def offered(followers: int, *, timeout: float = 5.0, answer: bool = True):
+    """Rank 0's doorbell opened in a thread; each follower answers the offer."""
+    offer, opened = opening(followers, timeout)
     bells = [answer_doorbell(offer, r + 1, timeout=5) for r in range(followers)] if answer else []
-    opener.join(timeout=10)
-    return done["bell"], bells, offer
+    return opened(), bells, offer
 
 
 def test_each_ring_wakes_each_rank_once_and_a_close_says_gone():
@@ -59,40 +69,30 @@ def test_a_wait_blocks_until_the_ring():
 
 
 def test_a_stranger_without_the_token_is_not_kept():
-    offers: queue.Queue = queue.Queue()
-    done: dict = {}
-    opener = threading.Thread(target=lambda: done.update(
-        bell=open_doorbell(offers.put, 1, "127.0.0.1", 5.0)))  # fmt: skip
-    opener.start()
-    offer = offers.get(timeout=5)
+    offer, opened = opening(1)
     with socket.create_connection((offer.host, offer.port), timeout=5) as stranger:
         stranger.sendall(b"x" * (len(offer.token) + 4))
         assert stranger.recv(1) == b""  # closed on it
         bell = answer_doorbell(offer, 1, timeout=5)  # the real rank still gets in
-    opener.join(10)
+    doorbell = opened()
     try:
-        assert bell is not None and len(done["bell"].connections) == 1
-        done["bell"].ring()
+        assert bell is not None and len(doorbell.connections) == 1
+        doorbell.ring()
         assert bell.wait()
     finally:
-        done["bell"].close()
+        doorbell.close()
         bell.close()
 
 
 def test_a_stranger_who_stalls_holds_the_ranks_up_only_briefly():
-    offers: queue.Queue = queue.Queue()
-    done: dict = {}
-    opener = threading.Thread(target=lambda: done.update(
-        bell=open_doorbell(offers.put, 1, "127.0.0.1", 8.0)))  # fmt: skip
-    opener.start()
-    offer = offers.get(timeout=5)
+    offer, opened = opening(1, timeout=8.0)
     with socket.create_connection((offer.host, offer.port), timeout=10):
         bell = answer_doorbell(offer, 1, timeout=10)  # queued behind the silent stranger
-        opener.join(10)
+        doorbell = opened()
     try:
-        assert bell is not None and list(done["bell"].connections) == [1]
+        assert bell is not None and list(doorbell.connections) == [1]
     finally:
-        done["bell"].close()
+        doorbell.close()
         bell.close()
 
 
@@ -155,17 +155,11 @@ def test_a_rank_that_stops_beating_is_lost_after_the_timeout():
     """A rank stuck (or cut off) keeps its connection open and says nothing:
     here a hand-made connection that presents the token and then goes
     quiet stands in for it (failure injection)."""
-    offers: queue.Queue = queue.Queue()
-    done: dict = {}
-    opener = threading.Thread(target=lambda: done.update(
-        bell=open_doorbell(offers.put, 1, "127.0.0.1", 5.0)))  # fmt: skip
-    opener.start()
-    offer = offers.get(timeout=5)
+    offer, opened = opening(1)
     with socket.create_connection((offer.host, offer.port), timeout=5) as quiet:
         quiet.sendall(offer.token + (1).to_bytes(4, "little"))
         assert quiet.recv(1) == b"\x01"
-        opener.join(10)
-        doorbell = done["bell"]
+        doorbell = opened()
         try:
             lost = watched(doorbell, silent_s=1.5)
             assert lost.get(timeout=10) == "rank 1 sent no heartbeat for 1.5 s"

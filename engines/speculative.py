@@ -71,12 +71,26 @@ def accept_sampled(
     idx = mx.array(list(draft), dtype=mx.int32)
     p_d = target_probs[mx.arange(k), idx].tolist() if k else []
     q_d = draft_probs[mx.arange(k), idx].tolist() if k else []
-    for j in range(k):
-        # u < p/q, written without dividing (q_d > 0: d_j was drawn from q_j).
+    j = accepted_drafts(u, p_d, q_d)
+    return Verdict(j, _draw(next_token_distribution(j, draft_probs, target_probs), keys[1]))
+
+
+def accepted_drafts(u: Sequence[float], p_d: Sequence[float], q_d: Sequence[float]) -> int:
+    """How many drafts stand: d_j is accepted while u_j < p_j(d_j) / q_j(d_j),
+    u_j uniform on [0, 1); written without dividing (q_j(d_j) > 0: d_j was
+    drawn from q_j)."""
+    for j in range(len(u)):
         if u[j] * q_d[j] >= p_d[j]:
-            dist = residual(target_probs[j], draft_probs[j])
-            return Verdict(j, _draw(dist, keys[1]))
-    return Verdict(k, _draw(target_probs[k], keys[1]))
+            return j
+    return len(u)
+
+
+def next_token_distribution(accepted: int, draft_probs: mx.array, target_probs: mx.array) -> mx.array:
+    """What the round's last token is drawn from: the residual at the first
+    rejection, p_{k+1} when all k drafts stood."""
+    if accepted < draft_probs.shape[0]:
+        return residual(target_probs[accepted], draft_probs[accepted])
+    return target_probs[accepted]
 
 
 def point_masses(drafts: mx.array, vocab: int) -> mx.array:

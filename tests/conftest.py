@@ -13,14 +13,18 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import llama_build
 import pytest
 import yaml
 
 from engines.builders.tiny import build_qwen35_hybrid
+from engines.home import llama_cpp_dir, peers_dir, specgate_home
+from engines.llamacpp.binary import installed_llama_server_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,25 +141,86 @@ def gateway(tiny_model, tmp_path_factory):
     assert gw.process.returncode is not None
 
 
-# Building llama-server takes minutes (about 5 on 2 cores); the build runs in
-# the setup of whichever test first asks for it, under that test's time limit.
+# -- a run: parallel workers, each in a SPECGATE_HOME of its own -----------------------
+
+
+def pytest_configure(config):
+    # The process that starts the run names it; its xdist workers inherit the
+    # name (llama_build.py: a build is stopped only by the run that started it).
+    if not hasattr(config, "workerinput"):
+        os.environ.setdefault(llama_build.RUN, uuid.uuid4().hex[:12])
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller, or the only process: the run ends
+        llama_build.stop(RUN_HOME)
+
+
+# The run's SPECGATE_HOME (.ci/run gives an empty one), read before any test
+# changes it: what is slow to build is built there once per run.
+RUN_HOME = specgate_home()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_home(tmp_path_factory):
+    """Each process that runs tests (an xdist worker, or the only one) works in
+    a SPECGATE_HOME of its own, so no two write the same keys, logs, kernel
+    verdicts or prefix-cache files; llama-server's build and the peers' venvs
+    are shared through links to the run's home."""
+    own = tmp_path_factory.mktemp("specgate-home")
+    for shared in (llama_cpp_dir(RUN_HOME), peers_dir(RUN_HOME)):
+        shared.mkdir(parents=True, exist_ok=True)
+        (own / shared.name).symlink_to(shared)
+    before = os.environ.get("SPECGATE_HOME")
+    os.environ["SPECGATE_HOME"] = str(own)
+    yield own
+    if before is None:
+        os.environ.pop("SPECGATE_HOME", None)
+    else:
+        os.environ["SPECGATE_HOME"] = before
+
+
+# -- llama-server: built in the background while the rest runs ------------------------
+
+# Building llama-server takes minutes (about 5 on 2 cores alone, more beside
+# the tests). A test that needs it waits for the build before its own time
+# limit starts; the fixture gets this one in case it must build it itself.
 LLAMA_SERVER_BUILD_TIMEOUT = 1800
 
 
+def _needs_llama_server(item) -> bool:
+    return "llama_server_binary" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
-    """The first test (in run order) that needs llama-server gets the
-    build's time limit, whatever file it is in and whatever its own limit."""
+    """Modules with a test that needs llama-server go last (whole modules, so
+    their module fixtures stay together), and the build starts now."""
+    later = {item.path for item in items if _needs_llama_server(item)}
+    if not later:
+        return
+    items[:] = sorted(items, key=lambda item: item.path in later)  # stable: order kept otherwise
     for item in items:
-        if "llama_server_binary" in getattr(item, "fixturenames", ()):
+        if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)
             break
+    if not installed_llama_server_path(RUN_HOME).is_file():
+        llama_build.start(RUN_HOME)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside pytest-timeout's limit (tryfirst: this wrapper is the outer one)."""
+    if _needs_llama_server(item):
+        llama_build.wait(RUN_HOME, LLAMA_SERVER_BUILD_TIMEOUT)
+    yield
 
 
 @pytest.fixture(scope="session")
 def llama_server_binary() -> Path:
     """specgate's own llama-server, as `specgate install-llama-server` builds
-    it under SPECGATE_HOME (minutes, the first time there): .ci/run gives each
-    run an empty one, so this is the install path itself, tested."""
+    it under the run's SPECGATE_HOME (llama_build.py built it in the
+    background, or this builds it): .ci/run gives each run an empty one, so
+    this is the install path itself, tested."""
     from engines.llamacpp.install import install_llama_server
 
     return install_llama_server()

@@ -25,11 +25,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from peers.mlx_dspark_env import mlx_dspark_python
-from test_dflash_exactness import Target
+from tiny_targets import TinyTarget
 
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dflash_drafter
 from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
+from engines.mlx_block.dflash import check_pairing, load_dflash
 from engines.proposers.dflash import DFlashProposer
 from engines.spec_decoder import SpecDecoder
 
@@ -78,7 +79,7 @@ def peer_dflash(target: Path, drafter: Path, tmp: Path) -> dict:
 
 
 def ours(target: Path, drafter: Path) -> tuple[list[list[int]], list[list[int]]]:
-    t = Target(target, drafter)
+    t = TinyTarget(target, drafter=drafter, loader=load_dflash, pairing=check_pairing)
     outputs, accepted = [], []
     for prompt in PROMPTS:
         request = GenerationRequest("x", "m", prompt, SamplingParams(temperature=0), N,

@@ -32,10 +32,10 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 import pytest
+from exactness import Injected
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
-from test_dflash_exactness import InjectedDrafts
 from test_mtp_distribution import PARAMS, PROMPT, tv
 from test_ngram_exactness import InjectedNgram
 
@@ -163,7 +163,8 @@ def test_greedy_under_a_grammar_equals_plain(hybrid, method):
         elif method == "mtp_ngram":
             proposer = MTPNgramProposer(h.trunk, h.head, mtp_depth=3)
         elif method == "dflash_injected":  # failure injection: drafts the test chose
-            proposer = InjectedDrafts(h.trunk, h.drafter, reference=h.reference(prompt)[0], rng=rng)
+            proposer = Injected(DFlashProposer(h.trunk, h.drafter), h.reference(prompt)[0], rng,
+                                h.trunk.vocab_size)  # fmt: skip
         else:  # failure injection: the index is handed a corrupted copy of the answer
             want = h.reference(prompt)[0]
             corrupt = [t if rng.random() > 0.15 else rng.randrange(1000) for t in want]

@@ -34,3 +34,31 @@ def test_the_cli_installs_into_specgate_home(llama_server_binary: Path):
                           env=env, timeout=1800)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(llama_server_binary)
+
+
+def test_a_second_install_waits_for_the_first(llama_server_binary: Path):
+    """Two installs into one SPECGATE_HOME (two shells, two test workers): the
+    second waits for the first's lock, then finds its binary."""
+    import fcntl
+    import threading
+    import time
+
+    from engines.home import llama_cpp_dir
+
+    said, result = [], []
+    with open(llama_cpp_dir() / ".install.lock", "a+") as first:
+        fcntl.flock(first, fcntl.LOCK_EX)  # the first install, still building
+        first.truncate(0)
+        first.write("pid 1 (the test)")
+        first.flush()
+        second = threading.Thread(
+            target=lambda: result.append(install.install_llama_server(progress=said.append)))
+        second.start()
+        deadline = time.monotonic() + 60
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said == ["another install is under way (pid 1 (the test)); waiting for it"]
+        assert second.is_alive() and not result
+    second.join(timeout=120)
+    assert result == [llama_server_binary]
+    assert said[-1].startswith("llama-server is already installed")

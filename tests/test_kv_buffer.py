@@ -23,20 +23,21 @@ import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy
 from mlx_lm.models.cache import KVCache
-from test_dflash_exactness import Target as DFlashTarget
 from test_ngram_exactness import (
     BUILDERS,
+    N_TOKENS,
     InjectedNgram,
-    Target,
     corrupted,
     decode,
     prompts,
 )
+from tiny_targets import TinyTarget
 
 from engines import kv_buffer
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.drafters import build_dflash_drafter
 from engines.builders.tiny import build_qwen3_dense
+from engines.mlx_block.dflash import check_pairing, load_dflash
 from engines.proposers.dflash import DFlashProposer
 from engines.proposers.ngram import NgramProposer
 from engines.spec_decoder import SpecDecoder
@@ -45,7 +46,7 @@ from engines.spec_decoder import SpecDecoder
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def target(request, tmp_path_factory):
     path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param), tokenizer=False)
-    return Target(path, mtp=request.param == "qwen35_hybrid")
+    return TinyTarget(path, head=request.param == "qwen35_hybrid")
 
 
 def rounds(vocab: int, seed: int = 0):
@@ -118,7 +119,7 @@ def whole_buffer(target):
 def test_ngram_through_whole_buffers_equals_plain_greedy(whole_buffer, depth):
     target = whole_buffer
     for i, prompt in enumerate(prompts(target.vocab, 6)):
-        want, margins = target.reference(prompt)
+        want, margins = target.reference(prompt, N_TOKENS)
         earlier = prompt + corrupted(want, random.Random(i), target.vocab, 2 * depth + 2)
         for proposer in (NgramProposer(), InjectedNgram(earlier)):
             got, rounds_, _ = decode(target, prompt, depth, proposer)
@@ -156,7 +157,7 @@ def dflash_target(tmp_path_factory):
     t = build_qwen3_dense(root / "target", tokenizer=False)
     d = build_dflash_drafter(root / "dflash", target=t, block_size=4, num_hidden_layers=2,
                              tokenizer=False)  # fmt: skip
-    return DFlashTarget(t, d)
+    return TinyTarget(t, drafter=d, loader=load_dflash, pairing=check_pairing)
 
 
 @pytest.mark.parametrize("mask", ["visible", "none"])

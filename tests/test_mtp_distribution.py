@@ -24,10 +24,10 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+from exactness import wrong_rule
 from mlx_lm.utils import load_model
 
 from engines import spec_decoder as decoder_module  # where the acceptance rules are called
-from engines import speculative
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.tiny import build_qwen35_hybrid
 from engines.loading import LoadedModel
@@ -105,20 +105,11 @@ def tv(counts: Counter, exact: dict, n: int) -> float:
     return 0.5 * sum(abs(counts[k] / n - exact.get(k, 0.0)) for k in keys)
 
 
-def wrong_rule(draft, draft_probs, target_probs, key=None):
-    """Leviathan acceptance, but the residual with p and q swapped:
-    normalize(max(q - p, 0)), a slip that draws corrections from the draft."""
-    verdict = speculative.accept_sampled(draft, draft_probs, target_probs, key)
-    j = verdict.accepted
-    if j < len(draft):
-        dist = speculative.residual(draft_probs[j], target_probs[j])
-        token = int(mx.random.categorical(mx.log(dist), key=mx.random.split(key)[1]).item())
-        return speculative.Verdict(j, token)
-    return verdict
-
-
 # 20,000 samples of a round each take ~4-5 min on CI's 2 cores (the graphs are
 # tiny: MLX's per-op overhead, not arithmetic); fewer would widen the bound.
+# The proof tier: tests/test_exactness_sampled.py checks every engine, MTP
+# included, in the fast tier with a smaller sample.
+@pytest.mark.proof
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("rule,n", [("leviathan", N), ("wrong", N // 4)])
 def test_engine_samples_the_target_distribution(target, rule, n, monkeypatch, capsys):

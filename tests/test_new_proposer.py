@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import exactness
 import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy, greedy_reference
@@ -110,3 +111,21 @@ def test_a_module_and_a_record_make_a_method_that_decodes_exactly(tiny):
         assert_same_greedy(got, want, margins)
     assert drafted > 0  # the lookup really proposed, and was verified
     print(f"[lookup: {accepted} of {drafted} drafts accepted]", end=" ")
+
+
+def test_the_exactness_harness_proves_it_once_registered(tmp_path):
+    """Registered, the method is one of tests/exactness.py's subjects, on the
+    targets its record's needs pick, and passes the same proofs as every
+    shipped method (a smaller sample at temperature here)."""
+    with registry.registered(RECORD):
+        ours = [family for engine, family in exactness.subjects() if engine == "mlx_lookup"]
+        assert ours == list(exactness.NEEDS["nothing"].greedy)
+        subject = exactness.subject(tmp_path, "mlx_lookup", ours[-1])
+        for depth in subject.depths:
+            sweep = exactness.greedy_sweep(subject, depth)
+            assert set(range(depth + 1)) <= set(sweep.lengths)
+        sampled = exactness.subject(tmp_path, "mlx_lookup", "v12_hybrid", sampled=True)
+        got = exactness.sample_rounds(sampled, 400)
+        assert got.drafted > 0 and got.accepted > 0 and got.support_ok
+        assert got.distance < got.bound
+    assert "mlx_lookup" not in dict(exactness.subjects())

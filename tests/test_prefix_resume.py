@@ -21,14 +21,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_dflash_exactness import Target as BlockTarget
-from test_mtp_exactness import Target as MTPTarget
+from tiny_targets import TinyTarget
 
 from engines.base import GenerationRequest, Plan, SamplingParams
 from engines.builders.builtin_models import default_model_path, demo_dflash_path
 from engines.builders.drafters import build_dflash_drafter, build_dspark_drafter
 from engines.builders.tiny import build_qwen35_hybrid
-from engines.mlx_block.dflash import load_dflash
+from engines.mlx_block.dflash import check_pairing, load_dflash
 from engines.mlx_block.dspark import load_dspark
 from engines.prefix_cache import CacheBudget, Hit, PrefixCache, snapshot
 from engines.proposers.dflash import DFlashProposer
@@ -98,7 +97,7 @@ def tiny(tmp_path_factory):
                                   num_hidden_layers=2, tokenizer=False)  # fmt: skip
     dspark = build_dspark_drafter(root / "dspark", target=target, block_size=5,
                                   num_hidden_layers=2, tokenizer=False)  # fmt: skip
-    mtp = MTPTarget(target)
+    mtp = TinyTarget(target, head=True)
     return {
         "mtp": (mtp.trunk, lambda: MTPProposer(mtp.trunk, mtp.head), mtp.vocab),
         "dflash": block(target, dflash, load_dflash, DFlashProposer),
@@ -107,13 +106,13 @@ def tiny(tmp_path_factory):
 
 
 def block(target, drafter, loader, cls):
-    t = BlockTarget(target, drafter, loader=loader)
+    t = TinyTarget(target, drafter=drafter, loader=loader, pairing=check_pairing)
     return t.trunk, lambda: cls(t.trunk, t.drafter), t.vocab
 
 
 @pytest.fixture(scope="module")
 def demo():
-    mtp = MTPTarget(default_model_path())
+    mtp = TinyTarget(default_model_path(), head=True)
     drafter = load_dflash(demo_dflash_path())
     return {
         "mtp": (mtp.trunk, lambda: MTPProposer(mtp.trunk, mtp.head), mtp.vocab),

@@ -30,10 +30,23 @@ McDiarmid gives P(TV >= E[TV] + t) <= exp(-2 n t^2). With the threshold
 with probability <= exp(-2 m) for a random seed; the seeds here are fixed, so
 the test is deterministic. Outcomes outside the target's support count in
 the empirical TV, so a rule that commits an impossible token is caught too.
+
+Exact law. The same model's law of the first L committed tokens is also
+computed exactly, with no sampling, from the rule's own two parts: which
+uniforms accept a draft (`accepted_drafts`, its acceptance measure found
+by bisection on u, so a threshold off by 0.05 shows) and what the last
+token is drawn from (`next_token_distribution`), over every draft tuple,
+every first rejection and every later round. It must equal P[0] x ... x
+P[L-1] to float precision. That is the fast tier's proof of the rule; the
+20,000-stream TV tests (the proof tier, `pytest -m proof`) prove the same
+of `accept_sampled` whole, its random draws included, and the fast tier
+keeps one smaller sample of it for the glue between the parts.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +57,15 @@ import pytest
 
 from engines.base import SamplingParams
 from engines.sampling import probabilities
-from engines.speculative import Verdict, accept_greedy, accept_sampled, point_masses, residual
+from engines.speculative import (
+    Verdict,
+    accept_greedy,
+    accept_sampled,
+    accepted_drafts,
+    next_token_distribution,
+    point_masses,
+    residual,
+)
 
 V = 6  # tiny vocabulary for the statistical tests
 
@@ -244,8 +265,7 @@ def _distributions(case):
     return _case(case["seed"], rows, case["p"], case["q"])
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_accept_sampled_commits_the_target_distribution(name):
+def _checked_case(name: str) -> tuple[np.ndarray, np.ndarray]:
     case = CASES[name]
     P, Q = _distributions(case)
     Q = Q[: case["length"] + case["k"] - 1]
@@ -257,17 +277,12 @@ def test_accept_sampled_commits_the_target_distribution(name):
         assert ((P[: len(Q)] > 0) & (Q == 0)).any(), "target should have tokens q never drafts"
     else:
         assert q_beyond_p.any(axis=1).all()
-    checks = _run(_rule_under_test, P, Q, case["k"], case["length"], case["n"], case["seed"])
-    for check_name, tv, bound in checks:
-        assert tv < bound, f"{name} {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
+    return P, Q
 
 
-def test_point_mass_drafts_commit_the_target_distribution():
-    """Drafts that come without a distribution (a drafter's argmax, text copied
-    from the context) are point masses, q = one-hot(d): accepted with
-    probability p(d), resampled from p without d. Here the drafts are the
-    argmax of a noisy copy of the target, and at one position a token the
-    target forbids."""
+def _point_mass_case() -> tuple[np.ndarray, np.ndarray]:
+    """Drafts that come alone: the argmax of a noisy copy of the target, and
+    at one position a token the target forbids."""
     case = CASES["k2_topk_topp"]
     P, soft = _distributions(case)
     rows = case["length"] + case["k"] - 1
@@ -276,6 +291,139 @@ def test_point_mass_drafts_commit_the_target_distribution():
     assert P[1, chosen[1]] == 0
     Q = np.array(point_masses(mx.array(chosen), V))
     assert (Q.sum(axis=-1) == 1).all() and (Q.argmax(axis=-1) == chosen).all()
+    return P, Q
+
+
+# -------------------------------------------- sampled: the exact law, no sampling
+
+
+def _acceptance_measure(accepted, j: int, p_d, q_d) -> float:
+    """The measure of the uniforms u_j that accept draft j (the drafts before
+    it accepted: u_i = 0 there), found by bisection on the rule itself. The
+    accepted set is an interval [0, a): checked on a grid as well."""
+    k = len(p_d)
+
+    def accepts(u: float) -> bool:
+        return accepted([0.0] * j + [u] + [0.0] * (k - j - 1), p_d, q_d) > j
+
+    top = math.nextafter(1.0, 0.0)
+    if accepts(top):
+        lo = 1.0
+    elif not accepts(0.0):
+        lo = 0.0
+    else:
+        lo, hi = 0.0, top
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if accepts(mid) else (lo, mid)
+    for u in np.linspace(0, top, 17):
+        assert accepts(u) == (u < lo) or abs(u - lo) < 1e-9, "the accepted uniforms are not [0, a)"
+    return lo
+
+
+def exact_law(P, Q, k: int, length: int, accepted=accepted_drafts,
+              next_dist=next_token_distribution) -> np.ndarray:  # fmt: skip
+    """The law (V,) * length of the first `length` tokens of a stream decoded
+    round by round at depth k under the model above (drafts d_j ~ Q[s + j],
+    verified against P[s + j]), computed from the rule's parts."""
+    P32, Q32 = P.astype(np.float32), Q.astype(np.float32)
+
+    @functools.cache
+    def from_position(s: int, remaining: int) -> np.ndarray:
+        if remaining == 0:
+            return np.ones(())
+        out = np.zeros((V,) * remaining)
+        q_rows, p_rows = mx.array(Q32[s : s + k]), mx.array(P32[s : s + k + 1])
+        for d in itertools.product(range(V), repeat=k):
+            weight = math.prod(float(Q32[s + j, t]) for j, t in enumerate(d))
+            if weight == 0:
+                continue
+            p_d = [float(P32[s + j, t]) for j, t in enumerate(d)]
+            q_d = [float(Q32[s + j, t]) for j, t in enumerate(d)]
+            a = [_acceptance_measure(accepted, j, p_d, q_d) for j in range(k)]
+            reach = 1.0
+            for j in range(k + 1):  # exactly j drafts accepted
+                chance = reach * (1 - a[j] if j < k else 1.0)
+                if j < k:
+                    reach *= a[j]
+                if chance == 0:
+                    continue
+                last = np.array(next_dist(j, q_rows, p_rows), dtype=np.float64)
+                parts = [np.eye(V)[t] for t in d[:j]] + [last]
+                tokens = functools.reduce(np.multiply.outer, parts[:remaining])
+                if j + 1 < remaining:
+                    tokens = np.multiply.outer(tokens, from_position(s + j + 1, remaining - j - 1))
+                out += weight * chance * tokens
+        return out
+
+    return from_position(0, length)
+
+
+def _target_law(P: np.ndarray, length: int) -> np.ndarray:
+    rows = P[:length].astype(np.float64)
+    return functools.reduce(np.multiply.outer, rows / rows.sum(axis=-1, keepdims=True))
+
+
+def _tv(a: np.ndarray, b: np.ndarray) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+@pytest.mark.parametrize("name", [*CASES, "point_masses"])
+def test_the_rule_commits_exactly_the_target_law(name):
+    """Exactly, not in a sample: every draft tuple, every first rejection,
+    every later round, from the rule's own parts."""
+    P, Q = _point_mass_case() if name == "point_masses" else _checked_case(name)
+    case = CASES["k2_topk_topp" if name == "point_masses" else name]
+    law = exact_law(P, Q, case["k"], case["length"])
+    assert abs(law.sum() - 1) < 1e-5
+    assert _tv(law, _target_law(P, case["length"])) < 1e-5
+
+
+def _lenient_threshold(u, p_d, q_d):
+    """A slip: accept while u < p/q + 0.05."""
+    for j in range(len(u)):
+        if u[j] >= p_d[j] / q_d[j] + 0.05:
+            return j
+    return len(u)
+
+
+def _redraw_from_p(accepted, draft_probs, target_probs):
+    """A slip: after a rejection, draw from p itself rather than the residual."""
+    return target_probs[accepted]
+
+
+@pytest.mark.parametrize("slip", ["lenient_threshold", "redraw_from_p"])
+def test_the_exact_law_shows_a_slightly_wrong_rule(slip):
+    """Negative controls: each slip moves the law by far more than float error."""
+    P, Q = _checked_case("k2_topk_topp")
+    parts = {"accepted": _lenient_threshold} if slip == "lenient_threshold" else {
+        "next_dist": _redraw_from_p}  # fmt: skip
+    law = exact_law(P, Q, 2, 3, **parts)
+    assert _tv(law, _target_law(P, 3)) > 1e-3
+
+
+# ------------------------------------- sampled: accept_sampled whole, in a sample
+
+
+@pytest.mark.parametrize("name,n", [
+    ("k2_topk_topp", 4000),  # the fast tier: the glue between the parts (the exact law above)
+    *[pytest.param(name, CASES[name]["n"], marks=pytest.mark.proof) for name in CASES],
+])  # fmt: skip
+def test_accept_sampled_commits_the_target_distribution(name, n):
+    case = CASES[name]
+    P, Q = _checked_case(name)
+    checks = _run(_rule_under_test, P, Q, case["k"], case["length"], n, case["seed"])
+    for check_name, tv, bound in checks:
+        assert tv < bound, f"{name} {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+@pytest.mark.proof
+def test_point_mass_drafts_commit_the_target_distribution():
+    """Drafts that come without a distribution (a drafter's argmax, text copied
+    from the context) are point masses, q = one-hot(d): accepted with
+    probability p(d), resampled from p without d."""
+    case = CASES["k2_topk_topp"]
+    P, Q = _point_mass_case()
     checks = _run(_rule_under_test, P, Q, case["k"], case["length"], case["n"], case["seed"])
     for check_name, tv, bound in checks:
         assert tv < bound, f"point masses {check_name}: TV {tv:.4f} >= bound {bound:.4f}"
@@ -304,6 +452,7 @@ def _resample_from_p_rule(draft, draft_probs, target_probs, key):
     return Verdict(k, int(mx.random.categorical(mx.log(target_probs[k]), key=k_draw).item()))
 
 
+@pytest.mark.proof
 def test_biased_rule_fails_the_same_test():
     case = CASES["k1_topk_topp"]
     P, Q = _distributions(case)

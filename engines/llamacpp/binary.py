@@ -22,9 +22,9 @@ class LlamaServerMissing(FileNotFoundError):
     """No usable llama-server was found; the message says what to run."""
 
 
-def installed_llama_server_path() -> Path:
+def installed_llama_server_path(home: Path | None = None) -> Path:
     """Where `specgate install-llama-server` puts the binary it builds."""
-    return llama_cpp_dir() / LLAMA_CPP_TAG / "bin" / "llama-server"
+    return llama_cpp_dir(home) / LLAMA_CPP_TAG / "bin" / "llama-server"
 
 
 def _is_executable_file(path: Path) -> bool:

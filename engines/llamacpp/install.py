@@ -7,6 +7,8 @@ and pin), once per machine, into SPECGATE_HOME.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -219,10 +221,36 @@ def _installed_ok(binary: Path) -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def _one_install_at_a_time(root: Path, progress: Progress):
+    """Hold SPECGATE_HOME's install lock: a second install (another shell, a
+    test worker) waits for the first, then finds its binary, instead of
+    building into the same tree at the same time."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".install.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            progress(f"another install is under way ({holder}); waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        yield  # the lock ends with the file (or the process)
+
+
 def install_llama_server(
     *, force: bool = False, jobs: int | None = None, progress: Progress = print
 ) -> Path:
     """Build llama-server (llama.cpp LLAMA_CPP_TAG) and install it under SPECGATE_HOME; return its path."""
+    with _one_install_at_a_time(llama_cpp_dir(), progress):
+        return _install(force=force, jobs=jobs, progress=progress)
+
+
+def _install(*, force: bool, jobs: int | None, progress: Progress) -> Path:
     target = installed_llama_server_path()
     if not force and target.is_file():
         version = _installed_ok(target)

@@ -17,7 +17,8 @@ target's exact constrained joint p(x) p(y | x), computed from plain forwards
 with the masks written out by hand. A stale mask (every verify position
 masked as the first, a slip that forgets the drafts before it) must fail the
 same check: it is valid at every position here, [degjk] inside [a-k], so only
-the distribution shows it.
+the distribution shows it. The fast tier draws N_FAST samples, the proof
+tier (`pytest -m proof`) N.
 """
 
 from __future__ import annotations
@@ -278,7 +279,8 @@ def stale_masks(self, drafts):
     return np.repeat(rows[:1], len(rows), axis=0)
 
 
-N = 3000
+N_FAST = 600  # the fast tier: the stale mask is far off at this size (TV 0.43, bound 0.29)
+N = 3000  # the proof tier
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +297,11 @@ def v12_target(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("rule,drafts,n", [("masked", "mtp", N), ("masked", "alone", N),
-                                           ("stale_mask", "mtp", N // 3)])
+@pytest.mark.parametrize("rule,drafts,n", [
+    ("masked", "mtp", N_FAST), ("masked", "alone", N_FAST), ("stale_mask", "mtp", N_FAST // 2),
+    *[pytest.param(*case, marks=pytest.mark.proof) for case in [
+        ("masked", "mtp", N), ("masked", "alone", N), ("stale_mask", "mtp", N // 3)]],
+])  # fmt: skip
 def test_sampling_under_a_grammar_is_the_constrained_target(v12_target, rule, drafts, n,
                                                              monkeypatch, capsys):
     trunk, head, model = v12_target

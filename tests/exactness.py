@@ -51,7 +51,7 @@ from engines.spec_decoder import SpecDecoder
 
 GREEDY = SamplingParams(temperature=0)
 N_TOKENS = 48
-N_PROMPTS = 12
+N_PROMPTS = 8
 WINDOW = 16  # Gemma-4's sliding window here: prompts up to 60 tokens wrap it
 
 # -- the tiny targets, by family ------------------------------------------------------
@@ -353,9 +353,10 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
 def copy_prefix(model) -> list[int]:
     """Token 7 followed by every token t, then two more, and a final 7: whatever
     the first sampled token t is, the bigram (7, t) occurred, so a copying
-    method has two tokens to draft. Those two are the target's argmax after
-    (..., 7, t), a few times over (each change moves the context), so copies
-    are likely tokens and a wrong rule shows. Any method drafts from here."""
+    method has two tokens to draft (mtp+ngram, which copies from 4 matched
+    tokens on, drafts with its head here). Those two are the target's argmax
+    after (..., 7, t), a few times over (each change moves the context), so
+    copies are likely tokens and a wrong rule shows. Any method drafts from here."""
     follow = {t: [(t * 5 + 1) % 12, (t * 7 + 3) % 12] for t in range(12)}
 
     def prefix() -> list[int]:

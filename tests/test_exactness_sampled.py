@@ -29,7 +29,7 @@ from engines import spec_decoder
 from engines.base import SamplingParams
 from engines.sampling import PenaltyState, penalised, probabilities
 
-N_FAST = 800
+N_FAST = 500
 N_PROOF = 6000
 N_WRONG = 400
 

@@ -35,8 +35,12 @@ def fuzz_gateway(tiny_model, tmp_path_factory):
     stop_gateway(gw)
 
 
+# The fast tier: the first examples of every operation and phase (the seed is
+# fixed, so they are the proof tier's first ones too); the proof tier: more.
 @pytest.mark.timeout(600)
-def test_schemathesis_finds_no_5xx_and_no_hang(fuzz_gateway, tmp_path):
+@pytest.mark.parametrize("examples,seconds", [
+    (12, 60), pytest.param(40, 150, marks=pytest.mark.proof)])  # fmt: skip
+def test_schemathesis_finds_no_5xx_and_no_hang(fuzz_gateway, tmp_path, examples, seconds):
     cli = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert cli, "schemathesis is a dev dependency"
     env = os.environ | {"SCHEMATHESIS_HOOKS": "tests.fuzz_hooks", "SPECGATE_FUZZ_MODELS": "tiny",
@@ -44,7 +48,7 @@ def test_schemathesis_finds_no_5xx_and_no_hang(fuzz_gateway, tmp_path):
     done = subprocess.run(
         [cli, "run", fuzz_gateway.base_url + "/openapi.json",
          "--checks", "not_a_server_error", "--max-response-time", "60",
-         "--request-timeout", "60", "--max-examples", "40", "--max-time", "150",
+         "--request-timeout", "60", "--max-examples", str(examples), "--max-time", str(seconds),
          "--exclude-path-regex", "^/admin/", "--seed", "7", "--workers", "1",  # one worker: Python 3.11's ast is not thread-safe
          "--suppress-health-check", "all", "--report-dir", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480,

@@ -185,20 +185,25 @@ def test_a_restart_reloads_the_disk_tier_and_refuses_a_corrupt_entry(tmp_path):
               "models": [{"id": "demo", "path": "builtin:demo"}]}  # fmt: skip
     prompt = "import json\nimport os\n\n\ndef load_settings(path, defaults=None):\n"
 
-    def complete(gw, text=prompt):
+    def complete(gw, text=prompt, max_tokens=24):
         c = openai.OpenAI(base_url=gw.api, api_key="x", max_retries=0)
-        return c.completions.create(model="demo", prompt=text, max_tokens=24, temperature=0)
+        return c.completions.create(model="demo", prompt=text, max_tokens=max_tokens,
+                                    temperature=0)  # fmt: skip
 
     gw = start_gateway(config, tmp_path, home=home)
     try:
         first = complete(gw)
-        # Fifty other long prompts: the RAM budget (2 MiB for every model) holds.
+        # Fifty other long prompts (their entries are made by the prefill: one
+        # token each is enough): the RAM budget (2 MiB for every model) holds.
         for i in range(50):
-            complete(gw, f"# file {i}\n" + prompt * 3)
+            complete(gw, f"# file {i}\n" + prompt * 3, max_tokens=1)
         metrics = httpx.get(gw.base_url + "/metrics").text
         ram = float(re.search(r'^specgate_prefix_cache_bytes\{model="demo",tier="ram"\} (\S+)$',
                               metrics, re.M).group(1))  # fmt: skip
         assert 0 < ram <= 2 << 20
+        evicted = re.search(r'^specgate_prefix_cache_evictions_total\{model="demo",tier="ram"\} (\S+)$',
+                            metrics, re.M)  # fmt: skip
+        assert evicted and float(evicted.group(1)) > 0  # the prompts offered more than it holds
     finally:
         stop_gateway(gw)  # SIGTERM: queued disk writes are flushed
     files = list((home / "prefix-cache").glob("*/*.safetensors"))

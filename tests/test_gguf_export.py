@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import gguf
 import httpx
 import numpy as np
 import pytest
+from conftest import reserved_ports
 from safetensors.numpy import load_file, save_file
 
 from engines.builders.gguf_export import export_gguf
@@ -307,9 +307,7 @@ def test_rejects_unknown_outtype(hf, tmp_path):
 
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path, log: Path, *extra: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_ports()  # told before it starts: from the range no process is given by chance
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),

@@ -16,10 +16,7 @@ directly; then real gateways with the real openai SDK:
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import threading
-import time
 
 import httpx
 import openai
@@ -31,7 +28,7 @@ from policies.decide import ModelPolicy, RequestFeatures
 from policies.explore import Explorer
 from policies.live_costs import STALL_CAP, CostView, LiveCosts
 from policies.model_policy import LivePolicy
-from tests.conftest import free_port, start_gateway, stop_gateway
+from tests.conftest import in_process_gateway, start_gateway, stop_gateway
 
 MTP = ModelPolicy("m", {"mtp": "mlx_mtp", "none": "mlx_plain"}, 3)
 IDLE = LiveState(0, 0, 0)
@@ -255,47 +252,18 @@ def aligned(tmp_path_factory):
     """An in-process gateway (real uvicorn on loopback) serving the aligned
     head twice: "a" plain policy, "long" with long_context_tokens 64; both
     with PinnedCosts."""
-    import uvicorn
-
     from engines.builders.tiny import build_qwen35_hybrid
-    from gateway.app import create_app
-    from gateway.config import parse_config
 
     tmp = tmp_path_factory.mktemp("aligned")
     path = build_qwen35_hybrid(tmp / "qwen35-aligned", seed=0, aligned_mtp=True)
     model = {"path": str(path), "max_context": 2048, "engines": ["mlx_plain", "mlx_mtp"],
              "mtp_depth": 3}
-    config = parse_config({"server": {"host": "127.0.0.1"}, "models": [
-        {"id": "a", **model}, {"id": "long", **model, "policy": {"long_context_tokens": 64}}]})
-    old_home = os.environ.get("SPECGATE_HOME")
-    os.environ["SPECGATE_HOME"] = str(tmp / "home")
-    app = create_app(config)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("in-process gateway not ready")
+    config = {"models": [{"id": "a", **model},
+                         {"id": "long", **model, "policy": {"long_context_tokens": 64}}]}
+    with in_process_gateway(config, tmp / "home") as (app, base):
         for served in app.state.registry.models.values():
             served.policy.costs = PinnedCosts()
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        if old_home is None:
-            os.environ.pop("SPECGATE_HOME", None)
-        else:
-            os.environ["SPECGATE_HOME"] = old_home
 
 
 def test_aligned_head_where_speculation_wins_keeps_speculating(aligned):

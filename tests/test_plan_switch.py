@@ -19,6 +19,7 @@ random head loses, and the stream then stayed plain.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -32,7 +33,9 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
+from engines.base import GenerationRequest, LiveState, Plan, SamplingParams
 from policies.acceptance import AcceptanceTracker
+from policies.decide import FixedPlanner
 from policies.live_costs import LiveCosts, RunningEstimate
 from tests.conftest import in_process_gateway
 
@@ -156,3 +159,29 @@ def test_stream_switches_to_batching_and_back_with_the_same_output(gw, tiny_mode
     print(f"\nplan decisions during the test: {grew}; near-tie divergences: {ties}")
     assert grew == DANCE, grew
 
+
+@pytest.mark.parametrize("engine", ["mlx_plain", "mlx_mtp"])
+def test_a_request_decoded_to_its_end_is_not_counted_while_its_answer_is_sent(gw, engine):
+    """The worker has decoded a request to its end; the event loop, which
+    can lag behind a busy worker, has not taken its last events yet. The
+    model's planning state counts it no more, so a stream it leaves alone is
+    alone at its next round. (It was counted until then: the stream stayed
+    on batching, alone, for as long as the lag lasted, and the dance above
+    could end without its way back.)"""
+    served = gw.served
+    plan = Plan(engine, "none" if engine == "mlx_plain" else "mtp",
+                0 if engine == "mlx_plain" else 2, "forced_by_request")  # fmt: skip
+    greedy = SamplingParams(temperature=0)
+    request = GenerationRequest(f"ended-{engine}", "switch", [5, 6, 7], greedy, 4, plan)
+
+    async def decoded_not_taken() -> LiveState:
+        events = served.engines[engine].generate(request, FixedPlanner(plan))
+        try:
+            await anext(events)  # submitted and decoding; the rest is left unread
+            while served.engines[engine].live_state().active_requests:
+                await asyncio.sleep(0.01)  # until the worker has decoded its last token
+            return served.planning_state()
+        finally:
+            await events.aclose()
+
+    assert asyncio.run(decoded_not_taken()) == LiveState(0, 0, 0)

@@ -150,6 +150,19 @@ def listening_port(log: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The IPv4 TCP ports process `pid` listens on (Linux: /proc)."""
+    fds = Path(f"/proc/{pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        local, state, inode = (line.split()[i] for i in (1, 3, 9))
+        if state == "0A" and inode in inodes:  # 0A: LISTEN
+            ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
 @contextlib.contextmanager
 def serve_in_process(app, *, log_level: str = "warning") -> Iterator[str]:
     """Serve an ASGI app with a real uvicorn in a thread of this process, on

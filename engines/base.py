@@ -253,6 +253,10 @@ class LiveState:
     active_requests: int
     waiting_requests: int
     context_tokens: int
+    # Decoded to their end, their last events not yet taken by the gateway:
+    # in neither count above (an engine's own; the model's planning state
+    # takes them off the requests holding a slot).
+    finished_requests: int = 0
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class _Job:
     out: asyncio.Queue
     resume: Handoff | None = None
     cancelled: bool = False
+    finished: bool = False  # decoded to its end (WorkerEngine.live_state)
 
     def post(self, *items: Any) -> None:
         self.loop.call_soon_threadsafe(deliver, [(self.out, item) for item in items])
@@ -282,6 +283,7 @@ class SpecEngine(WorkerEngine):
                 # Not running any more before the client can hear so: its next
                 # request must not find this one still counted as in flight.
                 self._running = 0
+                job.finished = True  # (after: see WorkerEngine.live_state)
                 job.post(*self._events(step, detok, cached))
                 prefix.insert(decoder.tokens[:-1], decoder.cache, request.cache_scope,
                               drafter=cache_id, drafter_state=self._drafter_state(decoder))

@@ -89,6 +89,9 @@ class WorkerEngine:
         self._stopping = False
         # The queues of the requests being answered (event loop only), by id.
         self._outs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Their jobs, by the same id: the worker sets a job's `finished` when
+        # it has decoded the request to its end (see live_state).
+        self._jobs: dict[int, object] = {}
         if loaded.lockstep is not None:
             loaded.lockstep.when_broken(self._answer_all)
 
@@ -194,8 +197,15 @@ class WorkerEngine:
         return None
 
     def live_state(self) -> LiveState:
+        """Requests decoding and queued here. One the worker has decoded to
+        its end is neither, though the event loop, which may lag behind a
+        busy worker, has not yet taken its last events: a stream left alone
+        is then alone at its next round. (`finished` is read before
+        `_running`, which the worker lowers first, so a request ending
+        meanwhile is counted, never missed.)"""
+        finished = sum(1 for job in self._jobs.copy().values() if job.finished)
         running = self._running
-        return LiveState(running, max(0, self._in_flight - running), 0)
+        return LiveState(running, max(0, self._in_flight - running - finished), 0, finished)
 
     def memory(self) -> list[HeldMemory]:
         from engines.memory import parameter_bytes
@@ -239,6 +249,7 @@ class WorkerEngine:
         if lockstep is not None and lockstep.problem is not None:
             raise EngineError(lockstep.problem)  # (its thread may be stuck: refused here)
         self._outs[id(out)] = (asyncio.get_running_loop(), out)
+        self._jobs[id(out)] = job
         self._inbox.put(("submit", job))
         self._in_flight += 1
         finished = False
@@ -259,6 +270,6 @@ class WorkerEngine:
                     return
         finally:
             self._in_flight -= 1
-            del self._outs[id(out)]
+            del self._outs[id(out)], self._jobs[id(out)]
             if not finished:
                 abandon()

@@ -182,7 +182,14 @@ LOG_FILES_KEPT = 5  # keeping this many old ones
 
 def _logging(config: Config, log_file: Path | None, prefix: str = "") -> None:
     import logging
+    import os
 
+    # transformers (imported after this by the app: tokenizers, grammars)
+    # warns at import that PyTorch was not found, which specgate never uses:
+    # advice to its own users, printed on stderr (a service's output) and,
+    # where CI is set, into this log. Its own switch, set before the import;
+    # a value the user exported stays.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     fmt = f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
     if log_file is not None:  # a service: one rotated file (gateway/service.py)
         from logging.handlers import RotatingFileHandler
@@ -200,11 +207,11 @@ def _run_server(config: Config, sockets: list[socket.socket], config_path: str |
                 overrides: dict | None = None, log_file: Path | None = None) -> int:  # fmt: skip
     import logging
 
+    _logging(config, log_file)  # first: what the app's imports log goes where it should
     from gateway.app import create_app
     from gateway.keys import KeyFileError
     from gateway.server import make_server
 
-    _logging(config, log_file)
     try:
         app = create_app(config, config_path, overrides)
     except KeyFileError as e:

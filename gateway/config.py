@@ -131,7 +131,8 @@ class LlamaCppConfig(_Strict):
     start: Literal["boot", "first_use"] = "boot"
     idle_ttl_s: float | None = Field(None, gt=0)  # stop the process after this long idle
     threads: int | None = Field(None, gt=0)  # -t; default: up to 8 cores
-    # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's.
+    # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's,
+    # and so is the info log (no --log-disable, no -lv below 3): it says the port.
     extra_args: list[str] = Field(default_factory=list)
     # llamacpp_ngram's --spec-type (its other knobs, e.g. the lookup key's
     # size, keep llama.cpp's defaults; set them through extra_args).

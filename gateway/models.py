@@ -120,16 +120,20 @@ class ServedModel:
             active_requests=sum(s.active_requests for s in states),
             waiting_requests=sum(s.waiting_requests for s in states),
             context_tokens=0,
+            finished_requests=sum(s.finished_requests for s in states),
         )
 
     def planning_state(self) -> LiveState:
         """What the policy plans around: the engines' state, plus requests
         holding a slot that have not reached an engine yet and those queued
         for a slot. In a burst, the second request is planned before the
-        first has reached its engine: it must count."""
+        first has reached its engine: it must count. One its engine has
+        decoded to the end holds its slot until its answer is sent, and
+        does not count."""
         engines = self.live_state()
+        holding = self.gate.running - engines.waiting_requests - engines.finished_requests
         return LiveState(
-            active_requests=max(engines.active_requests, self.gate.running - engines.waiting_requests),
+            active_requests=max(engines.active_requests, holding),
             waiting_requests=engines.waiting_requests + self.gate.waiting,
             context_tokens=0,
         )

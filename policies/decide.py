@@ -80,7 +80,11 @@ class Candidate:
 
 
 # A stream already on one engine moves to another only for a plan predicted
-# this much faster: a handoff is not free, and estimates are noisy.
+# this much faster: a handoff is not free, and estimates are noisy. A new
+# request's default is plain decoding, and speculation needs the same
+# margin over it: CostView.round's floor makes a round timed while the
+# machine was quiet cost a plain step timed since it got busy, and a head
+# accepted a few times in a hundred would then win on noise.
 SWITCH_MARGIN = 0.1
 
 
@@ -122,7 +126,9 @@ def decide(
     incumbent: Method | None = None,
 ) -> Plan:
     """Choose the plan for a request, or for the next round of a stream on
-    `incumbent`'s engine (raises OverrideError on a bad override).
+    `incumbent`'s engine (raises OverrideError on a bad override); a plan
+    other than the incumbent's, or for a new request than plain decoding,
+    must be predicted SWITCH_MARGIN faster.
     `live.context_tokens` is the stream's length now, which the long-context
     rule and the costs read as well as the prompt's."""
     available = policy.engines_by_method
@@ -179,23 +185,27 @@ def decide(
         method = speculative[0]
         return Plan(available[method], method, _depth(policy, method, request), "spec_on")
 
+    default = incumbent if incumbent is not None else "none"
+
     def score(c: Candidate) -> float:
-        return c.speed * (1 + SWITCH_MARGIN if c.method == incumbent else 1)
+        return c.speed * (1 + SWITCH_MARGIN if c.method == default else 1)
 
     best = max(options, key=score)  # the first (plain) on a tie
     source = "tune" if any(c.source == "tune" for c in options) else "live"
     if best.method != "none":
         return Plan(available[best.method], best.method, best.depth, "spec_on", source)
-    alone = max((c.speed for c in options if c.method != "none"), default=0.0)
+    # Why plain decoding won: would speculation win, by the same rule, alone
+    # (then it is the concurrency) or at a short context?
+    alone = max((score(c) for c in options if c.method != "none"), default=0.0)
     if busy:
         single = candidates(policy, [], request, LiveState(0, 0, live.context_tokens), costs, {})
-        if not single or alone > single[0].speed:
+        if not single or alone > score(single[0]):
             return plain("concurrency", source)
     short = RequestFeatures(0, request.has_penalties, None, request.forced_depth)
     idle = LiveState(0, 0, 0)
     at_short = candidates(policy, measured, short, idle, costs, acceptance)
-    plain_short = next((c.speed for c in at_short if c.method == "none"), None)
-    if context > 0 and plain_short and any(c.speed > plain_short for c in at_short if c.method != "none"):
+    plain_short = next((score(c) for c in at_short if c.method == "none"), None)
+    if context > 0 and plain_short and any(score(c) > plain_short for c in at_short if c.method != "none"):
         return plain("long_context", source)
     return plain("measured_loss", source)
 

@@ -7,13 +7,21 @@ the test process is free to run mlx-lm as the reference side by side.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
+import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +43,184 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def free_port() -> int:
+# -- ports ----------------------------------------------------------------------------------------
+#
+# A port picked by binding port 0 and closing the socket can be taken by any
+# process before the one it was picked for binds it (a test once lost its
+# gateway's port that way under load). So a server that can bind port 0
+# itself does (`specgate serve --port 0` logs the port it got; an in-process
+# uvicorn is handed a socket bound here), and a process that must be told its
+# port before it starts (mlx.launch's ring, Prometheus) gets one from
+# `reserved_ports`.
+
+RESERVED_LOW = 20000  # reserved_ports hands out ports from here up to the ephemeral range
+_LISTENING = re.compile(rb"gateway\.cli: listening on http://\S+:(\d+)\r?$", re.M)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (bind to port 0, an
+    unbound connect): other processes' ports come from there up."""
+    try:  # Linux
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        pass
+    try:  # macOS, BSD
+        done = subprocess.run(["sysctl", "-n", "net.inet.ip.portrange.first"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        return int(done.stdout)
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return 49152  # IANA's dynamic range
+
+
+@functools.cache
+def _worker_slice() -> range:
+    """This pytest process's share of RESERVED_LOW up to the ephemeral range:
+    under pytest-xdist each worker (PYTEST_XDIST_WORKER gw0, gw1, ...) has
+    its own, so two workers never hand out the same port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    low = _ephemeral_low()
+    size = (low - RESERVED_LOW) // workers
+    if size < 64:
+        raise RuntimeError(f"no room for test ports below the ephemeral range ({low}): "
+                           f"{workers} workers from {RESERVED_LOW}")  # fmt: skip
+    start = RESERVED_LOW + index * size
+    return range(start, start + size)
+
+
+_NEXT = itertools.count()  # where this process looks next in its slice
+_PORTS_LOCK = threading.Lock()
+# The lock file of every port this process handed out, held until it exits:
+# no other process (another session's worker) nor this one again (conftest is
+# imported both as `conftest` and `tests.conftest`, two modules with a
+# cursor each) can be given the port meanwhile.
+_HELD: list[int] = []
+
+
+def _claim(port: int) -> int | None:
+    """An open, exclusively locked descriptor of `port`'s lock file, or None
+    when another holds it."""
+    locks = Path(tempfile.gettempdir()) / f"specgate-test-ports-{os.getuid()}"
+    locks.mkdir(exist_ok=True)
+    fd = os.open(locks / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def reserved_ports(count: int = 1) -> int:
+    """The first of `count` consecutive free loopback ports, for a process
+    that must be told them before it starts. They lie below the ephemeral
+    range (the kernel never gives them to a process that did not ask for
+    them), in this worker's own slice, and each is handed out once per
+    machine while this process runs (its lock file); a bind checks that
+    nothing else listens there."""
+    ports = _worker_slice()
+    with _PORTS_LOCK:
+        for _ in range(len(ports)):
+            first = ports[0] + next(_NEXT) * count % (len(ports) - count + 1)
+            claimed = []
+            for port in range(first, first + count):
+                if (fd := _claim(port)) is None or not _bindable(port):
+                    if fd is not None:
+                        os.close(fd)
+                    break
+                claimed.append(fd)
+            else:
+                _HELD.extend(claimed)
+                return first
+            for fd in claimed:
+                os.close(fd)  # (closing releases the lock)
+    raise RuntimeError(f"no {count} free consecutive ports in {ports}")
+
+
+def listening_port(log: bytes) -> int | None:
+    """The port `specgate serve --port 0` bound, from the line it logs then
+    (gateway/cli.py); None before that line."""
+    m = _LISTENING.search(log)
+    return int(m.group(1)) if m else None
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The IPv4 TCP ports process `pid` listens on (Linux: /proc)."""
+    fds = Path(f"/proc/{pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        local, state, inode = (line.split()[i] for i in (1, 3, 9))
+        if state == "0A" and inode in inodes:  # 0A: LISTEN
+            ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+@contextlib.contextmanager
+def serve_in_process(app, *, log_level: str = "warning") -> Iterator[str]:
+    """Serve an ASGI app with a real uvicorn in a thread of this process, on
+    a loopback socket bound here first (port 0: the kernel's pick, held from
+    the start); yields its base URL once uvicorn has started."""
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("in-process uvicorn did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+
+
+@contextlib.contextmanager
+def in_process_gateway(config: dict, home: Path, *, timeout: float = 120.0) -> Iterator[tuple]:
+    """specgate's app served in this process (serve_in_process), for a test
+    that reaches into it (a policy's estimates, for failure injection);
+    yields the app and its base URL once /ready answers 200. SPECGATE_HOME is
+    `home` meanwhile."""
+    from gateway.app import create_app
+    from gateway.config import parse_config
+
+    old_home = os.environ.get("SPECGATE_HOME")
+    os.environ["SPECGATE_HOME"] = str(home)
+    try:
+        app = create_app(parse_config({"server": {"host": "127.0.0.1"}, **config}))
+        with serve_in_process(app) as base:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("in-process gateway not ready")
+                time.sleep(0.2)
+            yield app, base
+    finally:
+        if old_home is None:
+            os.environ.pop("SPECGATE_HOME", None)
+        else:
+            os.environ["SPECGATE_HOME"] = old_home
 
 
 @dataclass
@@ -46,6 +228,7 @@ class Gateway:
     base_url: str
     process: subprocess.Popen
     log_path: Path
+    config_path: Path | None = None  # its --config: what tells its processes apart (--port is 0)
 
     @property
     def api(self) -> str:
@@ -63,13 +246,19 @@ def start_gateway(
     ranks: int = 1,
 ) -> Gateway:
     """Start `specgate serve` with this config (None: no --config, the embedded
-    default); `ranks` > 1: under `mlx.launch -n ranks --backend ring` on loopback."""
-    port = free_port()
-    args = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    default); `ranks` > 1: under `mlx.launch -n ranks --backend ring` on loopback.
+
+    It binds port 0 itself, and its log says which port it got: nothing can
+    take the port between the choice and the bind. (Rank 0 of mlx.launch's
+    ranks is the one that serves HTTP and logs it.)"""
+    args = [sys.executable, "-m", "gateway.cli", "serve", "--port", "0"]
     if ranks > 1:
         launcher = Path(sys.executable).with_name("mlx.launch")
+        # The ring's ranks listen on consecutive ports from --starting-port,
+        # chosen here before they start.
         args = [str(launcher), "-n", str(ranks), "--backend", "ring",
-                "--starting-port", str(free_port()), "--", *args]  # fmt: skip
+                "--starting-port", str(reserved_ports(ranks)), "--", *args]  # fmt: skip
+    cfg = None
     if config is not None:
         config = config | {"server": {"host": "127.0.0.1", **config.get("server", {})}}
         cfg = workdir / "specgate.yaml"
@@ -81,12 +270,17 @@ def start_gateway(
         proc = subprocess.Popen(
             args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
+    gw = Gateway("", proc, log_path, cfg)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if not gw.alive():
                 raise RuntimeError(f"gateway exited early:\n{gw.log()}")
+            if not gw.base_url:
+                if (port := listening_port(log_path.read_bytes())) is None:
+                    time.sleep(0.1)
+                    continue
+                gw.base_url = f"http://127.0.0.1:{port}"
             try:
                 ready = httpx.get(gw.base_url + "/ready", timeout=2)
                 if ready.status_code == 200:

@@ -23,7 +23,7 @@ import httpx
 import httpx2
 import openai
 import pytest
-from conftest import REPO, free_port, start_gateway, stop_gateway
+from conftest import REPO, start_gateway, stop_gateway
 
 from gateway.auth import FailedAuthLimiter, client_of
 from gateway.keys import add_key, read_keys
@@ -66,7 +66,7 @@ def test_bad_record_stops_serve_with_one_line_naming_the_field(tmp_path):
         broken["keys"][1][field] = value
         keys_file.write_text(json.dumps(broken))
         for host in ("127.0.0.1", "0.0.0.0"):  # a LAN bind reads the keys before it binds
-            proc = cli("serve", "--host", host, "--port", str(free_port()), home=home)
+            proc = cli("serve", "--host", host, "--port", "0", home=home)
             assert proc.returncode == 2, (host, proc.stderr)
             assert "Traceback" not in proc.stderr
             lines = [line for line in proc.stderr.splitlines() if line.startswith("specgate:")]

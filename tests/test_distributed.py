@@ -57,8 +57,9 @@ def ranks_of(gw) -> dict[int, int]:
         except OSError:
             continue
         rank = next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
-        port = gw.base_url.rsplit(":", 1)[1].encode()
-        if rank is not None and b"gateway.cli" in cmd and b"\0--port\0" + port + b"\0" in cmd:
+        # Its own config file tells this server's ranks from another's (all have --port 0).
+        config = b"\0--config\0" + bytes(gw.config_path) + b"\0"
+        if rank is not None and b"gateway.cli" in cmd and config in cmd:
             found[rank] = int(entry.name)
     return found
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -305,24 +305,27 @@ def test_rejects_unknown_outtype(hf, tmp_path):
 # see the llama_server_binary fixture).
 
 
+LISTENING = re.compile(r"listening on http://127\.0\.0\.1:\d+")
+
+
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path, log: Path, *extra: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Port 0: it binds one of its own, and logs which once its model is loaded.
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
              "-c", "512", "-np", "1", "-t", "2", *extra],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = None
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, log.read_text()[-4000:]
+            if url is None and (m := LISTENING.search(log.read_text(errors="replace"))):
+                url = m.group(0).removeprefix("listening on ")
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if url and httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from engines.builders.gguf_export import export_gguf
-from tests.conftest import REPO, start_gateway, stop_gateway
+from tests.conftest import REPO, listening_ports, start_gateway, stop_gateway
 from tests.tool_caller import HERMES_TEMPLATE
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
@@ -369,8 +369,9 @@ def test_disconnect_aborts_the_upstream_request(client, gw):
 
 
 def _port_of(pid: int) -> int:
-    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return int(cmd[cmd.index(b"--port") + 1])
+    """The port llama-server `pid` listens on (it picked it: --port 0)."""
+    (port,) = listening_ports(pid)
+    return port
 
 
 # -- faults: a gateway of its own, since these kill things --------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import listening_ports
 
 from engines.builders.gguf_export import export_gguf
 from engines.builders.tiny import build_qwen35_hybrid
@@ -114,6 +115,11 @@ def test_spec_args():
     assert "--spec-type" not in ServerSpec(model=Path("m.gguf")).args(1)
     with pytest.raises(ValueError, match="--host"):
         ServerSpec(model=Path("m.gguf"), extra_args=["--host", "0.0.0.0"])
+    # What would hide the line that says which port it bound.
+    for quiet in (["--log-disable"], ["-lv", "2"], ["--log-verbosity", "x"], ["--verbosity"]):
+        with pytest.raises(ValueError, match="`listening on` line"):
+            ServerSpec(model=Path("m.gguf"), extra_args=quiet)
+    ServerSpec(model=Path("m.gguf"), extra_args=["-lv", "4"])  # more is fine
     with pytest.raises(ValueError, match="draft-mtp, ngram-simple"):
         ServerSpec(model=Path("m.gguf"), spec={"type": "ngram", "n_max": 2})
     # Each n-gram type sizes its drafts with its own flag.
@@ -137,10 +143,13 @@ def test_start_crash_restart_stop(gguf, make_server, home):
         async with httpx.AsyncClient(trust_env=False) as client:
             assert (await client.get(s.base_url + "/health")).status_code == 200
         assert (await complete(s.base_url))["tokens_predicted"] == 4
-        # Bound to loopback only, as the command line says.
+        # Bound to loopback only, as the command line says, to a port of its
+        # own choosing (0): the one specgate talks to is the one it listens on.
         argv = Path(f"/proc/{s.pid}/cmdline").read_bytes().split(b"\0")
         assert argv[argv.index(b"--host") + 1] == b"127.0.0.1"
-        assert s.log_path == home / "logs" / f"llama-server-tiny-{s.port}.log"
+        assert argv[argv.index(b"--port") + 1] == b"0"
+        assert listening_ports(s.pid) == {s.port}
+        assert s.log_path.parent == home / "logs" and s.log_path.stem.startswith("llama-server-tiny-")
         assert "llama" in s.log_tail(50)
 
         os.kill(s.pid, signal.SIGKILL)
@@ -149,6 +158,7 @@ def test_start_crash_restart_stop(gguf, make_server, home):
         assert s.last_exit_code == -signal.SIGKILL
         await s.ensure_running()
         assert s.alive and s.restarts == 1 and s.pid != pids[0]
+        assert listening_ports(s.pid) == {s.port}  # the new process's port, read at this start
         pids.append(s.pid)
         assert (await complete(s.base_url))["tokens_predicted"] == 4
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import free_port, start_gateway, stop_gateway
+from conftest import serve_in_process, start_gateway, stop_gateway
 
 from gateway.config import ConfigError, PeerConfig, parse_config
 from gateway.keys import add_key
@@ -335,7 +335,6 @@ def test_a_client_that_leaves_stops_the_peers_work(cluster):
 def draining_peer():
     """FAILURE INJECTION: a fake peer that lists "tiny" as idle and answers
     every request as a specgate shutting down does (503 with its header)."""
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -352,16 +351,8 @@ def draining_peer():
 
     app = Starlette(routes=[Route("/v1/models", models),
                             Route("/v1/completions", refuse, methods=["POST"])])  # fmt: skip
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_process(app) as url:
+        yield url
 
 
 def test_a_peer_shutting_down_is_passed_over(cluster, draining_peer, tmp_path):

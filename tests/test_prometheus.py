@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from gateway.keys import add_key
-from tests.conftest import REPO, free_port, start_gateway, stop_gateway
+from tests.conftest import REPO, reserved_ports, start_gateway, stop_gateway
 
 DASHBOARD = REPO / "deploy/grafana/dashboards/specgate.json"
 PROMETHEUS = shutil.which("prometheus")
@@ -81,7 +81,7 @@ def prometheus(gw, tmp_path):
             "static_configs": [{"targets": [gw.base_url.removeprefix("http://")]}],
         }],
     }))
-    port = free_port()
+    port = reserved_ports()  # told before it starts: from the range no process is given by chance
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

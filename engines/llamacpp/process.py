@@ -1,6 +1,9 @@
 """One managed `llama-server` process per GGUF model.
 
-specgate starts llama-server on a free loopback port, waits for /health,
+specgate starts llama-server on a loopback port it picks itself (--port 0:
+no other process can take the port between a choice and the bind, and a
+health check can never reach another server there) and learns the port
+from the `listening on` line it logs; then it waits for /health,
 notices when it dies or hangs, restarts it with backoff, stops it when idle
 (optional TTL) and never leaves it behind: the child runs in its own process
 group, and on Linux the kernel SIGKILLs it when the gateway dies
@@ -30,10 +33,11 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import itertools
 import logging
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -71,6 +75,15 @@ SPEC_TYPES: dict[str, tuple[str, ...]] = {
 }
 NGRAM_TYPES = tuple(t for t in SPEC_TYPES if t.startswith("ngram"))
 
+# What llama-server logs (at info) once it listens and its model is loaded:
+# the port it bound to --port 0.
+_LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+# Flags (and llama.cpp's environment variable) that would hide that line.
+_QUIET_FLAGS = ("--log-disable",)
+_VERBOSITY_FLAGS = ("-lv", "--verbosity", "--log-verbosity")
+_VERBOSITY_ENV = "LLAMA_ARG_LOG_VERBOSITY"
+_INFO = 3  # llama.cpp's verbosity of info lines
+
 
 @dataclass
 class ServerSpec:
@@ -96,6 +109,12 @@ class ServerSpec:
             # The bind address is not the user's to change: llama-server has no auth.
             if flag in self.extra_args:
                 raise ValueError(f"{flag} is set by specgate and cannot be passed in extra_args")
+        for i, flag in enumerate(self.extra_args):
+            value = self.extra_args[i + 1] if i + 1 < len(self.extra_args) else ""
+            if flag in _QUIET_FLAGS or (flag in _VERBOSITY_FLAGS and not _verbose(value)):
+                raise ValueError(f"{flag} {value if flag in _VERBOSITY_FLAGS else ''}".rstrip()
+                                 + " would hide llama-server's `listening on` line, which tells "
+                                 "specgate its port; it cannot be passed in extra_args")  # fmt: skip
 
     def args(self, port: int) -> list[str]:
         argv = [
@@ -110,6 +129,14 @@ class ServerSpec:
         if self.draft_model is not None:
             argv += ["-md", str(self.draft_model)]
         return argv + list(self.extra_args)
+
+
+def _verbose(value: str | None) -> bool:
+    """Whether a llama.cpp verbosity shows info lines (unset: yes)."""
+    try:
+        return value is None or int(value) >= _INFO
+    except ValueError:
+        return False
 
 
 # --- never leave a llama-server behind ------------------------------------
@@ -147,16 +174,12 @@ def _kill_all_at_exit() -> None:
         server._kill_group(signal.SIGKILL)
 
 
-def _free_port() -> int:
-    # A small race (someone may take it before llama-server binds) is caught
-    # by start(): the process exits and the next attempt picks another port.
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+_SERVERS = itertools.count(1)  # numbers each LlamaServer's log file in this process
 
 
 class LlamaServer:
-    """A managed llama-server for one model, on a free 127.0.0.1 port.
+    """A managed llama-server for one model, on a 127.0.0.1 port it picks
+    (a new one at each start).
 
     `restarts` counts starts that replaced a process which had died on its
     own (crash recovery); a stop by stop() or the idle TTL is not a crash,
@@ -190,8 +213,11 @@ class LlamaServer:
         self.health_timeout = health_timeout
         self.health_failures = health_failures
 
-        self.port: int | None = None
-        self.log_path: Path | None = None
+        self.port: int | None = None  # the running process's, from its log
+        # Its own file (this process, this server): the `listening on` line
+        # read at a start can only be that start's process's.
+        name = f"llama-server-{spec.model.stem}-{os.getpid()}-{next(_SERVERS)}.log"
+        self.log_path = logs_dir() / name
         self.restarts = 0
         self.starts = 0
         self.last_exit_code: int | None = None  # returncode of the last unexpected exit
@@ -260,14 +286,14 @@ class LlamaServer:
 
     @property
     def command(self) -> list[str]:
-        return [str(find_llama_server(self._binary_str())), *self.spec.args(self.port or 0)]
+        return [str(find_llama_server(self._binary_str())), *self.spec.args(0)]
 
     def _binary_str(self) -> str | None:
         return str(self._binary) if self._binary is not None else None
 
     def log_tail(self, n: int = 40) -> str:
         """The last n lines llama-server wrote (stdout and stderr)."""
-        if self.log_path is None or not self.log_path.exists():
+        if not self.log_path.exists():
             return ""
         with open(self.log_path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -354,18 +380,17 @@ class LlamaServer:
             self.last_exit_code = self._proc.returncode
         await self._stop_locked()  # reap the dead one (or a half-started one), end its monitor
         binary = find_llama_server(self._binary_str())
-        # Keep the port across restarts so base_url stays stable, unless it is taken.
-        if self.port is None or not _port_is_free(self.port):
-            self.port = _free_port()
-        logs = logs_dir()
-        logs.mkdir(parents=True, exist_ok=True)
-        self.log_path = logs / f"llama-server-{self.spec.model.stem}-{self.port}.log"
-        argv = [str(binary), *self.spec.args(self.port)]
+        argv = [str(binary), *self.spec.args(0)]  # it binds a port of its own, and says which
+        env = dict(os.environ)
+        if not _verbose(env.get(_VERBOSITY_ENV)):
+            del env[_VERBOSITY_ENV]  # it would hide the line that says the port
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._cut_lifeline()
         read_end, self._lifeline = os.pipe()  # the write end stays here, never inherited
         with open(self.log_path, "ab") as out:
             out.write(f"\n--- specgate: starting {' '.join(argv)}\n".encode())
             out.flush()
+            this_start = out.tell()  # the `listening on` line is read from here
             try:
                 self._proc = subprocess.Popen(
                     # lifeline.py execs llama-server in its own place: _proc is llama-server.
@@ -373,6 +398,7 @@ class LlamaServer:
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
+                    env=env,
                     start_new_session=True,  # own process group: stop() signals the whole group
                     preexec_fn=functools.partial(_child_setup, os.getpid()),
                     pass_fds=(read_end,),
@@ -382,7 +408,7 @@ class LlamaServer:
         _LIVE.add(self)
         self.starts += 1
         try:
-            await self._wait_healthy()
+            await self._wait_healthy(this_start)
         except LlamaServerError:
             await self._stop_locked()
             self._failures += 1
@@ -403,9 +429,14 @@ class LlamaServer:
         log.info("llama-server for %s ready at %s (pid %d, log %s)", self.spec.model,
                  self.base_url, self._proc.pid, self.log_path)
 
-    async def _wait_healthy(self) -> None:
+    async def _wait_healthy(self, log_from: int) -> None:
+        """Until the process says where it listens (its log, from `log_from`:
+        it binds before loading the model, says so after) and answers /health
+        there. `port` changes only then: until the new process runs, base_url
+        stays the last one's, which fails as a dead process does."""
         assert self._proc is not None
         deadline = time.monotonic() + self.start_timeout
+        port = None
         async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
             while True:
                 code = self._proc.poll()
@@ -414,18 +445,29 @@ class LlamaServer:
                         f"llama-server for {self.spec.model} exited with code {code} while "
                         f"starting; log {self.log_path}:\n{self.log_tail()}"
                     )
+                if port is None:
+                    port = self._listening_port(log_from)
                 try:
-                    r = await client.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        return
+                    if port is not None:
+                        r = await client.get(f"http://{HOST}:{port}/health")
+                        if r.status_code == 200:
+                            self.port = port
+                            return
                 except httpx.TransportError:
-                    pass  # not listening yet
+                    pass
                 if time.monotonic() > deadline:
                     raise LlamaServerError(
                         f"llama-server for {self.spec.model} not healthy after "
                         f"{self.start_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}"
                     )
                 await asyncio.sleep(_POLL_S)
+
+    def _listening_port(self, log_from: int) -> int | None:
+        """The port in the `listening on` line logged since `log_from`, if any yet."""
+        with open(self.log_path, "rb") as f:
+            f.seek(log_from)
+            m = _LISTENING.search(f.read())
+        return int(m.group(1)) if m else None
 
     async def _stop_locked(self) -> None:
         monitor, self._monitor = self._monitor, None
@@ -531,12 +573,3 @@ class LlamaServer:
                 log.warning("llama-server for %s: %s", self.spec.model, self._problem)
                 if not isinstance(e, LlamaServerError):  # no backoff was set (e.g. binary gone)
                     await asyncio.sleep(self.backoff_max)
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-        return True

@@ -127,6 +127,7 @@ class _Slot:
     generated: int = 0  # output tokens so far, earlier engines' included
     keys: KeyStream | None = None
     grammar: _GrammarProcessor | None = None
+    finished: bool = False  # decoded to its end (WorkerEngine.live_state)
 
     def post(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -430,6 +431,7 @@ class MLXPlainEngine(WorkerEngine):
         if finish is not None:
             del self._slots[response.uid]
             self._running -= 1
+            slot.finished = True  # (after: see WorkerEngine.live_state)
             if response.prompt_cache is not None and response.all_tokens:
                 self._prefix_cache.insert(
                     list(response.all_tokens), response.prompt_cache, slot.request.cache_scope

@@ -50,8 +50,9 @@ from engines.sampling import probabilities
 from engines.spec_decoder import SpecDecoder
 
 GREEDY = SamplingParams(temperature=0)
-N_TOKENS = 48
+N_TOKENS = 32
 N_PROMPTS = 8
+MAX_DEPTH = 8  # the deepest round any sweep runs
 WINDOW = 16  # Gemma-4's sliding window here: prompts up to 60 tokens wrap it
 
 # -- the tiny targets, by family ------------------------------------------------------
@@ -175,10 +176,20 @@ class Subject:
         return self.engine.vocab_size
 
     def reference(self, prompt: list[int], n: int = N_TOKENS) -> tuple[list[int], list[float]]:
-        """Plain mlx-lm greedy decoding, once per prompt (shared by the family's engines)."""
-        key = (tuple(prompt), n)
-        if key not in self._references:
-            self._references[key] = greedy_reference(self.model, prompt, n)
+        """Plain mlx-lm greedy decoding's first n tokens and their top-2
+        margins, decoded once per prompt (shared by the family's engines)."""
+        tokens, margins = self._decoded(prompt, n)
+        return tokens[:n], margins[:n]
+
+    def continuation(self, prompt: list[int], n: int = N_TOKENS) -> list[int]:
+        """The reference and what follows (injected drafts: a round near the
+        end drafts past it)."""
+        return self._decoded(prompt, n)[0]
+
+    def _decoded(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        key = tuple(prompt)
+        if key not in self._references or len(self._references[key][0]) < n + MAX_DEPTH:
+            self._references[key] = greedy_reference(self.model, prompt, n + MAX_DEPTH)
         return self._references[key]
 
 
@@ -261,11 +272,13 @@ class Injected:
     it would), then its drafts are replaced by `reference`'s continuation with
     one token corrupted, or none. Where the corruption goes runs through a
     shuffled cycle of every position (and none), so each accepted-prefix
-    length happens once every depth + 1 rounds."""
+    length happens once every depth + 1 rounds; decodes that share `cycle`
+    continue one cycle."""
 
-    def __init__(self, proposer, reference: list[int], rng: random.Random, vocab: int):
+    def __init__(self, proposer, reference: list[int], rng: random.Random, vocab: int,
+                 cycle: list[int] | None = None):  # fmt: skip
         self.proposer, self.reference, self.rng, self.vocab = proposer, reference, rng, vocab
-        self.cycle: list[int] = []
+        self.cycle = [] if cycle is None else cycle
 
     def __getattr__(self, name):
         return getattr(self.proposer, name)
@@ -276,7 +289,7 @@ class Injected:
         true = self.reference[at : at + depth]
         true += [0] * (depth - len(true))
         if not self.cycle or max(self.cycle) > depth:  # a new cycle (or a shallower round)
-            self.cycle = self.rng.sample(range(depth + 1), depth + 1)
+            self.cycle[:] = self.rng.sample(range(depth + 1), depth + 1)
         wrong = self.cycle.pop()  # depth: all drafts right
         if wrong < depth:
             true[wrong] = (true[wrong] + 1) % self.vocab
@@ -300,14 +313,14 @@ def _request(s: Subject, prompt: list[int], params: SamplingParams, depth: int, 
 def decode(s: Subject, prompt: list[int], depth: int, *, params: SamplingParams = GREEDY,
            max_tokens: int = N_TOKENS, stop: frozenset[int] = frozenset(), undo: str = "tape",
            schedule: list[int] | None = None, inject: list[int] | None = None,
-           seed: int = 0) -> Decoded:  # fmt: skip
+           seed: int = 0, cycle: list[int] | None = None) -> Decoded:  # fmt: skip
     """Decode with the engine's own decoder (`make_decoder`, as a request
     gets it). `schedule`: each round's depth in turn (cycled) instead of
     `depth`; `inject`: the reference whose corrupted copies replace the drafts."""
     decoder = s.engine.make_decoder(_request(s, prompt, params, depth, max_tokens, stop), None, 0)
     decoder.undo = undo
     if inject is not None:
-        decoder.proposer = Injected(decoder.proposer, inject, random.Random(seed), s.vocab)
+        decoder.proposer = Injected(decoder.proposer, inject, random.Random(seed), s.vocab, cycle)
     step = decoder.prefill()
     tokens, rounds = list(step.tokens), []
     while step.finish_reason is None:
@@ -330,7 +343,7 @@ def greedy_sweep(s: Subject, depth: int) -> Sweep:
     equal plain greedy decoding's (asserted here, token for token)."""
     cases = rotated(s, depth)
     assert cases, (s.engine_name, s.family, depth)
-    sweep = Sweep(0, 0, Counter())
+    sweep, cycle = Sweep(0, 0, Counter()), []  # one cycle of corruptions over the prompts
     for i, prompt in cases:
         want, margins = s.reference(prompt)
         out = decode(s, prompt, depth)
@@ -339,7 +352,7 @@ def greedy_sweep(s: Subject, depth: int) -> Sweep:
         assert all(r.method == s.method and r.depth == depth and r.drafted <= depth
                    for r in out.rounds)  # fmt: skip
         sweep.natural += sum(r.drafted for r in out.rounds)
-        out = decode(s, prompt, depth, inject=want, seed=i)
+        out = decode(s, prompt, depth, inject=s.continuation(prompt), seed=i, cycle=cycle)
         sweep.ties += assert_same_greedy(out.tokens, want, margins)
         sweep.lengths.update(r.accepted for r in out.rounds if r.drafted == depth)
     return sweep

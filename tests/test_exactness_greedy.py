@@ -56,7 +56,8 @@ def test_plain_steps_between_rounds(subject):
     schedule = [deepest, 0, 2, 0, 0, 1]
     for i, prompt in enumerate(exactness.prompts(subject.vocab, 3, seed=1 + subject.family_index)[1:]):
         want, margins = subject.reference(prompt)
-        out = decode(subject, prompt, 0, schedule=schedule, inject=want, seed=i)
+        out = decode(subject, prompt, 0, schedule=schedule, inject=subject.continuation(prompt),
+                     seed=i)  # fmt: skip
         assert_same_greedy(out.tokens, want, margins)
         assert any(r.drafted == 0 for r in out.rounds)
         assert any(r.accepted < r.drafted for r in out.rounds)
@@ -66,9 +67,9 @@ def test_replay_rollback_gives_the_same_tokens(subject):
     """The two ways of undoing rejected drafts (the tape, and replaying the
     kept inputs over the restored caches) give the same output."""
     for i, prompt in enumerate(exactness.prompts(subject.vocab, 4, seed=3)[2:]):
-        want, _ = subject.reference(prompt)
-        tape = decode(subject, prompt, 2, inject=want, seed=i)
-        replay = decode(subject, prompt, 2, inject=want, seed=i, undo="replay")
+        ahead = subject.continuation(prompt)
+        tape = decode(subject, prompt, 2, inject=ahead, seed=i)
+        replay = decode(subject, prompt, 2, inject=ahead, seed=i, undo="replay")
         assert tape.tokens == replay.tokens
 
 
@@ -79,5 +80,6 @@ def test_eos_at_a_draft_position_stops_there(subject):
     for cut in (3, 10, 25):
         stop = frozenset({want[cut]})
         expected = want[: want.index(want[cut])]
-        out = decode(subject, prompt, depth, stop=stop, inject=want + [0] * depth, seed=cut)
+        out = decode(subject, prompt, depth, stop=stop, inject=subject.continuation(prompt),
+                     seed=cut)  # fmt: skip
         assert (out.tokens, out.finish) == (expected, "stop")

@@ -29,9 +29,9 @@ from engines import spec_decoder
 from engines.base import SamplingParams
 from engines.sampling import PenaltyState, penalised, probabilities
 
-N_FAST = 500
+N_FAST = 400
 N_PROOF = 6000
-N_WRONG = 400
+N_WRONG = 300
 
 
 def pytest_generate_tests(metafunc):
@@ -86,7 +86,7 @@ def test_sampled_rounds_follow_the_target(subject, n, capsys):
     assert got.distance < got.bound
 
 
-@pytest.mark.parametrize("n", [N_WRONG, pytest.param(N_PROOF // 4, marks=pytest.mark.proof)])
+@pytest.mark.parametrize("n", [N_WRONG])  # it fails at this size, so at the larger ones too
 def test_a_wrong_rule_fails_the_same_check(subject, n, monkeypatch, capsys):
     monkeypatch.setattr(spec_decoder, "accept_sampled", wrong_rule)
     got = sample_rounds(subject, n)

@@ -71,7 +71,7 @@ def test_demo_model_equals_plain_greedy_with_real_acceptance(demo, capsys):
         "# Copyright", "try:\n    import _thread\nexcept ImportError:\n",
         "        raise ValueError(", "from collections import",
     ]
-    tok_prompts = [demo_tokenizer().encode(t).ids for t in texts] + prompts(demo.vocab, 4, seed=1)
+    tok_prompts = [demo_tokenizer().encode(t).ids for t in texts] + prompts(demo.vocab, 2, seed=1)
     ties, drafted, accepted = 0, 0, 0
     # Depths 1 and 4 take turns over the prompts (the tiny families and the
     # counting test see every depth).
@@ -118,7 +118,7 @@ def test_prefix_cache_seams(demo):
 
 def test_replay_rollback_equals_capture_rollback(demo):
     """The two ways of undoing rejected drafts give the same output."""
-    for i, prompt in enumerate(prompts(demo.vocab, 4, seed=3)):
+    for i, prompt in enumerate(prompts(demo.vocab, 2, seed=3)):
         want, margins = demo.reference(prompt)
         got, _, _ = decode(demo, prompt, (2, 4)[i % 2], undo="replay")
         assert_same_greedy(got, want, margins)

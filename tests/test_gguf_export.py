@@ -314,7 +314,7 @@ def llama_server(binary: Path, model: Path, log: Path, *extra: str):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-             "-c", "512", "-np", "1", "-t", "2", *extra],
+             "-c", "512", "-np", "1", "-t", "1", *extra],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -124,7 +124,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 def test_a_stopped_process_is_found_stuck_killed_and_restarted(tiny_gguf, home,
                                                                 llama_server_binary):
-    server = LlamaServer(ServerSpec(tiny_gguf, ctx_size=512, threads=2),
+    server = LlamaServer(ServerSpec(tiny_gguf, ctx_size=512, threads=1),
                          binary=llama_server_binary, start_timeout=60, stop_grace=5,
                          health_interval=FAST.interval, health_timeout=FAST.timeout,
                          health_failures=FAST.failures)
@@ -322,7 +322,7 @@ def recovered(readiness: list[httpx.Response]) -> bool:
 
 def test_gateway_serves_a_model_whose_plain_process_hangs(llama_server_binary, tmp_path):
     gw = start_gateway(
-        {"llama_server": {"binary": str(llama_server_binary)},
+        {"llama_server": {"binary": str(llama_server_binary), "threads": 1},
          "models": [{"id": "demo-gguf", "path": "builtin:demo-gguf",
                      "engines": ["llamacpp", "llamacpp_mtp"], "max_concurrent": 2,
                      "max_context": 1024,

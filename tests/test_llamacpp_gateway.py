@@ -65,8 +65,10 @@ def gw(ar_gguf, llama_server_binary, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
     models[1]["llamacpp"] = {"extra_args": ["--chat-template-file", str(template)]}
+    # One thread per llama-server in every test (docs/DESIGN.md, Testing): its
+    # barriers spin when its threads outnumber the cores the other workers leave.
     g = start_gateway(
-        {"llama_server": {"binary": str(llama_server_binary)},
+        {"llama_server": {"binary": str(llama_server_binary), "threads": 1},
          "models": models + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
         tmp_path_factory.mktemp("gw-llamacpp"),
     )
@@ -379,7 +381,7 @@ def _port_of(pid: int) -> int:
 
 @pytest.fixture
 def fragile(ar_gguf, llama_server_binary, tmp_path):
-    g = start_gateway({"llama_server": {"binary": str(llama_server_binary)},
+    g = start_gateway({"llama_server": {"binary": str(llama_server_binary), "threads": 1},
                        "models": gguf_models(ar_gguf)}, tmp_path)
     yield g
     stop_gateway(g)
@@ -448,7 +450,7 @@ def test_sigterm_ends_a_llama_server_stream_with_an_error_event_and_done(
     """Past the grace (none here), a stream on llama-server ends as in-process ones do:
     an error event saying the server is shutting down, then [DONE]."""
     g = start_gateway({"server": {"shutdown_grace_s": 0},
-                       "llama_server": {"binary": str(llama_server_binary)},
+                       "llama_server": {"binary": str(llama_server_binary), "threads": 1},
                        "models": gguf_models(ar_gguf)}, tmp_path)  # fmt: skip
     events = []
     try:

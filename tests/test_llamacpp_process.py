@@ -47,7 +47,7 @@ def make_server(home, llama_server_binary):
 
     def make(model: Path, **kw) -> LlamaServer:
         spec_kw = {k: kw.pop(k) for k in ("spec", "ctx_size", "parallel") if k in kw}
-        spec = ServerSpec(model=model, ctx_size=spec_kw.pop("ctx_size", 512), threads=2, **spec_kw)
+        spec = ServerSpec(model=model, ctx_size=spec_kw.pop("ctx_size", 512), threads=1, **spec_kw)
         server = LlamaServer(spec, binary=llama_server_binary,
                              **{"start_timeout": 60, "stop_grace": 5} | kw)  # fmt: skip
         made.append(server)
@@ -229,7 +229,7 @@ from pathlib import Path
 from engines.llamacpp.process import LlamaServer, ServerSpec
 
 async def main():
-    s = LlamaServer(ServerSpec(model=Path(sys.argv[1]), ctx_size=512, threads=2),
+    s = LlamaServer(ServerSpec(model=Path(sys.argv[1]), ctx_size=512, threads=1),
                     binary=sys.argv[2], start_timeout=60)
     await s.start()
     print(s.pid, flush=True)

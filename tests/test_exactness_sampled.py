@@ -60,7 +60,7 @@ def test_verify_rows_are_the_targets_conditionals(subject, monkeypatch):
 
     monkeypatch.setattr(spec_decoder, "accept_sampled", recorded)
     prefix = copy_prefix(subject.model)
-    out = decode(subject, prefix, 2, params=params, max_tokens=24)
+    out = decode(subject, prefix, 2, params=params, max_tokens=16)
     assert len(calls) == len(out.rounds) and sum(len(d) for d, _ in calls) > 0
     done = 1  # the prefill's token
     for (drafts, p), stats in zip(calls, out.rounds, strict=True):

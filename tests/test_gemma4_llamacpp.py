@@ -326,8 +326,8 @@ def test_a_gemma4_gguf_drafts_with_its_assistant_behind_the_gateway(
 
     from tests.conftest import start_gateway, stop_gateway
 
-    exact = {"extra_args": list(EXACT_F32)}
-    g = start_gateway({"llama_server": {"binary": str(llama_server_binary), "threads": 1}, "models": [
+    exact = {"extra_args": list(EXACT_F32), "threads": 1}  # one thread: docs/DESIGN.md, Testing
+    g = start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [
         {"id": "g4", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
          "drafter": str(ggufs[1]), "llamacpp": exact, "max_context": 512, "max_concurrent": 1},
         {"id": "g4-alone", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
@@ -360,9 +360,10 @@ def test_a_gemma4_gguf_drafts_with_its_assistant_behind_the_gateway(
     (tmp_path / "second").mkdir()
     with pytest.raises(RuntimeError, match=r"g4-wrong failed to load: .*hidden size 96 "
                                            r"\(gemma4-assistant.embedding_length_out\)"):
-        start_gateway({"llama_server": {"binary": str(llama_server_binary), "threads": 1}, "models": [
+        start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [
             {"id": "g4-wrong", "path": str(ggufs[0]), "engines": ["llamacpp", "llamacpp_mtp"],
-             "drafter": str(wrong)}]}, (tmp_path / "second").resolve())  # fmt: skip
+             "drafter": str(wrong), "llamacpp": {"threads": 1}}]},
+                      (tmp_path / "second").resolve())  # fmt: skip
 
 
 def test_inspect_names_the_pair(ggufs):

@@ -322,11 +322,11 @@ def recovered(readiness: list[httpx.Response]) -> bool:
 
 def test_gateway_serves_a_model_whose_plain_process_hangs(llama_server_binary, tmp_path):
     gw = start_gateway(
-        {"llama_server": {"binary": str(llama_server_binary), "threads": 1},
+        {"llama_server": {"binary": str(llama_server_binary)},
          "models": [{"id": "demo-gguf", "path": "builtin:demo-gguf",
                      "engines": ["llamacpp", "llamacpp_mtp"], "max_concurrent": 2,
                      "max_context": 1024,
-                     "llamacpp": {"health_interval_s": FAST.interval,
+                     "llamacpp": {"threads": 1, "health_interval_s": FAST.interval,
                                   "health_timeout_s": FAST.timeout,
                                   "health_failures": FAST.failures}}]},
         tmp_path,

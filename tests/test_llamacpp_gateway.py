@@ -47,11 +47,13 @@ def ar_gguf(tiny_model, tmp_path_factory) -> Path:
 
 
 def gguf_models(ar_gguf: Path) -> list[dict]:
+    """Each llama-server on one thread: its barriers spin when its threads
+    outnumber the cores the suite's other workers leave (docs/DESIGN.md, Testing)."""
     return [
         {"id": "demo-gguf", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_mtp"],
-         "mtp_depth": 3, "max_concurrent": 2, "max_context": 1024},
+         "mtp_depth": 3, "max_concurrent": 2, "max_context": 1024, "llamacpp": {"threads": 1}},
         {"id": "ar-gguf", "path": str(ar_gguf), "engines": ["llamacpp", "llamacpp_mtp"],
-         "max_concurrent": 1, "max_context": 512},
+         "max_concurrent": 1, "max_context": 512, "llamacpp": {"threads": 1}},
     ]
 
 
@@ -60,15 +62,13 @@ def gw(ar_gguf, llama_server_binary, tmp_path_factory):
     models = gguf_models(ar_gguf)
     models[0]["engines"] = ["llamacpp", "llamacpp_mtp", "llamacpp_ngram"]
     # ngram-simple's default key is 12 tokens; 4 finds the demo's loops sooner.
-    models[0]["llamacpp"] = {"extra_args": ["--spec-ngram-simple-size-n", "4"]}
+    models[0]["llamacpp"]["extra_args"] = ["--spec-ngram-simple-size-n", "4"]
     # The trunk-only GGUF takes tools, through a hermes template of our own.
     template = tmp_path_factory.mktemp("template") / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
-    models[1]["llamacpp"] = {"extra_args": ["--chat-template-file", str(template)]}
-    # One thread per llama-server in every test (docs/DESIGN.md, Testing): its
-    # barriers spin when its threads outnumber the cores the other workers leave.
+    models[1]["llamacpp"]["extra_args"] = ["--chat-template-file", str(template)]
     g = start_gateway(
-        {"llama_server": {"binary": str(llama_server_binary), "threads": 1},
+        {"llama_server": {"binary": str(llama_server_binary)},
          "models": models + [{"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain"]}]},
         tmp_path_factory.mktemp("gw-llamacpp"),
     )
@@ -381,7 +381,7 @@ def _port_of(pid: int) -> int:
 
 @pytest.fixture
 def fragile(ar_gguf, llama_server_binary, tmp_path):
-    g = start_gateway({"llama_server": {"binary": str(llama_server_binary), "threads": 1},
+    g = start_gateway({"llama_server": {"binary": str(llama_server_binary)},
                        "models": gguf_models(ar_gguf)}, tmp_path)
     yield g
     stop_gateway(g)
@@ -450,7 +450,7 @@ def test_sigterm_ends_a_llama_server_stream_with_an_error_event_and_done(
     """Past the grace (none here), a stream on llama-server ends as in-process ones do:
     an error event saying the server is shutting down, then [DONE]."""
     g = start_gateway({"server": {"shutdown_grace_s": 0},
-                       "llama_server": {"binary": str(llama_server_binary), "threads": 1},
+                       "llama_server": {"binary": str(llama_server_binary)},
                        "models": gguf_models(ar_gguf)}, tmp_path)  # fmt: skip
     events = []
     try:

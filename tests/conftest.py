@@ -338,6 +338,16 @@ def gateway(tiny_model, tmp_path_factory):
 # -- a run: parallel workers, each in a SPECGATE_HOME of its own -----------------------
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): a worker more than the cores, up to 8. The
+    suite waits on its servers often enough (a gateway starting, a hung
+    process timing out) that a third worker on 2 cores took the run from
+    13.7-14.7 to 12.2 minutes; past 8, every worker's own gateways and
+    models cost more than they save."""
+    return min((os.cpu_count() or 1) + 1, 8)
+
+
+
 def pytest_configure(config):
     # The process that starts the run names it; its xdist workers inherit the
     # name (llama_build.py: a build is stopped only by the run that started it).

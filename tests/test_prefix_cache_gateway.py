@@ -30,7 +30,7 @@ SYSTEM = (
     "socket, json or logging already do. When you show code, show a whole function. "
 ) * 4
 QUESTIONS = ["def read_config(path):\n", "class Pool:\n    def __init__(self):\n",
-             "import socket\n\ndef serve(port):\n", "async def fetch(url):\n"]  # fmt: skip
+             "async def fetch(url):\n"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -347,6 +347,28 @@ def pytest_xdist_auto_num_workers(config):
     return min((os.cpu_count() or 1) + 1, 8)
 
 
+# Modules whose tests share nothing a worker cannot rebuild in seconds (the
+# exactness harness memoizes its tiny models per process): each of their
+# tests is a work unit of its own, so the proof tier's long samples run
+# beside the rest instead of one after another on one worker. Every other
+# module keeps its tests on one worker, with its module fixtures (loadscope).
+EACH_TEST_ALONE = ("tests/test_exactness_sampled.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.split("::", 1)[0] in EACH_TEST_ALONE:
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return Scheduling(config, log)
+
+
 
 def pytest_configure(config):
     # The process that starts the run names it; its xdist workers inherit the

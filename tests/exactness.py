@@ -10,13 +10,13 @@ would blur what is compared). A new engine inherits the proofs when it
 registers: its record's `needs` (and `drafter_kind`) pick the targets below;
 a drafter kind with no tiny builder here fails the suite, naming what to add.
 
-Random heads and drafters are almost always wrong, so each greedy decode is
-run twice: with the method's own drafts, and with injected ones (failure
-injection: the proposer drafts as usual, then its drafts are replaced by the
-true continuation corrupted at one chosen position, or none), which forces
-every accepted-prefix length. Prompts rotate across depths and families:
-each (prompt, depth) pair is covered somewhere in the suite, not in every
-test.
+Random heads and drafters are almost always wrong, so a sweep decodes its
+prompts with injected drafts (failure injection: the proposer drafts as
+usual, then its drafts are replaced by the true continuation corrupted at
+one chosen position, or none), which forces every accepted-prefix length,
+and its first prompt with the method's own drafts too. Prompts rotate across
+depths and families: a prompt meets a different depth on each of a method's
+families, so the pairs are covered over the suite, not all in every test.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Subject:
     model: object  # the float32 target, for references
     engine: object  # the SpecEngine its record built
     depths: tuple[int, ...]
-    _references: dict = field(default_factory=dict)
+    references: dict = field(default_factory=dict)  # the family's, by prompt
 
     @property
     def method(self) -> str:
@@ -188,9 +188,9 @@ class Subject:
 
     def _decoded(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         key = tuple(prompt)
-        if key not in self._references or len(self._references[key][0]) < n + MAX_DEPTH:
-            self._references[key] = greedy_reference(self.model, prompt, n + MAX_DEPTH)
-        return self._references[key]
+        if key not in self.references or len(self.references[key][0]) < n + MAX_DEPTH:
+            self.references[key] = greedy_reference(self.model, prompt, n + MAX_DEPTH)
+        return self.references[key]
 
 
 class _Family:
@@ -260,8 +260,8 @@ def prompts(vocab: int, n: int = N_PROMPTS, seed: int = 0) -> list[list[int]]:
 
 def rotated(s: Subject, depth: int) -> list[tuple[int, list[int]]]:
     """The prompts (with their index) this subject decodes at `depth`: prompt
-    i goes to depth (i + family_index) mod len(depths), so over a method's
-    families every prompt meets every depth."""
+    i goes to depth (i + family_index) mod len(depths), so each of a method's
+    families decodes a prompt at another depth."""
     at = s.depths.index(depth)
     return [(i, p) for i, p in enumerate(prompts(s.vocab))
             if (i + s.family_index) % len(s.depths) == at]  # fmt: skip

@@ -30,7 +30,7 @@ from engines.base import SamplingParams
 from engines.sampling import PenaltyState, penalised, probabilities
 
 N_FAST = 400
-N_PROOF = 6000
+N_PROOF = 4000
 N_WRONG = 300
 
 

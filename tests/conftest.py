@@ -429,7 +429,7 @@ def pytest_collection_modifyitems(config, items):
         if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)
             break
-    if not installed_llama_server_path(RUN_HOME).is_file():
+    if not config.option.collectonly and not installed_llama_server_path(RUN_HOME).is_file():
         llama_build.start(RUN_HOME)
 
 

@@ -168,7 +168,8 @@ class Lockstep:
         # Handoffs between the model's engines on other ranks, by request id
         # (engines/spec_engine.py and mlx_plain: a follower engine posts
         # them here, the engine resuming the request takes them).
-        self.handoffs: dict[str, Any] = {}
+        self._handoffs: dict[str, Any] = {}
+        self._handed = threading.Condition()
         self.active = False  # rank 0: sections are turns (begin())
         self._following = False  # other ranks: the conductor runs (follow())
         self._deciding: set[int] = set()  # other ranks: threads inside share()
@@ -307,10 +308,33 @@ class Lockstep:
         self.problem = (f"a rank of this distributed model is gone ({why}); "
                         "restart specgate under mlx.launch")  # fmt: skip
         log.error("%s", self.problem)
-        with self._turn:
-            self._turn.notify_all()
+        for waiting in (self._turn, self._handed):
+            with waiting:
+                waiting.notify_all()
         for callback in self._when_broken:
             callback(self.problem)
+
+    # -- handoffs between a model's engines, on the other ranks --------------------
+
+    def hand_over(self, request_id: str, handoff: Any) -> None:
+        """A follower engine handed `request_id` over, as rank 0's did."""
+        with self._handed:
+            self._handoffs[request_id] = handoff
+            self._handed.notify_all()
+
+    def take_handoff(self, request_id: str) -> Any:
+        """The handoff the engine resuming `request_id` starts from. The two
+        engines' threads run apart between turns: rank 0's command to resume
+        can reach this rank before the engine handing over, behind on a busy
+        machine, has posted it, so this waits for it (a rank silent this
+        long would be lost too)."""
+        with self._handed:
+            if not self._handed.wait_for(lambda: request_id in self._handoffs or self.problem,
+                                         self.rank_timeout_s):  # fmt: skip
+                self._broke(RuntimeError(f"rank {self.rank}: the handoff of {request_id} never came"))
+            if request_id not in self._handoffs:
+                raise LockstepBroken(self.problem)
+            return self._handoffs.pop(request_id)
 
     def when_broken(self, callback: Callable[[str], None]) -> None:
         """callback(problem), on whichever thread finds the lockstep broken (at
@@ -413,12 +437,12 @@ class FollowerOut:
     (rank 0 answers the client), but a Handoff is kept for the engine that
     resumes the request, which rank 0 names next."""
 
-    def __init__(self, request_id: str, handoffs: dict[str, Any]):
-        self.request_id, self.handoffs = request_id, handoffs
+    def __init__(self, request_id: str, lockstep: Lockstep):
+        self.request_id, self.lockstep = request_id, lockstep
 
     def put_nowait(self, item: object) -> None:
         if isinstance(item, Handoff):
-            self.handoffs[self.request_id] = item
+            self.lockstep.hand_over(self.request_id, item)
 
 
 class LockstepBroken(RuntimeError):

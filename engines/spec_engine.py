@@ -193,10 +193,10 @@ class SpecEngine(WorkerEngine):
             return name, None
         request, resumed = job
         lockstep = self.loaded.lockstep
-        resume = lockstep.handoffs.pop(request.request_id) if resumed else None
+        resume = lockstep.take_handoff(request.request_id) if resumed else None
         # No planner there: rank 0's plans are shared.
-        return name, _Job(request, None, Immediate(), FollowerOut(request.request_id,
-                                                                  lockstep.handoffs), resume)
+        return name, _Job(request, None, Immediate(), FollowerOut(request.request_id, lockstep),
+                          resume)  # fmt: skip
 
     def _between_rounds(self, job: _Job, waiting: deque[_Job], decoder: SpecDecoder) -> tuple:
         """What the next round hangs on, decided at once (one message for a

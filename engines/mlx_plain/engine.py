@@ -296,9 +296,9 @@ class MLXPlainEngine(WorkerEngine):
             if command == "cancel":
                 out.append((command, slots.get(request.request_id)))
                 continue
-            resume = lockstep.handoffs.pop(request.request_id) if resumed else None
+            resume = lockstep.take_handoff(request.request_id) if resumed else None
             # Rank 0's plans are shared: a planner here only says one is asked.
-            slot = _Slot(request, Immediate(), FollowerOut(request.request_id, lockstep.handoffs),
+            slot = _Slot(request, Immediate(), FollowerOut(request.request_id, lockstep),
                          resume.detokenizer if resume else self.tokenizer.detokenizer,
                          SHARED_PLANS if planned else None, resume)  # fmt: skip
             slots[request.request_id] = slot

@@ -54,6 +54,10 @@ class ServedModel:
     cache_share: str = "system"  # the server's prefix_cache.share
     # Residency (gateway/residency.py decides, ModelRegistry carries out).
     loading: asyncio.Task | None = None  # the load in progress
+    # A `load: boot` model whose turn to load has not come yet (models boot
+    # one after another, from a task the app starts): "loading" to /ready,
+    # not "unloaded" as a model loaded on first use would be.
+    boot_pending: bool = field(init=False)
     in_use: int = 0  # requests holding it (ModelLeases), from resolve to response end
     load_waiters: int = 0  # requests waiting for it to load
     last_used: float = field(default_factory=time.monotonic)
@@ -64,6 +68,7 @@ class ServedModel:
     def __post_init__(self) -> None:
         c = self.config
         self.gate = ModelGate(c.max_concurrent, c.max_queue, c.max_queue_wait_s)
+        self.boot_pending = c.load == "boot"  # until ModelRegistry._boot has tried it
 
     @property
     def id(self) -> str:
@@ -83,7 +88,7 @@ class ServedModel:
         it ("unloaded": not loaded now; a request loads it)."""
         if self.engine is not None:
             return "unhealthy" if self.problem else "ready"
-        if self.loading is not None:
+        if self.loading is not None or self.boot_pending:
             return "loading"
         return "failed" if self.error else "unloaded"
 
@@ -252,6 +257,8 @@ class ModelRegistry:
             await self.ensure_loaded(served)
         except APIError:
             pass  # logged; it stays failed, and /ready says so
+        finally:
+            served.boot_pending = False
 
     # -- reloading the config ---------------------------------------------------------
 

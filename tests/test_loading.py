@@ -60,6 +60,34 @@ def test_the_registry_reports_why_a_model_failed(tmp_path):
     assert registry.get("bare").engine is None and not registry.ready
 
 
+def test_ready_waits_for_every_boot_model(tiny_model):
+    """Boot models load one after another; between one's end and the next
+    one's start /ready once said ready (the later ones looked "unloaded", as
+    a model loaded on first use does), and a full parallel test run caught a
+    gateway answering 503 after its start-up check had seen 200."""
+    from gateway.config import parse_config
+    from gateway.models import ModelRegistry
+
+    registry = ModelRegistry(parse_config({"models": [
+        {"id": f"m{i}", "path": str(tiny_model), "engines": ["mlx_plain"]} for i in range(3)]}))
+    seen = []
+
+    async def watch_while_booting():
+        boot = asyncio.create_task(registry.start())
+        while not boot.done():  # every turn of the event loop, as an HTTP /ready could
+            seen.append((registry.ready, [m.state for m in registry.models.values()]))
+            await asyncio.sleep(0)
+        await boot
+        seen.append((registry.ready, [m.state for m in registry.models.values()]))
+        await registry.stop_all()
+
+    asyncio.run(watch_while_booting())
+    assert seen[-1] == (True, ["ready"] * 3)
+    early = [states for ready, states in seen if ready and states != ["ready"] * 3]
+    assert not early, early[:3]
+    assert any(states[0] == "ready" and states[2] == "loading" for _, states in seen)
+
+
 # ---------------------------------------------------------------- served
 
 

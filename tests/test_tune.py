@@ -43,10 +43,12 @@ def test_tune_measures_saves_and_the_gateway_reads_it(tiny_model, tmp_path):
     short, long, gain, head = map(float, out.stdout.split())
     # What was saved, read back; never a time compared with another here (on
     # a loaded machine a verify of 4 can time as 1: sanitize's running max,
-    # and a draft fit clamped at 0: tested below).
+    # and a draft fit clamped at 0: tested below). short >= 1 holds by that
+    # running max over its own row; the long row's costs are in c(1) at 64
+    # tokens, and a -n 4 run measured 0.85 there: no bound but > 0.
     verify, fit = data["verify"], data["draft"]["mtp"]
     assert short == pytest.approx(verify["64"]["4"]) and long == pytest.approx(verify["4096"]["4"])
-    assert short >= 1.0 and long >= 1.0 and gain == pytest.approx(data["batched"]["8"]) and gain > 0
+    assert short >= 1.0 and long > 0 and gain == pytest.approx(data["batched"]["8"]) and gain > 0
     assert head == pytest.approx(fit["per_round"] + 3 * fit["per_token"]) and head >= 0
 
 

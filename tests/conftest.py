@@ -369,7 +369,6 @@ def pytest_xdist_make_scheduler(config, log):
     return Scheduling(config, log)
 
 
-
 def pytest_configure(config):
     # The process that starts the run names it; its xdist workers inherit the
     # name (llama_build.py: a build is stopped only by the run that started it).

@@ -19,7 +19,10 @@ without, and polls as before.
 The same connections tell rank 0 that another rank is lost, which MLX's
 collectives say only once one runs, and never for a rank that is alive but
 stuck: each other rank sends a heartbeat every second, and rank 0's watcher
-reports a rank whose connection closed or who went silent.
+reports a rank whose connection closed or who went silent. Silence is
+counted only while the watcher itself ran: when the whole machine stalls
+(a loaded host, a paused VM), the watcher wakes before the ranks' beats
+do, and without that rule it took its own sleep for their silence.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ TOKEN_WAIT_S = 2.0  # rank 0: how long one connection has to present the token
 RING = b"\x01"  # rank 0 to another rank: a message follows
 BEAT = b"\x02"  # another rank to rank 0: still here
 BEAT_S = 1.0
+LISTEN_S = 0.5  # rank 0's watcher wakes at least this often
+STALL_S = 1.0  # a watcher that woke this much later than it asked was not running
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class Doorbell:
 
     def __init__(self, connections: dict[int, socket.socket]):
         self.connections = connections
+        self.clock = time.monotonic  # (a test moves it, to stand for a stall)
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -101,12 +107,20 @@ class Doorbell:
         self._watcher.start()
 
     def _watch(self, silent_s: float, lost: Callable[[str], None]) -> None:
-        last = dict.fromkeys(self.connections, time.monotonic())
+        awake = self.clock()
+        last = dict.fromkeys(self.connections, awake)
         with selectors.DefaultSelector() as selector:
             for rank, c in self.connections.items():
                 selector.register(c, selectors.EVENT_READ, rank)
             while not self._closing.is_set():
-                for key, _ in selector.select(timeout=0.5):
+                events = selector.select(timeout=LISTEN_S)
+                now = self.clock()
+                if (asleep := now - awake - LISTEN_S) > STALL_S:
+                    # The watcher was not running, so it heard nothing: that time is no one's silence.
+                    log.warning("doorbell: rank 0's watcher did not run for %.1f s", asleep)
+                    last = {r: t + asleep for r, t in last.items()}
+                awake = now
+                for key, _ in events:
                     try:
                         heard = key.fileobj.recv(256)
                     except OSError:
@@ -114,8 +128,8 @@ class Doorbell:
                     if not heard:
                         lost(f"rank {key.data}'s connection to rank 0 closed")
                         return
-                    last[key.data] = time.monotonic()
-                silent = [r for r, t in last.items() if time.monotonic() - t > silent_s]
+                    last[key.data] = now
+                silent = [r for r, t in last.items() if now - t > silent_s]
                 if silent:
                     lost(f"rank {silent[0]} sent no heartbeat for {silent_s:g} s")
                     return

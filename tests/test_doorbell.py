@@ -142,10 +142,8 @@ def test_a_rank_that_beats_is_not_lost_and_one_that_leaves_is_at_once():
         lost = watched(doorbell, silent_s=2.5)
         time.sleep(4)  # longer than the silence allowed: the heartbeats cover it
         assert lost.empty()
-        t0 = time.monotonic()
         bells[1].close()  # rank 2's process ends
-        assert lost.get(timeout=5) == "rank 2's connection to rank 0 closed"
-        assert time.monotonic() - t0 < 2  # not after a timeout
+        assert lost.get(timeout=5) == "rank 2's connection to rank 0 closed"  # not the silence
     finally:
         doorbell.close()
         bells[0].close()
@@ -163,6 +161,35 @@ def test_a_rank_that_stops_beating_is_lost_after_the_timeout():
         try:
             lost = watched(doorbell, silent_s=1.5)
             assert lost.get(timeout=10) == "rank 1 sent no heartbeat for 1.5 s"
+        finally:
+            doorbell.close()
+
+
+def test_a_stall_of_the_whole_machine_is_no_ranks_silence():
+    """The host stalls rank 0's watcher and the other rank alike (a loaded
+    machine, a paused VM): when it resumes, the watcher may run before the
+    rank's next beat. Its clock jumping 5 s stands for the stall (failure
+    injection); the hand-made connection beats when the test says. The rank
+    is not lost, and once it truly goes quiet, it is."""
+    offer, opened = opening(1)
+    with socket.create_connection((offer.host, offer.port), timeout=5) as rank:
+        rank.sendall(offer.token + (1).to_bytes(4, "little"))
+        assert rank.recv(1) == b"\x01"
+        doorbell = opened()
+        jumped = 0.0
+        doorbell.clock = lambda: time.monotonic() + jumped
+        try:
+            lost = watched(doorbell, silent_s=2.5)
+            for _ in range(3):
+                rank.sendall(b"\x02")
+                time.sleep(0.5)
+            jumped = 5.0  # the stall, during which the rank sent nothing either
+            time.sleep(1.5)  # the watcher wakes (every 0.5 s) before the rank beats again
+            for _ in range(6):
+                rank.sendall(b"\x02")
+                time.sleep(0.5)
+            assert lost.empty()
+            assert lost.get(timeout=10) == "rank 1 sent no heartbeat for 2.5 s"
         finally:
             doorbell.close()
 

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -52,11 +54,72 @@ def home(tmp_path, monkeypatch, llama_server_binary) -> Path:
     return tmp_path / "home"
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` stopped (or the process gone)."""
+    try:
+        tasks = Path(f"/proc/{pid}/task")
+        if tasks.is_dir():  # Linux: each thread's state follows the ')' ending its name
+            return all(p.read_text().rpartition(")")[2].split()[0] in "Tt"
+                       for p in tasks.glob("*/stat"))  # fmt: skip
+        done = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+        return not done.stdout.strip() or done.stdout.strip().startswith("T")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP `pid` and wait until it has stopped. The signal wakes one
+    thread to stop the others; on a busy machine that thread may wait for a
+    core while another answers a request (found under `-n 4`: a 'frozen'
+    llama-server answered /tokenize)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not _stopped(pid):
+        assert time.monotonic() < deadline, f"process {pid} did not stop within 30 s"
+        time.sleep(0.005)
+
+
+COUNTING = """
+import mmap, sys, threading, time
+with open(sys.argv[1], "r+b") as f:
+    shared = mmap.mmap(f.fileno(), 8)
+def count():
+    n = 0
+    while True:
+        n += 1
+        shared[:8] = n.to_bytes(8, "little")
+threading.Thread(target=count, daemon=True).start()
+time.sleep(600)  # the main thread, which the kernel asks to stop the others
+"""
+
+
+def test_freeze_returns_once_no_thread_of_the_process_runs(tmp_path):
+    """A thread that runs on while a SIGSTOP takes effect is how a 'frozen'
+    llama-server answered a request under load; after freeze() none runs."""
+    counter = tmp_path / "counter"
+    counter.write_bytes(bytes(8))
+    child = subprocess.Popen([sys.executable, "-c", COUNTING, str(counter)])
+    try:
+        while counter.read_bytes() == bytes(8):
+            time.sleep(0.01)
+        for _ in range(5):
+            freeze(child.pid)
+            at_stop = counter.read_bytes()
+            time.sleep(0.2)
+            assert counter.read_bytes() == at_stop
+            os.kill(child.pid, signal.SIGCONT)
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+
+
 @contextlib.contextmanager
 def frozen(*pids: int):
     """SIGSTOP these processes; SIGCONT whichever still exist afterwards."""
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
     try:
         yield
     finally:
@@ -167,7 +230,7 @@ async def stream_until_frozen(engine: LlamaCppEngine, got: list[TokenEvent]) -> 
         async for event in engine.generate(request([1, 2, 3], 900)):
             got.append(event)
             if len(got) == 2:
-                os.kill(pid, signal.SIGSTOP)
+                freeze(pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -237,7 +300,7 @@ def test_a_long_prefill_is_progress(demo_gguf, home, llama_server_binary):
             # Stretch the prefill in wall time, each pause well under the deadline.
             nonlocal paused
             while not first_token.is_set():
-                os.kill(pid, signal.SIGSTOP)
+                freeze(pid)
                 await asyncio.sleep(0.5)
                 os.kill(pid, signal.SIGCONT)
                 paused += 0.5

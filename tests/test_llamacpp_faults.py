@@ -55,17 +55,17 @@ def home(tmp_path, monkeypatch, llama_server_binary) -> Path:
 
 
 def _stopped(pid: int) -> bool:
-    """Every thread of `pid` stopped (or the process gone)."""
+    """No thread of `pid` can run: each stopped, or dead (the process may be killed meanwhile)."""
     try:
         tasks = Path(f"/proc/{pid}/task")
         if tasks.is_dir():  # Linux: each thread's state follows the ')' ending its name
-            return all(p.read_text().rpartition(")")[2].split()[0] in "Tt"
+            return all(p.read_text().rpartition(")")[2].split()[0] in "TtZX"
                        for p in tasks.glob("*/stat"))  # fmt: skip
         done = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
                               text=True, timeout=10)  # fmt: skip
-        return not done.stdout.strip() or done.stdout.strip().startswith("T")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
+        return not done.stdout.strip() or done.stdout.strip()[0] in "TZ"
+    except FileNotFoundError:  # a thread (or the process) ended while we looked: look again
+        return not Path(f"/proc/{pid}").exists() and Path("/proc/self").exists()
 
 
 def freeze(pid: int) -> None:

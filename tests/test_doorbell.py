@@ -5,6 +5,7 @@ offer goes through a queue, where the lockstep's channel would carry it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import socket
@@ -149,14 +150,22 @@ def test_a_rank_that_beats_is_not_lost_and_one_that_leaves_is_at_once():
         bells[0].close()
 
 
+@contextlib.contextmanager
+def hand_made_rank(offer: Offer):
+    """Rank 1's connection, made by hand: it presents the token and then
+    sends only what the test sends (failure injection: no Bell beating)."""
+    with socket.create_connection((offer.host, offer.port), timeout=5) as rank:
+        rank.sendall(offer.token + (1).to_bytes(4, "little"))
+        assert rank.recv(1) == b"\x01"
+        yield rank
+
+
 def test_a_rank_that_stops_beating_is_lost_after_the_timeout():
     """A rank stuck (or cut off) keeps its connection open and says nothing:
     here a hand-made connection that presents the token and then goes
     quiet stands in for it (failure injection)."""
     offer, opened = opening(1)
-    with socket.create_connection((offer.host, offer.port), timeout=5) as quiet:
-        quiet.sendall(offer.token + (1).to_bytes(4, "little"))
-        assert quiet.recv(1) == b"\x01"
+    with hand_made_rank(offer):
         doorbell = opened()
         try:
             lost = watched(doorbell, silent_s=1.5)
@@ -172,9 +181,7 @@ def test_a_stall_of_the_whole_machine_is_no_ranks_silence():
     injection); the hand-made connection beats when the test says. The rank
     is not lost, and once it truly goes quiet, it is."""
     offer, opened = opening(1)
-    with socket.create_connection((offer.host, offer.port), timeout=5) as rank:
-        rank.sendall(offer.token + (1).to_bytes(4, "little"))
-        assert rank.recv(1) == b"\x01"
+    with hand_made_rank(offer) as rank:
         doorbell = opened()
         jumped = 0.0
         doorbell.clock = lambda: time.monotonic() + jumped

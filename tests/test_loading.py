@@ -4,8 +4,12 @@ mlx-lm refuses as named but can read (a text-only save) are served."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
+import threading
+import time
+import weakref
 
 import httpx
 import openai
@@ -146,12 +150,53 @@ def test_chat_without_a_chat_template_is_a_clear_400(layouts):
     assert "Traceback" not in layouts.log()
 
 
+def collected(*refs: weakref.ref, within_s: float = 30.0) -> bool:
+    """Whether every object goes once nothing holds it: collect until it is
+    gone. One gc.collect() is not enough: while another thread's collection
+    runs (it may be anywhere in its weakref callbacks), gc.collect() returns
+    at once and collects nothing, and an object whose owner's weakref that
+    collection has cleared stays until it finishes. A leak holds it for good."""
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def test_collected_waits_for_another_threads_collection():
+    class Node:
+        pass
+
+    inside, release = threading.Event(), threading.Event()
+    cache = Node()
+    gc.disable()  # no automatic collection but the one below, in the other thread
+    try:
+        gc.collect()  # the cache survives into the oldest generation
+        owner = Node()
+        owner.me, owner.cache = owner, cache  # a cycle: only a collection frees it
+        weakref.finalize(owner, lambda: (inside.set(), release.wait(10)))
+        owner_ref, cache_ref = weakref.ref(owner), weakref.ref(cache)
+        del owner, cache
+        youngest = threading.Thread(target=gc.collect, args=(0,))
+        youngest.start()
+        assert inside.wait(10)
+        # What the flaky run saw: the owner gone, what it held still there,
+        # and a collection here doing nothing.
+        assert gc.collect() == 0 and owner_ref() is None and cache_ref() is not None
+        threading.Timer(0.1, release.set).start()
+        assert collected(cache_ref)
+        youngest.join(10)
+    finally:
+        release.set()
+        gc.enable()
+
+
 def test_an_unloaded_model_lets_its_weights_go_and_loads_again(tmp_path):
     """Eviction and idle unloads free memory only if nothing keeps the
     weights: not the per-path memo, not the prefix caches' RAM budget."""
-    import gc
-    import weakref
-
     from engines import loading
     from gateway.config import parse_config
     from gateway.models import ModelRegistry
@@ -167,8 +212,7 @@ def test_an_unloaded_model_lets_its_weights_go_and_loads_again(tmp_path):
         cache = weakref.ref(served.engine.loaded.prefix_cache)
         assert served.memory()["weights"] > 0 and served.memory()["drafter"] > 0
         await registry.unload(served)
-        gc.collect()
-        assert loaded() is None and cache() is None  # (the RAM budget held the cache)
+        assert collected(loaded, cache)  # (the RAM budget held the cache)
         assert str(path.resolve()) not in loading._loaded
         await registry.ensure_loaded(served)
         assert served.state == "ready" and served.counts.loads == 2

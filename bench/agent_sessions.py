@@ -195,7 +195,7 @@ def report(passes: list[dict], methods: list[str]) -> None:
 
 
 def main() -> None:
-    from engines.builders.builtin_models import BUILTIN_DEMO, BUILTIN_DEMO_DFLASH
+    from specgate.engines.checkpoints.builtin import BUILTIN_DEMO, BUILTIN_DEMO_DFLASH
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=BUILTIN_DEMO)

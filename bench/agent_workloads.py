@@ -234,7 +234,7 @@ def synthetic_target(args):
     import mlx.nn as nn
     from mlx_lm.models import qwen3
 
-    from engines.mlx_mtp.head import MTPHead
+    from specgate.engines.drafting.mtp.head import MTPHead
 
     hidden, layers, mlp, heads, kv, hd = SHAPES[args.synthetic]
     vocab = args.vocab
@@ -296,7 +296,7 @@ def synthetic_prompts(transcripts: list[dict], sigma: list[int], seed: int) -> l
     chat template), the copied span where the text has it."""
     from tokenizers import Tokenizer
 
-    from engines.builders.builtin_models import default_model_path
+    from specgate.engines.checkpoints.builtin import default_model_path
 
     tok = Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
     vocab = len(sigma)
@@ -336,19 +336,19 @@ class InProcess:
     the policy's LivePolicy sees only its own)."""
 
     def __init__(self, args, model, head):
-        from engines.base import LiveState
-        from engines.loading import LoadedModel
-        from engines.mlx_plain import MLXPlainEngine
-        from engines.prefix_cache import PrefixCache
-        from engines.proposers.base import Drafting
-        from engines.proposers.copy_length import CopyEvidence
-        from engines.proposers.mtp import MTPProposer
-        from engines.proposers.mtp_ngram import MTPNgramProposer
-        from engines.proposers.ngram import drafting as ngram_drafting
-        from engines.registry import MLX, BuildContext
-        from engines.spec_engine import SpecEngine
-        from policies.config import PolicyConfig
-        from policies.model_policy import LivePolicy, build_policy, timed_methods
+        from specgate.engines.base import LiveState
+        from specgate.engines.cache.prefix_cache import PrefixCache
+        from specgate.engines.drafting.base import Drafting
+        from specgate.engines.drafting.mtp.proposer import MTPProposer
+        from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
+        from specgate.engines.drafting.ngram.copy_length import CopyEvidence
+        from specgate.engines.drafting.ngram.proposer import drafting as ngram_drafting
+        from specgate.engines.loading import LoadedModel
+        from specgate.engines.mlx_plain import MLXPlainEngine
+        from specgate.engines.mlx_spec.engine import SpecEngine
+        from specgate.engines.registry import MLX, BuildContext
+        from specgate.policies.config import PolicyConfig
+        from specgate.policies.model_policy import LivePolicy, build_policy, timed_methods
 
         config = {"model_type": "qwen3", "vocab_size": args.vocab}
         self.loaded = LoadedModel("synthetic", model, _NoTokenizer(), config,
@@ -356,7 +356,7 @@ class InProcess:
         ctx = BuildContext("synthetic", "synthetic", MLX, mtp_depth=args.mtp_depth,
                            ngram_depth=args.ngram_depth, max_context=8192, loaded=self.loaded)  # fmt: skip
         mtp = lambda loaded, target, drafter: Drafting("mtp", lambda t: MTPProposer(t, head))  # noqa: E731
-        evidence = CopyEvidence()  # the engine's, as engines/proposers/mtp_ngram.py's drafting makes it
+        evidence = CopyEvidence()  # the engine's, as engines/drafting/mtp_ngram.py's drafting makes it
         both = lambda loaded, target, drafter: Drafting(  # noqa: E731
             "mtp+ngram", lambda t: MTPNgramProposer(t, head, args.mtp_depth, evidence))
         common = dict(max_context=8192, kernels=args.kernels)
@@ -385,7 +385,7 @@ class InProcess:
         return self.loop.run_until_complete(self._run(prompt, n, variant, content))
 
     async def _run(self, prompt: list[int], n: int, variant: str, content: str) -> Result:
-        from engines.base import (
+        from specgate.engines.base import (
             GenerationRequest,
             Handoff,
             LiveState,
@@ -393,7 +393,7 @@ class InProcess:
             RoundStats,
             SamplingParams,
         )
-        from policies.decide import FixedPlanner, RequestFeatures
+        from specgate.policies.decide import FixedPlanner, RequestFeatures
 
         if variant == "policy":
             features = RequestFeatures(len(prompt), False, content=content)
@@ -466,7 +466,7 @@ def run_synthetic(args, transcripts: list[dict]) -> dict:
     say(f"synthetic {args.synthetic} target built in {time.perf_counter() - t0:.1f} s on "
         f"{mx.default_device()}; {args.bits or 'no'}-bit, vocab {args.vocab}; MTP head right "
         f"{args.mtp_head_accuracy:.2f} of the time (noise scale {args.mtp_noise_scale:.2f})")  # fmt: skip
-    from policies.content import content_class
+    from specgate.policies.content import content_class
 
     prompts = synthetic_prompts(transcripts, sigma, args.seed)
     # The class the gateway would give the text (its last message), which the policy learns by.

@@ -2,10 +2,10 @@
 
     uv run python bench/copy_length.py [--reps 5] [--depth 8]
 
-The demo model, in-process (engines/spec_decoder.py with the ngram proposer,
+The demo model, in-process (engines/mlx_spec/decoder.py with the ngram proposer,
 greedy, 256 tokens: the same tokens either way), on bench/agent_transcripts.json.
 Per transcript, after `--learn` requests that teach a CopyEvidence
-(engines/proposers/copy_length.py) as an engine's requests would, `--reps`
+(engines/drafting/ngram/copy_length.py) as an engine's requests would, `--reps`
 rounds of three decodes in rotating order: depth 0 (every round a plain
 step through the same decoder), copies whole (no evidence, what the ngram
 proposer did before), copies cut by the evidence. Reported:
@@ -42,13 +42,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
 
-    from engines.base import GenerationRequest, Plan, SamplingParams
-    from engines.builders.builtin_models import default_model_path
-    from engines.loading import load_mlx_model
-    from engines.proposers.copy_length import CopyEvidence
-    from engines.proposers.ngram import NgramProposer
-    from engines.spec_decoder import SpecDecoder
-    from engines.targets import target_for
+    from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+    from specgate.engines.checkpoints.builtin import default_model_path
+    from specgate.engines.drafting.ngram.copy_length import CopyEvidence
+    from specgate.engines.drafting.ngram.proposer import NgramProposer
+    from specgate.engines.loading import load_mlx_model
+    from specgate.engines.mlx_spec.decoder import SpecDecoder
+    from specgate.engines.targets import target_for
 
     loaded = load_mlx_model(str(default_model_path()))
     target = target_for(loaded.model)

@@ -45,7 +45,7 @@ MODES = [("single", None), ("tensor x2", "tensor"), ("pipeline x2", "pipeline")]
 METHODS = ["none", "mtp"]
 # specgate's lockstep messages per plain step of one request (the commands
 # shared, the step's turn, the planner asked) and per MTP round (new jobs,
-# gone and plan; the round's turn); each a turn or a value (engines/lockstep.py).
+# gone and plan; the round's turn); each a turn or a value (engines/distributed/lockstep.py).
 CONTROL_PER_STEP = {"none": 5, "mtp": 3}
 
 # Thunderbolt 5, published: 80 Gb/s each way (Apple's Mac Studio (2025) tech
@@ -100,7 +100,7 @@ def time_collectives(shape: dict, repeats: int) -> dict[str, float]:
 def _time_collectives_here(shape: dict, repeats: int, out: str) -> None:
     import mlx.core as mx
 
-    from engines.lockstep import Channel
+    from specgate.engines.distributed.lockstep import Channel
 
     group = mx.distributed.init()
     dtype = {2: mx.bfloat16, 4: mx.float32}[shape["bytes"]]
@@ -191,7 +191,7 @@ def main() -> None:
         return _time_collectives_here(json.loads(args.time_collectives), args.repeats, args.out)
 
     sys.path.insert(0, str(REPO))
-    from engines.builders.builtin_models import resolve_builtin
+    from specgate.gateway.serving.builtins import resolve_builtin
 
     text = json.loads((Path(resolve_builtin("builtin:demo")) / "config.json").read_text())
     text = text.get("text_config", text)

@@ -43,16 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_mtp_7b import OUT, first_diff, plain, say  # noqa: E402
 
-from engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
-from engines.home import kernel_cache_dir  # noqa: E402
-from engines.mlx_assistant.gemma4 import AssistantArgs, Gemma4Assistant, check_pairing  # noqa: E402
-from engines.mlx_load import evaluate_buffers  # noqa: E402
-from engines.proposers.assistant import AssistantProposer  # noqa: E402
-from engines.proposers.base import Proposal  # noqa: E402
-from engines.spec_decoder import SpecDecoder  # noqa: E402
-from engines.targets import target_for  # noqa: E402
-from kernels import qmm, wiring  # noqa: E402
-from kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
+from specgate.engines.drafting.assistant.gemma4 import AssistantArgs, Gemma4Assistant, check_pairing  # noqa: E402
+from specgate.engines.drafting.assistant.proposer import AssistantProposer  # noqa: E402
+from specgate.engines.drafting.base import Proposal  # noqa: E402
+from specgate.engines.home import kernel_cache_dir  # noqa: E402
+from specgate.engines.mlx_load import evaluate_buffers  # noqa: E402
+from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
+from specgate.engines.targets import target_for  # noqa: E402
+from specgate.kernels import qmm, wiring  # noqa: E402
+from specgate.kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
 
 
 def layer_types(n: int, pattern: int) -> list[str]:

@@ -27,7 +27,7 @@ that the greedy output is known and stable:
   continuation's token with probability a and by a different token
   otherwise (a Bernoulli per draft position from a seeded generator, the
   same sequence for stock and kernels). Verification, acceptance and
-  rollback are the product's (engines/spec_decoder.py); a replaced token is
+  rollback are the product's (engines/mlx_spec/decoder.py); a replaced token is
   accepted exactly when the trunk agrees, so the measured per-position
   acceptance (accepted / positions reached) is printed next to a.
 The speculative output must equal the plain output token for token
@@ -54,15 +54,15 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
-from engines.home import kernel_cache_dir  # noqa: E402
-from engines.mlx_mtp.head import MTPHead  # noqa: E402
-from engines.proposers.base import Proposal  # noqa: E402
-from engines.proposers.mtp import MTPProposer  # noqa: E402
-from engines.spec_decoder import SpecDecoder  # noqa: E402
-from engines.targets import target_for  # noqa: E402
-from kernels import qmm, wiring  # noqa: E402
-from kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
+from specgate.engines.drafting.base import Proposal  # noqa: E402
+from specgate.engines.drafting.mtp.head import MTPHead  # noqa: E402
+from specgate.engines.drafting.mtp.proposer import MTPProposer  # noqa: E402
+from specgate.engines.home import kernel_cache_dir  # noqa: E402
+from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
+from specgate.engines.targets import target_for  # noqa: E402
+from specgate.kernels import qmm, wiring  # noqa: E402
+from specgate.kernels.guard import FUSED_QMM, Candidate, Guard, cuda_mma_fused_candidate  # noqa: E402
 
 OUT: list = []  # the --out file, written line by line (a run cut short keeps what it said)
 

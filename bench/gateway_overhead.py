@@ -45,10 +45,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import load_mlx_model
-from engines.mlx_plain import MLXPlainEngine
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_plain import MLXPlainEngine
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_ID = "bench-model"
@@ -155,7 +155,7 @@ def gateway_server(ckpt: Path, workdir: Path, max_concurrent: int):
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+            [sys.executable, "-m", "specgate", "serve", "--config", str(cfg)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

@@ -4,7 +4,7 @@
         [--accept 0.6,0.9] [--json FILE]
 
 In-process (no HTTP), greedy, one stream. Rows:
-- gemma4 tiny: a tiny Gemma-4 (engines/builders/gemma4.py, 8 layers, hidden
+- gemma4 tiny: a tiny Gemma-4 (builders/gemma4.py, 8 layers, hidden
   256, window 32) and a random assistant built for it: plain decoding
   (mlx-lm's generate_step) vs the assistant drafting at each depth, with its
   own drafts (a random drafter: acceptance ~0, the cost of drafting shown
@@ -35,19 +35,19 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.builtin_models import default_model_path
-from engines.builders.drafters import build_gemma4_assistant
-from engines.builders.gemma4 import build_gemma4
-from engines.loading import LoadedModel
-from engines.mlx_assistant.gemma4 import check_pairing, load_assistant
-from engines.mlx_mtp.loading import load_mtp_head
-from engines.prefix_cache import PrefixCache
-from engines.proposers.assistant import AssistantProposer
-from engines.proposers.base import Proposal
-from engines.proposers.mtp import MTPProposer
-from engines.spec_decoder import SpecDecoder
-from engines.targets import target_for
+from specgate.builders.drafters import build_gemma4_assistant
+from specgate.builders.gemma4 import build_gemma4
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.checkpoints.builtin import default_model_path
+from specgate.engines.drafting.assistant.gemma4 import check_pairing, load_assistant
+from specgate.engines.drafting.assistant.proposer import AssistantProposer
+from specgate.engines.drafting.base import Proposal
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.targets import target_for
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify_curve import qwen3_7b  # noqa: E402  (bench/, beside this file)
 
-from engines.home import kernel_cache_dir  # noqa: E402
-from kernels import hook  # noqa: E402
-from kernels.cache_undo import checkpoint, restore  # noqa: E402
-from kernels.guard import (  # noqa: E402
+from specgate.engines.home import kernel_cache_dir  # noqa: E402
+from specgate.kernels import hook  # noqa: E402
+from specgate.kernels.cache_undo import checkpoint, restore  # noqa: E402
+from specgate.kernels.guard import (
     FUSED_QMM,
     Guard,
     cuda_candidate,

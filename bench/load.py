@@ -46,7 +46,7 @@ from pathlib import Path
 import httpx
 from serving import REPO, serving
 
-from gateway.keys import add_key, split_key
+from specgate.gateway.access.keys import add_key, split_key
 
 PROMPTS = ["Write a function that parses a date.", "def fib(n):", "class Queue:",
            "Explain what a context manager does.", "import os\n\ndef walk(root):"]  # fmt: skip

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.builders.builtin_models import default_model_path
-from engines.builders.demo_training import evaluate, load_demo
-from engines.builders.tokenizer import ENDOFTEXT
+from specgate.builders.demo_training import evaluate, load_demo
+from specgate.builders.tokenizer import ENDOFTEXT
+from specgate.engines.checkpoints.builtin import default_model_path
 
 
 def heldout_tokens(model_dir: Path, limit: int) -> tuple[np.ndarray, list[str]]:

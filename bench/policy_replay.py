@@ -116,7 +116,7 @@ def replay(prior: str, aligned: Path, work: Path, args) -> dict:
     if prior == "tuned":
         for model in ("builtin:demo", str(aligned)):
             print(f"specgate tune {model} ...", flush=True)
-            subprocess.run([sys.executable, "-m", "gateway.cli", "tune", model], cwd=REPO,
+            subprocess.run([sys.executable, "-m", "specgate", "tune", model], cwd=REPO,
                            env=os.environ | {"SPECGATE_HOME": str(home)}, check=True,
                            stdout=subprocess.DEVNULL)  # fmt: skip
     (work / prior).mkdir()
@@ -154,7 +154,7 @@ def main() -> None:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        from engines.builders.tiny import build_qwen35_hybrid
+        from specgate.builders.tiny import build_qwen35_hybrid
 
         aligned = build_qwen35_hybrid(work / "qwen35-aligned", seed=0, aligned_mtp=True)
         for prior in args.priors.split(","):

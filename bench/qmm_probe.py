@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify_curve import per_call, weight_sets  # noqa: E402  (bench/, beside this file)
 
-from kernels import qmm, qmm_mma  # noqa: E402
-from kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
+from specgate.kernels import qmm, qmm_mma  # noqa: E402
+from specgate.kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
 
 
 def inputs(m, k, n, dt, bits, gs, seed=0):

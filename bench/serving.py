@@ -37,7 +37,7 @@ def serving(models: list[dict], workdir: Path, home: Path | None = None,
     (workdir / "specgate.yaml").write_text(yaml.safe_dump(config))
     log = workdir / "gateway.log"
     env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "specgate.yaml")]
+    command = [sys.executable, "-m", "specgate", "serve", "--config", str(workdir / "specgate.yaml")]
     if ranks > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -29,16 +29,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 from tokenizers import Tokenizer
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.builtin_models import default_model_path
-from engines.loading import LoadedModel
-from engines.mlx_mtp.loading import load_mtp_head
-from engines.prefix_cache import PrefixCache
-from engines.proposers.mtp import MTPProposer
-from engines.sampling import sample
-from engines.spec_decoder import SpecDecoder
-from engines.targets import target_for
-from kernels.cache_undo import checkpoint, restore
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.checkpoints.builtin import default_model_path
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.sampling import sample
+from specgate.engines.targets import target_for
+from specgate.kernels.cache_undo import checkpoint, restore
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main():\n",

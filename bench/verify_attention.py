@@ -3,7 +3,7 @@
     python bench/verify_attention.py [--home DIR] [--out FILE] [--lengths 1024,4096,16384,32768]
                                      [--dtype bfloat16] [--budget SECONDS]
 
-check:  kernels/attention.py's CUDA kernels against the exact answer (stock
+check:  bench/verify_attention_kernel.py's CUDA kernels against the exact answer (stock
         mx.fast.scaled_dot_product_attention in float32 on the CPU) over
         float16 / bfloat16 / float32, D 64 and 128, plain and GQA, L not a
         multiple of the 32-key tile, M 2..16; error = max over output rows
@@ -33,9 +33,10 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.home import kernel_cache_dir  # noqa: E402
-from kernels import attention as A  # noqa: E402
-from kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
+import verify_attention_kernel as A  # noqa: E402
+
+from specgate.engines.home import kernel_cache_dir  # noqa: E402
+from specgate.kernels.guard import TOLERANCE, dtype_name, row_error  # noqa: E402
 
 LINES: list[str] = []
 OUT: Path | None = None

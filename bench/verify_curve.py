@@ -39,10 +39,10 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.home import kernel_cache_dir  # noqa: E402
-from kernels import hook, qmm, qmm_mma  # noqa: E402
-from kernels.cache_undo import checkpoint, restore  # noqa: E402
-from kernels.guard import (  # noqa: E402
+from specgate.engines.home import kernel_cache_dir  # noqa: E402
+from specgate.kernels import hook, qmm, qmm_mma  # noqa: E402
+from specgate.kernels.cache_undo import checkpoint, restore  # noqa: E402
+from specgate.kernels.guard import (
     FUSED_QMM,
     Guard,
     cuda_candidate,

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines import kv_buffer
+from specgate.engines import kv_buffer
 
 
 def main() -> None:

@@ -30,9 +30,9 @@ import llama_build
 import pytest
 import yaml
 
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.home import llama_cpp_dir, peers_dir, specgate_home
-from engines.llamacpp.binary import installed_llama_server_path
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.home import llama_cpp_dir, peers_dir, specgate_home
+from specgate.engines.llamacpp.binary import installed_llama_server_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def _offline(monkeypatch):
 # `reserved_ports`.
 
 RESERVED_LOW = 20000  # reserved_ports hands out ports from here up to the ephemeral range
-_LISTENING = re.compile(rb"gateway\.cli: listening on http://\S+:(\d+)\r?$", re.M)
+_LISTENING = re.compile(rb"specgate\.gateway\.operator\.cli: listening on http://\S+:(\d+)\r?$", re.M)
 
 
 def _ephemeral_low() -> int:
@@ -149,7 +149,7 @@ def reserved_ports(count: int = 1) -> int:
 
 def listening_port(log: bytes) -> int | None:
     """The port `specgate serve --port 0` bound, from the line it logs then
-    (gateway/cli.py); None before that line."""
+    (specgate/gateway/operator/cli.py); None before that line."""
     m = _LISTENING.search(log)
     return int(m.group(1)) if m else None
 
@@ -197,8 +197,8 @@ def in_process_gateway(config: dict, home: Path, *, timeout: float = 120.0) -> I
     that reaches into it (a policy's estimates, for failure injection);
     yields the app and its base URL once /ready answers 200. SPECGATE_HOME is
     `home` meanwhile."""
-    from gateway.app import create_app
-    from gateway.config import parse_config
+    from specgate.gateway.app import create_app
+    from specgate.gateway.config import parse_config
 
     old_home = os.environ.get("SPECGATE_HOME")
     os.environ["SPECGATE_HOME"] = str(home)
@@ -251,7 +251,7 @@ def start_gateway(
     It binds port 0 itself, and its log says which port it got: nothing can
     take the port between the choice and the bind. (Rank 0 of mlx.launch's
     ranks is the one that serves HTTP and logs it.)"""
-    args = [sys.executable, "-m", "gateway.cli", "serve", "--port", "0"]
+    args = [sys.executable, "-m", "specgate", "serve", "--port", "0"]
     if ranks > 1:
         launcher = Path(sys.executable).with_name("mlx.launch")
         # The ring's ranks listen on consecutive ports from --starting-port,
@@ -446,6 +446,6 @@ def llama_server_binary() -> Path:
     it under the run's SPECGATE_HOME (llama_build.py built it in the
     background, or this builds it): .ci/run gives each run an empty one, so
     this is the install path itself, tested."""
-    from engines.llamacpp.install import install_llama_server
+    from specgate.engines.llamacpp.install import install_llama_server
 
     return install_llama_server()

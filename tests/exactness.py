@@ -33,21 +33,22 @@ import mlx.core as mx
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
-from engines import registry, speculative
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import (
+from specgate.builders.drafters import (
     build_dflash_drafter,
     build_dspark_drafter,
     build_gemma4_assistant,
 )
-from engines.builders.gemma4 import build_gemma4
-from engines.builders.qwen3_next import build_qwen3_next
-from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid, build_qwen35_moe
-from engines.loading import LoadedModel
-from engines.prefix_cache import PrefixCache, snapshot
-from engines.proposers.base import Proposal
-from engines.sampling import probabilities
-from engines.spec_decoder import SpecDecoder
+from specgate.builders.gemma4 import build_gemma4
+from specgate.builders.qwen3_next import build_qwen3_next
+from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid, build_qwen35_moe
+from specgate.engines import registry
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache, snapshot
+from specgate.engines.drafting.base import Proposal
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec import acceptance as speculative
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.sampling import probabilities
 
 GREEDY = SamplingParams(temperature=0)
 N_TOKENS = 32
@@ -410,7 +411,7 @@ class Sample:
 
 def sample_rounds(s: Subject, n: int) -> Sample:
     """n seeded requests for the copy prefix, each resumed from one prefilled
-    state as the engine resumes a cached prompt (engines/spec_engine.py: the
+    state as the engine resumes a cached prompt (specgate/engines/mlx_spec/engine.py: the
     prefix cache's entry before the prompt's last token, the drafter's state
     restored): the last prompt token, the first sampled token, then a depth-2
     round. The round's two tokens are counted given the commonest first token

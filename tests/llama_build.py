@@ -5,7 +5,7 @@ in a SPECGATE_HOME) is what a user runs, so CI runs it from an empty home.
 It starts at collection, in its own process group at a lower priority, and
 tests that need llama-server are ordered last (conftest.py). A test that needs
 it waits, before its own time limit starts, for the build's install lock
-(engines/llamacpp/install.py) to be free; the `llama_server_binary` fixture
+(specgate/engines/llamacpp/install.py) to be free; the `llama_server_binary` fixture
 then finds the binary, or builds it itself and fails saying why.
 
 One run can hold several processes (pytest-xdist's workers and their
@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from engines.home import llama_cpp_dir, logs_dir
-from engines.llamacpp.binary import installed_llama_server_path
+from specgate.engines.home import llama_cpp_dir, logs_dir
+from specgate.engines.llamacpp.binary import installed_llama_server_path
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = ".install.lock"  # install_llama_server's own lock
@@ -62,7 +62,7 @@ def start(home: Path) -> None:
         logs_dir(home).mkdir(parents=True, exist_ok=True)
         with open(logs_dir(home) / "tests-llama-server-build.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "install-llama-server"], cwd=REPO,
+                [sys.executable, "-m", "specgate", "install-llama-server"], cwd=REPO,
                 env=os.environ | {"SPECGATE_HOME": str(home)}, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=lambda: os.nice(10))  # fmt: skip

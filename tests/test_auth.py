@@ -20,14 +20,14 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from gateway.keys import add_key, read_keys, revoke_key
+from specgate.gateway.access.keys import add_key, read_keys, revoke_key
 
 KEY_SHAPE = re.compile(r"^sg-[0-9a-f]{8}\.[A-Za-z0-9_-]{43}$")
 
 
 def cli(*args: str, home=None, check=True) -> subprocess.CompletedProcess:
     env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "specgate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -472,7 +472,7 @@ def test_no_keys_left_on_a_lan_bind_serves_nobody(tiny_model, tmp_path):
     open it: with no keys it answers 401 to everyone."""
     keys_file = tmp_path / "keys"
     admin = add_key(keys_file, "admin", admin=True)
-    from gateway.auth import KeyStore
+    from specgate.gateway.access.auth import KeyStore
 
     store = KeyStore(keys_file, open_when_empty=False)
     revoke_key(keys_file, "admin")
@@ -480,8 +480,8 @@ def test_no_keys_left_on_a_lan_bind_serves_nobody(tiny_model, tmp_path):
     assert store.empty
 
     async def call():
-        from gateway.app import create_app
-        from gateway.config import parse_config
+        from specgate.gateway.app import create_app
+        from specgate.gateway.config import parse_config
 
         config = parse_config({"server": {"host": "0.0.0.0"},
                                "auth": {"keys_file": str(keys_file)},

@@ -25,13 +25,13 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from gateway.auth import FailedAuthLimiter, client_of
-from gateway.keys import add_key, read_keys
+from specgate.gateway.access.auth import FailedAuthLimiter, client_of
+from specgate.gateway.access.keys import add_key, read_keys
 
 
 def cli(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
     env = os.environ | ({"SPECGATE_HOME": str(home)} if home else {})
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "specgate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engines.builders import drafters, tiny
-from engines.builders.drafters import (
+from specgate.builders import drafters, tiny
+from specgate.builders.drafters import (
     build_dflash_drafter,
     build_dspark_drafter,
     build_gemma4_assistant,
     default_target_layer_ids,
 )
-from engines.builders.tiny import (
+from specgate.builders.tiny import (
     apply_double_norm_shift,
     apply_gemma4_norm_shift,
     build_gemma4,

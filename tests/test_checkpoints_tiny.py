@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid, build_qwen35_moe
-from engines.builders.tokenizer import ENDOFTEXT, IM_END, IM_START
+from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid, build_qwen35_moe
+from specgate.builders.tokenizer import ENDOFTEXT, IM_END, IM_START
 
 H, V, FF, HD = 128, 2048, 256, 32  # the builder's defaults
 N_Q, N_KV = 4, 2
@@ -235,7 +235,7 @@ def test_text_only_save_loads_and_decodes_as_the_nested_one(tmp_path, build, mod
     import mlx_lm
     from mlx_lm.utils import MODEL_REMAPPING
 
-    from engines.mlx_load import load
+    from specgate.engines.mlx_load import load
 
     flat = build(tmp_path / "flat", text_only=True)
     nested = build(tmp_path / "nested")

@@ -13,7 +13,7 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from engines.builders.builtin_models import DEFAULT_MODEL_ID
+from specgate.engines.checkpoints.builtin import DEFAULT_MODEL_ID
 
 
 def test_serve_without_config_serves_the_demo(tmp_path):
@@ -46,7 +46,7 @@ COMMANDS = [[], ["serve"], ["keys"], ["keys", "add"], ["keys", "list"], ["inspec
 # top-level packages it imported.
 _PROBE = """
 import json, sys
-from gateway.cli import main
+from specgate.gateway.operator.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
@@ -71,7 +71,7 @@ def test_help_imports_no_heavy_module(command):
 
 def test_demo_trainers_keep_their_options():
     # The options moved out of the trainers: the trainers still read them.
-    from engines.builders.training_args import DrafterConfig, TrainConfig
+    from specgate.builders.training_args import DrafterConfig, TrainConfig
 
     proc, _ = _probe("demo-model", "--help")
     assert "--steps STEPS" in proc.stdout and "--size {default,large,tiny}" in proc.stdout
@@ -94,7 +94,7 @@ def test_port_in_use_is_one_line_and_exit_3(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], cwd=REPO,
+            [sys.executable, "-m", "specgate", "serve", "--port", str(port)], cwd=REPO,
             capture_output=True, text=True, timeout=120,
             env=os.environ | {"SPECGATE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 3
@@ -114,7 +114,7 @@ def test_port_in_use_is_one_line_and_exit_3(tmp_path):
     ("/nonexistent/specgate-model", "/nonexistent/specgate-model does not exist"),
 ])
 def test_tune_names_what_is_not_there(tmp_path, model, needle):
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "tune", model], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "specgate", "tune", model], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
                           env=os.environ | {"SPECGATE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2

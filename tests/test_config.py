@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.config import BUILTIN_DEMO, ConfigError, default_config, load_config
+from specgate.gateway.config import BUILTIN_DEMO, ConfigError, default_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_example_config_documents_auth_and_admission():
 
 
 def test_keys_file_defaults_under_specgate_home(tmp_path, monkeypatch):
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
     models = [{"id": "a", "path": "p"}]
@@ -45,7 +45,7 @@ def test_default_config_serves_the_demo_on_loopback():
 
 
 def test_engines_default_by_format(tmp_path):
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     (tmp_path / "m.GGUF").touch()
     models = parse_config({"models": [{"id": "a", "path": str(tmp_path / "m.GGUF")},
@@ -95,7 +95,7 @@ def test_bad_config_says_where(tmp_path, monkeypatch, text, needles):
 def test_cli_refuses_bad_config(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("models:\n  - id: a\n")
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "specgate", "serve", "--config", str(path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "models.0.path" in proc.stderr and str(path) in proc.stderr
@@ -150,7 +150,7 @@ def test_paths_that_are_there_and_hub_ids_pass(tmp_path, monkeypatch):
                "drafter": "local"},
               {"id": "g", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_dflash"],
                "drafter": "builtin:demo-dflash"}]
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     assert [m.id for m in parse_config({"models": models}).models] == list("abcdefg")
 
@@ -160,7 +160,7 @@ def test_cli_refuses_a_missing_model_before_loading(tmp_path):
     missing = tmp_path / "models" / "qwen"
     path.write_text(yaml.safe_dump({"models": [{"id": "demo", "path": "builtin:demo"},
                                                {"id": "q", "path": str(missing)}]}))
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "specgate", "serve", "--config", str(path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60,
                           env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
@@ -169,7 +169,7 @@ def test_cli_refuses_a_missing_model_before_loading(tmp_path):
 
 
 def test_llamacpp_ngram_type_is_one_llama_server_has():
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     model = {"id": "g", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_ngram"]}
     ok = parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-mod"}}]})
@@ -179,7 +179,7 @@ def test_llamacpp_ngram_type_is_one_llama_server_has():
 
 
 def test_prefix_cache_sizes_take_units():
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     models = [{"id": "a", "path": "org/name"}]
     pc = parse_config({"prefix_cache": {"ram_bytes": "1.5GiB", "disk_bytes": "512 MB"},

@@ -15,8 +15,8 @@ import jsonschema_rs
 import pytest
 import yaml
 
-from gateway.cli import main
-from gateway.config import ConfigError, json_schema, parse_config
+from specgate.gateway.config import ConfigError, json_schema, parse_config
+from specgate.gateway.operator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "deploy" / "specgate.schema.json"

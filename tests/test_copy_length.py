@@ -1,4 +1,4 @@
-"""How much of a copied draft is verified (engines/proposers/copy_length.py):
+"""How much of a copied draft is verified (specgate/engines/drafting/ngram/copy_length.py):
 the length with the most expected tokens per second, from acceptance per
 match-length bucket and the measured cost of each verify width. Pure logic,
 no MLX; that a cut draft decodes the same is tests/test_ngram_exactness.py's."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.proposers.copy_length import (
+from specgate.engines.drafting.ngram.copy_length import (
     COST_WINDOW,
     EXPLORE_EVERY,
     MIN_ROUNDS,
@@ -87,9 +87,9 @@ def test_a_seeded_sampled_request_keeps_its_copies_whole():
     """Which tokens a sampled round draws depends on its drafts: cuts learnt
     from timings would make one seed give different text (CI caught it
     through the gateway), so a seeded sampled request is never cut."""
-    from engines.base import SamplingParams
-    from engines.ngram_index import Draft
-    from engines.proposers.ngram import NgramProposer
+    from specgate.engines.base import SamplingParams
+    from specgate.engines.drafting.ngram.index import Draft
+    from specgate.engines.drafting.ngram.proposer import NgramProposer
 
     ev = CopyEvidence()
     feed_costs(ev, CPU)

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engines.builders.builtin_models import default_model_path
-from engines.builders.demo_training import (
-    TrainConfig,
-    evaluate,
-    load_demo,
-    prepare,
-    train,
-)
-from engines.checkpoints.inspect import inspect_checkpoint
+from specgate.builders.demo_training import TrainConfig, evaluate, load_demo, prepare, train
+from specgate.engines.checkpoints.builtin import default_model_path
+from specgate.engines.checkpoints.inspect import inspect_checkpoint
 
 
 def test_shipped_demo_model_is_verified_and_small():

@@ -27,12 +27,12 @@ import pytest
 from peers.mlx_dspark_env import mlx_dspark_python
 from tiny_targets import TinyTarget
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import build_dflash_drafter
-from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
-from engines.mlx_block.dflash import check_pairing, load_dflash
-from engines.proposers.dflash import DFlashProposer
-from engines.spec_decoder import SpecDecoder
+from specgate.builders.drafters import build_dflash_drafter
+from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
+from specgate.engines.drafting.dflash.proposer import DFlashProposer
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 N = 32
 BLOCK = 8

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from engines.builders.drafters import build_dflash_drafter
+from specgate.builders.drafters import build_dflash_drafter
 from tests.conftest import start_gateway, stop_gateway
 
 

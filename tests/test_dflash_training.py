@@ -14,15 +14,15 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders import dflash_training as dt
-from engines.builders.builtin_models import default_model_path, demo_dflash_path
-from engines.builders.drafters import build_dflash_drafter
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.mlx_block.dflash import check_pairing, load_dflash
-from engines.proposers.dflash import DFlashProposer
-from engines.spec_decoder import SpecDecoder
-from engines.targets import target_for
+from specgate.builders import dflash_training as dt
+from specgate.builders.drafters import build_dflash_drafter
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.checkpoints.builtin import default_model_path, demo_dflash_path
+from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
+from specgate.engines.drafting.dflash.proposer import DFlashProposer
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.targets import target_for
 
 BLOCK = 5
 LAYER_IDS = [0, 2]  # of the tiny target's 4

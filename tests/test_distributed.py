@@ -17,7 +17,7 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from gateway.config import ConfigError, parse_config
+from specgate.gateway.config import ConfigError, parse_config
 
 DEMO = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"], "mtp_depth": 3}
 PROMPTS = ["def fibonacci(n):", "The river was"]
@@ -59,7 +59,7 @@ def ranks_of(gw) -> dict[int, int]:
         rank = next((int(e[9:]) for e in env if e.startswith(b"MLX_RANK=")), None)
         # Its own config file tells this server's ranks from another's (all have --port 0).
         config = b"\0--config\0" + bytes(gw.config_path) + b"\0"
-        if rank is not None and b"gateway.cli" in cmd and config in cmd:
+        if rank is not None and b"\0-m\0specgate\0serve\0" in cmd and config in cmd:
             found[rank] = int(entry.name)
     return found
 
@@ -129,7 +129,7 @@ def test_a_client_that_leaves_frees_both_ranks(spread):
 
 
 def test_an_idle_rank_waits_without_polling(spread):
-    """Between requests rank 1 blocks on rank 0's doorbell (engines/doorbell.py);
+    """Between requests rank 1 blocks on rank 0's doorbell (specgate/engines/distributed/doorbell.py);
     waiting in MLX's ring receive, it polled at most of a core."""
     complete(spread, PROMPTS[0], "mtp", max_tokens=4)
     follower = ranks_of(spread)[1]
@@ -150,7 +150,7 @@ def test_serve_without_mlx_launch_says_what_to_run(tmp_path):
     config.write_text("models:\n  - {id: demo, path: 'builtin:demo', distributed: {mode: pipeline,"
                       " hostfile: macs.json}}\n")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MLX_RANK"}
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+    done = subprocess.run([sys.executable, "-m", "specgate", "serve", "--config", str(config)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert "mlx.launch --hostfile macs.json --backend ring --" in done.stderr

@@ -1,4 +1,4 @@
-"""engines/doorbell.py on loopback: rank 0's one-byte wake-ups to the other
+"""specgate/engines/distributed/doorbell.py on loopback: rank 0's one-byte wake-ups to the other
 ranks of a distributed model, and its watch over their heartbeats
 (tests/test_distributed.py and _faults run it under mlx.launch). Here the
 offer goes through a queue, where the lockstep's channel would carry it."""
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engines.doorbell import Offer, answer_doorbell, leader_host, open_doorbell
+from specgate.engines.distributed.doorbell import Offer, answer_doorbell, leader_host, open_doorbell
 
 
 def opening(followers: int, timeout: float = 5.0):

@@ -25,9 +25,9 @@ import mlx.core as mx
 import pytest
 from exactness import copy_prefix, decode, sample_rounds, wrong_rule
 
-from engines import spec_decoder
-from engines.base import SamplingParams
-from engines.sampling import PenaltyState, penalised, probabilities
+from specgate.engines.base import SamplingParams
+from specgate.engines.mlx_spec import decoder as spec_decoder
+from specgate.engines.sampling import PenaltyState, penalised, probabilities
 
 N_FAST = 400
 N_PROOF = 4000

@@ -23,10 +23,10 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache
 from tiny_targets import TinyTarget
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import build_gemma4_assistant
-from engines.builders.gemma4 import build_gemma4
-from engines.mlx_assistant.gemma4 import check_pairing, load_assistant
+from specgate.builders.drafters import build_gemma4_assistant
+from specgate.builders.gemma4 import build_gemma4
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.assistant.gemma4 import check_pairing, load_assistant
 
 WINDOW = exactness.WINDOW
 
@@ -85,8 +85,8 @@ def test_the_assistant_reads_the_target_kv_without_copying(pair):
 def test_the_prefix_cache_keeps_snapshots_at_message_boundaries(tmp_path):
     """A wrapped window cannot be cut back to where a later prompt parts, so
     Gemma-4 models get the snapshots hybrids get: at message boundaries."""
-    from engines.base import CacheSettings
-    from engines.loading import load_mlx_model
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
 
     path = build_gemma4(tmp_path / "g", sliding_window=WINDOW)
     prefix = load_mlx_model(str(path), CacheSettings(disk_bytes=0)).prefix_cache

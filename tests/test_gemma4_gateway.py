@@ -13,8 +13,8 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
-from engines.builders.drafters import build_gemma4_assistant
-from engines.builders.gemma4 import build_gemma4
+from specgate.builders.drafters import build_gemma4_assistant
+from specgate.builders.gemma4 import build_gemma4
 from tests.conftest import start_gateway, stop_gateway
 
 

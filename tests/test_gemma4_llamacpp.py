@@ -1,7 +1,7 @@
 """A Gemma-4 target and its assistant drafter in a real llama-server (draft-mtp).
 
 The tiny dense Gemma-4 (sliding window 16, sliding and full layers) and a
-random assistant built for it are exported to GGUF (engines/builders/
+random assistant built for it are exported to GGUF (specgate/builders/
 gguf_gemma4.py): the target as `gemma4`, the assistant as its own
 `gemma4-assistant` file, served as
 
@@ -45,9 +45,9 @@ from mlx_lm.utils import load_model
 from safetensors.numpy import load_file, save_file
 from test_gguf_export import complete, llama_server
 
-from engines.builders.drafters import build_gemma4_assistant
-from engines.builders.gemma4 import build_gemma4
-from engines.builders.gguf_gemma4 import export_gemma4_assistant_gguf, export_gemma4_gguf
+from specgate.builders.drafters import build_gemma4_assistant
+from specgate.builders.gemma4 import build_gemma4
+from specgate.builders.gguf_gemma4 import export_gemma4_assistant_gguf, export_gemma4_gguf
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
 
@@ -367,7 +367,7 @@ def test_a_gemma4_gguf_drafts_with_its_assistant_behind_the_gateway(
 
 
 def test_inspect_names_the_pair(ggufs):
-    from engines.checkpoints.inspect import inspect_checkpoint
+    from specgate.engines.checkpoints.inspect import inspect_checkpoint
 
     target, assistant = (inspect_checkpoint(str(p)) for p in ggufs)
     assert target.verdict == "ar-only" and not target.problems

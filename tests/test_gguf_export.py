@@ -1,4 +1,4 @@
-"""GGUF export of a Qwen3.5 hybrid with its MTP head (engines/checkpoints/gguf_export.py).
+"""GGUF export of a Qwen3.5 hybrid with its MTP head (specgate/engines/checkpoints/gguf_export.py).
 
 The expectations are llama.cpp's (src/models/qwen35.cpp load_arch_tensors and
 conversion/qwen.py), written out here independently of the exporter's tables:
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engines.builders.gguf_export import export_gguf
-from engines.builders.tiny import build_qwen35_hybrid
+from specgate.builders.gguf_export import export_gguf
+from specgate.builders.tiny import build_qwen35_hybrid
 
 T = "model.language_model."
 

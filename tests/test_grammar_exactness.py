@@ -40,23 +40,23 @@ from mlx_lm.utils import load_model
 from test_mtp_distribution import PARAMS, PROMPT, tv
 from test_ngram_exactness import InjectedNgram
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import build_dflash_drafter, build_dspark_drafter
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.grammar import GrammarState, json_constraint, lark_constraint
-from engines.loading import LoadedModel
-from engines.mlx_block.dflash import load_dflash
-from engines.mlx_block.dspark import load_dspark
-from engines.mlx_mtp.loading import load_mtp_head
-from engines.prefix_cache import PrefixCache
-from engines.proposers.base import Proposal
-from engines.proposers.dflash import DFlashProposer
-from engines.proposers.dspark import DSparkProposer
-from engines.proposers.mtp import MTPProposer
-from engines.proposers.mtp_ngram import MTPNgramProposer
-from engines.sampling import KeyStream, probabilities
-from engines.spec_decoder import SpecDecoder
-from engines.targets import target_for
+from specgate.builders.drafters import build_dflash_drafter, build_dspark_drafter
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.drafting.base import Proposal
+from specgate.engines.drafting.dflash.model import load_dflash
+from specgate.engines.drafting.dflash.proposer import DFlashProposer
+from specgate.engines.drafting.dspark.model import load_dspark
+from specgate.engines.drafting.dspark.proposer import DSparkProposer
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
+from specgate.engines.grammar import GrammarState, json_constraint, lark_constraint
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.sampling import KeyStream, probabilities
+from specgate.engines.targets import target_for
 
 SCHEMA = {
     "type": "object",

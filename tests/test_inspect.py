@@ -17,12 +17,12 @@ import gguf
 import numpy as np
 import pytest
 
-from engines.builders.drafters import (
+from specgate.builders.drafters import (
     build_dflash_drafter,
     build_dspark_drafter,
     build_gemma4_assistant,
 )
-from engines.builders.tiny import (
+from specgate.builders.tiny import (
     LAYOUT_CONFIRMED,
     apply_double_norm_shift,
     apply_gemma4_norm_shift,
@@ -33,7 +33,7 @@ from engines.builders.tiny import (
     build_qwen35_moe,
     strip_mtp,
 )
-from engines.checkpoints.inspect import UsageError, inspect_checkpoint, render_text
+from specgate.engines.checkpoints.inspect import UsageError, inspect_checkpoint, render_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -437,7 +437,7 @@ def test_json_shape(hybrid):
 
 
 def specgate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "inspect", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "specgate", "inspect", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60,
                           env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}))
 
@@ -492,7 +492,7 @@ def write_nextn_checkpoint(dest: Path, model_type: str, *, with_head: bool = Tru
     """DeepSeek-V3's layout in miniature: the MTP layer is model.layers.{N}."""
     from safetensors.numpy import save_file
 
-    from engines.builders.tokenizer import build_tokenizer
+    from specgate.builders.tokenizer import build_tokenizer
 
     h, n, vocab = 32, 2, 512
     dest.mkdir(parents=True)

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.home import specgate_home
-from engines.llamacpp import install
+from specgate.engines.home import specgate_home
+from specgate.engines.llamacpp import install
 
 
 def test_the_sources_are_downloaded_with_this_environments_own_pip():
@@ -43,7 +43,7 @@ def test_a_second_install_waits_for_the_first(llama_server_binary: Path):
     import threading
     import time
 
-    from engines.home import llama_cpp_dir
+    from specgate.engines.home import llama_cpp_dir
 
     said, result = [], []
     with open(llama_cpp_dir() / ".install.lock", "a+") as first:

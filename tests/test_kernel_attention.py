@@ -1,4 +1,4 @@
-"""kernels/attention.py on the CPU: the reference path, the kernels' arithmetic
+"""bench/verify_attention_kernel.py on the CPU: the reference path, the kernels' arithmetic
 (emulated), and the guard's verdicts on attention kernels."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from kernels import attention as A
-from kernels.guard import TOLERANCE, Candidate, Guard, row_error
+from bench import verify_attention_kernel as A
+from specgate.kernels.guard import TOLERANCE, Candidate, Guard, row_error
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 

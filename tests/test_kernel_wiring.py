@@ -1,4 +1,4 @@
-"""The small-M kernels wired into the engines' verify forward (kernels/wiring.py), on the CPU.
+"""The small-M kernels wired into the engines' verify forward (specgate/kernels/wiring.py), on the CPU.
 
 A 4-bit tiny Qwen3.5 hybrid (mlx-lm's converter, float32 activations) with
 its MTP head, served by the real SpecEngine (MTP):
@@ -23,19 +23,19 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx.utils import tree_flatten
 
-from engines import kernel_wiring
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import load_mlx_model
-from engines.mlx_mtp.loading import load_mtp_head
-from engines.proposers import mtp
-from engines.proposers.base import Proposal
-from engines.proposers.mtp import MTPProposer
-from engines.spec_decoder import SpecDecoder
-from engines.spec_engine import SpecEngine
-from gateway.config import ConfigError, parse_config
-from kernels import hook, qmm, wiring
-from kernels.guard import Candidate, Guard
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines import kernel_wiring
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.base import Proposal
+from specgate.engines.drafting.mtp import proposer as mtp
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.mlx_spec.engine import SpecEngine
+from specgate.gateway.config import ConfigError, parse_config
+from specgate.kernels import hook, qmm, wiring
+from specgate.kernels.guard import Candidate, Guard
 
 N_TOKENS = 24
 DEPTHS = (1, 2, 3)
@@ -215,7 +215,7 @@ def test_tune_shows_verdicts_and_measures_the_curve_in_use(q4, tmp_path, monkeyp
     beside it (read when the model is served with `kernels: off`)."""
     from argparse import Namespace
 
-    from gateway import tuning
+    from specgate.gateway.serving import tuning
 
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)

@@ -1,4 +1,4 @@
-"""kernels/qmm.py, qmm_mma.py, guard.py, hook.py on the CPU: reference paths,
+"""specgate/kernels/qmm.py, qmm_mma.py, guard.py, hook.py on the CPU: reference paths,
 the CUDA kernels' arithmetic (emulated / simulated lane by lane), and the
 guard's refusals and choices."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3
 
-from kernels import hook, qmm, qmm_mma
-from kernels.guard import (
+from specgate.kernels import hook, qmm, qmm_mma
+from specgate.kernels.guard import (
     FUSED_QMM,
     TIMING,
     TOLERANCE,
@@ -409,7 +409,7 @@ def test_hook_fuses_sibling_linears_and_output_is_unchanged(tmp_path):
 
 
 def test_prepare_proves_fused_groups_at_every_width(tmp_path):
-    from kernels import wiring
+    from specgate.kernels import wiring
 
     model = tiny_qwen3()
     guard = make_guard(tmp_path, [Candidate("single", "1", qmm.reference_qmm)], margin=float("inf"))

@@ -1,4 +1,4 @@
-"""Multi-row forwards over a KV cache's whole buffer (engines/kv_buffer.py) change nothing but shapes.
+"""Multi-row forwards over a KV cache's whole buffer (specgate/engines/kv_buffer.py) change nothing but shapes.
 
 On the CPU (where engines leave the views off) they are forced on:
 - one forward of 2..9 rows through the views equals the same forward
@@ -33,14 +33,14 @@ from test_ngram_exactness import (
 )
 from tiny_targets import TinyTarget
 
-from engines import kv_buffer
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.drafters import build_dflash_drafter
-from engines.builders.tiny import build_qwen3_dense
-from engines.mlx_block.dflash import check_pairing, load_dflash
-from engines.proposers.dflash import DFlashProposer
-from engines.proposers.ngram import NgramProposer
-from engines.spec_decoder import SpecDecoder
+from specgate.builders.drafters import build_dflash_drafter
+from specgate.builders.tiny import build_qwen3_dense
+from specgate.engines import kv_buffer
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
+from specgate.engines.drafting.dflash.proposer import DFlashProposer
+from specgate.engines.drafting.ngram.proposer import NgramProposer
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))

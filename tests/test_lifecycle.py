@@ -15,10 +15,10 @@ import openai
 import pytest
 from conftest import start_gateway, stop_gateway
 
-from engines.builders.tiny import build_qwen35_hybrid
-from gateway.cli import main
-from gateway.config import ModelConfig
-from gateway.footprint import estimate
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.gateway.config import ModelConfig
+from specgate.gateway.operator.cli import main
+from specgate.gateway.serving.footprint import estimate
 
 MAX_CONTEXT = 2048
 

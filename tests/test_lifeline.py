@@ -1,4 +1,4 @@
-"""engines/llamacpp/lifeline.py: a child started through it dies with its
+"""specgate/engines/llamacpp/lifeline.py: a child started through it dies with its
 parent even when the parent is SIGKILLed, with no parent-death signal
 (macOS has none; the parent here sets none, so Linux shows the mechanism
 macOS relies on). A child started without it survives the same kill: the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.llamacpp.process import LIFELINE
+from specgate.engines.llamacpp.process import LIFELINE
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 

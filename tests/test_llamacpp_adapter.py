@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.llamacpp.adapter import (
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.llamacpp.adapter import (
     SAMPLER_ORDER,
     SpecCounters,
     completion_body,

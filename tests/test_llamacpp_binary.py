@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.llamacpp import install
-from engines.llamacpp.binary import (
+from specgate.engines.llamacpp import install
+from specgate.engines.llamacpp.binary import (
     LLAMA_CPP_TAG,
     LlamaServerMissing,
     find_llama_server,
@@ -129,7 +129,7 @@ def test_installed_llama_server_runs(llama_server_binary: Path) -> None:
 
 
 def test_cli_fails_with_the_message(clean_env: Path, monkeypatch, capsys) -> None:
-    from gateway.cli import main
+    from specgate.gateway.operator.cli import main
 
     def no_cmake() -> dict[str, str]:
         raise install.InstallError("building llama-server needs cmake")

@@ -23,12 +23,12 @@ import httpx
 import openai
 import pytest
 
-from engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
-from engines.builders.gguf_export import export_gguf
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.llamacpp.build import HealthCheck, build_llamacpp_engines
-from engines.llamacpp.engine import LlamaCppEngine
-from engines.llamacpp.process import LlamaServer, ServerSpec
+from specgate.builders.gguf_export import export_gguf
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
+from specgate.engines.llamacpp.build import HealthCheck, build_llamacpp_engines
+from specgate.engines.llamacpp.engine import LlamaCppEngine
+from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
 from tests.conftest import start_gateway, stop_gateway
 from tests.test_llamacpp_gateway import llama_servers
 from tests.test_llamacpp_process import gone
@@ -43,9 +43,9 @@ FAST = HealthCheck(interval=0.3, timeout=1.0, failures=3)
 def demo_gguf(llama_server_binary) -> Path:
     # Resolved under the real SPECGATE_HOME (exported there once), before
     # `home` points it at the test's own directory for the servers' logs.
-    from engines.builders.builtin_models import demo_gguf_path
+    from specgate.gateway.serving.builtins import builtin_path
 
-    return demo_gguf_path()
+    return builtin_path("builtin:demo-gguf")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from engines.builders.gguf_export import export_gguf
+from specgate.builders.gguf_export import export_gguf
 from tests.conftest import REPO, listening_ports, start_gateway, stop_gateway
 from tests.tool_caller import HERMES_TEMPLATE
 
@@ -338,7 +338,7 @@ def test_forced_tool_calls_through_llama_server(gw, client):
 
 
 def test_gguf_without_mtp_refuses_draft_mtp_and_serves_plain(client, ar_gguf):
-    report = subprocess.run([sys.executable, "-m", "gateway.cli", "inspect", str(ar_gguf)],
+    report = subprocess.run([sys.executable, "-m", "specgate", "inspect", str(ar_gguf)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "ar-only" in report.stdout
     for asked in ("llamacpp_mtp", "mtp"):

@@ -18,9 +18,9 @@ import httpx
 import pytest
 from conftest import listening_ports
 
-from engines.builders.gguf_export import export_gguf
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.llamacpp.process import LlamaServer, LlamaServerError, ServerSpec
+from specgate.builders.gguf_export import export_gguf
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.llamacpp.process import LlamaServer, LlamaServerError, ServerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
@@ -226,7 +226,7 @@ def test_idle_ttl_stops_and_ensure_running_restarts(gguf, make_server):
 ORPHAN_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from engines.llamacpp.process import LlamaServer, ServerSpec
+from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
 
 async def main():
     s = LlamaServer(ServerSpec(model=Path(sys.argv[1]), ctx_size=512, threads=1),

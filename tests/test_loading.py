@@ -16,9 +16,9 @@ import openai
 import pytest
 from conftest import start_gateway, stop_gateway
 
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import load_mlx_model
-from engines.mlx_load import CheckpointLoadError
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_load import CheckpointLoadError
 
 
 def test_weights_load_once_per_path(tiny_model):
@@ -47,8 +47,8 @@ def test_a_hub_repo_not_downloaded_says_so_offline():
 
 
 def test_the_registry_reports_why_a_model_failed(tmp_path):
-    from gateway.config import parse_config
-    from gateway.models import ModelRegistry
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import ModelRegistry
 
     bare = build_qwen35_hybrid(tmp_path / "bare", tokenizer=False)
     registry = ModelRegistry(parse_config({"models": [
@@ -69,8 +69,8 @@ def test_ready_waits_for_every_boot_model(tiny_model):
     one's start /ready once said ready (the later ones looked "unloaded", as
     a model loaded on first use does), and a full parallel test run caught a
     gateway answering 503 after its start-up check had seen 200."""
-    from gateway.config import parse_config
-    from gateway.models import ModelRegistry
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import ModelRegistry
 
     registry = ModelRegistry(parse_config({"models": [
         {"id": f"m{i}", "path": str(tiny_model), "engines": ["mlx_plain"]} for i in range(3)]}))
@@ -197,9 +197,9 @@ def test_collected_waits_for_another_threads_collection():
 def test_an_unloaded_model_lets_its_weights_go_and_loads_again(tmp_path):
     """Eviction and idle unloads free memory only if nothing keeps the
     weights: not the per-path memo, not the prefix caches' RAM budget."""
-    from engines import loading
-    from gateway.config import parse_config
-    from gateway.models import ModelRegistry
+    from specgate.engines import loading
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import ModelRegistry
 
     path = build_qwen35_hybrid(tmp_path / "m", seed=0)
     registry = ModelRegistry(parse_config({"models": [

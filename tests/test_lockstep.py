@@ -16,8 +16,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from engines.base import Handoff, Plan
-from engines.lockstep import FollowerOut, Lockstep, LockstepBroken
+from specgate.engines.base import Handoff, Plan
+from specgate.engines.distributed.lockstep import FollowerOut, Lockstep, LockstepBroken
 
 
 def handoff() -> Handoff:

@@ -27,16 +27,18 @@ import pytest
 from exactness import wrong_rule
 from mlx_lm.utils import load_model
 
-from engines import spec_decoder as decoder_module  # where the acceptance rules are called
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import LoadedModel
-from engines.mlx_mtp.loading import load_mtp_head
-from engines.prefix_cache import PrefixCache
-from engines.proposers.mtp import MTPProposer
-from engines.sampling import KeyStream, probabilities
-from engines.spec_decoder import SpecDecoder
-from engines.targets import target_for
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec import (
+    decoder as decoder_module,  # where the acceptance rules are called
+)
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.sampling import KeyStream, probabilities
+from specgate.engines.targets import target_for
 
 N = 8_000
 PARAMS = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0)

@@ -19,11 +19,11 @@ from greedy import assert_same_greedy, greedy_reference
 from tiny_targets import TinyTarget
 from tokenizers import Tokenizer
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.builtin_models import default_model_path
-from engines.prefix_cache import Hit, PrefixCache
-from engines.proposers.mtp import MTPProposer
-from engines.spec_decoder import SpecDecoder
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import Hit, PrefixCache
+from specgate.engines.checkpoints.builtin import default_model_path
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 N_TOKENS = 64
 

@@ -18,16 +18,16 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from engines.builders.tiny import (
+from specgate.builders.tiny import (
     build_qwen3_next,
     build_qwen35_hybrid,
     build_qwen35_moe,
     strip_mtp,
 )
-from engines.checkpoints.reader import read_checkpoint
-from engines.loading import load_mlx_model
-from engines.mlx_mtp.head import MTPHead
-from engines.mlx_mtp.loading import load_mtp_head
+from specgate.engines.checkpoints.reader import read_checkpoint
+from specgate.engines.drafting.mtp.head import MTPHead
+from specgate.engines.drafting.mtp.loading import load_mtp_head
+from specgate.engines.loading import load_mlx_model
 
 TOKENS = mx.array([[3, 17, 250, 9, 1200, 41, 77, 5, 640, 2]])
 NUM_EXPERTS = 8
@@ -278,7 +278,7 @@ def test_quantized_head_loads_quantized(built, tmp_path, caplog, name):
     # unprefixed sidecar, as some conversions write it.)
     plain = {k: v for k, v in tree_flatten(float_head.parameters())}
     mx.save_safetensors(str(dest / "mtp.safetensors"), plain)
-    with caplog.at_level(logging.INFO, logger="engines.mlx_mtp.loading"):
+    with caplog.at_level(logging.INFO, logger="specgate.engines.drafting.mtp.loading"):
         head = load_mtp_head(load_mlx_model(str(dest)))
     assert "MTP tensors are not: loading the head unquantized" in caplog.text
     assert type(head.fc) is nn.Linear

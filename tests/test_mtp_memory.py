@@ -8,13 +8,13 @@ import gc
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import load_mlx_model
-from engines.proposers import mtp
-from engines.proposers.mtp import MTPProposer
-from engines.spec_decoder import SpecDecoder
-from engines.spec_engine import SpecEngine
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.mtp import proposer as mtp
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.mlx_spec.engine import SpecEngine
 
 
 def active_bytes() -> int:

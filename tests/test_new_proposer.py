@@ -19,17 +19,17 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
-from engines import registry
-from engines.base import GenerationRequest, LiveState, Plan, SamplingParams
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.loading import LoadedModel
-from engines.prefix_cache import PrefixCache
-from engines.proposers.base import Context, Drafting, Proposal
-from engines.registry import MLX, BuildContext, EngineRecord
-from gateway.config import parse_config
-from policies.config import PolicyConfig
-from policies.decide import RequestFeatures, decide
-from policies.model_policy import build_policy
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines import registry
+from specgate.engines.base import GenerationRequest, LiveState, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.drafting.base import Context, Drafting, Proposal
+from specgate.engines.loading import LoadedModel
+from specgate.engines.registry import MLX, BuildContext, EngineRecord
+from specgate.gateway.config import parse_config
+from specgate.policies.config import PolicyConfig
+from specgate.policies.decide import RequestFeatures, decide
+from specgate.policies.model_policy import build_policy
 
 
 class PromptLookup:

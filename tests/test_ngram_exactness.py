@@ -10,7 +10,7 @@ penalties of the tokens before it, drafts included (a failure-injected
 stale penalty must differ); and mtp+ngram keeps its MTP head in step
 through copied rounds (its cache holds exactly what feeding it the whole
 sequence at once gives), once more through whole KV buffers
-(engines/kv_buffer.py). A second run injects a context (failure injection:
+(specgate/engines/kv_buffer.py). A second run injects a context (failure injection:
 the index is handed a copy of the true continuation with every few tokens
 corrupted, placed before the real context, so the real index finds long
 matches and copies up to the next corruption).
@@ -26,14 +26,14 @@ from greedy import assert_same_greedy
 from mlx_lm.models.cache import KVCache
 from tiny_targets import TinyTarget
 
-from engines import spec_decoder
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
-from engines.ngram_index import NgramIndex
-from engines.proposers.copy_length import MIN_ROUNDS, CopyEvidence
-from engines.proposers.mtp_ngram import MTPNgramProposer
-from engines.proposers.ngram import NgramProposer
-from engines.spec_decoder import SpecDecoder
+from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
+from specgate.engines.drafting.ngram.copy_length import MIN_ROUNDS, CopyEvidence
+from specgate.engines.drafting.ngram.index import NgramIndex
+from specgate.engines.drafting.ngram.proposer import NgramProposer
+from specgate.engines.mlx_spec import decoder as spec_decoder
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 BUILDERS = {"qwen3_dense": build_qwen3_dense, "qwen35_hybrid": build_qwen35_hybrid}
 N_TOKENS = 48
@@ -185,7 +185,7 @@ def head_entries(target: TinyTarget, tokens: list[int]) -> list[KVCache]:
 def test_mtp_ngram_equals_plain_greedy_and_keeps_the_head_in_step(target, whole_buffer, capsys,
                                                                   monkeypatch):  # fmt: skip
     """`whole_buffer`: the trunk's and the head's multi-row forwards through
-    engines/kv_buffer.py's views, forced on here (the engines use them on CUDA)."""
+    specgate/engines/kv_buffer.py's views, forced on here (the engines use them on CUDA)."""
     if target.head is None:
         pytest.skip("the dense tiny target has no MTP head")
     monkeypatch.setattr(target.trunk, "whole_buffer", whole_buffer)

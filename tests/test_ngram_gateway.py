@@ -111,7 +111,7 @@ def test_an_ngram_engine_on_a_model_without_an_mtp_head(tmp_path):
     """mlx_ngram needs nothing from the checkpoint (a dense Qwen3 with no MTP
     head serves it); mlx_mtp_ngram needs the head, and a checkpoint without
     one fails to load, saying so, rather than serving quietly without it."""
-    from engines.builders.tiny import build_qwen3_dense
+    from specgate.builders.tiny import build_qwen3_dense
 
     dense = build_qwen3_dense(tmp_path / "dense")
     g = start_gateway({"models": [{"id": "dense", "path": str(dense),

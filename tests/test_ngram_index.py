@@ -1,4 +1,4 @@
-"""engines/ngram_index.py: what a copy from the context proposes, checked directly."""
+"""specgate/engines/drafting/ngram/index.py: what a copy from the context proposes, checked directly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.ngram_index import MAX_MATCH, PER_KEY, Draft, NgramIndex
+from specgate.engines.drafting.ngram.index import MAX_MATCH, PER_KEY, Draft, NgramIndex
 
 
 def index(tokens: list[int], **kw) -> NgramIndex:
@@ -154,7 +154,7 @@ def test_the_arrays_and_the_fresh_dict_agree_with_brute_force():
     grows): every draft on the way is the brute-force one."""
     import random
 
-    from engines.ngram_index import FRESH_MAX
+    from specgate.engines.drafting.ngram.index import FRESH_MAX
 
     rng = random.Random(3)
     seq = long_sequence(rng, 5000 + 2 * FRESH_MAX + 500)
@@ -176,7 +176,7 @@ def test_a_hash_collision_costs_nothing_but_the_check(monkeypatch):
     """With every n-gram hashing alike, the tokens themselves decide."""
     import random
 
-    from engines import ngram_index
+    from specgate.engines.drafting.ngram import index as ngram_index
 
     monkeypatch.setattr(ngram_index, "_hash", lambda key: 0)
     monkeypatch.setattr(ngram_index, "_hashes",

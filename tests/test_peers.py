@@ -16,10 +16,17 @@ import openai
 import pytest
 from conftest import serve_in_process, start_gateway, stop_gateway
 
-from gateway.config import ConfigError, PeerConfig, parse_config
-from gateway.keys import add_key
-from gateway.peers import Candidate, ModelLoad, PeerNode, Peers, choose, parse_models
-from gateway.proxy import Relayed, peek
+from specgate.gateway.access.keys import add_key
+from specgate.gateway.cluster.peers import (
+    Candidate,
+    ModelLoad,
+    PeerNode,
+    Peers,
+    choose,
+    parse_models,
+)
+from specgate.gateway.cluster.proxy import Relayed, peek
+from specgate.gateway.config import ConfigError, PeerConfig, parse_config
 
 # -- routing and relaying, as plain functions ------------------------------------------------
 
@@ -339,7 +346,7 @@ def draining_peer():
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from gateway.generation import shutting_down
+    from specgate.gateway.serving.generation import shutting_down
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model",

@@ -33,10 +33,10 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
-from engines.base import GenerationRequest, LiveState, Plan, SamplingParams
-from policies.acceptance import AcceptanceTracker
-from policies.decide import FixedPlanner
-from policies.live_costs import LiveCosts, RunningEstimate
+from specgate.engines.base import GenerationRequest, LiveState, Plan, SamplingParams
+from specgate.policies.acceptance import AcceptanceTracker
+from specgate.policies.decide import FixedPlanner
+from specgate.policies.live_costs import LiveCosts, RunningEstimate
 from tests.conftest import in_process_gateway
 
 N = 240

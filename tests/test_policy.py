@@ -2,8 +2,8 @@
 
 import pytest
 
-from engines.base import LiveState
-from policies.decide import ModelPolicy, OverrideError, RequestFeatures, decide
+from specgate.engines.base import LiveState
+from specgate.policies.decide import ModelPolicy, OverrideError, RequestFeatures, decide
 
 IDLE = LiveState(0, 0, 0)
 BUSY = LiveState(1, 0, 0)
@@ -83,7 +83,7 @@ def test_the_in_process_names_reach_llama_servers_methods():
 
 
 def test_configured_switches():
-    from gateway.config import parse_config
+    from specgate.gateway.config import parse_config
 
     pc = parse_config({"models": [{"id": "a", "path": "d", "policy": {
         "depth": 3, "concurrency_threshold": 4, "penalties": "plain",
@@ -104,7 +104,7 @@ def test_configured_switches():
     ({"penalties": "maybe"}, "policy.penalties"), ({"speed": 1}, "policy.speed"),
 ])
 def test_bad_policy_config_says_where(policy, needle):
-    from gateway.config import ConfigError, parse_config
+    from specgate.gateway.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse_config({"models": [{"id": "a", "path": "d", "policy": policy}]})

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import LiveState
-from policies.costs import CostModel, DraftCost, expected_tokens
-from policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures, candidates, decide
+from specgate.engines.base import LiveState
+from specgate.policies.costs import CostModel, DraftCost, expected_tokens
+from specgate.policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures, candidates, decide
 
 ACCEPT = [0.72, 0.60, 0.50, 0.45, 0.40, 0.35, 0.30]
 STOCK_4BIT = CostModel({0: {1: 1.0, 2: 1.26, 3: 1.61, 4: 2.52, 5: 3.33}},
@@ -136,8 +136,8 @@ def test_chosen_plan_is_never_predicted_slower_than_another_beyond_the_margin(
 
 
 def test_acceptance_tracker_learns_conditional_rates():
-    from engines.base import RoundStats
-    from policies.acceptance import AcceptanceTracker
+    from specgate.engines.base import RoundStats
+    from specgate.policies.acceptance import AcceptanceTracker
 
     t = AcceptanceTracker(min_rounds=4)
     # Position 1 accepted 3 of 4 times; position 2 reached 3 times, accepted once.
@@ -154,7 +154,7 @@ def test_acceptance_tracker_learns_conditional_rates():
 
 
 def test_content_class():
-    from policies.content import content_class
+    from specgate.policies.content import content_class
 
     assert content_class("import os\n\ndef main():\n    return os.getcwd()\n") == "code"
     assert content_class("for (int i = 0; i < n; i++) { sum += a[i]; }") == "code"
@@ -174,7 +174,7 @@ def test_fixed_step_costs_turn_a_textbook_win_into_a_measured_loss():
     rounds = {1: 13.7, 2: 18.1, 3: 23.3}
     bare = CostModel({0: {m: s / 11.5 for m, s in verify.items()}})
     assert decide(POLICY, req(), IDLE, bare, {"mtp": [0.6] * 3}).method == "mtp"
-    from kernels.tune import draft_fit
+    from specgate.kernels.tune import draft_fit
 
     fit = draft_fit(rounds, verify, 11.5)
     measured = CostModel(bare.verify, draft={"mtp": DraftCost(**fit)}, plain_step=7.7 / 11.5)

@@ -22,12 +22,12 @@ import httpx
 import openai
 import pytest
 
-from engines.base import LiveState, RoundStats
-from policies.costs import CostModel
-from policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures
-from policies.explore import Explorer
-from policies.live_costs import STALL_CAP, CostView, LiveCosts
-from policies.model_policy import LivePolicy
+from specgate.engines.base import LiveState, RoundStats
+from specgate.policies.costs import CostModel
+from specgate.policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures
+from specgate.policies.explore import Explorer
+from specgate.policies.live_costs import STALL_CAP, CostView, LiveCosts
+from specgate.policies.model_policy import LivePolicy
 from tests.conftest import in_process_gateway, start_gateway, stop_gateway
 
 MTP = ModelPolicy("m", {"mtp": "mlx_mtp", "none": "mlx_plain"}, 3)
@@ -261,7 +261,7 @@ class PinnedCosts(LiveCosts):
     show speculation winning)."""
 
     def get(self, method, width, bucket):
-        from policies.live_costs import RunningEstimate
+        from specgate.policies.live_costs import RunningEstimate
 
         seconds = 0.010 * width if method == "none" else 0.010 + 0.001 * width
         return RunningEstimate(mean=seconds, count=self.min_samples, warmed=True)
@@ -275,7 +275,7 @@ def aligned(tmp_path_factory):
     """An in-process gateway (real uvicorn on loopback) serving the aligned
     head twice: "a" plain policy, "long" with long_context_tokens 64; both
     with PinnedCosts."""
-    from engines.builders.tiny import build_qwen35_hybrid
+    from specgate.builders.tiny import build_qwen35_hybrid
 
     tmp = tmp_path_factory.mktemp("aligned")
     path = build_qwen35_hybrid(tmp / "qwen35-aligned", seed=0, aligned_mtp=True)
@@ -335,7 +335,7 @@ def test_a_stream_growing_past_long_context_goes_plain_at_the_next_round(aligned
 def test_a_tune_file_written_while_serving_is_used_by_the_next_request(tiny_model, tmp_path):
     """No restart: the plan after the file appears counts on its numbers
     (source=tune: plain decoding's cost, never run here, comes from it)."""
-    from kernels import tune
+    from specgate.kernels import tune
 
     home = tmp_path / "home"
     gw = start_gateway({"models": [{"id": "m", "path": str(tiny_model), "max_context": 2048,
@@ -363,9 +363,9 @@ def test_a_burst_counts_requests_not_yet_in_an_engine():
     """The second request of a burst is planned before the first reached its
     engine: holding a slot (or queued for one) it counts, so the second
     batches instead of starting a speculative prefill."""
-    from gateway.config import parse_config
-    from gateway.models import ServedModel
-    from policies.model_policy import LivePolicy
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import ServedModel
+    from specgate.policies.model_policy import LivePolicy
 
     served = ServedModel(parse_config({"models": [{"id": "m", "path": "x", "max_concurrent": 1}]}).models[0])
     policy = LivePolicy(MTP, live_state=served.planning_state)

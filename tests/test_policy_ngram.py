@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from engines.base import LiveState, RoundStats
-from policies.acceptance import AcceptanceTracker
-from policies.costs import expected_tokens
-from policies.decide import ModelPolicy, RequestFeatures, decide
-from policies.live_costs import CostView, LiveCosts
-from policies.model_policy import LivePolicy
+from specgate.engines.base import LiveState, RoundStats
+from specgate.policies.acceptance import AcceptanceTracker
+from specgate.policies.costs import expected_tokens
+from specgate.policies.decide import ModelPolicy, RequestFeatures, decide
+from specgate.policies.live_costs import CostView, LiveCosts
+from specgate.policies.model_policy import LivePolicy
 
 NGRAM = ModelPolicy("m", {"ngram": "mlx_ngram", "none": "mlx_plain"}, 8, depths={"ngram": 8})
 IDLE = LiveState(0, 0, 0)

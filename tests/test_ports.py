@@ -30,7 +30,7 @@ def test_a_gateway_binds_its_own_port_and_says_which(tiny_model, tmp_path):
         args = [str(a) for a in gw.process.args]
         assert args[args.index("--port") + 1] == "0"  # its own pick, when it binds
         port = int(gw.base_url.rsplit(":", 1)[1])
-        assert f"gateway.cli: listening on http://127.0.0.1:{port}" in gw.log()
+        assert f"specgate.gateway.operator.cli: listening on http://127.0.0.1:{port}" in gw.log()
         assert httpx.get(gw.base_url + "/health").status_code == 200
     finally:
         stop_gateway(gw)

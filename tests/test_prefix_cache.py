@@ -1,4 +1,4 @@
-"""The prefix cache (engines/prefix_cache.py, engines/prefix_disk.py), as a store.
+"""The prefix cache (specgate/engines/cache/prefix_cache.py, specgate/engines/cache/prefix_disk.py), as a store.
 
 Entries here hold real mlx-lm caches (KVCache; a hybrid's ArraysCache beside
 one) filled with random arrays: what is checked is which entry serves which
@@ -14,14 +14,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from engines.prefix_cache import (
+from specgate.engines.cache.prefix_cache import (
     SHARED,
     CacheBudget,
     DrafterState,
     PrefixCache,
     snapshot_points,
 )
-from engines.prefix_disk import DiskTier
+from specgate.engines.cache.prefix_disk import DiskTier
 
 HYBRID = ("ArraysCache", "KVCache")
 
@@ -178,7 +178,7 @@ def test_a_corrupted_entry_is_refused_and_deleted(tmp_path, caplog):
     data[-3] ^= 0x40  # one bit of the last tensor's data
     path.write_bytes(bytes(data))
     again = disk_store(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="specgate.engines.cache.prefix_disk"):
         hit = again.fetch(TOKENS, "a")
     assert hit.cache is None and hit.cached == 0
     assert not path.exists() and again.disk.refused == 1
@@ -233,7 +233,7 @@ def test_a_disk_that_cannot_be_written_leaves_ram_working(tmp_path, caplog):
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("")  # the tier's root is a file: every write fails
     cache = store(trimmable=False, disk=DiskTier(blocked, "d1", 1 << 30, min_tokens=8))
-    with caplog.at_level(logging.WARNING, logger="engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="specgate.engines.cache.prefix_disk"):
         cache.insert(TOKENS[:50], hybrid(50), "a")
         cache.disk.flush()
     assert "a disk write failed" in caplog.text

@@ -19,9 +19,9 @@ import openai
 import pytest
 from conftest import start_gateway, stop_gateway
 
-from engines.builders.builtin_models import default_model_path
-from engines.builders.drafters import build_dspark_drafter
-from gateway.keys import add_key
+from specgate.builders.drafters import build_dspark_drafter
+from specgate.engines.checkpoints.builtin import default_model_path
+from specgate.gateway.access.keys import add_key
 
 SYSTEM = (
     "You are a careful Python reviewer for a team that writes network services. "

@@ -2,7 +2,7 @@
 
 Two prompts share a prefix (a system prompt) and differ after it. The first
 is decoded with a snapshot kept at the boundary, as the engines keep them
-(engines/spec_engine.py); the second then resumes from that snapshot, the
+(specgate/engines/mlx_spec/engine.py); the second then resumes from that snapshot, the
 trunk's caches and the drafter's state (MTP head, DFlash and DSpark
 drafters) restored, and feeds only its own tokens. A cold run of the second
 prompt, prefilled in the same two chunks so the arithmetic is the same,
@@ -23,17 +23,17 @@ import random
 import pytest
 from tiny_targets import TinyTarget
 
-from engines.base import GenerationRequest, Plan, SamplingParams
-from engines.builders.builtin_models import default_model_path, demo_dflash_path
-from engines.builders.drafters import build_dflash_drafter, build_dspark_drafter
-from engines.builders.tiny import build_qwen35_hybrid
-from engines.mlx_block.dflash import check_pairing, load_dflash
-from engines.mlx_block.dspark import load_dspark
-from engines.prefix_cache import CacheBudget, Hit, PrefixCache, snapshot
-from engines.proposers.dflash import DFlashProposer
-from engines.proposers.dspark import DSparkProposer
-from engines.proposers.mtp import MTPProposer
-from engines.spec_decoder import SpecDecoder
+from specgate.builders.drafters import build_dflash_drafter, build_dspark_drafter
+from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.cache.prefix_cache import CacheBudget, Hit, PrefixCache, snapshot
+from specgate.engines.checkpoints.builtin import default_model_path, demo_dflash_path
+from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
+from specgate.engines.drafting.dflash.proposer import DFlashProposer
+from specgate.engines.drafting.dspark.model import load_dspark
+from specgate.engines.drafting.dspark.proposer import DSparkProposer
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 N_TOKENS = 40
 DEPTH = 3

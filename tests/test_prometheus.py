@@ -24,7 +24,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.keys import add_key
+from specgate.gateway.access.keys import add_key
 from tests.conftest import REPO, reserved_ports, start_gateway, stop_gateway
 
 DASHBOARD = REPO / "deploy/grafana/dashboards/specgate.json"

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from gateway.admission import FairQueue, KeyWork, ModelGate, QueueFull, QueueTimeout
-from gateway.quotas import KeyLimits, KeyUsage, Rejected, RequestWindow, TokenWindow
+from specgate.gateway.access.admission import FairQueue, KeyWork, ModelGate, QueueFull, QueueTimeout
+from specgate.gateway.access.quotas import KeyLimits, KeyUsage, Rejected, RequestWindow, TokenWindow
 
 # -- request window ---------------------------------------------------------------------------
 

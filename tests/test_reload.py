@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import start_gateway, stop_gateway
 
-from gateway.cli import main
+from specgate.gateway.operator.cli import main
 
 
 def model(model_id: str, path, **extra) -> dict:

@@ -1,8 +1,8 @@
-"""gateway/residency.py: which models make room for a new one, as plain decisions."""
+"""specgate/gateway/serving/residency.py: which models make room for a new one, as plain decisions."""
 
 from __future__ import annotations
 
-from gateway.residency import (
+from specgate.gateway.serving.residency import (
     ModelChanges,
     NeverFits,
     Resident,

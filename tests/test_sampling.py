@@ -1,4 +1,4 @@
-"""engines/sampling.py against a plain numpy reference."""
+"""specgate/engines/sampling.py against a plain numpy reference."""
 
 from __future__ import annotations
 
@@ -6,8 +6,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engines.base import SamplingParams
-from engines.sampling import KeyStream, PenaltyState, apply_penalties, probabilities, sample
+from specgate.engines.base import SamplingParams
+from specgate.engines.sampling import (
+    KeyStream,
+    PenaltyState,
+    apply_penalties,
+    probabilities,
+    sample,
+)
 
 LOGITS = np.array([2.0, 1.5, 0.3, 0.2, -1.0, -3.0, 0.9, 1.1], dtype=np.float32)
 
@@ -74,7 +80,7 @@ def test_seeded_key_streams_repeat():
 
 
 def test_logprobs_stay_reportable_under_extreme_logits():
-    from engines.sampling import LOGPROB_FLOOR, logprobs_of
+    from specgate.engines.sampling import LOGPROB_FLOOR, logprobs_of
 
     lp = logprobs_of(mx.array([float("inf"), 1.0, float("-inf"), float("nan")]))
     assert all(LOGPROB_FLOOR <= v <= 0.0 for v in lp.tolist())

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from conftest import REPO, listening_port
 
-from gateway import service
-from gateway.cli import main
+from specgate.gateway.operator import service
+from specgate.gateway.operator.cli import main
 
 DEPLOY = REPO / "deploy"
 
@@ -45,7 +45,7 @@ def test_the_launchd_agent_restarts_specgate_and_logs_under_its_home():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_the_systemd_unit_verifies(tmp_path):
-    spec = service.ServiceSpec([sys.executable, "-m", "gateway.cli"], tmp_path / "c.yaml",
+    spec = service.ServiceSpec([sys.executable, "-m", "specgate"], tmp_path / "c.yaml",
                                tmp_path / "home", tmp_path)  # fmt: skip
     unit = tmp_path / service.UNIT
     unit.write_text(service.systemd_unit(spec))
@@ -93,7 +93,7 @@ def test_serve_logs_to_the_file_it_is_given(tiny_model, tmp_path):
     config.write_text(yaml.safe_dump({"models": [{"id": "m", "path": str(tiny_model)}]}))
     log_file = tmp_path / "logs" / "specgate.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0",
+        [sys.executable, "-m", "specgate", "serve", "--config", str(config), "--port", "0",
          "--log-file", str(log_file)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         # CI set: transformers then also hands its warnings to the root
         # logger, i.e. to this file, as on a CI machine.

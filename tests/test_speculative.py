@@ -1,4 +1,4 @@
-"""engines/speculative.py: the acceptance rules, checked for exactness.
+"""specgate/engines/mlx_spec/acceptance.py: the acceptance rules, checked for exactness.
 
 The greedy rule and the residual are checked on hand-made cases. The sampled
 rule (Leviathan-Chen rejection sampling) is checked as a *distribution*: we
@@ -55,9 +55,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engines.base import SamplingParams
-from engines.sampling import probabilities
-from engines.speculative import (
+from specgate.engines.base import SamplingParams
+from specgate.engines.mlx_spec.acceptance import (
     Verdict,
     accept_greedy,
     accept_sampled,
@@ -66,6 +65,7 @@ from engines.speculative import (
     point_masses,
     residual,
 )
+from specgate.engines.sampling import probabilities
 
 V = 6  # tiny vocabulary for the statistical tests
 
@@ -149,7 +149,7 @@ def test_residual_never_puts_mass_where_p_is_zero():
 
 
 def _truncated(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Rows of engines.sampling.probabilities (float32), as the engine sees them."""
+    """Rows of specgate.engines.sampling.probabilities (float32), as the engine sees them."""
     return np.array(probabilities(mx.array(logits.astype(np.float32)), params))
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from conftest import REPO, start_gateway, stop_gateway
 
-from gateway.keys import add_key
+from specgate.gateway.access.keys import add_key
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = REPO / "bench" / "results" / "status-page.png"

@@ -1,4 +1,4 @@
-from gateway.stops import StopMatcher
+from specgate.gateway.serving.stops import StopMatcher
 
 
 def feed_all(stops, pieces):

@@ -1,4 +1,4 @@
-"""The grammars behind structured outputs (gateway/structured.py), checked
+"""The grammars behind structured outputs (specgate/gateway/api/structured.py), checked
 with llguidance against text in each tool-call format: what the model's
 template would write is accepted, and parses back to the same call; what
 breaks the schema is refused."""
@@ -12,12 +12,12 @@ import llguidance.hf
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from engines.grammar import json_constraint
-from gateway.errors import APIError
-from gateway.structured import ForcedTools, JsonOutput, constraint
-from gateway.tools import parse_call
+from specgate.engines.grammar import json_constraint
+from specgate.gateway.api.structured import ForcedTools, JsonOutput, constraint
+from specgate.gateway.api.tools import parse_call
+from specgate.gateway.errors import APIError
 
-DEMO = Path(__file__).parents[1] / "engines" / "builders" / "demo"
+DEMO = Path(__file__).parents[1] / "specgate" / "engines" / "checkpoints" / "demo"
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {
         "type": "object",

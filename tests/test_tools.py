@@ -17,7 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tool_caller import HERMES_TEMPLATE, XML_TEMPLATE, build_tool_caller
 
-from gateway.tools import ToolCall, ToolCallStream, parse_call, split_output, tool_format
+from specgate.gateway.api.tools import (
+    ToolCall,
+    ToolCallStream,
+    parse_call,
+    split_output,
+    tool_format,
+)
 
 TOOLS = [
     {

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kernels import tune
+from specgate.kernels import tune
 from tests.conftest import REPO
 
 
 def test_tune_measures_saves_and_the_gateway_reads_it(tiny_model, tmp_path):
     env = os.environ | {"SPECGATE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "tune", str(tiny_model),
+    done = subprocess.run([sys.executable, "-m", "specgate", "tune", str(tiny_model),
                            "--reps", "2"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -34,7 +34,7 @@ def test_tune_measures_saves_and_the_gateway_reads_it(tiny_model, tmp_path):
     assert data["plain_step"] > 0
     assert data["batched"]["1"] == 1.0 and len(data["batched"]) == 8
 
-    code = ("from gateway.tuning import costs_for; import sys; c = costs_for(sys.argv[1]); "
+    code = ("from specgate.gateway.serving.tuning import costs_for; import sys; c = costs_for(sys.argv[1]); "
             "print(c.verify_cost(4, 64), c.verify_cost(4, 100000), c.batched_gain(8), "
             "c.draft['mtp'](3))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, str(tiny_model)], cwd=REPO, env=env,
@@ -55,7 +55,7 @@ def test_tune_measures_saves_and_the_gateway_reads_it(tiny_model, tmp_path):
 def test_draft_fit_recovers_a_linear_round_cost():
     """Rounds that cost verify(k+1) + 0.5 + 0.25 k (in c(1) units) give back
     exactly that drafter cost; one depth gives a per-round cost alone."""
-    from kernels.tune import draft_fit
+    from specgate.kernels.tune import draft_fit
 
     c1 = 0.01
     verify = {m: c1 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}
@@ -237,7 +237,7 @@ def test_a_burst_of_load_does_not_bend_the_curve(monkeypatch):
 
 
 def test_tune_file_is_read_when_it_changes(tmp_path, monkeypatch, caplog):
-    from gateway.tuning import TuneFile, costs_for
+    from specgate.gateway.serving.tuning import TuneFile, costs_for
 
     model = tmp_path / "m"
     model.mkdir()
@@ -258,7 +258,7 @@ def test_tune_file_is_read_when_it_changes(tmp_path, monkeypatch, caplog):
     second = live.costs()
     assert second.plain_step == pytest.approx(2.0)
 
-    caplog.set_level(logging.WARNING, logger="gateway.tuning")
+    caplog.set_level(logging.WARNING, logger="specgate.gateway.serving.tuning")
     time.sleep(0.01)
     path.write_text('{"verify": {"64": {"1"')  # half-written
     assert live.costs() is second and live.costs() is second

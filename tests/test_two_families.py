@@ -31,23 +31,23 @@ def decoders(kind: str, model_dir: Path, drafter_dir: Path | None, prompt: list[
     """A speculative decoder for `prompt` on a model loaded here (one per call)."""
     from mlx_lm.utils import load_model
 
-    from engines.base import GenerationRequest, Plan, SamplingParams
-    from engines.loading import LoadedModel
-    from engines.prefix_cache import PrefixCache
-    from engines.spec_decoder import SpecDecoder
-    from engines.targets import target_for
+    from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+    from specgate.engines.cache.prefix_cache import PrefixCache
+    from specgate.engines.loading import LoadedModel
+    from specgate.engines.mlx_spec.decoder import SpecDecoder
+    from specgate.engines.targets import target_for
 
     model, config = load_model(model_dir)
     target = target_for(model)
     if kind == "mtp":
-        from engines.mlx_mtp.loading import load_mtp_head
-        from engines.proposers.mtp import MTPProposer
+        from specgate.engines.drafting.mtp.loading import load_mtp_head
+        from specgate.engines.drafting.mtp.proposer import MTPProposer
 
         loaded = LoadedModel(str(model_dir), model, None, config, PrefixCache(str(model_dir)))
         proposer = MTPProposer(target, load_mtp_head(loaded))
     else:
-        from engines.mlx_block.dflash import load_dflash
-        from engines.proposers.dflash import DFlashProposer
+        from specgate.engines.drafting.dflash.model import load_dflash
+        from specgate.engines.drafting.dflash.proposer import DFlashProposer
 
         proposer = DFlashProposer(target, load_dflash(drafter_dir))
     request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), N_TOKENS,
@@ -66,8 +66,8 @@ def run(decoder) -> list[int]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from engines.builders.drafters import build_dflash_drafter
-    from engines.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
+    from specgate.builders.drafters import build_dflash_drafter
+    from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
 
     root = tmp_path_factory.mktemp("families")
     hybrid = build_qwen35_hybrid(root / "hybrid", tokenizer=False, aligned_mtp=True)

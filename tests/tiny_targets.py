@@ -15,15 +15,15 @@ import mlx.core as mx
 from greedy import greedy_reference
 from mlx_lm.utils import load_model
 
-from engines.loading import LoadedModel
-from engines.prefix_cache import PrefixCache
-from engines.targets import target_for
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.loading import LoadedModel
+from specgate.engines.targets import target_for
 
 N_TOKENS = 64
 
 
 class TinyTarget:
-    """`model` (float32), its `trunk` (engines/targets), its MTP `head` if
+    """`model` (float32), its `trunk` (specgate/engines/targets), its MTP `head` if
     asked for, and a `drafter` directory loaded with `loader` (its pairing
     with the trunk checked by `pairing`, where given)."""
 
@@ -37,7 +37,7 @@ class TinyTarget:
         self.vocab = self.loaded.vocab_size
         self.head = self.drafter = None
         if head:
-            from engines.mlx_mtp.loading import load_mtp_head
+            from specgate.engines.drafting.mtp.loading import load_mtp_head
 
             self.head = load_mtp_head(self.loaded)
             self.head.set_dtype(mx.float32)

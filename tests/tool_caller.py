@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.builders._build import save_safetensors
-from engines.builders.tiny import build_qwen3_dense
-from engines.builders.tokenizer import IM_END, special_token_ids
+from specgate.builders._build import save_safetensors
+from specgate.builders.tiny import build_qwen3_dense
+from specgate.builders.tokenizer import IM_END, special_token_ids
 
 VOCAB, HIDDEN, HEAD_DIM, UNITS = 2048, 640, 32, 128
 ROPE_THETA = 10.0  # widely spaced RoPE frequencies: a sharp peak at the chosen distance

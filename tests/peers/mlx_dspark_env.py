@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.home import peers_dir
+from specgate.engines.home import peers_dir
 
 MLX_DSPARK_VERSION = "0.20.3"
 PYTHON_VERSION = "3.11"

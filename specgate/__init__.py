@@ -1,0 +1,22 @@
+"""specgate: one OpenAI-, Anthropic- and Responses-compatible endpoint in front
+of speculative-decoding engines.
+
+Every import name of the distribution lives under this one package, so no
+other project's top-level package (Hugging Face's `kernels`, PyPI's
+`engines`, `gateway`, `policies`) can collide with it. The subpackages, and
+the one direction their imports go:
+
+    gateway -> policies -> engines -> kernels
+
+- gateway/: the HTTP APIs, access, serving, cluster and the operator's CLI;
+- policies/: which decoding plan serves a request and a round (pure logic);
+- engines/: decoding: the engine registry, the engines, targets, drafting
+  methods, caches, checkpoints (runtime code only);
+- kernels/: verify-shape kernels, their guard, cost measurement;
+- builders/: what specgate makes rather than serves (tiny checkpoints,
+  training, GGUF export). Beside the chain: it may import engines/ and
+  kernels/; only the CLI's build commands import it, lazily, and
+  `specgate serve` never does.
+
+See docs/DESIGN.md, "Layers".
+"""

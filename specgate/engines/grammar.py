@@ -1,0 +1,178 @@
+"""Constrained decoding: the tokens a grammar allows next, per sequence.
+
+A request's `OutputConstraint` (engines/base.py) carries a grammar in
+llguidance's format (a JSON schema or a Lark grammar compiled by the
+builders below). llguidance rather than xgrammar: one abi3 wheel with no
+dependencies (xgrammar pulls in torch), masks computed on the CPU in tens of
+microseconds, and a matcher that validates, consumes and rolls back tokens,
+which is what speculative decoding needs: a verify position's mask is the
+one the grammar reaches after the drafts before it, and a rejected draft
+rolls back.
+
+`Grammars` is one model's: the tokenizer llguidance needs, built once.
+`GrammarState` is one sequence's; the engines apply its masks to the
+penalised logits (`masked`), before temperature and truncation, so the
+target's p and a drafter's q see the same mask.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+
+from specgate.engines.base import EngineError, OutputConstraint
+
+NEG_INF = float("-inf")
+
+# Separators fixed to one space and no free whitespace elsewhere: a
+# flexible-whitespace grammar lets a small model emit newlines forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(EngineError):
+    """A grammar that cannot be compiled, or a sequence it cannot follow
+    (the gateway checks grammars before a request runs: while it runs,
+    this is the engine failing that request)."""
+
+
+def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
+    """Output that is one JSON value matching `schema` (None: any JSON object)."""
+    body = {"type": "object"} if schema is None else schema
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:  # llguidance reports a bad schema as ValueError
+        raise GrammarError(f"{param}: {e}") from None
+    check(grammar, param)
+    return OutputConstraint(grammar, json.dumps(body), param)
+
+
+def lark_constraint(lark: str, param: str) -> OutputConstraint:
+    """Output that matches a Lark grammar (llguidance's dialect: `%json{...}`
+    embeds a JSON schema, special tokens are written bare, `<|im_end|>`)."""
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    check(grammar, param)
+    return OutputConstraint(grammar, None, param)
+
+
+def check(grammar: str, param: str) -> None:
+    """Raise GrammarError naming `param` where the grammar does not compile."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"{param}: {error}")
+
+
+class Grammars:
+    """One model's grammar support: its tokenizer as llguidance sees it
+    (built on first use: a large vocabulary takes a moment)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
+        self.vocab_size = vocab_size
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _llg(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                eos = sorted(getattr(self._tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                            eos_token=eos)  # fmt: skip
+                except Exception as e:  # e.g. a slow (non-`tokenizers`) tokenizer
+                    raise GrammarError(f"this model's tokenizer cannot drive constrained "
+                                       f"decoding: {e}") from None
+            return self._ll
+
+    def state(self, constraint: OutputConstraint | None) -> GrammarState | None:
+        return None if constraint is None else GrammarState(self._llg(), constraint)
+
+
+class GrammarState:
+    """Where one sequence stands in its grammar.
+
+    Committed tokens go through `advance`. A proposer drafting token by token
+    pushes its drafts with `draft` (each draw masked by the state the drafts
+    before it reached); the decoder takes them back with `undo_drafts`.
+
+    An EOS among drafts is never consumed: the sequence ends there, what
+    comes after it is cut, and llguidance cannot roll an EOS back."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, constraint: OutputConstraint):
+        self.constraint = constraint
+        self.vocab_size = tokenizer.vocab_size
+        self._eos = frozenset(tokenizer.eos_tokens)
+        self._matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        self._drafted = 0  # consumed by `draft`
+        self._draft_ended = False  # a draft was an EOS
+        self._raise_if_error()
+
+    def allowed(self) -> np.ndarray:
+        """(V,) bool: the tokens the grammar allows next."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        self._raise_if_error()
+        if not mask.any():
+            raise GrammarError(f"{self.constraint.param}: the grammar allows no token here")
+        return mask
+
+    def advance(self, tokens: list[int]) -> None:
+        """Commit tokens the sequence produced (each allowed when sampled)."""
+        for t in tokens:  # one by one: consume_tokens refuses an EOS once stopped
+            self._consume(t)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks_along(self, drafts: list[int]) -> np.ndarray:
+        """(len(drafts) + 1, V) bool: the mask here and after each draft
+        (drafts the grammar accepts); the state is left where it was."""
+        rows, consumed = [self.allowed()], 0
+        for d in drafts:
+            if d in self._eos:  # the rows after an EOS are never used
+                rows += [rows[-1]] * (len(drafts) + 1 - len(rows))
+                break
+            self._consume(d)
+            consumed += 1
+            rows.append(self.allowed())
+        self._matcher.rollback(consumed)
+        return np.stack(rows)
+
+    def draft(self, token: int) -> None:
+        if self._draft_ended or token in self._eos:
+            self._draft_ended = True
+            return
+        self._consume(token)
+        self._drafted += 1
+
+    def undo_drafts(self) -> None:
+        if self._drafted:
+            self._matcher.rollback(self._drafted)
+        self._drafted, self._draft_ended = 0, False
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            self._raise_if_error()
+            raise GrammarError(f"{self.constraint.param}: token {token} breaks the grammar")
+
+    def _raise_if_error(self) -> None:
+        if self._matcher.is_error():
+            raise GrammarError(f"{self.constraint.param}: {self._matcher.get_error()}")
+
+
+def masked(logits: mx.array, allowed: mx.array | np.ndarray | None) -> mx.array:
+    """`logits` (..., V) with the tokens the grammar forbids at -inf."""
+    if allowed is None:
+        return logits
+    width = logits.shape[-1]
+    allowed = mx.array(allowed) if isinstance(allowed, np.ndarray) else allowed
+    if allowed.shape[-1] < width:  # logits padded past the tokenizer: never allowed
+        pad = mx.zeros((*allowed.shape[:-1], width - allowed.shape[-1]), dtype=mx.bool_)
+        allowed = mx.concatenate([allowed, pad], axis=-1)
+    return mx.where(allowed, logits, NEG_INF)

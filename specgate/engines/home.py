@@ -1,0 +1,68 @@
+"""SPECGATE_HOME: where specgate keeps everything it writes.
+
+The one module that reads the variable, and the one that names the paths
+under it ($SPECGATE_HOME, else ~/.specgate):
+
+    models/              builtin models made on first use (the demo as GGUF),
+                         and where `specgate demo-model` / `demo-drafter` train to
+    keys                 the API keys (gateway/access/keys.py), unless `auth.keys_file`
+    llama.cpp/           llama-server as `specgate install-llama-server` builds it:
+                         <tag>/bin/llama-server, src/, build/<tag>/
+    logs/                llama-server's build log and each server's own
+    kernels/<machine>/   the kernel guard's verdicts, one file per op (kernels/guard.py)
+    tune/<machine>/      `specgate tune` results per checkpoint digest (kernels/tune.py
+                         lays them out under the home it is given)
+    prefix-cache/<model>/  the prefix cache's disk tier, per model content
+                         (engines/cache/prefix_disk.py)
+    peers/               the tests' venvs of other implementations (tests/peers/)
+
+Each function takes the home to use, for callers that keep their own (tests,
+bench --home); by default the one the environment names, read at each call
+(tests set it after import). kernels/ sits below the engines and never reads
+this: the engines hand it its directory (engines/kernel_wiring.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def specgate_home() -> Path:
+    """Where specgate keeps everything it writes ($SPECGATE_HOME, ~/.specgate)."""
+    return Path(os.environ.get("SPECGATE_HOME") or Path.home() / ".specgate").expanduser()
+
+
+def models_dir(home: Path | None = None) -> Path:
+    """Models specgate makes: the builtins built on first use, the trainers' output."""
+    return (home or specgate_home()) / "models"
+
+
+def keys_file(home: Path | None = None) -> Path:
+    """The API keys file when the config names none."""
+    return (home or specgate_home()) / "keys"
+
+
+def llama_cpp_dir(home: Path | None = None) -> Path:
+    """specgate's own llama.cpp: sources, build tree and the installed llama-server."""
+    return (home or specgate_home()) / "llama.cpp"
+
+
+def logs_dir(home: Path | None = None) -> Path:
+    """Logs of what specgate builds and runs (llama-server's build, each server)."""
+    return (home or specgate_home()) / "logs"
+
+
+def kernel_cache_dir(home: Path | None = None) -> Path:
+    """The kernel guard's verdicts (kernels/guard.py adds <machine>/<op>.json)."""
+    return (home or specgate_home()) / "kernels"
+
+
+def prefix_cache_dir(home: Path | None = None) -> Path:
+    """The prefix cache's disk tier (engines/cache/prefix_disk.py adds <model digest>/)."""
+    return (home or specgate_home()) / "prefix-cache"
+
+
+def peers_dir(home: Path | None = None) -> Path:
+    """Environments of the peer implementations the tests compare against."""
+    return (home or specgate_home()) / "peers"

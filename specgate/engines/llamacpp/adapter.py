@@ -1,0 +1,250 @@
+"""Translating between specgate's engine types and llama-server's /completion API.
+
+Pure functions, tested directly. What llama-server (b11312) does differently
+from specgate's sampling (engines/sampling.py), and what we do about it:
+
+- Sampler order: llama.cpp's default chain applies temperature *last*, after
+  top-k/top-p/min-p, which changes which tokens top-p and min-p keep. We send
+  `samplers` in specgate's order: penalties -> temperature -> top-k -> top-p
+  -> min-p (the final `dist` draw is appended by llama.cpp).
+- Defaults: llama-server's own defaults are top_k 40, top_p 0.95, min_p 0.05
+  and a 0.8 temperature; every field is sent explicitly so none leaks in.
+- Repetition penalty: the same formula and, with `repeat_last_n` covering the
+  whole request, the same window (prompt + output, vLLM's meaning).
+- Presence/frequency penalties: llama.cpp counts prompt tokens too; specgate
+  (like OpenAI) counts generated tokens only. Not expressible: refused.
+- Logprobs: llama.cpp reports log-softmax of the raw logits, specgate of the
+  logits after penalties: equal without penalties, refused with them. With
+  draft-mtp, llama-server reports no probabilities for tokens that came out
+  of a speculative round: refused there.
+- Seeds: honoured (same seed, same output on the same server), but llama.cpp
+  draws its own random stream, so a seed does not reproduce an MLX engine's
+  sample; the distribution is the same.
+- Grammars: a JSON-schema constraint goes as `json_schema` (llama.cpp turns
+  it into its own grammar), its fixed prefix (a forced call's opening tag)
+  as prompt, the engine writing prefix and suffix into the text. llama.cpp samples first and masks only to
+  resample a token the grammar refuses, which is the masked distribution
+  greedy but not above temperature 0: refused there, and for grammars that
+  are not one JSON schema (a forced tool call).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from specgate.engines.base import (
+    FinishReason,
+    GenerationRequest,
+    Method,
+    Refusal,
+    RoundStats,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
+
+SAMPLER_ORDER = ("penalties", "temperature", "top_k", "top_p", "min_p")
+_SEED_MODULUS = 2**31 - 1  # llama.cpp reads the seed through an int32 field; -1 means random
+
+
+def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
+    """Why llama-server cannot serve these sampling parameters exactly, if it cannot."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(sampling, name) != 0.0:
+            return Refusal(
+                "penalties",
+                f"{name}: llama.cpp counts the prompt's tokens in this penalty, specgate (like "
+                "OpenAI) only the generated ones, so llama-server cannot apply it exactly",
+                name,
+            )
+    if sampling.logprobs and speculative:
+        return Refusal(
+            "unsupported_params",
+            "logprobs: llama-server reports no token probabilities for tokens produced by "
+            "speculation",
+            "logprobs",
+        )
+    constraint = sampling.constraint
+    if constraint is not None and constraint.json_schema is None:
+        return Refusal(
+            "unsupported_params",
+            f"{constraint.param}: llama-server takes one JSON schema, so a forced tool call "
+            "there is one call in Qwen's JSON (hermes) format: set parallel_tool_calls false "
+            "(Anthropic: disable_parallel_tool_use)",
+            constraint.param,
+        )
+    if constraint is not None and not sampling.greedy:
+        return Refusal(
+            "unsupported_params",
+            f"{constraint.param}: llama-server applies a grammar after its samplers (it samples, "
+            "then resamples from the masked distribution if the token breaks the grammar), so "
+            "above temperature 0 it does not sample specgate's masked distribution; use "
+            "temperature 0, or an MLX engine",
+            constraint.param,
+        )
+    if sampling.logprobs and sampling.repetition_penalty != 1.0:
+        return Refusal(
+            "penalties",
+            "logprobs: with repetition_penalty, llama-server reports probabilities before the "
+            "penalty and specgate after it",
+            "logprobs",
+        )
+    return None
+
+
+def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -> dict:
+    """The streaming /completion body for a request (token-id prompt, all
+    samplers explicit); `prefix_tokens`: its constraint's fixed prefix, as
+    prompt (the schema covers what follows)."""
+    s = request.sampling
+    body = {
+        "prompt": [*request.prompt_tokens, *prefix_tokens],
+        "n_predict": request.max_tokens,
+        "stream": True,
+        "return_tokens": True,
+        # An event per batch of prompt evaluated: the engine's progress deadline
+        # counts a long prefill as progress (engine.py).
+        "return_progress": True,
+        "cache_prompt": True,
+        "samplers": list(SAMPLER_ORDER),
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repeat_penalty": s.repetition_penalty,
+        "repeat_last_n": len(request.prompt_tokens) + request.max_tokens,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        # Off whatever the server was started with: not part of specgate's distribution.
+        "dry_multiplier": 0.0,
+        "xtc_probability": 0.0,
+        "typical_p": 1.0,
+        "top_n_sigma": -1.0,
+        "mirostat": 0,
+        "min_keep": 0,
+        "seed": -1 if s.seed is None else s.seed % _SEED_MODULUS,
+        # specgate decides where generation stops: with no stop ids (ignore_eos)
+        # the server must not stop at its end-of-generation tokens either.
+        "ignore_eos": not request.stop_token_ids,
+    }
+    if s.logprobs:
+        body["n_probs"] = max(1, s.top_logprobs)
+    if s.constraint is not None:  # refusal() let only JSON schemas through
+        body["json_schema"] = json.loads(s.constraint.json_schema)
+    return body
+
+
+@dataclass
+class ChunkResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None
+    cached_tokens: int = 0
+
+
+_STOP_TYPES: dict[str, FinishReason] = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def read_chunk(chunk: dict, request: GenerationRequest) -> ChunkResult:
+    """One streamed /completion chunk as specgate's tokens, text and finish reason.
+
+    A token in the request's stop set ends generation and, as in the MLX
+    engines, is not part of the output. A prompt-progress event carries no
+    output (llama-server fills its `tokens` with a placeholder 0).
+    """
+    if "prompt_progress" in chunk:
+        return ChunkResult([], "", None, None)
+    tokens = [int(t) for t in chunk.get("tokens") or []]
+    text = chunk.get("content") or ""
+    finish: FinishReason | None = None
+    stops = request.stop_token_ids
+    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if cut is not None:
+        tokens, finish = tokens[:cut], "stop"
+        if cut == 0:
+            text = ""  # the stop token's own text (if the server sent one) is not output
+    elif chunk.get("stop"):
+        finish = _STOP_TYPES.get(chunk.get("stop_type", ""), "stop")
+    logprobs = None
+    if request.sampling.logprobs and tokens:
+        k = request.sampling.top_logprobs
+        logprobs = [_logprob(p, k) for p in chunk.get("completion_probabilities") or []][: len(tokens)]
+    timings = chunk.get("timings") or {}
+    return ChunkResult(tokens, text, finish, logprobs, int(timings.get("cache_n", 0)))
+
+
+def _logprob(p: dict, k: int) -> TokenLogprob:
+    top = tuple(TopLogprob(int(t["id"]), t.get("token", ""), float(t["logprob"]))
+                for t in (p.get("top_logprobs") or [])[:k])
+    return TokenLogprob(int(p["id"]), p.get("token", ""), float(p["logprob"]), top)
+
+
+# --- speculation counters from llama-server's /metrics ---------------------
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """llama-server's cumulative `llamacpp:spec_decode_*` counters."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def minus(self, earlier: SpecCounters) -> SpecCounters:
+        """Counts since `earlier`; a server that restarted counts from zero again."""
+        if self.drafts < earlier.drafts or self.draft_tokens < earlier.draft_tokens:
+            return self
+        n = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
+        now = self.accepted_per_pos + (0,) * (n - len(self.accepted_per_pos))
+        before = earlier.accepted_per_pos + (0,) * (n - len(earlier.accepted_per_pos))
+        return SpecCounters(
+            self.drafts - earlier.drafts,
+            self.draft_tokens - earlier.draft_tokens,
+            self.accepted - earlier.accepted,
+            tuple(a - b for a, b in zip(now, before, strict=True)),
+        )
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    """Read the spec-decode counters out of llama-server's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    per_pos: dict[int, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llamacpp:spec_decode_num_accepted_tokens_per_pos_total":
+                per_pos[int(sample.labels["position"])] = int(sample.value)
+            else:
+                values[sample.name] = sample.value
+    n = max(per_pos) + 1 if per_pos else 0
+    return SpecCounters(
+        int(values.get("llamacpp:spec_decode_num_drafts_total", 0)),
+        int(values.get("llamacpp:spec_decode_num_draft_tokens_total", 0)),
+        int(values.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)),
+        tuple(per_pos.get(i, 0) for i in range(n)),
+    )
+
+
+def rounds_from_counters(model: str, method: Method, c: SpecCounters) -> list[RoundStats]:
+    """Rounds whose totals are exactly `c`, for the one RoundStats sink.
+
+    llama-server exports sums, not rounds. Acceptance is a prefix in every
+    round, so round j accepted position i iff fewer than accepted_per_pos[i]
+    rounds before it did: that rebuilds the per-position counts exactly. The
+    rejected draft tokens are spread over the rounds; only their sum is known.
+    """
+    if c.drafts <= 0:
+        return []
+    accepted_len = [sum(1 for a in c.accepted_per_pos if a > j) for j in range(c.drafts)]
+    rejected = max(0, c.draft_tokens - sum(accepted_len))
+    rounds = []
+    for j, n_ok in enumerate(accepted_len):
+        extra = rejected // c.drafts + (1 if j < rejected % c.drafts else 0)
+        drafted = n_ok + extra
+        rounds.append(RoundStats(model, method, drafted, [True] * n_ok + [False] * extra,
+                                 verify_width=drafted + 1))
+    return rounds

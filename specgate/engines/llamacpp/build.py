@@ -1,0 +1,185 @@
+"""Building a GGUF model's llamacpp engines: what the file can do, then the processes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from specgate.engines.base import Engine
+from specgate.engines.llamacpp.engine import LlamaCppEngine
+from specgate.engines.llamacpp.process import NGRAM_TYPES, LlamaServer, ServerSpec
+
+log = logging.getLogger(__name__)
+
+# Token texts llama.cpp treats as end-of-generation even when the GGUF's
+# metadata does not name them (src/llama-vocab.cpp builds its EOG set the same
+# way); specgate's stop set must match the server's.
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
+})
+# llama-server allocates its KV cache up front; when neither the config nor a
+# smaller trained context says otherwise, a slot gets this many tokens.
+DEFAULT_SLOT_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """How often a running llama-server is asked GET /health, how long each
+    answer may take, and after how many misses in a row it counts as stuck."""
+
+    interval: float = 2.0
+    timeout: float = 3.0
+    failures: int = 3
+
+
+@dataclass(frozen=True)
+class GgufFacts:
+    arch: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    context_length: int | None
+    verdict: str  # `specgate inspect`'s verdict for the file
+    mtp_usable: bool
+    mtp_problem: str | None  # why draft-mtp cannot run, when it cannot
+    embedding_length: int | None = None
+
+
+def read_gguf_facts(path: Path) -> GgufFacts:
+    from gguf import GGUFReader
+
+    from specgate.engines.checkpoints.gguf_info import read_gguf
+    from specgate.engines.checkpoints.verdicts import judge_gguf
+
+    info = read_gguf(path)
+    judgement = judge_gguf(info)
+    reader = GGUFReader(info.files[0])
+
+    def scalar(key: str):
+        f = reader.get_field(key)
+        return f.contents() if f is not None else None
+
+    eos = {int(v) for k in ("eos", "eot", "eom") if (v := scalar(f"tokenizer.ggml.{k}_token_id")) is not None}
+    tokens = scalar("tokenizer.ggml.tokens") or []
+    eos |= {i for i, text in enumerate(tokens) if text in _EOG_TEXTS}
+    problem = None
+    if not judgement.mtp_usable:
+        found = "; ".join(p.message for p in judgement.problems) or "it has no MTP (nextn) layers"
+        problem = f"`specgate inspect` says {judgement.verdict}: {found}"
+    kv = info.gguf.kv
+    ctx, width = kv.get("context_length"), kv.get("embedding_length")
+    return GgufFacts(info.gguf.arch, int(info.vocab_size or len(tokens)), frozenset(eos),
+                     int(ctx) if ctx else None, judgement.verdict, judgement.mtp_usable, problem,
+                     int(width) if width else None)
+
+
+def check_assistant_gguf(drafter: Path, target: GgufFacts) -> None:
+    """A drafter GGUF for draft-mtp's -md (Gemma-4's assistant), checked
+    against the target it will read K/V from: ValueError naming what differs."""
+    from specgate.engines.checkpoints.families import GGUF_ASSISTANT_ARCHS
+    from specgate.engines.checkpoints.gguf_info import read_gguf
+
+    info = read_gguf(drafter)
+    arch, kv = info.gguf.arch, info.gguf.kv
+    if arch not in GGUF_ASSISTANT_ARCHS:
+        raise ValueError(f"drafter {drafter}: a GGUF of architecture {arch}, not a drafter "
+                         f"llama-server takes with -md ({', '.join(GGUF_ASSISTANT_ARCHS)})")
+    wrong = []
+    if target.arch != GGUF_ASSISTANT_ARCHS[arch]:
+        wrong.append(f"it drafts for {GGUF_ASSISTANT_ARCHS[arch]} targets, the model is {target.arch}")
+    else:
+        out = kv.get("embedding_length_out")
+        if out and target.embedding_length and int(out) != target.embedding_length:
+            wrong.append(f"it was released for a target of hidden size {int(out)} "
+                         f"({arch}.embedding_length_out), the model's is {target.embedding_length}")
+        if info.vocab_size and int(info.vocab_size) != target.vocab_size:
+            wrong.append(f"its vocabulary has {int(info.vocab_size)} tokens, the model's {target.vocab_size}")
+    if wrong:
+        raise ValueError(f"drafter {drafter} does not fit the model: " + "; ".join(wrong))
+
+
+def build_llamacpp_engines(
+    model_id: str,
+    gguf: Path,
+    engines: list[str],
+    *,
+    depth: int,
+    ngram_type: str = "ngram-simple",
+    ngram_depth: int = 8,
+    max_context: int | None,
+    max_concurrent: int,
+    max_queue: int,
+    binary: str | None,
+    start_at_boot: bool,
+    idle_ttl: float | None,
+    threads: int | None,
+    extra_args: list[str],
+    read_timeout: float,
+    progress_timeout: float = 60.0,
+    health: HealthCheck | None = None,
+    drafter: Path | None = None,
+) -> tuple[dict[str, Engine], dict[str, str]]:
+    """The model's engines by name, and the engines refused with why: one
+    process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp
+    drafting `depth`, `llamacpp_ngram` `ngram_type` drafting up to
+    `ngram_depth`).
+
+    An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
+    refused (not started), and the model still serves through `llamacpp`.
+    With a `drafter` (a separate drafter GGUF: Gemma-4's assistant) it
+    drafts with that instead (`-md`), checked against the model first.
+    The engines tokenize through each other's processes when their own hangs.
+    """
+    if ngram_type not in NGRAM_TYPES:
+        raise ValueError(f"llamacpp ngram type must be one of {', '.join(NGRAM_TYPES)}, "
+                         f"not {ngram_type!r}")
+    speculation = {"llamacpp_mtp": {"type": "draft-mtp", "n_max": depth},
+                   "llamacpp_ngram": {"type": ngram_type, "n_max": ngram_depth}}
+    health = health or HealthCheck()
+    facts = read_gguf_facts(gguf)
+    if facts.verdict == "incompatible":
+        raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
+    if drafter is not None:
+        check_assistant_gguf(drafter, facts)
+    ctx = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
+    built: dict[str, LlamaCppEngine] = {}
+    refused: dict[str, str] = {}
+    for name in engines:
+        if name == "llamacpp_mtp" and drafter is None and not facts.mtp_usable:
+            refused[name] = _no_mtp(facts)
+            log.warning("model %s: llamacpp_mtp refused: %s", model_id, refused[name])
+            continue
+        spec = ServerSpec(
+            gguf,
+            # +16: llama-server keeps a little headroom (drafts, context-shift
+            # guard) beyond what one request may fill.
+            ctx_size=(ctx + 16) * max_concurrent,
+            parallel=max_concurrent,
+            spec=speculation.get(name),
+            extra_args=list(extra_args),
+            draft_model=drafter if name == "llamacpp_mtp" else None,
+            **({"threads": threads} if threads else {}),
+        )
+        server = LlamaServer(spec, binary=binary, ttl=idle_ttl, health_interval=health.interval,
+                             health_timeout=health.timeout, health_failures=health.failures)
+        built[name] = LlamaCppEngine(
+            model_id, server, name=name, method=name if name in speculation else "none",
+            max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
+            max_queue=max_queue, start_at_boot=start_at_boot, read_timeout=read_timeout,
+            progress_timeout=progress_timeout,
+        )
+    if not built:
+        raise ValueError(f"model {model_id}: no engine left to serve it: {'; '.join(refused.values())}")
+    for engine in built.values():
+        engine.tokenize_with([e.server for e in built.values()])
+    return built, refused
+
+
+def _no_mtp(facts: GgufFacts) -> str:
+    from specgate.engines.checkpoints.families import GGUF_ASSISTANT_ARCHS
+
+    if facts.arch in GGUF_ASSISTANT_ARCHS.values():
+        return (f"{facts.arch} drafts with a separate -assistant GGUF (the MTP/ folder of its "
+                "repo), which llama-server takes with -md: set the model's `drafter:` to it")
+    return f"draft-mtp needs MTP layers in the GGUF; {facts.mtp_problem}"

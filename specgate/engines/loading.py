@@ -1,0 +1,138 @@
+"""Load each model's weights once, however many engines serve it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from specgate.engines.base import CacheSettings
+from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
+from specgate.engines.fair_lock import FairLock
+from specgate.engines.grammar import Grammars
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    prefix_cache: PrefixCache  # shared by every engine serving this model
+    # Engines serving these weights take it around each step (a prefill
+    # chunk, a round, a batch step), so they never run MLX work on them at
+    # once. Engines of other models have their own and run alongside: a long
+    # prefill of one model does not hold up another's decoding.
+    lock: FairLock = field(default_factory=FairLock)
+    # A model over several ranks (engines/distributed/lockstep.py): its lock, and the
+    # decisions its engines share with the other ranks. None on one machine.
+    lockstep: Any = None
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config["vocab_size"]
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        return self.text_config.get("max_position_embeddings")
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Constrained decoding for this model's requests (engines/grammar.py)."""
+        return Grammars(self.tokenizer, self.vocab_size)
+
+
+# Weights load once per path while an engine holds them: when the last
+# engine of a path is gone (its model unloaded), so are they, and a later
+# load reads them again.
+_loaded: weakref.WeakValueDictionary[str, LoadedModel] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+def load_mlx_model(path: str, cache: CacheSettings | None = None,
+                   distribution=None) -> LoadedModel:  # fmt: skip
+    """mlx-lm load, memoised by resolved path.
+
+    `path` is a local directory or a hub repo id; only a hub repo id that is
+    not already in the local hub cache downloads anything (never while
+    HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
+    path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
+    prefix cache's settings (the first load of a path decides them).
+    `distribution` (engines/lockstep.Distribution): this rank's shard, with
+    the lockstep as its lock and no prefix cache (whose hits would differ
+    between ranks whose entries differ in size, so evictions do too).
+    """
+    from specgate.engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
+
+    key = str(Path(path).resolve()) if Path(path).exists() else path
+    with _lock:
+        loaded = _loaded.get(key)
+        if loaded is None:
+            model, tokenizer, config = load(path, distribution)
+            if distribution is None:
+                prefix = _prefix_cache(key, model, cache or CacheSettings())
+                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
+            else:
+                from specgate.engines.distributed.lockstep import Lockstep
+
+                prefix = _prefix_cache(key, model, CacheSettings(disk_bytes=0))
+                prefix.resize(0)
+                lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
+                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix,
+                                                    lock=lockstep, lockstep=lockstep)  # fmt: skip
+            if prefix.disk is not None:  # its queued writes finish, then its thread ends
+                weakref.finalize(loaded, prefix.disk.close)
+            weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS
+        return loaded
+
+
+def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings) -> PrefixCache:
+    from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
+
+    from specgate.engines.mlx_load import downloaded_checkpoint
+
+    if settings.ram_bytes is not None:
+        set_ram_budget(settings.ram_bytes)
+    fresh = make_prompt_cache(model)
+    classes = tuple(type(c).__name__ for c in fresh)
+    disk = None
+    root = downloaded_checkpoint(key) if settings.disk_bytes > 0 else None
+    if root is not None:  # its files name the model's entries on disk
+        from specgate.engines.cache.prefix_disk import DiskTier, prefix_digest
+        from specgate.engines.home import prefix_cache_dir
+
+        try:
+            disk = DiskTier(prefix_cache_dir(), prefix_digest(root), settings.disk_bytes,
+                            settings.disk_min_tokens)  # fmt: skip
+        except OSError as e:  # an unreadable checkpoint file or cache directory
+            log.warning("prefix cache of %s: no disk tier (%s)", key, e)
+    return PrefixCache(
+        key,
+        disk=disk,
+        cache_classes=classes,
+        # Snapshots at message boundaries wherever a trunk cannot always be
+        # cut back: recurrent state, or a sliding window once it has wrapped.
+        trimmable=can_trim_prompt_cache(fresh)
+        and not any(isinstance(c, RotatingKVCache) for c in fresh),
+        snapshot_interval=settings.snapshot_interval,
+    )
+
+
+def flush_prefix_caches() -> None:
+    """Wait for every model's queued disk writes (at shutdown)."""
+    for loaded in list(_loaded.values()):
+        if loaded.prefix_cache.disk is not None:
+            loaded.prefix_cache.disk.flush()

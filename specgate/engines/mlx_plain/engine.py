@@ -1,0 +1,457 @@
+"""Plain decoding (speculation off) with mlx-lm's continuous batching.
+
+The worker thread (engines/distributed/worker.py) owns the `BatchGenerator`; a request
+that arrives while others are decoding joins the running batch at the next
+step, and one that leaves (finished or cancelled) is removed from it there.
+
+A speculative engine of the same model may hand a sequence over (base.Handoff)
+when batching wins, and take it back: when a sequence is alone in the batch,
+its planner is asked again after each step. BatchGenerator decodes one step
+ahead (after a step its cache already holds the token it just returned, and
+the next token is sampled), so a sequence leaving takes that sampled token
+along as `pending`: it was drawn from the target's own distribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from specgate.engines.base import (
+    EngineOverloaded,
+    GenerationRequest,
+    Handoff,
+    LiveState,
+    Planner,
+    RoundStats,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
+from specgate.engines.distributed.lockstep import (
+    SHARED_PLANS,
+    FollowerOut,
+    Immediate,
+    LockstepBroken,
+    pin_seed,
+)
+from specgate.engines.distributed.worker import WorkerEngine, deliver
+from specgate.engines.grammar import GrammarError, GrammarState, masked
+from specgate.engines.loading import LoadedModel
+from specgate.engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
+
+log = logging.getLogger(__name__)
+
+
+def greedy_batch_sampler(logprobs: mx.array) -> mx.array:
+    # One shared object: BatchGenerator samples a batch in a single call when
+    # every row uses the same sampler, which is the common greedy case.
+    return mx.argmax(logprobs, axis=-1)
+
+
+class _RequestSampler:
+    """A request's own sampler: its params and, if seeded, its own key stream."""
+
+    def __init__(self, request: GenerationRequest, keys: KeyStream | None = None):
+        self.params = request.sampling
+        self.keys = keys or KeyStream(request.sampling.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return sample(logprobs, self.params, self.keys.next())
+
+
+class _PenaltyProcessor:
+    """mlx-lm logits processor applying specgate.engines.sampling penalties.
+
+    mlx-lm hands it every token in the sequence so far; positions past the
+    prompt are the generated ones the presence/frequency penalties count.
+    """
+
+    def __init__(self, request: GenerationRequest):
+        self.params = request.sampling
+        self.prompt = request.prompt_tokens
+        self.seen = len(request.prompt_tokens)
+        self.state: PenaltyState | None = None
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if self.state is None:
+            self.state = PenaltyState.from_prompt(self.prompt, logits.shape[-1])
+        if context.size > self.seen:
+            self.state = self.state.advance(context[self.seen :].tolist())
+            self.seen = context.size
+        return apply_penalties(logits, self.state, self.params)
+
+
+class _GrammarProcessor:
+    """mlx-lm logits processor masking by the request's grammar
+    (engines/grammar.py); like _PenaltyProcessor, it reads the generated
+    tokens from the context mlx-lm hands it. Listed after the penalties,
+    so the mask comes between them and the sampler's truncation, as in the
+    speculative engines."""
+
+    def __init__(self, request: GenerationRequest, grammar: GrammarState):
+        self.grammar = grammar
+        self.seen = len(request.prompt_tokens)
+        # Raising here would fail the whole batch step: the worker ends this
+        # request with the error after the step instead.
+        self.error: GrammarError | None = None
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if self.error is not None:
+            return logits
+        try:
+            if context.size > self.seen:
+                self.grammar.advance(context[self.seen :].tolist())
+                self.seen = context.size
+            return masked(logits, self.grammar.allowed())
+        except GrammarError as e:
+            self.error = e
+            return logits
+
+
+@dataclass
+class _Slot:
+    """A request while the worker serves it."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    detokenizer: Any
+    planner: Planner | None = None
+    resume: Handoff | None = None
+    uid: int | None = None
+    cached_tokens: int = 0
+    started: bool = False
+    generated: int = 0  # output tokens so far, earlier engines' included
+    keys: KeyStream | None = None
+    grammar: _GrammarProcessor | None = None
+    finished: bool = False  # decoded to its end (WorkerEngine.live_state)
+
+    def post(self, item: TokenEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class MLXPlainEngine(WorkerEngine):
+    name = "mlx_plain"
+
+    def __init__(
+        self,
+        model_id: str,
+        loaded: LoadedModel,
+        *,
+        max_context: int,
+        max_concurrent: int = 8,
+        max_queue: int = 64,
+        prefix_cache_size: int = 64,
+        prefill_step_size: int = 512,
+        prefill_step_while_decoding: int = 128,
+    ):
+        super().__init__(model_id, loaded, max_context=max_context)
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.prefill_step_size = prefill_step_size
+        # Each batch step decodes every running sequence and feeds one chunk
+        # of the prompts being prefilled: while sequences decode, smaller
+        # chunks keep a long prompt (or one whose client hangs up before its
+        # first token) from stretching everyone's next token by seconds.
+        self.prefill_step_while_decoding = min(prefill_step_while_decoding, prefill_step_size)
+        self._prefix_cache = loaded.prefix_cache
+        # A model over several ranks keeps none (engines/loading.py says why).
+        self._prefix_cache.resize(0 if loaded.lockstep is not None else prefix_cache_size)
+        self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
+        self._batch: BatchGenerator | None = None
+
+    def generate(
+        self, request: GenerationRequest, planner: Planner | None = None,
+        resume: Handoff | None = None,
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
+        """Stream one request (or continue one handed over). The planner is
+        asked again only while the request is alone in the batch."""
+        if self._in_flight >= self.max_concurrent + self.max_queue:
+            raise EngineOverloaded(
+                f"model '{self.model_id}' has {self._in_flight} requests in flight "
+                f"(limit {self.max_concurrent} running + {self.max_queue} queued)",
+                retry_after=1.0,
+            )
+        slot = _Slot(
+            request, asyncio.get_running_loop(), asyncio.Queue(),
+            resume.detokenizer if resume else self.tokenizer.detokenizer, planner, resume,
+        )
+        return self._consume(slot, slot.out, lambda: self._inbox.put(("cancel", slot)))
+
+    # -- worker thread -----------------------------------------------------
+
+    def _new_batch(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            completion_batch_size=self.max_concurrent,
+            prefill_batch_size=min(self.max_concurrent, 8),
+            prefill_step_size=self.prefill_step_size,
+            sampler=greedy_batch_sampler,
+        )
+
+    def _worker(self) -> None:
+        self._batch = self._new_batch()
+        while True:
+            try:
+                if not self._take_commands(block=not self._slots):
+                    break
+                if not self._slots:
+                    continue
+                self._batch.prefill_step_size = (
+                    self.prefill_step_while_decoding if self._running else self.prefill_step_size
+                )
+                # Only a step that decodes every sequence and prefills none
+                # is timed: it is what a plain step costs at this batch size.
+                decoding = [s for s in self._slots.values() if s.started]
+                timed = len(decoding) == len(self._slots)
+                with self.loaded.lock:  # timed inside: waiting for the lock is not the step's cost
+                    t0 = time.perf_counter()
+                    prompt_responses, generation_responses = self._batch.next()
+                    seconds = time.perf_counter() - t0
+                self._store_prompt_caches(prompt_responses)
+                # One wake-up per event loop per step, not one per token.
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                stats = self._step_stats(decoding, seconds) if timed and not prompt_responses else None
+                for response in generation_responses:
+                    if (made := self._event(response)) is not None:
+                        slot, event = made
+                        if stats is not None:  # rides on the step's first event
+                            by_loop.setdefault(slot.loop, []).append((slot.out, stats))
+                            stats = None
+                        by_loop.setdefault(slot.loop, []).append((slot.out, event))
+                for loop, items in by_loop.items():
+                    loop.call_soon_threadsafe(deliver, items)
+                self._end_broken_grammars()
+                if len(self._slots) == 1:
+                    self._maybe_hand_off(next(iter(self._slots.values())))
+            except Exception as exc:  # a failed step fails its batch, not the server
+                log.exception("mlx_plain step failed for model %s", self.model_id)
+                if self.loaded.lockstep is not None:
+                    exc = self.loaded.lockstep.check(exc)
+                for slot in self._slots.values():
+                    slot.post(exc)
+                self._slots.clear()
+                self._running = 0
+                self._batch = self._new_batch()
+                if isinstance(exc, LockstepBroken):  # a distributed model lost a rank
+                    raise exc from None
+        for slot in self._submitted():  # submitted after the stop
+            slot.post(self.stopped_error())
+        for slot in self._slots.values():
+            slot.post(self.stopped_error())
+        self._slots.clear()
+
+    def _step_stats(self, decoding: list[_Slot], seconds: float) -> RoundStats:
+        contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
+        return RoundStats(self.model_id, "none", 0, seconds=seconds, batch=len(decoding),
+                          context_tokens=sum(contexts) // max(1, len(contexts)),
+                          constrained=any(s.grammar is not None for s in decoding))  # fmt: skip
+
+    def _end_broken_grammars(self) -> None:
+        """End the requests whose grammar failed in the step (its processor
+        kept the error), and only those."""
+        for uid, slot in list(self._slots.items()):
+            if slot.grammar is not None and slot.grammar.error is not None:
+                self._batch.remove([uid])
+                del self._slots[uid]
+                self._running -= slot.started
+                slot.post(slot.grammar.error)
+
+    def _commands(self, block: bool) -> list[tuple[str, _Slot]]:
+        """The queued submits and cancels, up to a stop."""
+        try:
+            commands = [self._inbox.get(timeout=None if block else 0)]
+        except queue.Empty:
+            return []
+        while commands[-1][0] != "stop":
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if self.loaded.lockstep is not None:
+            for command, slot in commands:
+                if command == "submit":
+                    slot.request = pin_seed(slot.request)
+        return commands
+
+    # Commands as they travel to the other ranks of a distributed model, and
+    # the slots they make there (engines/distributed/lockstep.py).
+    @staticmethod
+    def _describe(commands: list[tuple[str, _Slot]]) -> list[tuple]:
+        return [(c, None if slot is None else
+                 (slot.request, slot.resume is not None, slot.planner is not None))
+                for c, slot in commands]  # fmt: skip
+
+    def _follow(self, described: list[tuple]) -> list[tuple[str, _Slot]]:
+        lockstep, out = self.loaded.lockstep, []
+        slots = {s.request.request_id: s for s in self._slots.values()}
+        for command, what in described:
+            if what is None:
+                out.append((command, None))
+                continue
+            request, resumed, planned = what
+            if command == "cancel":
+                out.append((command, slots.get(request.request_id)))
+                continue
+            resume = lockstep.take_handoff(request.request_id) if resumed else None
+            # Rank 0's plans are shared: a planner here only says one is asked.
+            slot = _Slot(request, Immediate(), FollowerOut(request.request_id, lockstep),
+                         resume.detokenizer if resume else self.tokenizer.detokenizer,
+                         SHARED_PLANS if planned else None, resume)  # fmt: skip
+            slots[request.request_id] = slot
+            out.append((command, slot))
+        return out
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued submits and cancels; False once asked to stop."""
+        commands = self._share(lambda: self._commands(block), self._describe, self._follow)
+        for command, slot in commands:
+            if command == "stop":
+                return False
+            if slot is None:
+                continue
+            if command == "submit":
+                try:
+                    self._insert(slot)
+                except Exception as exc:  # this request's problem, not the batch's
+                    log.exception("mlx_plain could not start request %s", slot.request.request_id)
+                    slot.post(exc)
+            elif command == "cancel" and slot.uid in self._slots:
+                self._batch.remove([slot.uid])
+                del self._slots[slot.uid]
+                self._running -= slot.started
+        return True
+
+    def _insert(self, slot: _Slot) -> None:
+        request, resume = slot.request, slot.resume
+        prompt = request.prompt_tokens
+        if resume is not None:
+            # The handed-over cache holds tokens[:-1]: feed the last one.
+            cache, rest, known = resume.cache, resume.tokens[-1:], resume.tokens[:-1]
+            slot.generated = resume.generated
+            slot.keys = resume.keys
+        else:
+            hit = self._prefix_cache.fetch(prompt, request.cache_scope)
+            cache, slot.cached_tokens = hit.cache, hit.cached
+            known = prompt[: slot.cached_tokens]
+            # One segment per snapshot: BatchGenerator reports each segment's
+            # end, where _store_prompt_caches keeps the cache.
+            cuts = [slot.cached_tokens, *self._prefix_cache.snapshot_points(request, hit.cached)]
+            rest = [prompt[a:b] for a, b in zip(cuts, [*cuts[1:], len(prompt)], strict=True)]
+        sampling = request.sampling
+        slot.keys = slot.keys or KeyStream(sampling.seed)
+        sampler = (
+            greedy_batch_sampler
+            if sampling.greedy and sampling.seed is None
+            else _RequestSampler(request, slot.keys)
+        )
+        processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
+        try:
+            grammar = self.loaded.grammars.state(sampling.constraint)
+        except GrammarError as e:  # this request's alone: the batch goes on
+            slot.post(e)
+            return
+        if grammar is not None:
+            slot.grammar = _GrammarProcessor(request, grammar)
+            processors.append(slot.grammar)
+        stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
+        if resume is not None:
+            rest = [rest]
+        (slot.uid,) = self._batch.insert_segments(
+            [rest],
+            max_tokens=[request.max_tokens - slot.generated],
+            caches=[cache],
+            all_tokens=[known],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[stops],
+        )
+        self._slots[slot.uid] = slot
+
+    def _maybe_hand_off(self, slot: _Slot) -> None:
+        """Alone in the batch: ask the request's planner whether another
+        engine (speculation) should take it from here."""
+        if slot.planner is None or not slot.started or slot.request.sampling.logprobs:
+            return  # logprobs: the pending token's distribution is not kept
+        context = len(slot.request.prompt_tokens) + slot.generated
+        plan = self._share(lambda: slot.planner.plan(LiveState(1, 0, context)))
+        if plan.engine == self.name:
+            return
+        gen = self._batch._generation_batch  # mlx-lm internals, pinned version (uv.lock)
+        if slot.uid not in gen.uids:
+            return  # still in prompt processing: no step to hand over yet
+        pending = int(gen._next_tokens[gen.uids.index(slot.uid)].item())
+        (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
+        mx.eval([c.state for c in cache], slot.keys.state)  # see base.Handoff
+        del self._slots[slot.uid]
+        self._running -= 1
+        slot.post(Handoff(plan, [*tokens, pending], slot.generated + 1, cache, slot.detokenizer,
+                          slot.keys, [pending]))
+
+    def _store_prompt_caches(self, prompt_responses: list) -> None:
+        # A segment ends at each snapshot point (PrefixCache.snapshot_points):
+        # keep the cache there.
+        uids = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
+        for uid, (cache, tokens) in self._batch.extract_cache(uids).items():
+            slot = self._slots.get(uid)
+            if tokens and slot is not None:
+                scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
+                self._prefix_cache.insert(list(tokens), cache, scope)
+
+    def _event(self, response: Any) -> tuple[_Slot, TokenEvent] | None:
+        """The event a generation response makes for its request."""
+        slot = self._slots.get(response.uid)
+        if slot is None:
+            return None
+        if not slot.started:
+            slot.started = True
+            self._running += 1
+        detok = slot.detokenizer
+        finish = response.finish_reason
+        token_ids: list[int] = []
+        if finish != "stop":  # an EOS token ends the text and is not part of it
+            token_ids = [response.token]
+            detok.add_token(response.token)
+            slot.generated += 1
+        if finish is not None:
+            detok.finalize()
+        logprobs = None
+        if slot.request.sampling.logprobs and token_ids:
+            logprobs = [self._token_logprob(response.token, response.logprobs, slot)]
+        event = TokenEvent(
+            token_ids=token_ids,
+            text=detok.last_segment,
+            finish_reason=finish,
+            logprobs=logprobs,
+            cached_tokens=slot.cached_tokens,
+        )
+        if finish is not None:
+            del self._slots[response.uid]
+            self._running -= 1
+            slot.finished = True  # (after: see WorkerEngine.live_state)
+            if response.prompt_cache is not None and response.all_tokens:
+                self._prefix_cache.insert(
+                    list(response.all_tokens), response.prompt_cache, slot.request.cache_scope
+                )
+        return slot, event
+
+    def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:
+        logprobs = reportable(logprobs)
+        k = slot.request.sampling.top_logprobs
+        top: tuple[TopLogprob, ...] = ()
+        if k > 0:
+            ids = mx.argsort(-logprobs)[:k].tolist()
+            values = logprobs[mx.array(ids)].tolist()
+            top = tuple(
+                TopLogprob(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values, strict=True)
+            )
+        return TokenLogprob(token, self.tokenizer.decode([token]), logprobs[token].item(), top)

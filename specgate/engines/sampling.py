@@ -1,0 +1,158 @@
+"""Logits -> distribution -> token, shared by the plain and speculative paths.
+
+One definition of a request's distribution, so the same request samples from
+the same distribution whichever engine serves it, and a speculative engine's
+target distribution p and draft distribution q are truncated identically.
+
+Order: penalties -> temperature -> top-k -> top-p -> min-p.
+
+Penalty semantics follow the OpenAI API / vLLM:
+- presence and frequency penalties count the *generated* tokens only;
+- the repetition penalty (HF/vLLM style: divide positive logits, multiply
+  negative ones) applies to every token seen in the prompt or the output.
+Counts are plain arrays advanced token by token, so a speculative verify
+window can advance them per position and throw the copy away on rejection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from specgate.engines.base import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class PenaltyState:
+    """Token statistics that penalties need, for one sequence."""
+
+    output_counts: mx.array  # (V,) float32: how often each token was generated
+    seen: mx.array  # (V,) bool: token appeared in prompt or output
+
+    @classmethod
+    def from_prompt(cls, prompt_tokens: list[int], vocab_size: int) -> PenaltyState:
+        seen = mx.zeros((vocab_size,), dtype=mx.bool_)
+        if prompt_tokens:
+            seen[mx.array(prompt_tokens)] = True
+        return cls(mx.zeros((vocab_size,), dtype=mx.float32), seen)
+
+    def advance(self, token_ids: list[int] | mx.array) -> PenaltyState:
+        """Return the state after generating token_ids (self is unchanged).
+
+        Takes a lazy array too, so a speculative window can advance per
+        position without waiting for its drafts to be computed."""
+        ids = mx.array(token_ids, dtype=mx.int32) if isinstance(token_ids, list) else token_ids
+        if ids.size == 0:
+            return self
+        counts = self.output_counts.at[ids].add(1.0)
+        seen = mx.array(self.seen)
+        seen[ids] = True
+        return PenaltyState(counts, seen)
+
+
+def apply_penalties(logits: mx.array, state: PenaltyState, params: SamplingParams) -> mx.array:
+    """Penalised logits (float32), same shape as logits (..., V)."""
+    logits = logits.astype(mx.float32)
+    if params.repetition_penalty != 1.0:
+        rp = params.repetition_penalty
+        penalised = mx.where(logits > 0, logits / rp, logits * rp)
+        logits = mx.where(state.seen, penalised, logits)
+    if params.frequency_penalty != 0.0:
+        logits = logits - params.frequency_penalty * state.output_counts
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * (state.output_counts > 0)
+    return logits
+
+
+def penalised(logits: mx.array, state: PenaltyState | None, params: SamplingParams) -> mx.array:
+    """`logits` with the request's penalties (none: unchanged)."""
+    return logits if state is None else apply_penalties(logits, state, params)
+
+
+def advanced(state: PenaltyState | None, tokens: list[int] | mx.array) -> PenaltyState | None:
+    """The penalty state after `tokens` (None stays None: no penalties)."""
+    return None if state is None else state.advance(tokens)
+
+
+def truncated_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Temperature-scaled logits with truncated tokens set to -inf.
+
+    Only meaningful for temperature > 0; softmax of the result is the
+    distribution a token is drawn from.
+    """
+    x = logits.astype(mx.float32) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = mx.sort(x, axis=-1)[..., vocab - params.top_k][..., None]
+        x = mx.where(x < kth, NEG_INF, x)
+    if params.top_p < 1.0:
+        order = mx.argsort(-x, axis=-1)
+        sorted_x = mx.take_along_axis(x, order, axis=-1)
+        sorted_p = mx.softmax(sorted_x, axis=-1)
+        # Keep a token if the mass strictly before it is below top_p: the
+        # most likely token is always kept.
+        before = mx.cumsum(sorted_p, axis=-1) - sorted_p
+        keep_sorted = before < params.top_p
+        keep = mx.put_along_axis(
+            mx.zeros(x.shape, dtype=mx.bool_), order, keep_sorted, axis=-1
+        )
+        x = mx.where(keep, x, NEG_INF)
+    if params.min_p > 0.0:
+        # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
+        x_max = mx.max(x, axis=-1, keepdims=True)
+        x = mx.where(x < x_max + float(mx.log(mx.array(params.min_p))), NEG_INF, x)
+    return x
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The exact distribution sampling draws from (one-hot argmax if greedy)."""
+    if params.greedy:
+        return (
+            mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1, keepdims=True)
+        ).astype(mx.float32)
+    return mx.softmax(truncated_logits(logits, params), axis=-1)
+
+
+def sample(logits: mx.array, params: SamplingParams, key: mx.array | None = None) -> mx.array:
+    """Draw one token per row of logits (..., V) -> (...,) uint32."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    return mx.random.categorical(truncated_logits(logits, params), key=key).astype(mx.uint32)
+
+
+class KeyStream:
+    """Per-request random keys: a seeded request draws the same tokens on a
+    rerun, independent of what else is in the batch."""
+
+    def __init__(self, seed: int | None):
+        # Any integer is a seed (the APIs allow negative and huge ones); MLX
+        # keys take 64 bits, so seeds are taken modulo 2**64.
+        self._key = mx.random.key(seed % 2**64) if seed is not None else None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self._key is None else [self._key]
+
+    def next(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+
+LOGPROB_FLOOR = -9999.0  # what the APIs report for "no probability": JSON has no -inf
+
+
+def logprobs_of(logits: mx.array) -> mx.array:
+    """Log-softmax in float32: what the API reports as a token's logprob."""
+    logits = logits.astype(mx.float32)
+    return reportable(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def reportable(logprobs: mx.array) -> mx.array:
+    """Logprobs an API can send: extreme penalties push logits to +-inf,
+    whose log-softmax is -inf or NaN; both are reported as the floor."""
+    return mx.where(mx.isnan(logprobs), LOGPROB_FLOOR, mx.maximum(logprobs, LOGPROB_FLOOR))

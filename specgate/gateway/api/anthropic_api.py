@@ -1,0 +1,247 @@
+"""Anthropic-compatible routes: /v1/messages and /v1/messages/count_tokens.
+
+The request goes through the same API-neutral steps as OpenAI's chat
+completions (gateway/serving/generation.py, gateway/api/chat.py); this module only
+speaks Anthropic's shapes: content blocks in and out, stop reasons, and the
+streaming event sequence message_start, content_block_start, ping,
+content_block_delta..., content_block_stop, message_delta, message_stop.
+
+Stop sequences are matched here rather than in generation.run, because
+Anthropic names the one that matched (`stop_sequence`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specgate.gateway.api import structured
+from specgate.gateway.api.anthropic_schema import CountTokensRequest, MessagesRequest
+from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
+from specgate.gateway.api.tools import ToolCall, ToolCallStream
+from specgate.gateway.errors import APIError
+from specgate.gateway.serving.generation import (
+    Piece,
+    Usage,
+    check_stops,
+    plan_headers,
+    plan_request,
+    resolve_model,
+    run,
+)
+
+router = APIRouter()
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class _Outcome:
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+
+
+async def _output(
+    pieces: AsyncIterator[Piece],
+    calls: ToolCallStream | None,
+    outcome: _Outcome,
+) -> AsyncIterator[str | ToolCall]:
+    """The model's output as text and tool calls; sets `outcome` at the end."""
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text, finish = piece.text, piece.finish_reason
+            if piece.stop_sequence is not None:
+                finish = "stop_sequence"
+            events = [text] if calls is None else calls.feed(text)
+            if finish is not None and calls is not None:
+                events += calls.finish()
+            for event in events:
+                if event:
+                    yield event
+            if finish is not None:
+                if finish == "stop_sequence":
+                    outcome.stop_reason, outcome.stop_sequence = finish, piece.stop_sequence
+                elif calls is not None and calls.calls and finish == "stop":
+                    outcome.stop_reason = "tool_use"
+                else:
+                    outcome.stop_reason = _STOP_REASONS.get(finish, "end_turn")
+                return
+
+
+async def _prepend(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    async with aclosing(rest):
+        if first is not None:
+            yield first
+            async for piece in rest:
+                yield piece
+
+
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": _id("toolu"), "name": call.name, "input": call.arguments}
+
+
+class _Blocks:
+    """Text and tool calls as Anthropic's content block events, in order.
+
+    Consecutive text shares one text block; each tool call is a block of
+    its own, sent whole (start, its input as one input_json_delta, stop)
+    because it is parsed only once complete.
+    """
+
+    def __init__(self):
+        self.index = -1
+        self.open_text = False
+        self.pinged = False
+
+    def _start(self, block: dict) -> list[dict]:
+        out = self._stop_text()
+        self.index += 1
+        out.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        if not self.pinged:  # Anthropic sends one ping after the first block starts
+            out.append({"type": "ping"})
+            self.pinged = True
+        return out
+
+    def _stop_text(self) -> list[dict]:
+        if not self.open_text:
+            return []
+        self.open_text = False
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def text(self, text: str) -> list[dict]:
+        out = [] if self.open_text else self._start({"type": "text", "text": ""})
+        self.open_text = True
+        delta = {"type": "text_delta", "text": text}
+        return out + [{"type": "content_block_delta", "index": self.index, "delta": delta}]
+
+    def tool(self, call: ToolCall) -> list[dict]:
+        out = self._start(_tool_use(call) | {"input": {}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}
+        return out + [
+            {"type": "content_block_delta", "index": self.index, "delta": delta},
+            {"type": "content_block_stop", "index": self.index},
+        ]
+
+    def close(self) -> list[dict]:
+        """The last events; a message with nothing in it gets one empty text block."""
+        out = []
+        if self.index < 0:
+            out = self._start({"type": "text", "text": ""})
+            self.open_text = True
+        return out + self._stop_text()
+
+
+def _usage(usage: Usage) -> dict:
+    """Input tokens as Anthropic counts them: those read from the prefix cache
+    apart (clients add the three up); nothing is billed as a cache write."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "cache_creation_input_tokens": 0}  # fmt: skip
+
+
+def _sse(event: dict) -> bytes:
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    _, engine = await resolve_model(request.app.state.registry, body.model)
+    chat = await render_chat(engine, body.model, body.template_messages(), body.template_tools,
+                             body.parse_tools, boundaries=False)  # fmt: skip
+    return {"input_tokens": len(chat.tokens)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    messages = body.template_messages()
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
+    stops = check_stops(body.stop_sequences, "stop_sequences")
+    output = structured.constraint(None, body.forced_tools, [], chat.tool_format)
+    req = plan_request(
+        served, engine, request.headers, chat.tokens, replace(body.sampling(), constraint=output),
+        body.max_tokens,
+        prompt_text=messages[-1]["content"], boundaries=chat.boundaries,
+    )  # fmt: skip
+    usage = Usage(len(chat.tokens))
+    outcome = _Outcome()
+    head = {
+        "id": _id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+    }
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
+    headers = plan_headers(req.plan)
+
+    if not body.stream:
+
+        async def collect() -> list[dict]:
+            content: list[dict] = []
+            async for event in _output(pieces, chat.tool_stream(), outcome):
+                if isinstance(event, ToolCall):
+                    content.append(_tool_use(event))
+                elif content and content[-1]["type"] == "text":
+                    content[-1]["text"] += event
+                else:
+                    content.append({"type": "text", "text": event})
+            return content or [{"type": "text", "text": ""}]
+
+        try:
+            content = await until_disconnect(request, collect())
+        except ClientGone:
+            return Response(status_code=499)
+        message = head | {
+            "content": content,
+            "stop_reason": outcome.stop_reason,
+            "stop_sequence": outcome.stop_sequence,
+            "usage": _usage(usage) | {"output_tokens": usage.completion_tokens},
+        }
+        return JSONResponse(message, headers=headers)
+
+    try:
+        first = await first_piece(request, pieces)
+    except ClientGone:
+        return Response(status_code=499)
+
+    async def events():
+        start = head | {
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(usage) | {"output_tokens": 0},
+        }
+        yield _sse({"type": "message_start", "message": start})
+        blocks = _Blocks()
+        output = _output(_prepend(first, pieces), chat.tool_stream(), outcome)
+        try:
+            async with aclosing(output):
+                async for event in output:
+                    out = blocks.tool(event) if isinstance(event, ToolCall) else blocks.text(event)
+                    yield b"".join(_sse(e) for e in out)
+            delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
+            out = blocks.close() + [
+                {"type": "message_delta", "delta": delta,
+                 "usage": {"output_tokens": usage.completion_tokens}},
+                {"type": "message_stop"},
+            ]  # fmt: skip
+            yield b"".join(_sse(e) for e in out)
+        except APIError as e:
+            yield _sse(e.body("anthropic"))
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,246 @@
+"""Anthropic Messages API request bodies, validated with pydantic.
+
+Bounds are Anthropic's own (temperature 0..1, max_tokens required). Content
+blocks specgate cannot give a model (images, documents, thinking) are
+refused by name; fields that only steer Anthropic's service (metadata,
+service_tier, cache_control on blocks) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from specgate.engines.base import SamplingParams
+from specgate.gateway.api.openai_schema import refuse_lone_surrogates
+from specgate.gateway.api.structured import ForcedTools
+
+# Fields Anthropic defines that specgate cannot honour, with what to say.
+UNSUPPORTED = {
+    "mcp_servers": "MCP connectors are not supported",
+    "container": "code-execution containers are not supported",
+    "output_format": "structured outputs are not supported",
+}
+
+
+class _Block(BaseModel):
+    # cache_control, citations and the like steer Anthropic's service only.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: StrictStr = Field(min_length=1)
+    name: StrictStr = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr = Field(min_length=1)
+    content: StrictStr | list[TextBlock] = ""
+    is_error: StrictBool = False
+
+    @property
+    def text(self) -> str:
+        text = (
+            self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        )
+        # The template has no place for the flag, so the model reads it as words.
+        return f"Error: {text}" if self.is_error else text
+
+
+class UnsupportedBlock(_Block):
+    type: Literal[
+        "image", "document", "thinking", "redacted_thinking", "server_tool_use", "search_result"
+    ]
+
+    @model_validator(mode="after")
+    def refuse(self):
+        raise ValueError(f"{self.type} content blocks are not supported")
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")
+]
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[Block]
+
+    @model_validator(mode="after")
+    def blocks_in_place(self):
+        if isinstance(self.content, list):
+            kinds = {b.type for b in self.content}
+            if self.role == "user" and "tool_use" in kinds:
+                raise ValueError("tool_use blocks belong in assistant messages")
+            if self.role == "assistant" and "tool_result" in kinds:
+                raise ValueError("tool_result blocks belong in user messages")
+        return self
+
+    def as_template_input(self) -> list[dict[str, Any]]:
+        """One or more template messages: a user turn's tool results become
+        `tool` messages (answering the calls before them), then its text."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        if self.role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = [b for b in self.content if isinstance(b, ToolUseBlock)]
+            if calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.name, "arguments": c.input}}
+                    for c in calls
+                ]  # fmt: skip
+            return [msg]
+        out = [
+            {"role": "tool", "content": b.text, "tool_call_id": b.tool_use_id}
+            for b in self.content
+            if isinstance(b, ToolResultBlock)
+        ]
+        if text or not out:
+            out.append({"role": "user", "content": text})
+        return out
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's server tools have other types
+
+    def as_template_input(self) -> dict[str, Any]:
+        # OpenAI's key order: templates dump the tool as JSON, so order is tokens.
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn | {"parameters": self.input_schema}}
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["auto", "none", "any", "tool"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool = False  # with any or tool: one call
+
+    @model_validator(mode="after")
+    def named(self):
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError('name: given with type "tool", and only then')
+        return self
+
+
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+
+    @field_validator("type")
+    @classmethod
+    def only_disabled(cls, v):
+        if v != "disabled":
+            raise ValueError("extended thinking is not supported")
+        return v
+
+
+SystemPrompt = StrictStr | list[TextBlock]
+
+
+class _Conversation(BaseModel):
+    """What count_tokens and messages both take."""
+
+    # Anthropic adds fields often; known ones we cannot honour are refused.
+    model_config = ConfigDict(extra="allow")
+
+    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
+
+    model: StrictStr = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: SystemPrompt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+    @model_validator(mode="after")
+    def refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value:
+                raise ValueError(f"{name}: {UNSUPPORTED[name]}")
+        if self.messages[-1].role == "assistant":
+            raise ValueError(
+                "messages: the last message must be the user's (continuing a "
+                "prefilled assistant turn is not supported)"
+            )
+        if self.tool_choice is not None and self.tool_choice.type != "none" and not self.tools:
+            raise ValueError("tool_choice: the request has no tools to choose from")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        if self.system:
+            text = (
+                self.system
+                if isinstance(self.system, str)
+                else "".join(b.text for b in self.system)
+            )
+            out.append({"role": "system", "content": text})
+        for m in self.messages:
+            out.extend(m.as_template_input())
+        return out
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.as_template_input() for t in self.tools or []]
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
+
+    @property
+    def forced_tools(self) -> ForcedTools | None:
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        return ForcedTools(self.template_tools, choice.name, not choice.disable_parallel_tool_use,
+                           "tool_choice")  # fmt: skip
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    metadata: dict[str, Any] | None = None  # user_id, for Anthropic's abuse checks: ignored
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+        )

@@ -1,0 +1,129 @@
+"""What the OpenAI and Anthropic chat adapters share past their own schemas.
+
+Both reduce a request to template messages and OpenAI-shaped tools, render
+them here through the model's chat template (deciding whether and how tool
+calls are parsed), and stream the generation through the same helpers for
+client disconnects and the first piece.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+
+from specgate.engines.base import Engine, EngineError, MessageBoundaries
+from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
+from specgate.gateway.errors import APIError
+from specgate.gateway.serving.generation import Piece
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, cancelling it if the client goes away meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            # Wait for the cancel to land: until then `work` (e.g. an anext of
+            # the request's stream) is still running, and closing that stream
+            # fails with "aclose(): asynchronous generator is already running".
+            await asyncio.wait({task})
+
+
+async def first_piece(request: Request, pieces: AsyncIterator[Piece]) -> Piece | None:
+    """The first piece of a stream, awaited before the response starts so an
+    overload or engine error still gets its own status code instead of a
+    broken stream. Raises ClientGone (the stream closed) if the client left."""
+    try:
+        return await until_disconnect(request, anext(pieces, None))
+    except BaseException:
+        await pieces.aclose()
+        raise
+
+
+@dataclass
+class ChatPrompt:
+    tokens: list[int]
+    tool_format: ToolFormat | None  # set when the output is parsed for tool calls
+    tools: list[dict]  # OpenAI-shaped, as the parsers read parameter types
+    boundaries: MessageBoundaries = MessageBoundaries()  # for the prefix cache
+
+    def tool_stream(self) -> ToolCallStream | None:
+        if self.tool_format is None:
+            return None
+        return ToolCallStream(self.tool_format, self.tools)
+
+
+async def render_chat(
+    engine: Engine,
+    model_id: str,
+    messages: list[dict],
+    tools: list[dict],
+    parse_tools: bool,
+    *,
+    messages_param: str = "messages",
+    boundaries: bool = True,
+) -> ChatPrompt:
+    """Render through the model's chat template; with tools, check first that
+    the template takes them and that its call format is one we can parse.
+    `boundaries`: where its messages end, for the prefix cache (not needed
+    to count tokens)."""
+    fmt = None
+    if tools:
+        template = await engine.chat_template()
+        if template is None or "tools" not in template:
+            raise APIError(
+                400,
+                f"tools: the chat template of model '{model_id}' does not support tools",
+                param="tools",
+                code="tools_unsupported",
+            )
+        fmt = tool_format(template)
+        if fmt is None:
+            raise APIError(
+                400,
+                f"tools: model '{model_id}' calls tools in a format specgate "
+                "cannot parse (it parses the formats mlx-lm's tool parsers know: "
+                "Qwen's JSON and XML calls, Mistral, GLM, Kimi, MiniMax, Gemma, ...)",
+                param="tools",
+                code="tools_unsupported",
+            )
+    try:
+        tokens = await engine.render_chat(messages, tools or None)
+    except EngineError as e:
+        raise APIError(
+            500, f"the model's chat template could not be applied: {e}", code="engine_error"
+        ) from None
+    except Exception as e:
+        if await engine.chat_template() is None:  # not the messages: no template at all
+            raise APIError(
+                400,
+                f"{messages_param}: model '{model_id}' has no chat template, so it cannot take "
+                "chat messages; send a plain prompt to /v1/completions instead",
+                param=messages_param,
+                code="chat_template_missing",
+            ) from None
+        raise APIError(
+            400,
+            f"{messages_param}: the model's chat template rejected them: {e}",
+            param=messages_param,
+        ) from None
+    marks = (await engine.message_boundaries(messages, tools or None, tokens) if boundaries
+             else MessageBoundaries())  # fmt: skip
+    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks)

@@ -1,0 +1,305 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specgate.engines.base import TokenLogprob
+from specgate.gateway.api import structured
+from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
+from specgate.gateway.api.openai_schema import ChatCompletionRequest, CompletionRequest
+from specgate.gateway.api.tools import ToolCall, split_output
+from specgate.gateway.errors import APIError
+from specgate.gateway.serving.generation import (
+    Piece,
+    Usage,
+    check_stops,
+    new_id,
+    plan_headers,
+    plan_request,
+    resolve_model,
+    run,
+)
+
+router = APIRouter()
+
+
+def load_fields(running: int, waiting: int, capacity: int, state: str) -> dict:
+    """The `specgate` field of a /v1/models entry (what a front node reads)."""
+    return {"running": running, "waiting": waiting, "max_concurrent": capacity, "state": state}
+
+
+def _usage(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- logprobs in the two OpenAI shapes ---------------------------------------
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict:
+    return {
+        "content": [
+            {
+                "token": lp.text,
+                "logprob": lp.logprob,
+                "bytes": list(lp.text.encode()),
+                "top_logprobs": [
+                    {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                    for t in lp.top
+                ],
+            }
+            for lp in lps
+        ]
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+# -- one driver for both endpoints -------------------------------------------
+
+
+async def _respond(
+    request: Request,
+    pieces: AsyncIterator[Piece],
+    headers: dict[str, str],
+    stream: bool,
+    include_usage: bool,
+    usage: Usage,
+    chunks: Callable[[Piece, int], list[dict]],
+    final: Callable[[str, list[int], list[TokenLogprob] | None, str | None], dict],
+    preamble: dict | None,
+) -> Response:
+    """Answer whole or as SSE; `chunks` makes the events of one piece (a
+    chat stream parsing tool calls may hold a piece back or split it)."""
+    if not stream:
+        try:
+            text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(final(text, ids, lps, finish), headers=headers)
+
+    try:
+        first = await first_piece(request, pieces)
+    except ClientGone:
+        return Response(status_code=499)
+
+    async def events():
+        sent = 0
+        # The preamble goes out in the same write as the first token.
+        head = _sse(preamble) if preamble is not None else b""
+        try:
+            piece = first
+            while piece is not None:
+                out = head + b"".join(_sse(c) for c in chunks(piece, sent))
+                if out:
+                    yield out
+                head = b""
+                sent += len(piece.text)
+                piece = await anext(pieces, None)
+            if include_usage:
+                yield _sse(final("", [], None, None) | {"choices": [], "usage": _usage(usage)})
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            await pieces.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _collect(pieces: AsyncIterator[Piece]):
+    text, ids, lps, finish = [], [], [], None
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text.append(piece.text)
+            ids.extend(piece.token_ids)
+            if piece.logprobs:
+                lps.extend(piece.logprobs)
+            finish = piece.finish_reason or finish
+    return "".join(text), ids, lps, finish
+
+
+# -- routes --------------------------------------------------------------------
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    """Each model with its load in a `specgate` field, which a front node
+    routing to this one reads (gateway/cluster/peers.py)."""
+    registry = request.app.state.registry
+    created = request.app.state.started_at
+    return {
+        "object": "list",
+        "data": [
+            {"id": m.id, "object": "model", "created": created, "owned_by": "specgate",
+             "specgate": load_fields(m.gate.running, m.gate.waiting, m.config.max_concurrent,
+                                     "shutting_down" if registry.draining else m.state)}
+            for m in registry.models.values()
+        ],
+    }  # fmt: skip
+
+
+def _tool_calls(calls: list[ToolCall], first_index: int = 0, stream: bool = False) -> list[dict]:
+    out = []
+    for i, call in enumerate(calls, first_index):
+        entry = {"id": new_id("call"), "type": "function",
+                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        out.append({"index": i} | entry if stream else entry)
+    return out
+
+
+def _chat_finish(finish: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    messages = [m.as_template_input() for m in body.messages]
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
+    prompt = chat.tokens
+    limit, limit_param = body.token_limit
+    json_output = body.response_format.json_output() if body.response_format else None
+    output = structured.constraint(json_output, body.forced_tools,
+                                   body.template_tools if chat.tool_format else [], chat.tool_format)
+    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output)
+    stops = check_stops(body.stop)
+    req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
+                       body.ignore_eos, prompt_text=messages[-1]["content"],
+                       boundaries=chat.boundaries)  # fmt: skip
+    usage = Usage(len(prompt))
+    rid, created = new_id("chatcmpl"), int(time.time())
+    base = {"id": rid, "created": created, "model": body.model}
+    calls_stream = chat.tool_stream()
+
+    def chunks(piece: Piece, _offset: int) -> list[dict]:
+        if calls_stream is None:
+            deltas = [{"content": piece.text}] if piece.text else []
+        else:
+            before = calls_stream.calls
+            events = calls_stream.feed(piece.text)
+            if piece.finish_reason is not None:
+                events += calls_stream.finish()
+            deltas, index = [], before
+            for e in events:
+                if isinstance(e, ToolCall):
+                    deltas.append({"tool_calls": _tool_calls([e], index, stream=True)})
+                    index += 1
+                else:
+                    deltas.append({"content": e})
+        called = calls_stream is not None and calls_stream.calls > 0
+        out = []
+        for i, delta in enumerate(deltas or [{}]):
+            last = i == max(len(deltas), 1) - 1
+            # The piece's tokens (logprobs, ids) go with its first event, its
+            # finish reason with its last.
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": _chat_logprobs(piece.logprobs) if piece.logprobs and i == 0
+                      else None,
+                      "finish_reason": _chat_finish(piece.finish_reason, called) if last
+                      else None}
+            if body.return_token_ids:
+                choice["token_ids"] = piece.token_ids if i == 0 else []
+            out.append(base | {"object": "chat.completion.chunk", "choices": [choice]})
+        return out
+
+    def final(text, ids, lps, finish) -> dict:
+        calls = []
+        if chat.tool_format is not None:
+            text, calls = split_output(text, chat.tool_format, chat.tools)
+        message = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls)
+        choice = {"index": 0, "message": message,
+                  "logprobs": _chat_logprobs(lps) if body.logprobs else None,
+                  "finish_reason": _chat_finish(finish, bool(calls))}
+        if body.return_token_ids:
+            choice["token_ids"] = ids
+        if not body.stream:
+            return base | {"object": "chat.completion", "choices": [choice], "usage": _usage(usage)}
+        return base | {"object": "chat.completion.chunk"}
+
+    preamble = base | {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}],
+    }
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
+    return await _respond(request, pieces, plan_headers(req.plan), body.stream,
+                          body.include_usage, usage, chunks, final, preamble)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    if isinstance(body.prompt, str):
+        prompt = await engine.encode(body.prompt)
+    else:
+        prompt = list(body.prompt)
+        bad = [t for t in prompt if t >= engine.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
+                                f"(size {engine.vocab_size})", param="prompt")
+    want_lps = body.logprobs is not None
+    sampling = body.sampling(want_lps, body.logprobs or 0)
+    stops = check_stops(body.stop)
+    req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens,
+                       ignore_eos=body.ignore_eos, prompt_param="prompt",
+                       prompt_text=body.prompt if isinstance(body.prompt, str) else None)
+    usage = Usage(len(prompt))
+    rid, created = new_id("cmpl"), int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+
+    def choice(text, ids, lps, finish, offset) -> dict:
+        c = {"index": 0, "text": text,
+             "logprobs": _completion_logprobs(lps, offset) if want_lps and lps is not None else None,
+             "finish_reason": finish}
+        if body.return_token_ids:
+            c["token_ids"] = ids
+        return c
+
+    def chunks(piece: Piece, offset: int) -> list[dict]:
+        return [base | {"choices": [choice(piece.text, piece.token_ids, piece.logprobs or [],
+                                           piece.finish_reason, offset)]}]
+
+    def final(text, ids, lps, finish) -> dict:
+        if not body.stream:
+            return base | {"choices": [choice(text, ids, lps, finish, 0)], "usage": _usage(usage)}
+        return base
+
+    pieces = run(served, req, stops, usage, request.app.state.metrics)
+    return await _respond(request, pieces, plan_headers(req.plan), body.stream,
+                          body.include_usage, usage, chunks, final, None)

@@ -1,0 +1,304 @@
+"""POST /v1/responses: OpenAI's Responses API over the same generation path
+as chat completions (gateway/api/chat.py, gateway/serving/generation.py).
+
+A response's output is a list of items: a message with the text, and a
+function_call item per tool call, in the order the model wrote them.
+Streamed, each item is announced, filled (text or argument deltas) and
+closed, between `response.created` / `response.in_progress` and
+`response.completed` (or `response.incomplete` when max_output_tokens cut
+it), each event numbered. `previous_response_id` continues a stored
+response: responses are kept in memory per API key (`store: false` keeps
+none), a bounded number, the oldest forgotten first; a forgotten or
+another key's id is a 404 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import replace
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specgate.gateway.access.auth import current_principal
+from specgate.gateway.api import structured
+from specgate.gateway.api.chat import (
+    ChatPrompt,
+    ClientGone,
+    first_piece,
+    render_chat,
+    until_disconnect,
+)
+from specgate.gateway.api.responses_schema import (
+    FunctionCallItem,
+    MessageItem,
+    ResponsesRequest,
+    template_messages,
+)
+from specgate.gateway.api.tools import ToolCall
+from specgate.gateway.errors import APIError
+from specgate.gateway.serving.generation import (
+    Usage,
+    new_id,
+    plan_headers,
+    plan_request,
+    resolve_model,
+    run,
+)
+
+router = APIRouter()
+
+
+class ResponseStore:
+    """Stored responses, per API key: each keeps the items it added to its
+    conversation (the request's new input and its output) and the response
+    it continued, so a long conversation is stored once, not once per turn.
+    Bounded in responses and in characters, least recently used forgotten
+    first; a response whose chain lost a link is forgotten too."""
+
+    def __init__(self, capacity: int = 4096, max_chars: int = 64 << 20):
+        self.capacity, self.max_chars = capacity, max_chars
+        self._entries: OrderedDict[tuple[str, str], tuple[str | None, list, int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, response_id: str, parent: str | None, items: list) -> None:
+        size = sum(len(i.model_dump_json()) for i in items)
+        with self._lock:
+            self._entries[(key, response_id)] = (parent, items, size)
+            self._chars += size
+            while len(self._entries) > self.capacity or self._chars > self.max_chars:
+                _, (_, _, freed) = self._entries.popitem(last=False)
+                self._chars -= freed
+
+    def holds(self, key: str, response_id: str) -> bool:
+        with self._lock:
+            return (key, response_id) in self._entries
+
+    def conversation(self, key: str, response_id: str) -> list | None:
+        """Every item up to and including this response's output, or None."""
+        chain: list[list] = []
+        with self._lock:
+            at: str | None = response_id
+            while at is not None:
+                entry = self._entries.get((key, at))
+                if entry is None:
+                    return None
+                self._entries.move_to_end((key, at))
+                at, items, _ = entry
+                chain.append(items)
+        return [item for items in reversed(chain) for item in items]
+
+
+class _Output:
+    """Builds a response's output items from its text as it streams, and the
+    events that announce them (`events` collects those not yet sent)."""
+
+    def __init__(self, chat: ChatPrompt):
+        self.tool_stream = chat.tool_stream()
+        self.items: list[dict] = []
+        self.events: list[dict] = []
+        self._message: dict | None = None  # the open message item
+
+    def feed(self, text: str, last: bool) -> None:
+        if self.tool_stream is None:
+            parts = [text] if text else []
+        else:
+            parts = self.tool_stream.feed(text) + (self.tool_stream.finish() if last else [])
+        for part in parts:
+            if isinstance(part, ToolCall):
+                self._close_message()
+                self._call(part)
+            elif part:
+                self._text(part)
+        if last:
+            self._close_message()
+
+    def _text(self, text: str) -> None:
+        if self._message is None:
+            self._message = {"id": new_id("msg"), "type": "message", "status": "in_progress",
+                             "role": "assistant", "content": []}  # fmt: skip
+            self.items.append(self._message)
+            index = len(self.items) - 1
+            self.events.append({"type": "response.output_item.added", "output_index": index,
+                                "item": self._message | {"content": []}})  # fmt: skip
+            self._message["content"].append({"type": "output_text", "text": "", "annotations": []})
+            self.events.append({"type": "response.content_part.added", **self._where(),
+                                "part": {"type": "output_text", "text": "", "annotations": []}})
+        self._message["content"][0]["text"] += text
+        self.events.append({"type": "response.output_text.delta", **self._where(), "delta": text,
+                            "logprobs": []})  # fmt: skip
+
+    def _close_message(self) -> None:
+        if self._message is None:
+            return
+        part = self._message["content"][0]
+        self.events += [
+            {"type": "response.output_text.done", **self._where(), "text": part["text"],
+             "logprobs": []},
+            {"type": "response.content_part.done", **self._where(), "part": dict(part)},
+        ]  # fmt: skip
+        self._message["status"] = "completed"
+        self.events.append({"type": "response.output_item.done",
+                            "output_index": self.items.index(self._message),
+                            "item": json.loads(json.dumps(self._message))})  # fmt: skip
+        self._message = None
+
+    def _where(self) -> dict:
+        return {"item_id": self._message["id"], "output_index": self.items.index(self._message),
+                "content_index": 0}  # fmt: skip
+
+    def _call(self, call: ToolCall) -> None:
+        arguments = json.dumps(call.arguments)
+        item = {"id": new_id("fc"), "type": "function_call", "status": "completed",
+                "call_id": new_id("call"), "name": call.name, "arguments": arguments}
+        self.items.append(item)
+        index, where = len(self.items) - 1, {"item_id": item["id"], "output_index": len(self.items) - 1}
+        self.events += [
+            {"type": "response.output_item.added", "output_index": index,
+             "item": item | {"arguments": "", "status": "in_progress"}},
+            {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+            {"type": "response.function_call_arguments.done", **where, "arguments": arguments,
+             "name": call.name},
+            {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
+        ]  # fmt: skip
+
+    def as_items(self) -> list:
+        """The output as input items, for a later previous_response_id."""
+        out = []
+        for item in self.items:
+            if item["type"] == "message":
+                out.append(MessageItem(role="assistant", content=item["content"][0]["text"]))
+            else:
+                out.append(FunctionCallItem(type="function_call", call_id=item["call_id"],
+                                            name=item["name"], arguments=item["arguments"]))
+        return out
+
+
+def _usage(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}  # fmt: skip
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model)
+    store: ResponseStore = request.app.state.responses
+    key = current_principal().name
+    history: list = []
+    if body.previous_response_id is not None:
+        history = store.conversation(key, body.previous_response_id)
+        if history is None:
+            raise APIError(404, f"previous_response_id: no stored response '"
+                                f"{body.previous_response_id}' for this key (responses sent with "
+                                "store: false are not kept, and the oldest are forgotten)",
+                           param="previous_response_id",
+                           code="previous_response_not_found")  # fmt: skip
+    items = history + body.items
+    messages = template_messages(body.instructions, items)
+    if not messages:
+        raise APIError(400, "input: nothing to respond to", param="input")
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
+                             messages_param="input")  # fmt: skip
+    output = structured.constraint(body.json_output, body.forced_tools,
+                                   body.template_tools if chat.tool_format else [], chat.tool_format)
+    req = plan_request(served, engine, request.headers, chat.tokens,
+                       replace(body.sampling(), constraint=output), body.max_output_tokens,
+                       "max_output_tokens", prompt_param="input",
+                       prompt_text=messages[-1]["content"], boundaries=chat.boundaries)  # fmt: skip
+    usage = Usage(len(chat.tokens))
+    built = _Output(chat)
+    snapshot = {
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
+        "status": "in_progress", "model": body.model, "output": [], "error": None,
+        "incomplete_details": None, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "temperature": req.request.sampling.temperature,
+        "top_p": req.request.sampling.top_p, "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "tool_choice": _dump(body.tool_choice) or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                 if body.text and body.text.format else {"type": "text"}},
+        "previous_response_id": body.previous_response_id, "store": body.store,
+        "metadata": body.metadata or {}, "truncation": "disabled", "usage": None,
+    }  # fmt: skip
+
+    def finished(finish: str | None) -> dict:
+        incomplete = finish == "length"
+        if body.store:
+            store.put(key, snapshot["id"], body.previous_response_id,
+                      body.items + built.as_items())
+        return snapshot | {
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": json.loads(json.dumps(built.items)), "usage": _usage(usage),
+        }  # fmt: skip
+
+    pieces = run(served, req, [], usage, request.app.state.metrics)  # no stop strings here
+    headers = plan_headers(req.plan)
+    if not body.stream:
+        try:
+            finish = await until_disconnect(request, _drain(pieces, built))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(finished(finish), headers=headers)
+
+    try:
+        first = await first_piece(request, pieces)
+    except ClientGone:
+        return Response(status_code=499)
+
+    async def events():
+        number = 0
+
+        def sse(event: dict) -> bytes:
+            nonlocal number
+            event = event | {"sequence_number": number}
+            number += 1
+            return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
+        head = [{"type": "response.created", "response": snapshot},
+                {"type": "response.in_progress", "response": snapshot}]  # fmt: skip
+        try:
+            piece, finish = first, None
+            while piece is not None:
+                built.feed(piece.text, piece.finish_reason is not None)
+                finish = piece.finish_reason or finish
+                out = b"".join(sse(e) for e in head + built.events)
+                head, built.events = [], []
+                if out:
+                    yield out
+                piece = await anext(pieces, None)
+            done = finished(finish)
+            kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+            yield sse({"type": kind, "response": done})
+        except APIError as e:
+            yield sse({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+        finally:
+            await pieces.aclose()
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream",
+        headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )  # fmt: skip
+
+
+async def _drain(pieces, built: _Output) -> str | None:
+    finish = None
+    try:
+        async for piece in pieces:
+            built.feed(piece.text, piece.finish_reason is not None)
+            finish = piece.finish_reason or finish
+    finally:
+        await pieces.aclose()
+    built.events = []
+    return finish
+
+
+def _dump(choice) -> object:
+    return choice.model_dump() if hasattr(choice, "model_dump") else choice

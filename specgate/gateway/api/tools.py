@@ -1,0 +1,217 @@
+"""Tool calls in model output: which format a chat template uses, and parsing it.
+
+Parsing is mlx-lm's (`mlx_lm.tool_parsers`: one module per format, each
+with its call markers and a `parse_tool_call(text, tools)`); this module
+finds the calls in streamed text, turns each parse into `ToolCall`s, and
+gives a call that does not parse back as ordinary text, never dropped.
+The OpenAI, Responses and Anthropic adapters turn `ToolCall`s into their
+own shapes.
+
+Format names are mlx-lm's parser modules, except the two whose grammars
+specgate also writes for forced calls (gateway/api/structured.py):
+
+- "hermes" (Qwen3, Qwen2.5; mlx-lm's json_tools): a JSON object inside,
+  `<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>`
+- "qwen3_xml" (Qwen3.5, Qwen3.6, Qwen3-Coder; mlx-lm's qwen3_coder):
+  `<tool_call>\\n<function=f>\\n<parameter=x>\\n1\\n</parameter>\\n</function>\\n</tool_call>`;
+  parameter values are text, typed by the tool's JSON schema.
+
+Others (mistral, glm47, kimi_k2, minimax_m2, gemma4, pythonic, ...) are
+recognised from the template as mlx-lm recognises them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from mlx_lm.tokenizer_utils import _infer_tool_parser  # pinned mlx-lm (uv.lock)
+
+ToolFormat = str
+# specgate's names for the formats it also writes grammars for -> mlx-lm's module
+_MODULES = {"hermes": "json_tools", "qwen3_xml": "qwen3_coder"}
+GRAMMAR_FORMATS: tuple[ToolFormat, ...] = tuple(_MODULES)
+
+CALL_START = "<tool_call>"  # both grammar formats' markers
+CALL_END = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+def template_mentions_tools(template: str | None) -> bool:
+    """Whether a chat template renders a `tools` list at all."""
+    return template is not None and "tools" in template
+
+
+class _TemplateOnly:
+    """What mlx-lm's format inference reads of a tokenizer, from a template
+    alone (llama-server's models have no HF tokenizer here)."""
+
+    def __init__(self, template: str):
+        self.chat_template = template
+
+    def get_vocab(self) -> dict:
+        return {}
+
+
+def tool_format(template: str | None) -> ToolFormat | None:
+    """The tool-call format a chat template teaches its model, if one we parse.
+
+    Read from the template's own text: it shows the model the exact format
+    it was trained to emit. The XML format's templates also say
+    `<tool_call>`, so `<function=` is checked first; then mlx-lm's own
+    inference, for the formats of its other parsers.
+    """
+    if not template_mentions_tools(template):
+        return None
+    if "<function=" in template and CALL_START in template:
+        return "qwen3_xml"
+    if CALL_START in template and "<function" not in template:
+        return "hermes"
+    module = _infer_tool_parser(_TemplateOnly(template))
+    return {v: k for k, v in _MODULES.items()}.get(module, module)
+
+
+def parser(fmt: ToolFormat) -> ModuleType:
+    """The mlx-lm parser module of a format."""
+    return importlib.import_module(f"mlx_lm.tool_parsers.{_MODULES.get(fmt, fmt)}")
+
+
+def parse_call(body: str, fmt: ToolFormat, tools: list[dict] | None = None) -> list[ToolCall] | None:
+    """The calls in one call's body (the text between its markers), or None
+    when it does not parse. `tools`: OpenAI-shaped, for the parameter types."""
+    try:
+        parsed = parser(fmt).parse_tool_call(body, tools)
+    except Exception:  # mlx-lm's parsers raise what they meet: it is text
+        return None
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        call = _tool_call(item)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _tool_call(item: object) -> ToolCall | None:
+    """A parser's {"name": ..., "arguments": ...} as a ToolCall; arguments
+    may come as JSON text, or as "parameters"."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        return None
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(item["name"], args) if isinstance(args, dict) else None
+
+
+# -- a whole output, streamed or not -------------------------------------------------
+
+
+@dataclass
+class ToolCallStream:
+    """Splits streamed model text into text and complete tool calls.
+
+    `feed` returns what can be sent now: strings (text) and `ToolCall`s. Text
+    that might be the start of the format's call marker is held back; from
+    the marker on, everything is held until its end marker closes the call
+    (a format without one, Mistral's, calls to the end of the output).
+    Whitespace-only runs next to tool calls are dropped (the newlines models
+    put between calls are syntax, not content); elsewhere whitespace is
+    kept. The output does not depend on how the text is cut into pieces.
+    """
+
+    fmt: ToolFormat
+    tools: list[dict] = field(default_factory=list)  # OpenAI-shaped: parameter types
+    calls: int = 0  # complete calls parsed so far
+    _buf: str = ""
+    _inside: bool = False
+    _pending_ws: str = ""  # whitespace held until we know what follows it
+    _ws_before_call: str = ""  # given back if the call turns out malformed
+
+    def __post_init__(self) -> None:
+        module = parser(self.fmt)
+        self._start, self._end = module.tool_call_start, module.tool_call_end
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        self._buf += text
+        while True:
+            if self._inside:
+                end = self._buf.find(self._end) if self._end else -1
+                if end < 0:
+                    return out
+                raw = self._buf[: end + len(self._end)]
+                self._buf, self._inside = self._buf[end + len(self._end) :], False
+                self._call(raw, raw[len(self._start) : end], out)
+                continue
+            start = self._buf.find(self._start)
+            if start >= 0:
+                self._text(self._buf[:start], out, last=False)
+                self._ws_before_call, self._pending_ws = self._pending_ws, ""
+                self._buf, self._inside = self._buf[start:], True
+                continue
+            keep = _partial_suffix(self._buf, self._start)
+            self._text(self._buf[: len(self._buf) - keep], out, last=False)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """The end of the output: a call without an end marker ends here;
+        whatever else is held is text (an unclosed call too)."""
+        out: list[str | ToolCall] = []
+        if self._inside and not self._end:
+            raw, self._buf, self._inside = self._buf, "", False
+            self._call(raw, raw[len(self._start) :], out)
+        rest = (self._ws_before_call if self._inside else "") + self._buf
+        self._buf, self._inside = "", False
+        self._text(rest, out, last=True)
+        return out
+
+    def _call(self, raw: str, body: str, out: list) -> None:
+        calls = parse_call(body, self.fmt, self.tools)
+        if calls is None:  # malformed: it is text, with the whitespace before it
+            self._text(self._ws_before_call + raw, out, last=False)
+            return
+        self.calls += len(calls)
+        self._pending_ws = ""
+        out.extend(calls)
+
+    def _text(self, text: str, out: list, last: bool) -> None:
+        text = self._pending_ws + text
+        self._pending_ws = ""
+        if last:
+            if text and not (self.calls and not text.strip()):
+                out.append(text)
+            return
+        body = text.rstrip()
+        self._pending_ws = text[len(body) :]
+        if body:
+            out.append(body)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_output(text: str, fmt: ToolFormat, tools: list[dict] | None = None
+                 ) -> tuple[str, list[ToolCall]]:  # fmt: skip
+    """A complete output as (text, tool calls), exactly as streaming gives them."""
+    stream = ToolCallStream(fmt, tools or [])
+    events = stream.feed(text) + stream.finish()
+    return (
+        "".join(e for e in events if isinstance(e, str)),
+        [e for e in events if isinstance(e, ToolCall)],
+    )

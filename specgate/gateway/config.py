@@ -1,0 +1,449 @@
+"""specgate's YAML config, validated with pydantic.
+
+A bad config fails at start with the file, the key path and what was
+expected, never with a traceback from deep inside the server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from specgate.engines import registry
+from specgate.engines.checkpoints.builtin import (
+    BUILTIN_DEMO,
+    BUILTIN_DEMO_DFLASH,
+    BUILTIN_DEMO_GGUF,
+    BUILTIN_PREFIX,
+    DEFAULT_MODEL_ID,
+)
+from specgate.policies.config import PolicyConfig
+
+
+def _known_engine(name: str) -> str:
+    """An engine engines/registry.py lists (read at validation, not import)."""
+    if name not in registry.names():
+        raise PydanticCustomError("unknown_engine", "no such engine; engines: {known}",
+                                  {"known": ", ".join(registry.names())})
+    return name
+
+
+EngineName = Annotated[str, AfterValidator(_known_engine)]
+
+
+def _ngram_type(name: str) -> str:
+    """An n-gram --spec-type specgate runs llama-server with (engines/llamacpp/process.py)."""
+    from specgate.engines.llamacpp.process import NGRAM_TYPES
+
+    if name not in NGRAM_TYPES:
+        raise PydanticCustomError("unknown_ngram_type", "one of {known}",
+                                  {"known": ", ".join(NGRAM_TYPES)})
+    return name
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(v):
+    """An int, or a string like "512MiB", "8 GiB", "2G" (binary units)."""
+    if isinstance(v, str):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
+        if not m:
+            raise PydanticCustomError("byte_size", "a byte count, like 8589934592 or \"8GiB\"")
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return v
+
+
+ByteSize = Annotated[
+    int, BeforeValidator(_byte_size), Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {
+        "type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?([iI]?[bB])?\s*$"}]}),
+]  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
+    # SIGTERM: running requests may finish for this long, then end with an error.
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # Memory every loaded model together may take (weights, drafters, their
+    # KV reserve; the prefix cache's ram_bytes comes off it first). A model
+    # that does not fit evicts the least recently used idle ones; one that
+    # could never fit is refused. Default: 3/4 of physical memory.
+    memory_budget: ByteSize | None = None
+
+
+class AuthConfig(_Strict):
+    """API keys (gateway/access/auth.py). With no keys the server is open, and only
+    a loopback bind is allowed."""
+
+    keys_file: str | None = None  # default: $SPECGATE_HOME/keys (`specgate keys add`)
+    metrics_requires_key: bool = False  # /metrics then needs a valid key (any key)
+    # Wrong keys per client address (an IPv6 one by its /64) within the
+    # window; past that the address gets 429 + Retry-After for wrong keys and
+    # for keys needing the slow check of an old PBKDF2 record (valid fast keys
+    # still pass: a NAT may hide honest clients behind the same address).
+    failed_auth_limit: int = Field(10, ge=1)
+    failed_auth_window_s: float = Field(60.0, gt=0)
+    # Addresses tracked at most; beyond that, new ones share one allowance.
+    failed_auth_max_clients: int = Field(4096, ge=1)
+
+    @property
+    def keys_path(self) -> Path:
+        from specgate.engines.home import keys_file
+
+        return Path(self.keys_file).expanduser() if self.keys_file else keys_file()
+
+
+class LlamaServerConfig(_Strict):
+    # llama-server to run; default: PATH, then `specgate install-llama-server`'s build.
+    binary: str | None = None
+
+
+class LlamaCppConfig(_Strict):
+    """How specgate runs llama-server for one GGUF model."""
+
+    start: Literal["boot", "first_use"] = "boot"
+    idle_ttl_s: float | None = Field(None, gt=0)  # stop the process after this long idle
+    threads: int | None = Field(None, gt=0)  # -t; default: up to 8 cores
+    # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's,
+    # and so is the info log (no --log-disable, no -lv below 3): it says the port.
+    extra_args: list[str] = Field(default_factory=list)
+    # llamacpp_ngram's --spec-type (its other knobs, e.g. the lookup key's
+    # size, keep llama.cpp's defaults; set them through extra_args).
+    ngram_type: Annotated[str, AfterValidator(_ngram_type)] = "ngram-simple"
+    read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
+    # A request fails when llama-server makes no progress on it for this long:
+    # no token and no prompt progress (one event per batch of prompt, -b, 2048
+    # tokens by default). Raise it where one batch or one token takes longer.
+    progress_timeout_s: float = Field(60.0, gt=0)
+    # A running llama-server is asked GET /health every health_interval_s; one
+    # that misses health_failures answers in a row (health_timeout_s each) is
+    # stuck (e.g. SIGSTOPped): it is killed, its requests fail, it restarts.
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(3.0, gt=0)
+    health_failures: int = Field(3, ge=1)
+
+
+class DistributedConfig(_Strict):
+    """One model over several machines (engines/distributed/lockstep.py): specgate runs
+    under `mlx.launch`, rank 0 serves the API, the others follow its steps."""
+
+    mode: Literal["tensor", "pipeline"] = "tensor"  # every layer split, or the layers in order
+    backend: Literal["ring", "jaccl", "mpi"] = "ring"  # mx.distributed's; mlx.launch --backend
+    hostfile: str | None = None  # mlx.launch --hostfile (what `specgate serve` says to run)
+    # Rank 0 fails the model when another rank's connection closes or it sends
+    # no heartbeat (one a second) for this long: a rank stuck or cut off.
+    rank_timeout_s: float = Field(15.0, gt=0, le=3600)
+
+
+class ModelConfig(_Strict):
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
+    # "builtin:demo", a local model directory or a hub repo id ("org/name") for
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
+    path: str = Field(min_length=1)
+    # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
+    # speculative decoding with the checkpoint's own head, mlx_dflash (or
+    # mlx_dspark) with the DFlash (DSpark) drafter at `drafter`,
+    # mlx_assistant with a Gemma-4 -assistant drafter at `drafter`, mlx_ngram
+    # drafts copied from the context (any model), mlx_mtp_ngram copies where
+    # the context has a match and asks the MTP head elsewhere. The policy
+    # picks among them by measured speed; before anything is measured, in
+    # engines/registry.py's order (MTP first). GGUF: llamacpp runs a plain
+    # llama-server, llamacpp_mtp one with --spec-type draft-mtp,
+    # llamacpp_ngram one with an n-gram --spec-type; list several to let the
+    # policy choose per request (a process each, see
+    # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
+    # (The engines are engines/registry.py's records.)
+    engines: list[EngineName] = Field(default_factory=list)
+    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (mlx_assistant too; llamacpp_mtp: --spec-draft-n-max)
+    # The drafter engine's drafter: a DFlash (z-lab layout) or DSpark
+    # (DeepSpec) directory, a Gemma-4 -assistant checkpoint (mlx_assistant),
+    # or "builtin:demo-dflash"; for a GGUF model with llamacpp_mtp, a
+    # Gemma-4 -assistant .gguf (llama-server -md).
+    drafter: str | None = None
+    block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
+    # The most tokens a round copies from the context (mlx_ngram, mlx_mtp_ngram;
+    # llamacpp_ngram: the n-gram type's draft size).
+    ngram_depth: int = Field(8, ge=1, le=64)
+    # Tokens of prompt + completion; default: the model's max_position_embeddings.
+    max_context: int | None = Field(None, gt=0)
+    max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
+    max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
+    # Longest wait in the admission queue before 503 + Retry-After.
+    max_queue_wait_s: float = Field(120.0, gt=0)
+    # Prefix-cache entries kept in RAM (0: no prefix cache); bytes are capped
+    # for all models together by `prefix_cache.ram_bytes`.
+    prefix_cache_size: int = Field(64, ge=0)
+    # Small-M verify kernels (kernels/): "auto" routes a quantized model's
+    # speculative verify forwards through the kernels this machine proved
+    # correct and faster per shape (kernels/guard.py); "off": stock MLX always.
+    kernels: Literal["auto", "off"] = "auto"
+    # When the model loads: at start ("boot"), or at its first request
+    # ("on_demand"; the request waits, as in the admission queue).
+    load: Literal["boot", "on_demand"] = "boot"
+    # Unload after this long with no request (any engine kind); it loads
+    # again on the next. Default: stay loaded.
+    idle_ttl_s: float | None = Field(None, gt=0)
+    # Never unloaded to make room for another model, nor for being idle.
+    pin: bool = False
+    distributed: DistributedConfig | None = None
+    llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
+
+    @property
+    def format(self) -> registry.Format:
+        return registry.GGUF if self.is_gguf else registry.MLX
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_there(cls, v: str) -> str:
+        # A hub repo id ("org/name") is looked up when the model loads.
+        return _checked_location(v, (BUILTIN_DEMO, BUILTIN_DEMO_GGUF))
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_is_there(cls, v: str | None) -> str | None:
+        # Drafters are read from a local directory only (engines/drafting/dflash/ and dspark/).
+        return None if v is None else _checked_location(v, (BUILTIN_DEMO_DFLASH,), local_only=True)
+
+    @model_validator(mode="after")
+    def _engines_fit_the_format(self) -> ModelConfig:
+        fmt = self.format
+        if not self.engines:
+            self.engines = [r.name for r in registry.records(fmt) if r.default]
+        fits = registry.names(fmt)
+        wrong = [e for e in self.engines if e not in fits]
+        if wrong:
+            raise ValueError(
+                f"engines {wrong} cannot serve {fmt.description} ({self.path}); use {' / '.join(fits)}"
+            )
+        if len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"engines lists one twice: {self.engines}")
+        for name in self.engines:  # e.g. one drafter per model: dflash, dspark or assistant
+            if any(e in self.engines for e in registry.excludes(name)):
+                listed = [e for e in registry.names()
+                          if e == name or (e in registry.excludes(name) and e in self.engines)]
+                raise ValueError(f"one {registry.record(name).exclusive} per model: "
+                                 f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
+        if self.distributed is not None:
+            _distribution_fits(self)
+        if self.pin and self.idle_ttl_s is not None:
+            raise ValueError("a pinned model is never unloaded: `pin` or `idle_ttl_s`, not both")
+        needs = [r.name for r in registry.records(self.format) if r.needs == "drafter"]
+        takes = needs + [r.name for r in registry.records(self.format) if r.accepts_drafter]
+        if any(e in needs for e in self.engines) and self.drafter is None:
+            raise ValueError(f"{' / '.join(e for e in self.engines if e in needs)} needs a `drafter`")
+        if self.drafter is not None and not any(e in takes for e in self.engines):
+            raise ValueError(f"`drafter` goes with an engine that drafts with it ({' / '.join(takes)})")
+        if self.drafter is not None and self.is_gguf != self.drafter.lower().endswith(".gguf"):
+            raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
+                             f"model's a checkpoint directory; got {self.drafter}")
+        return self
+
+
+def _distribution_fits(mc: ModelConfig) -> None:
+    """What a model over several ranks may be, for now: its engines those
+    tested in lockstep (the registry's `distributed`), loaded at start and
+    never unloaded (every rank holds its shard for the process's life)."""
+    if mc.is_gguf:
+        raise ValueError("distributed: MLX models only (llama.cpp has its own RPC backend)")
+    spread = [r.name for r in registry.records(mc.format) if r.distributed]
+    other = [e for e in mc.engines if e not in spread]
+    if other:
+        raise ValueError(f"distributed: engines {other} do not run over several ranks yet; "
+                         f"use {' / '.join(spread)}")
+    if mc.load != "boot" or mc.idle_ttl_s is not None:
+        raise ValueError("distributed: the model loads at start and stays (no `load: on_demand`, "
+                         "no `idle_ttl_s`)")
+    mc.pin = True  # never evicted: its other ranks hold their shards until specgate stops
+
+
+def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool = False) -> str:
+    """`value` if it is one of `builtins`, a path that exists, or (unless
+    `local_only`) what can only be a hub repo id; else a config error that
+    says what is not there, so a typo fails at start and not as a hub error."""
+    from specgate.engines.checkpoints.locate import looks_local
+
+    if value.startswith(BUILTIN_PREFIX):
+        if value not in builtins:
+            raise PydanticCustomError("unknown_builtin", "no such builtin here; use {known}",
+                                      {"known": " or ".join(builtins)})
+        return value
+    local = Path(value).expanduser()
+    if (local_only or looks_local(value)) and not local.exists():
+        where = ("" if Path(value).is_absolute() else f" (as {local})" if value.startswith("~")
+                 else f" (relative to the working directory {Path.cwd()})")
+        also = "; a drafter must be a local directory" if local_only else ""
+        raise PydanticCustomError("path_missing", "does not exist{where}{also}",
+                                  {"where": where, "also": also})
+    return value
+
+
+
+
+class PrefixCacheConfig(_Strict):
+    """The in-process engines' prefix cache (engines/cache/prefix_cache.py)."""
+
+    # RAM for every model's cache together; default: an eighth of physical memory.
+    ram_bytes: ByteSize | None = None
+    # The disk tier under $SPECGATE_HOME/prefix-cache, kept across restarts; 0: none.
+    disk_bytes: ByteSize = 8 << 30
+    disk_min_tokens: int = Field(256, ge=1)  # shorter prefixes are not written to disk
+    # Tokens between snapshots of a hybrid model's state in a long prompt
+    # (beside those at message boundaries); 0: message boundaries only.
+    snapshot_interval: int = Field(4096, ge=0)
+    # Across API keys: "system" shares a system prompt's (and tools') state
+    # between keys that send exactly the same one, everything else per key;
+    # "none": everything per key; "all": one cache for everyone.
+    share: Literal["system", "none", "all"] = "system"
+
+
+LOCAL_NODE = "local"  # this node, in routing metrics and X-Specgate-Node
+
+
+class PeerConfig(_Strict):
+    """Another specgate this one routes requests to (gateway/cluster/peers.py):
+    its models are listed here, and a request for one goes to the least
+    loaded healthy node that serves it, this one included."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")  # a metrics label
+    url: str = Field(pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")  # e.g. http://10.0.0.2:8000
+    # The API key this node presents there (one of the peer's keys; its model
+    # allow-list limits what is routed). Clients' keys are checked here and
+    # never sent on. Unset: the peer is an open loopback server.
+    key: SecretStr | None = None
+    health_interval_s: float = Field(2.0, gt=0)  # between checks of a healthy peer
+    max_backoff_s: float = Field(30.0, gt=0)  # longest wait between checks of a down one
+    connect_timeout_s: float = Field(3.0, gt=0)  # a check, or the start of a request
+    # Longest silence within a proxied response (a long prefill answers late).
+    read_timeout_s: float = Field(600.0, gt=0)
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+class Config(_Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+    llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
+    # A node with peers may serve no model itself (a front for the others).
+    models: list[ModelConfig] = Field(default_factory=list)
+    peers: list[PeerConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Config:
+        if not self.models and not self.peers:
+            raise ValueError("models: at least one model (or `peers` to route to)")
+        for what, ids in (("model ids", [m.id for m in self.models]),
+                          ("peer names", [p.name for p in self.peers])):  # fmt: skip
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            if dupes:
+                raise ValueError(f"{what} must be unique; repeated: {', '.join(dupes)}")
+        spread = [m.id for m in self.models if m.distributed is not None]
+        if len(spread) > 1:
+            raise ValueError(f"one distributed model per server; got {', '.join(spread)}")
+        if any(p.name == LOCAL_NODE for p in self.peers):
+            raise ValueError(f"peer name '{LOCAL_NODE}' is this node's own label")
+        return self
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_is_list(cls, v):
+        if isinstance(v, dict):
+            raise ValueError("models must be a list of entries, each starting with '- id: ...'")
+        return v
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message says where and why."""
+
+
+def default_config() -> Config:
+    """What `specgate serve` with no arguments serves."""
+    return Config(
+        models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO,
+                            engines=[registry.MLX_PLAIN, registry.MLX_MTP])]  # fmt: skip
+    )
+
+
+def _format(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{source}: {where}: {e['msg']}{got}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "<config>") -> Config:
+    if data is None:
+        raise ConfigError(f"{source}: the file is empty; it needs at least a 'models:' list")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'server' and 'models' at the top")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(source, e)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(data, str(path))
+
+
+SCHEMA_ID = "https://specgate.dev/specgate.schema.json"  # a name for editors, never fetched
+
+
+def json_schema() -> dict:
+    """The config file's JSON Schema (`specgate config schema`;
+    deploy/specgate.schema.json is this, kept in step by a test), for
+    editors. What a schema cannot say (paths that must exist, one block
+    drafter per model) is still checked by `specgate config check`."""
+    schema = Config.model_json_schema(mode="validation")
+    # The registry's engine names, which validation reads at run time.
+    schema["$defs"]["ModelConfig"]["properties"]["engines"]["items"]["enum"] = list(registry.names())
+    # A model to serve, or peers to route to (Config._unique_ids).
+    schema["anyOf"] = [{"required": [key], "properties": {key: {"minItems": 1}}}
+                       for key in ("models", "peers")]  # fmt: skip
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
+            "title": "specgate config", **schema}  # fmt: skip

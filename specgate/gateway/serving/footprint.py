@@ -1,0 +1,93 @@
+"""What a model takes in memory: estimated before it loads (from what
+`specgate inspect` reads), measured once it has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specgate.engines import registry
+from specgate.engines.checkpoints.inspect import UsageError, inspect_checkpoint
+from specgate.gateway.config import ModelConfig
+
+# An MLX model's KV cache grows with what it holds; with no max_context
+# configured, the reserve is this many tokens (one long agent session), not
+# the model's whole window times max_concurrent (which would refuse most
+# large models outright).
+MLX_KV_RESERVE_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class Footprint:
+    weights: int  # the target's weights (per llama-server process, for a GGUF)
+    drafter: int = 0  # a separate drafter's weights
+    kv_reserve: int = 0  # KV cache and recurrent state for the configured load
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.drafter + self.kv_reserve
+
+    def describe(self) -> str:
+        parts = [f"weights {gib(self.weights)}"]
+        if self.drafter:
+            parts.append(f"drafter {gib(self.drafter)}")
+        parts.append(f"KV reserve {gib(self.kv_reserve)}")
+        return f"{gib(self.total)} ({', '.join(parts)})"
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def estimate(mc: ModelConfig) -> Footprint | None:
+    """Before loading: None when the checkpoint is not on this machine yet
+    (a hub repo still to download) or cannot be read here (loading says why)."""
+    from specgate.gateway.serving.builtins import builtin_path
+
+    try:
+        report = inspect_checkpoint(mc.path, builtin=builtin_path)
+    except UsageError:
+        return None
+    memory = report.memory
+    if memory is None:
+        return None
+    notes = list(memory.assumptions)
+    drafter = 0
+    if mc.drafter:
+        try:
+            drafter_report = inspect_checkpoint(mc.drafter, builtin=builtin_path)
+            drafter = drafter_report.memory.weights_bytes if drafter_report.memory else 0
+        except UsageError:
+            pass
+    per_1k = memory.kv_cache_bytes_per_1k_tokens or 0
+    if mc.is_gguf:
+        from specgate.engines.llamacpp.build import DEFAULT_SLOT_CONTEXT
+
+        # llama-server allocates its whole context at start, in every process.
+        ctx = mc.max_context or DEFAULT_SLOT_CONTEXT
+        tokens = (ctx + 16) * mc.max_concurrent
+        processes = len(mc.engines)
+        kv = per_1k * tokens // 1024 + (memory.recurrent_state_bytes or 0) * mc.max_concurrent
+        notes.append(f"{processes} llama-server process(es), each with the weights and "
+                     f"{tokens} tokens of KV")  # fmt: skip
+        return Footprint(memory.weights_bytes * processes, 0, kv * processes, tuple(notes))
+    if mc.max_context:
+        tokens = mc.max_context * mc.max_concurrent
+    else:
+        tokens = MLX_KV_RESERVE_TOKENS
+        notes.append(f"KV reserved for {tokens} tokens (set max_context to reserve "
+                     "max_context x max_concurrent)")  # fmt: skip
+    uses_head = any(registry.record(e).needs == "mtp_head" for e in mc.engines)
+    per_1k += (memory.mtp_kv_cache_bytes_per_1k_tokens or 0) if uses_head else 0
+    kv = per_1k * tokens // 1024 + (memory.recurrent_state_bytes or 0) * mc.max_concurrent
+    return Footprint(memory.weights_bytes, drafter, kv, tuple(notes))
+
+
+def measured(engines) -> dict[str, int]:
+    """After loading: bytes held by kind ("weights", "drafter"), each
+    holder once (engines/base.HeldMemory); empty when nothing is measured."""
+    held = {h.holder: h for engine in engines for h in engine.memory()}
+    by_kind: dict[str, int] = {}
+    for h in held.values():
+        by_kind[h.kind] = by_kind.get(h.kind, 0) + h.nbytes
+    return by_kind

@@ -1,0 +1,551 @@
+"""The models a gateway serves: loading them, their engines, their policy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specgate.engines import registry
+from specgate.engines.base import CacheSettings, Engine, LiveState
+from specgate.gateway.access.admission import ModelGate
+from specgate.gateway.config import Config, LlamaServerConfig, ModelConfig, PrefixCacheConfig
+from specgate.gateway.errors import APIError
+from specgate.gateway.serving.builtins import resolve_builtin
+from specgate.gateway.serving.footprint import Footprint, estimate, gib, measured
+from specgate.gateway.serving.residency import (
+    ModelChanges,
+    NeverFits,
+    Resident,
+    idle_expired,
+    make_room,
+    model_changes,
+)
+from specgate.policies.model_policy import LivePolicy, build_policy, timed_methods
+
+log = logging.getLogger(__name__)
+
+STATES = ("loading", "ready", "unhealthy", "failed", "unloaded")  # ServedModel.state
+FLUSH_TIMEOUT_S = 30.0  # at shutdown, for the prefix caches' queued disk writes
+
+
+@dataclass
+class ResidencyCounts:
+    """Since start, for /metrics."""
+
+    loads: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0  # successful loads, in all
+    unloads: dict[str, int] = field(default_factory=dict)  # by reason: idle, evicted, admin, reload
+
+
+@dataclass
+class ServedModel:
+    config: ModelConfig
+    engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
+    refused: dict[str, str] = field(default_factory=dict)  # configured engine -> why not built
+    policy: LivePolicy | None = None  # once loaded
+    error: str | None = None  # why its last load failed (cleared by the next)
+    gate: ModelGate = field(init=False)  # admission, fair across keys
+    cache_share: str = "system"  # the server's prefix_cache.share
+    # Residency (gateway/serving/residency.py decides, ModelRegistry carries out).
+    loading: asyncio.Task | None = None  # the load in progress
+    # A `load: boot` model whose turn to load has not come yet (models boot
+    # one after another, from a task the app starts): "loading" to /ready,
+    # not "unloaded" as a model loaded on first use would be.
+    boot_pending: bool = field(init=False)
+    in_use: int = 0  # requests holding it (ModelLeases), from resolve to response end
+    load_waiters: int = 0  # requests waiting for it to load
+    last_used: float = field(default_factory=time.monotonic)
+    estimate: Footprint | None = None  # before loading (None: not known)
+    counts: ResidencyCounts = field(default_factory=ResidencyCounts)
+    lockstep: Any = None  # a distributed model's (engines/distributed/lockstep.py), once loaded
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.gate = ModelGate(c.max_concurrent, c.max_queue, c.max_queue_wait_s)
+        self.boot_pending = c.load == "boot"  # until ModelRegistry._boot has tried it
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def engine(self) -> Engine | None:
+        """The front engine, present once loaded: it tokenizes for all of the
+        model's engines (they share one vocabulary) and sets its limits. The
+        first built: its format's always-built engine where it has one
+        (engines/registry.build_engines builds those first)."""
+        return next(iter(self.engines.values()), None)
+
+    @property
+    def state(self) -> str:
+        """ready | unhealthy | failed | loading | unloaded, as /ready reports
+        it ("unloaded": not loaded now; a request loads it)."""
+        if self.engine is not None:
+            return "unhealthy" if self.problem else "ready"
+        if self.loading is not None or self.boot_pending:
+            return "loading"
+        return "failed" if self.error else "unloaded"
+
+    @property
+    def busy(self) -> bool:
+        return self.in_use > 0 or self.gate.running > 0 or self.loading is not None
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by kind: weights and drafter as measured now (a
+        llama-server's resident size grows as it runs), the estimate while
+        loading or before its process starts, and the KV reserve the budget
+        keeps for it. Empty when it holds nothing."""
+        est = self.estimate
+        if self.engine is None and self.loading is None:
+            return {}
+        held = measured(self.engines.values())
+        if not held and est is not None:
+            held = {"weights": est.weights, "drafter": est.drafter}
+        return {"weights": held.get("weights", 0), "drafter": held.get("drafter", 0),
+                "kv_reserve": est.kv_reserve if est else 0}  # fmt: skip
+
+    @property
+    def problem(self) -> str | None:
+        """Why the model cannot serve: its load error, or an engine's problem."""
+        if self.error:
+            return self.error
+        problems = [p for e in self.engines.values() if (p := e.problem())]
+        return "; ".join(dict.fromkeys(problems)) or None  # engines sharing a cause say it once
+
+    def live_state(self) -> LiveState:
+        """What its engines are doing: decoding, and queued inside them."""
+        states = [e.live_state() for e in self.engines.values()]
+        return LiveState(
+            active_requests=sum(s.active_requests for s in states),
+            waiting_requests=sum(s.waiting_requests for s in states),
+            context_tokens=0,
+            finished_requests=sum(s.finished_requests for s in states),
+        )
+
+    def planning_state(self) -> LiveState:
+        """What the policy plans around: the engines' state, plus requests
+        holding a slot that have not reached an engine yet and those queued
+        for a slot. In a burst, the second request is planned before the
+        first has reached its engine: it must count. One its engine has
+        decoded to the end holds its slot until its answer is sent, and
+        does not count."""
+        engines = self.live_state()
+        holding = self.gate.running - engines.waiting_requests - engines.finished_requests
+        return LiveState(
+            active_requests=max(engines.active_requests, holding),
+            waiting_requests=engines.waiting_requests + self.gate.waiting,
+            context_tokens=0,
+        )
+
+
+def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
+                  prefix_cache: PrefixCacheConfig | None = None) -> registry.BuildContext:  # fmt: skip
+    """What the model's engines are built from (engines/registry.py), as plain values."""
+    lc, pc = mc.llamacpp, prefix_cache or PrefixCacheConfig()
+    from specgate.gateway.serving.ranks import distribution
+
+    return registry.BuildContext(
+        mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
+        max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
+        prefix_cache_size=mc.prefix_cache_size, mtp_depth=mc.mtp_depth,
+        # Proving kernels runs forwards at load, before the ranks follow each other.
+        kernels="off" if mc.distributed else mc.kernels, distribution=distribution(mc),
+        block_depth=mc.block_depth, ngram_depth=mc.ngram_depth, llamacpp_ngram=lc.ngram_type,
+        drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
+        prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
+                                   pc.snapshot_interval),
+        llama_server=registry.LlamaServerSettings(
+            binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
+            threads=lc.threads, extra_args=tuple(lc.extra_args), read_timeout=lc.read_timeout_s,
+            progress_timeout=lc.progress_timeout_s, health_interval=lc.health_interval_s,
+            health_timeout=lc.health_timeout_s, health_failures=lc.health_failures,
+        ),
+    )
+
+
+def build_model_engines(
+    mc: ModelConfig, llama_server: LlamaServerConfig, prefix_cache: PrefixCacheConfig
+) -> tuple[registry.BuildContext, dict[str, Engine], dict[str, str]]:
+    """Blocking (a builtin may be made on first use; weights load, once per
+    path): the model's engines, with the configured ones refused and why."""
+    context = build_context(mc, llama_server, prefix_cache)
+    return (context, *registry.build_engines(context))
+
+
+def _policy(served: ServedModel, context: registry.BuildContext) -> LivePolicy:
+    mc = served.config
+    policy = build_policy(served.id, served.engines, served.refused, mc.policy,
+                          context=context, params=_parameter_count(served))  # fmt: skip
+    prior = lambda: None  # noqa: E731
+    path = Path(context.path)
+    if context.format.in_process and path.is_dir():  # a hub id: tune measures local directories
+        from specgate.gateway.serving.tuning import TuneFile
+
+        # Read at every decision (one stat): a tune run while serving counts at once.
+        prior = TuneFile(path, mc.kernels).costs
+    return LivePolicy(policy, live_state=served.planning_state, prior=prior,
+                      timed=timed_methods(served.engines), explore_every=mc.policy.explore_every)
+
+
+def _parameter_count(served: ServedModel) -> int | None:
+    loaded = getattr(served.engine, "loaded", None)
+    if loaded is None:
+        return None  # llama-server's model: not in this process
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
+
+
+# The models a request holds, from resolve_model until its response has
+# ended (streams included); ModelLeases sets it per HTTP request.
+_leases: contextvars.ContextVar[list[ServedModel] | None] = contextvars.ContextVar(
+    "model_leases", default=None)
+
+IDLE_CHECK_S = 1.0  # how often idle TTLs are checked
+ROOM_RETRY_S = 0.25  # waiting for busy models to go idle, to make room
+
+
+class ModelRegistry:
+    """The configured models and their residency: loaded at start or on a
+    first request, unloaded when idle past their TTL, evicted least
+    recently used when another needs room under `server.memory_budget`."""
+
+    def __init__(self, config: Config):
+        self.models = {mc.id: ServedModel(mc, cache_share=config.prefix_cache.share)
+                       for mc in config.models}  # fmt: skip
+        self.retiring: list[ServedModel] = []  # removed or changed by a reload, still busy
+        self.llama_server = config.llama_server
+        self.prefix_cache = config.prefix_cache
+        self.draining = False  # shutting down: no new requests
+        self._set_budget(config)
+        self._room = asyncio.Lock()  # one residency change at a time
+        self._watch: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # boots and retirements a reload started
+
+    def _set_budget(self, config: Config) -> None:
+        from specgate.engines.memory import physical_memory
+
+        physical = physical_memory()
+        self.memory_budget = config.server.memory_budget or physical * 3 // 4
+        # The prefix caches' RAM comes off the top: what is left is the models'.
+        cache_ram = config.prefix_cache.ram_bytes
+        self.models_budget = self.memory_budget - (physical // 8 if cache_ram is None else cache_ram)
+
+    def get(self, model_id: str) -> ServedModel | None:
+        return self.models.get(model_id)
+
+    @property
+    def ready(self) -> bool:
+        return all(m.state in ("ready", "unloaded") for m in self.models.values())
+
+    async def start(self) -> None:
+        """Load the `load: boot` models one after another (they share one
+        machine's memory), and watch idle TTLs from now on."""
+        self._watch = asyncio.create_task(self._unload_idle())
+        for served in list(self.models.values()):
+            if served.config.load == "boot":
+                await self._boot(served)
+
+    async def _boot(self, served: ServedModel) -> None:
+        try:
+            await self.ensure_loaded(served)
+        except APIError:
+            pass  # logged; it stays failed, and /ready says so
+        finally:
+            served.boot_pending = False
+
+    # -- reloading the config ---------------------------------------------------------
+
+    async def reconfigure(self, config: Config) -> ModelChanges:
+        """Serve `config`'s models from now on: added ones appear (loading at
+        once if `load: boot`), removed ones leave /v1/models and unload once
+        their requests have finished, changed ones are served by a fresh
+        model (loaded anew) while the old one finishes its requests;
+        unchanged ones are untouched, streams and caches included."""
+        new = {mc.id: mc for mc in config.models}
+        changes = model_changes({i: m.config for i, m in self.models.items()}, new)
+        async with self._room:
+            old, fresh = self.models, []
+            models = {}
+            for model_id, mc in new.items():
+                if model_id in changes.unchanged:
+                    models[model_id] = old[model_id]
+                else:
+                    models[model_id] = ServedModel(mc, cache_share=config.prefix_cache.share)
+                    fresh.append(models[model_id])
+            self.models = models
+            leaving = [old[i] for i in changes.removed + changes.changed]
+            self.retiring += leaving
+            self._set_budget(config)
+        for served in leaving:
+            self._spawn(self._retire(served))
+        for served in fresh:
+            if served.config.load == "boot":
+                self._spawn(self._boot(served))
+        log.info("config reloaded: added %s, removed %s, changed %s", list(changes.added),
+                 list(changes.removed), list(changes.changed))  # fmt: skip
+        return changes
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retire(self, served: ServedModel) -> None:
+        """A model a reload removed or replaced: unloaded once idle."""
+        while served.busy:
+            await asyncio.sleep(ROOM_RETRY_S)
+        async with self._room:
+            await self._unload(served, "reload")
+            self.retiring.remove(served)
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def acquire(self, served: ServedModel) -> None:
+        """A request's hold on `served`, loaded (loading it first if need
+        be, waiting like the admission queue: 429 past max_queue waiting,
+        503 past max_queue_wait_s). Released when its response ends."""
+        held = _leases.get()
+        if held is not None:
+            held.append(served)
+            served.in_use += 1
+        served.last_used = time.monotonic()
+        if served.engine is not None:
+            return
+        mc = served.config
+        if served.load_waiters >= mc.max_concurrent + mc.max_queue:  # as many as the gate takes
+            raise APIError(429, f"model '{served.id}' is loading and {served.load_waiters} "
+                           "requests already wait for it", code="overloaded",
+                           headers={"Retry-After": "5"})  # fmt: skip
+        served.load_waiters += 1
+        try:
+            await self.ensure_loaded(served, wait_s=mc.max_queue_wait_s, retry_failed=False)
+        finally:
+            served.load_waiters -= 1
+
+    def release(self, served: ServedModel) -> None:
+        served.in_use -= 1
+        served.last_used = time.monotonic()
+
+    # -- loading ----------------------------------------------------------------------
+
+    async def ensure_loaded(self, served: ServedModel, wait_s: float | None = None,
+                            retry_failed: bool = True) -> None:  # fmt: skip
+        """Load `served` unless it is; APIError (503) if it cannot be, or not
+        within `wait_s`. A model whose last load failed is tried again only
+        with `retry_failed` (an admin's load), else its error is the answer."""
+        if served.engine is not None:
+            return
+        if served.loading is None:
+            if served.error and not retry_failed:
+                raise APIError(503, f"model '{served.id}' failed to load: {served.error}",
+                               code="model_failed")  # fmt: skip
+            served.loading = asyncio.create_task(self._load(served))
+        try:
+            await asyncio.wait_for(asyncio.shield(served.loading), wait_s)
+        except TimeoutError:
+            raise APIError(503, f"model '{served.id}' is still loading",
+                           code="model_loading", headers={"Retry-After": "5"}) from None  # fmt: skip
+        if served.engine is None:
+            raise APIError(503, f"model '{served.id}' failed to load: {served.error}",
+                           code="model_failed")  # fmt: skip
+
+    async def _load(self, served: ServedModel) -> None:
+        t0 = time.monotonic()
+        try:
+            served.error = None
+            if served.estimate is None:
+                served.estimate = await asyncio.to_thread(estimate, served.config)
+            await self._make_room(served)
+            context, engines, refused = await asyncio.to_thread(
+                build_model_engines, served.config, self.llama_server, self.prefix_cache
+            )
+            lockstep = context.loaded.lockstep if context.loaded is not None else None
+            try:
+                for engine in engines.values():
+                    await engine.start()
+                if lockstep is not None:  # its other ranks follow from here
+                    await asyncio.to_thread(lockstep.begin)
+            except BaseException:
+                for engine in engines.values():
+                    await engine.stop()
+                raise
+            # From here to the policy, nothing awaits: a request may come as
+            # soon as the model has engines.
+            served.engines, served.refused, served.lockstep = engines, refused, lockstep
+            served.policy = _policy(served, context)
+            served.counts.loads += 1
+            served.counts.load_seconds += time.monotonic() - t0
+            log.info("model %s ready (%s) in %.1f s, %s", served.id, ", ".join(engines),
+                     time.monotonic() - t0, _held(served))  # fmt: skip
+        except Exception as e:  # one bad model must not take down the others
+            served.error = str(e) if isinstance(e, _CannotFit) else f"{type(e).__name__}: {e}"
+            served.counts.load_failures += 1
+            log.error("model %s failed to load: %s", served.id, served.error)
+        finally:
+            served.last_used = time.monotonic()
+            served.loading = None
+
+    async def _make_room(self, served: ServedModel) -> None:
+        """Evict what the residency rules say, or wait for busy models; raise
+        _CannotFit when the model could never fit."""
+        need = served.estimate.total if served.estimate else 0
+        while True:
+            async with self._room:
+                others = [_resident(m) for m in [*self.models.values(), *self.retiring]
+                          if m is not served and (m.engine is not None or m.loading is not None)]  # fmt: skip
+                room = make_room(need, self.models_budget, others)
+                if isinstance(room, NeverFits):
+                    raise _CannotFit(self._never_fits(served, room))
+                for victim in room.evict:
+                    log.info("model %s unloaded to make room for %s", victim, served.id)
+                    await self._unload(self.models[victim], "evicted")
+                if not room.wait:
+                    return
+            await asyncio.sleep(ROOM_RETRY_S)
+
+    def _never_fits(self, served: ServedModel, room: NeverFits) -> str:
+        pinned = (f"; pinned models hold {gib(room.pinned_bytes)} ({', '.join(room.pinned)})"
+                  if room.pinned else "")  # fmt: skip
+        return (f"model '{served.id}' needs about {served.estimate.describe()}, more than the "
+                f"{gib(self.models_budget)} models may use (server.memory_budget "
+                f"{gib(self.memory_budget)} less the prefix caches' RAM{pinned}); raise "
+                "memory_budget, set a smaller max_context or max_concurrent, or unpin a model")
+
+    # -- unloading --------------------------------------------------------------------
+
+    async def unload(self, served: ServedModel, reason: str = "admin") -> None:
+        """Stop its engines and let its memory go; requests decoding on it
+        end with an error. The next request loads it again."""
+        async with self._room:
+            await self._unload(served, reason)
+
+    async def _unload(self, served: ServedModel, reason: str) -> None:
+        engines, served.engines, served.policy = served.engines, {}, None
+        if not engines:
+            return
+        for engine in engines.values():
+            await engine.stop()
+        await _release_ranks(served)
+        served.counts.unloads[reason] = served.counts.unloads.get(reason, 0) + 1
+        log.info("model %s unloaded (%s)", served.id, reason)
+
+    async def _unload_idle(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_CHECK_S)
+            now = time.monotonic()
+            for served in list(self.models.values()):
+                mc = served.config
+                if served.engine is not None and idle_expired(now, served.last_used,
+                                                              mc.idle_ttl_s, served.busy, mc.pin):  # fmt: skip
+                    try:
+                        async with self._room:
+                            if not served.busy:  # a request may have come meanwhile
+                                await self._unload(served, "idle")
+                    except Exception:  # the watch must go on for the other models
+                        log.exception("model %s: idle unload failed", served.id)
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new requests and the queued ones (503), let
+        those decoding finish for up to `grace_s`, then stop every engine, so
+        what still runs ends with an error the client can read."""
+        self.draining = True
+        every = [*self.models.values(), *self.retiring]
+        for served in every:
+            served.gate.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(m.gate.running for m in every) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        busy = [m.id for m in every if m.gate.running]
+        if busy:
+            log.warning("shutdown grace of %g s over: ending the requests still running on %s",
+                        grace_s, ", ".join(busy))  # fmt: skip
+        await self.stop_all()
+
+    async def stop_all(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for served in [*self.models.values(), *self.retiring]:
+            if served.loading is not None:
+                served.loading.cancel()
+            for engine in served.engines.values():
+                await engine.stop()
+            await _release_ranks(served)
+        # The prefix caches' disk writes still queued: a restart reads them.
+        from specgate.engines.loading import flush_prefix_caches
+
+        try:
+            await asyncio.wait_for(asyncio.to_thread(flush_prefix_caches), FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("prefix cache: disk writes still queued after %g s; left unwritten",
+                        FLUSH_TIMEOUT_S)  # fmt: skip
+
+
+RANKS_STOP_S = 10.0  # telling a distributed model's other ranks to end
+
+
+async def _release_ranks(served: ServedModel) -> None:
+    """A distributed model's engines stopped: its other ranks end too."""
+    lockstep, served.lockstep = served.lockstep, None
+    if lockstep is not None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lockstep.stop), RANKS_STOP_S)
+        except TimeoutError:
+            log.warning("model %s: its other ranks did not take the stop within %g s",
+                        served.id, RANKS_STOP_S)  # fmt: skip
+
+
+class _CannotFit(Exception):
+    """A model bigger than the memory budget allows: the message has the numbers."""
+
+
+def _resident(served: ServedModel) -> Resident:
+    nbytes = sum(served.memory().values())
+    return Resident(served.id, nbytes, served.last_used, served.config.pin, served.busy)
+
+
+def _held(served: ServedModel) -> str:
+    parts = [f"{kind} {gib(n)}" for kind, n in served.memory().items() if n]
+    return ", ".join(parts) or "memory not measured"
+
+
+def model_status(served: ServedModel) -> dict:
+    """What GET /admin/models says of one model."""
+    mc, est = served.config, served.estimate
+    return {
+        "id": served.id, "state": served.state, "engines": list(served.engines) or mc.engines,
+        "memory": served.memory(), "estimate": est.total if est else None,
+        "in_flight": served.in_use, "idle_s": round(time.monotonic() - served.last_used, 1),
+        "load": mc.load, "pin": mc.pin, "idle_ttl_s": mc.idle_ttl_s,
+        "error": served.error, "loads": served.counts.loads,
+    }  # fmt: skip
+
+
+class ModelLeases:
+    """ASGI middleware: the models a request acquired (ModelRegistry.acquire)
+    are released when its response has ended, streamed bodies included, so
+    idle TTLs and evictions never take a model from under a request."""
+
+    def __init__(self, app, registry: ModelRegistry):
+        self.app, self.registry = app, registry
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: list[ServedModel] = []
+        token = _leases.set(held)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _leases.reset(token)
+            for served in held:
+                self.registry.release(served)

@@ -1,0 +1,225 @@
+"""Wiring the small-M kernels into an engine's verify forward, at load.
+
+`prepare(model, setting, widths, cache_dir=...)` is what an engine (through
+engines/kernel_wiring.py, as `specgate tune` does; bench/e2e_mtp_7b.py with
+guards of its own) calls once when it loads a model:
+
+- `setting` "off", or a model with no affine 4/8-bit `QuantizedLinear`:
+  nothing is installed, verify forwards stay stock.
+- each kernel of the guard is probed once at the model's first shape
+  (M = 2): a kernel that cannot be built on this device (CUDA code on a
+  CPU or a Mac, Metal code off Apple silicon, a compile error) gets its
+  `failed` verdict, recorded in the cache like any other, and is
+  dropped for this process, so no later shape tries it again. If none is
+  left, the hook is not installed: one log line, the stock path.
+- otherwise kernels/hook.py is installed on the model and the guard proves
+  every (shape, width) the engine can verify (`widths`, M = 2..max depth+1)
+  now, so no proof lands inside a live request (verdicts on disk are read
+  back, not re-proved). Widths beyond these are proved at their first use.
+- sibling groups (a layer's q/k/v and gate/up, hook.FUSE_GROUPS) get the
+  fused tensor-core kernel through a second guard (guard.FUSED_QMM), proved
+  the same way per (group shape, width); where it is refused or cannot
+  build, each linear takes its own path as above.
+- the engine then runs each round's verify forward inside
+  `hook.kernels(wired.enabled)`; prefill and one-row steps are never routed.
+
+One guard per verdict cache directory per process (`shared_guard`), so
+engines that share a model share verdicts and its log lines. The directory
+comes from the caller (the engines: $SPECGATE_HOME/kernels, engines/home.py):
+kernels/ reads no environment for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.nn as nn
+
+from specgate.kernels import hook, qmm
+from specgate.kernels.guard import FUSED_QMM, Guard, Verdict, cuda_mma_fused_candidate, dtype_name
+
+log = logging.getLogger("specgate.kernels")
+
+SETTINGS = ("auto", "off")
+
+_guards: dict[tuple[Path, str], Guard] = {}
+_guards_lock = threading.Lock()
+
+
+def shared_guard(cache_dir: Path, op: str = "qmm") -> Guard:
+    """This process's guard for the verdicts in `cache_dir`: the default
+    kernels ("qmm"), or the fused sibling-linear kernel ("qmm_fused")."""
+    key = (Path(cache_dir), op)
+    with _guards_lock:
+        if key not in _guards:
+            _guards[key] = (Guard(cache_dir=key[0]) if op == "qmm" else Guard(
+                [cuda_mma_fused_candidate()], cache_dir=key[0], op=FUSED_QMM))  # fmt: skip
+        return _guards[key]
+
+
+Shape = tuple  # (K, N, dtype, bits, group_size)
+
+
+def model_shapes(model: nn.Module) -> list[Shape]:
+    """Distinct (K, N, activation dtype, bits, group size) of the model's
+    hookable quantized linears, in first-met order."""
+    out: dict[Shape, None] = {}
+    for _, m in model.named_modules():
+        if hook.eligible(m):
+            n, words = m["weight"].shape
+            out[(words * 32 // m.bits, n, m["scales"].dtype, m.bits, m.group_size)] = None
+    return list(out)
+
+
+@dataclass
+class Wiring:
+    """What `prepare` decided for one model."""
+
+    enabled: bool  # verify forwards run inside hook.kernels()
+    reason: str  # one line, for logs and `specgate tune`
+    guard: Guard | None = None
+    shapes: list[Shape] = field(default_factory=list)
+    widths: tuple[int, ...] = ()
+    hooked: int = 0  # quantized linears routed through the hook
+    failed: dict[str, str] = field(default_factory=dict)  # kernel -> why it cannot build here
+    fused_guard: Guard | None = None  # proves sibling groups (q/k/v, gate/up) in one launch
+    groups: list[tuple] = field(default_factory=list)  # their shapes (K, Ns, dtype, bits, gs)
+
+    def verdicts(self) -> list[Verdict]:
+        """The recorded verdicts for this model's shapes at its widths (every usable kernel)."""
+        if self.guard is None:
+            return []
+        out = []
+        for k, n, dtype, bits, gs in self.shapes:
+            for m in self.widths:
+                for cand in self.guard.candidates:
+                    v = self.guard.verdict(cand, m, k, n, dtype, bits, gs)
+                    if v is not None:
+                        out.append(v)
+        return out
+
+    def fused_verdicts(self) -> list[Verdict]:
+        """The recorded verdicts for its sibling groups at its widths."""
+        if self.fused_guard is None:
+            return []
+        return [v for k, ns, dtype, bits, gs in self.groups for m in self.widths
+                for cand in self.fused_guard.candidates
+                if (v := self.fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)) is not None]  # fmt: skip
+
+    def in_use(self) -> int:
+        """(shape, width) pairs where some kernel is enabled."""
+        return len({(tuple(v.shape), v.dtype, v.bits, v.group_size) for v in self.verdicts() if v.ok})
+
+
+def group_shapes(model: nn.Module) -> list[tuple]:
+    """Distinct (K, (N0, N1[, N2]), dtype, bits, group size) of the model's
+    sibling groups (hook.FUSE_GROUPS), in first-met order."""
+    out: dict[tuple, None] = {}
+    for group in hook.fuse_groups(model):
+        m = group[0]
+        k = m["weight"].shape[1] * 32 // m.bits
+        out[(k, tuple(g["weight"].shape[0] for g in group), m["scales"].dtype, m.bits, m.group_size)] = None
+    return list(out)
+
+
+def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
+    """The guard's kernels that build on this device (probed at the first
+    shape they are written for, M = 2), and why the others do not. A kernel
+    written for none of the model's shapes (e.g. tensor cores at float32)
+    is dropped without a word."""
+    keep, failed = [], {}
+    for cand in guard.candidates:
+        v = None
+        for k, n, dtype, bits, gs in shapes:
+            v = guard.verdict(cand, qmm.MIN_M, k, n, dtype, bits, gs)
+            if v is not None:
+                break
+        if v is not None and v.status == "failed":
+            failed[cand.name] = v.detail or "failed"
+        elif v is not None:
+            keep.append(cand)
+    return keep, failed
+
+
+def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
+            guard: Guard | None = None, fused_guard: Guard | None = None,
+            cache_dir: Path | None = None) -> Wiring:  # fmt: skip
+    """Install the hook on `model` and prove its verify shapes (see the module docstring).
+
+    Without a `guard`, this process's shared guards for `cache_dir` are used
+    (both the per-linear and the fused one); with one, sibling groups are
+    fused only if a `fused_guard` is given too. Call it holding the model's lock
+    (engines/loading.py); the proofs time kernels, so they are steadiest at
+    start, where models load one after another before any request."""
+    if setting not in SETTINGS:
+        raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
+    if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
+        return Wiring(False, "kernels: off (config)")
+    shapes = model_shapes(model)
+    if not shapes:
+        return Wiring(False, "not quantized (affine 4/8-bit): stock verify")
+    if guard is None:
+        if cache_dir is None:
+            raise ValueError("kernels: prepare needs a guard, or the cache_dir of the shared ones")
+        guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
+    widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
+    with guard._lock:
+        keep, failed = _usable(guard, shapes)
+        guard.candidates = keep
+    if not keep:
+        why = "; ".join(f"{name}: {d}" for name, d in failed.items())
+        wired = Wiring(False, f"no kernel builds on this device ({why}): stock verify",
+                       guard, shapes, widths, 0, failed)  # fmt: skip
+        log.info("%s", wired.reason)
+        return wired
+    groups = group_shapes(model) if fused_guard is not None else []
+    fused_keep = []
+    if groups:  # (the guard is shared: its candidates stay; a failed build is a verdict)
+        with fused_guard._lock:
+            fused_keep, fused_failed = _usable(fused_guard, groups)
+        failed.update(fused_failed)
+    if not fused_keep:
+        fused_guard, groups = None, []
+    hooked = hook.install(model, guard, fused_guard)
+    for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
+        for m in widths:
+            for cand in keep:
+                guard.verdict(cand, m, k, n, dtype, bits, gs)
+    fused_ok = 0
+    for k, ns, dtype, bits, gs in groups:
+        for m in widths:
+            for cand in fused_keep:
+                v = fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)
+                fused_ok += v is not None and v.ok
+    wired = Wiring(True, "", guard, shapes, widths, hooked, failed)
+    ok = wired.in_use()
+    total = len(shapes) * len(widths)
+    wired.reason = (f"{', '.join(c.name for c in keep)} on {hooked} quantized linears: "
+                    f"{ok} of {total} (shape, width) pairs at widths {widths[0]}..{widths[-1]} "
+                    f"enabled by the guard" if widths else "no verify widths to prove")  # fmt: skip
+    if groups:
+        wired.reason += (f"; sibling groups fused in one launch: {fused_ok} of "
+                         f"{len(groups) * len(widths)} (group, width) pairs")  # fmt: skip
+    wired.fused_guard, wired.groups = fused_guard, groups
+    log.info("kernels: %s", wired.reason)
+    return wired
+
+
+def describe(v: Verdict) -> str:
+    """One verdict as a table row."""
+    m, k, *ns = v.shape
+    n = "+".join(map(str, ns))  # a fused group's N is N0+N1[+N2]
+
+    def f(a, spec):
+        return f"{a:{spec}}" if a is not None else "-"
+
+    return (f"{v.kernel:>10} M={m:<2d} K={k:<6d} N={n:<6} {v.dtype:>8} {v.bits}b g{v.group_size:<3d} "
+            f"{v.status:>7}  err {f(v.max_error, '.1e')} (bound {f(v.bound, '.1e')})  "
+            f"kernel {f(v.kernel_us, '.1f')} us / stock {f(v.reference_us, '.1f')} us"
+            + (f"  {v.detail}" if v.detail else ""))  # fmt: skip
+
+
+__all__ = ["SETTINGS", "Wiring", "describe", "dtype_name", "model_shapes", "prepare", "shared_guard"]

@@ -1,0 +1,187 @@
+"""One model's policy as it serves: built from its config, learning as it goes.
+
+The gateway hands each request to `LivePolicy.start`, which returns the
+first plan and the planner its engines ask again at every round, and feeds
+every RoundStats back through `observe`. The pieces it joins:
+- `ModelPolicy` (policies/decide.py): what the config and the engines allow;
+- live acceptance per draft position (policies/acceptance.py);
+- live round costs (policies/live_costs.py), with `specgate tune`'s results
+  as the prior, read through `prior()` at every decision, so a tune run
+  while the server runs is used by the next request;
+- exploration (policies/explore.py) on idle requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from specgate.engines import registry
+from specgate.engines.base import LiveState, Method, Plan, RoundStats
+from specgate.engines.registry import BuildContext
+from specgate.policies.acceptance import AcceptanceTracker
+from specgate.policies.config import PolicyConfig
+from specgate.policies.content import CONTENT_CLASSES, ContentClass
+from specgate.policies.costs import CostModel
+from specgate.policies.decide import FixedPlanner, ModelPolicy, RequestFeatures, candidates, decide
+from specgate.policies.explore import Explorer
+from specgate.policies.live_costs import CostView, LiveCosts
+
+# Plans whose reason cannot change while the request runs: no need to ask again.
+_FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
+
+
+def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[str, str],
+                 config: PolicyConfig, *, context: BuildContext,
+                 params: int | None) -> ModelPolicy:  # fmt: skip
+    """The model's ModelPolicy from its config, the engines it got (each
+    described by its engines/registry.py record) and the settings they were
+    built with."""
+    # Speculative methods in the order the engines were built, plain decoding last.
+    order = sorted(engines, key=lambda name: not registry.record(name).speculative)
+    methods = {registry.method_of(name): name for name in order}
+    refused_methods = {registry.method_of(name): why for name, why in refused.items()}
+    # Depths set when the engine starts (llama-server's --spec-draft-n-max).
+    fixed = tuple(registry.method_of(n) for n in order if registry.record(n).fixed_depth)
+    depths, caps = {}, {}
+    for name in order:
+        record = registry.record(name)
+        if record.depth_cap is not None:
+            caps[record.method] = record.depth_cap(engines[name])
+        if record.depth is not None:
+            depths[record.method] = record.depth(context, engines[name])
+    if isinstance(config.depth, int):  # a fixed depth for every method a request may set
+        for method in depths:
+            if method not in fixed:
+                depths[method] = min(config.depth, caps.get(method, config.depth))
+    return ModelPolicy(
+        model_id, methods, context.mtp_depth, refused_methods, fixed, depths, caps,
+        penalty_capable=frozenset() if config.penalties == "plain" else None,
+        long_context_tokens=_number(config.long_context_tokens),
+        min_params=config.min_params,
+        params=params,
+        auto_depth=config.depth == "auto",
+        concurrency_threshold=_number(config.concurrency_threshold),
+        allow_overrides=config.allow_overrides,
+    )
+
+
+def timed_methods(engines: Mapping[str, object]) -> frozenset[Method]:
+    """Methods whose engines time every round (the in-process ones; llama-server
+    reports sums), so their costs can be learned live."""
+    return frozenset(registry.method_of(name) for name in engines
+                     if registry.record(name).times_rounds)  # fmt: skip
+
+
+def _number(value: str | int) -> int | None:
+    return value if isinstance(value, int) else None  # "auto": the cost model's call
+
+
+class LivePolicy:
+    """A model's policy and everything it has learned. Thread-safe: planners
+    run on engine worker threads, `observe` on the event loop."""
+
+    def __init__(self, policy: ModelPolicy, *, live_state: Callable[[], LiveState],
+                 prior: Callable[[], CostModel | None] = lambda: None,
+                 timed: frozenset[Method] = frozenset(), explore_every: int = 16):  # fmt: skip
+        self.policy = policy
+        self.live_state = live_state  # the model's engines together, this request included
+        self.prior = prior
+        self.timed = timed
+        self.acceptance = AcceptanceTracker()
+        self.costs = LiveCosts()
+        # Rounds under a grammar wait for their drafts and compute masks: their
+        # costs are learned apart, starting from the unconstrained ones.
+        self.constrained_costs = LiveCosts(fallback=self.costs)
+        self._explorers = {c: Explorer(every=explore_every) for c in CONTENT_CLASSES}
+        self._lock = threading.Lock()
+
+    @property
+    def model_id(self) -> str:
+        return self.policy.model_id
+
+    def observe(self, stats: RoundStats, content: ContentClass) -> None:
+        with self._lock:
+            self.acceptance.update(stats, content)
+            (self.constrained_costs if stats.constrained else self.costs).observe(stats)
+
+    def view(self, constrained: bool = False) -> CostView | None:
+        """The round costs to plan with, or None when nothing can be known
+        (no prior and no engine that times its rounds)."""
+        prior = self.prior()
+        costs = self.constrained_costs if constrained else self.costs
+        return CostView(costs, prior) if prior is not None or self.timed else None
+
+    def start(self, features: RequestFeatures, live: LiveState) -> tuple[Plan, RequestPlanner | FixedPlanner]:
+        """The plan a new request starts on, and its planner (raises
+        OverrideError on a bad override)."""
+        with self._lock:
+            acceptance = self.acceptance.rates(self.model_id, features.content)
+            view = self.view(features.constrained)
+            plan = decide(self.policy, features, live, view, acceptance)
+            if plan.reason in _FIXED_REASONS:
+                return plan, FixedPlanner(plan)
+            explored = self._explore(plan, features, live, view, acceptance)
+        hold = self._explorers[features.content].hold_rounds if explored else 0
+        return explored or plan, RequestPlanner(self, features, explored or plan, hold)
+
+    def _explore(self, plan: Plan, features: RequestFeatures, live: LiveState,
+                 view: CostView | None, acceptance) -> Plan | None:  # fmt: skip
+        """The plan an idle request explores instead of `plan`, if any."""
+        engines = self.policy.engines_by_method
+        idle = live.active_requests + live.waiting_requests == 0
+        if (view is None or not idle or plan.reason not in ("spec_on", "measured_loss")
+                or features.forced_depth is not None or "none" not in engines):
+            return None
+        context, capable = features.prompt_tokens, self.policy.penalty_capable
+        arms = {m: self._measured(m, view, acceptance, context) for m in engines
+                if m in self.timed and (m == "none" or not features.has_penalties
+                                        or capable is None or m in capable)}  # fmt: skip
+        if plan.method not in arms:
+            return None
+        arm = self._explorers[features.content].choose(plan.method, arms)
+        if arm is None:
+            return None
+        if arm == "none":
+            return Plan(engines["none"], "none", 0, plan.reason, "explore")
+        known = [c for c in candidates(self.policy, [arm], features, live, view, acceptance)
+                 if c.method == arm]  # fmt: skip
+        depth = max(known, key=lambda c: c.speed).depth if known else self.policy.depth(arm)
+        return Plan(engines[arm], arm, depth, plan.reason, "explore")
+
+    def _measured(self, method: Method, view: CostView, acceptance, context: int) -> bool:
+        if method == "none":
+            return view.plain(1, context) is not None
+        return method in acceptance and view.round(method, self.policy.depth(method), context) is not None
+
+    def next_round(self, features: RequestFeatures, live: LiveState, incumbent: Method) -> Plan:
+        with self._lock:
+            return decide(self.policy, features, live, self.view(features.constrained),
+                          self.acceptance.rates(self.model_id, features.content), incumbent)
+
+
+@dataclass
+class RequestPlanner:
+    """One request's planner: asked at every round boundary, so a stream
+    moves between speculation and batching as other requests come and go,
+    and as its context grows. An exploring request keeps its explored plan
+    for `hold` rounds while the model stays idle. The model-wide state
+    counts, less this request itself."""
+
+    policy: LivePolicy
+    features: RequestFeatures
+    current: Plan
+    hold: int = 0
+
+    def plan(self, state: LiveState) -> Plan:
+        live = self.policy.live_state()
+        others = LiveState(max(0, live.active_requests - 1), live.waiting_requests,
+                           state.context_tokens)  # fmt: skip
+        if self.hold > 0 and others.active_requests + others.waiting_requests == 0:
+            self.hold -= 1
+            return self.current
+        self.hold = 0
+        plan = self.policy.next_round(self.features, others, self.current.method)
+        self.current = plan
+        return plan

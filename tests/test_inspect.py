@@ -33,6 +33,7 @@ from specgate.builders.tiny import (
     build_qwen35_moe,
     strip_mtp,
 )
+from specgate.engines import registry
 from specgate.engines.checkpoints.inspect import UsageError, inspect_checkpoint, render_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +64,13 @@ def codes(report) -> list[str]:
 
 
 def engines(report) -> dict[str, list[str]]:
-    return {e.engine: e.methods for e in report.engines}
+    """The engines the report suggests, each one the registry has (the
+    wording once named an `mlx_block` that never existed)."""
+    found = {e.engine: e.methods for e in report.engines}
+    assert set(found) <= set(registry.names()), f"no such engines: {set(found) - set(registry.names())}"
+    for name, methods in found.items():
+        assert set(methods) <= set(registry.methods()), (name, methods)
+    return found
 
 
 # ---------------------------------------------------------------- targets
@@ -75,7 +82,7 @@ def test_qwen35_hybrid_with_mtp_is_verified(hybrid):
     assert r.layout == "hf" and r.layer_types == {"linear_attention": 3, "full_attention": 1}
     assert r.mtp["declared"] == r.mtp["present"] == 1 and r.mtp["prefix"] == "mtp."
     assert engines(r) == {"mlx_plain": ["none"], "mlx_mtp": ["mtp"],
-                          "mlx_block": ["dflash", "dspark"]}
+                          "mlx_dflash": ["dflash"], "mlx_dspark": ["dspark"]}
     # 1 full-attention layer x 2 kv heads x head_dim 32 x (K, V) x float32, per 1024 tokens.
     assert r.memory.kv_cache_bytes_per_1k_tokens == 1 * 2 * 32 * 2 * 4 * 1024
     assert r.memory.mtp_kv_cache_bytes_per_1k_tokens == r.memory.kv_cache_bytes_per_1k_tokens
@@ -148,7 +155,7 @@ def test_qwen3_dense_is_ar_only(dense):
     r = inspect_checkpoint(str(dense))
     assert r.verdict == "ar-only" and r.exit_code == 0 and r.problems == []
     assert r.mtp["declared"] == r.mtp["present"] == 0
-    assert engines(r) == {"mlx_plain": ["none"], "mlx_block": ["dflash", "dspark"]}
+    assert engines(r) == {"mlx_plain": ["none"], "mlx_dflash": ["dflash"], "mlx_dspark": ["dspark"]}
     assert r.memory.kv_cache_bytes_per_1k_tokens == 4 * 2 * 32 * 2 * 4 * 1024
     assert r.memory.recurrent_state_bytes is None
 
@@ -274,7 +281,7 @@ def test_dflash_drafter_with_its_target_is_verified(tmp_path, dense):
     r = inspect_checkpoint(str(drafter), target=str(dense))
     assert r.kind == "drafter" and r.verdict == "verified", render_text(r)
     assert r.drafter["kind"] == "dflash" and r.drafter["target_hidden_size"] == 128
-    assert engines(r) == {"mlx_block": ["dflash"]}
+    assert engines(r) == {"mlx_dflash": ["dflash"]}
     assert r.target["hidden_size"] == 128 and r.target["verdict"] == "ar-only"
 
 
@@ -303,7 +310,7 @@ def test_dspark_drafter_is_family_compatible(tmp_path, dense):
         r = inspect_checkpoint(str(drafter), target=str(dense))
         assert r.drafter["kind"] == "dspark" and r.verdict == "family-compatible"
         assert codes(r) == ["dspark_layout_unconfirmed"] and r.exit_code == 0
-        assert engines(r) == {"mlx_block": ["dspark"]}
+        assert engines(r) == {"mlx_dspark": ["dspark"]}
 
 
 def test_gemma4_assistant(tmp_path, dense):

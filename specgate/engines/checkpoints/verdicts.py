@@ -295,8 +295,10 @@ def judge_target(info: CheckpointInfo) -> Judgement:
         if (info.model_type or "").startswith("gemma4"):
             j.engines.append(EngineFit("mlx_assistant", ["gemma4_assistant"],
                                        "with the -assistant drafter released for this model"))
-        j.engines.append(EngineFit("mlx_block", ["dflash", "dspark"],
-                                   "with a drafter trained for this target"))
+        j.engines.append(EngineFit("mlx_dflash", ["dflash"],
+                                   "with a DFlash drafter trained for this target"))
+        j.engines.append(EngineFit("mlx_dspark", ["dspark"],
+                                   "with a DSpark drafter trained for this target"))
     return j
 
 
@@ -344,9 +346,8 @@ def judge_drafter(info: CheckpointInfo, target: CheckpointInfo | None,
     else:
         _judge_pairing(info, target, target_judgement, j)
     if j.verdict != "incompatible":
-        engine = (("mlx_assistant", "gemma4_assistant") if d.kind == "gemma4_assistant"
-                  else ("mlx_block", d.kind))
-        j.engines.append(EngineFit(engine[0], [engine[1]], "paired with its target"))
+        engine = "mlx_assistant" if d.kind == "gemma4_assistant" else f"mlx_{d.kind}"
+        j.engines.append(EngineFit(engine, [d.kind], "paired with its target"))
     return j
 
 

@@ -35,6 +35,52 @@ def test_serve_without_config_serves_the_demo(tmp_path):
     assert not home.exists()  # nothing written: the model ships in the package
 
 
+# `specgate serve` in this process: a thread waits until a chat completion is
+# answered, then reports which of specgate's build-time modules were loaded.
+_SERVE_PROBE = """
+import json, os, sys, threading, time, urllib.request
+from specgate.gateway.operator.cli import main
+
+port = sys.argv[1]
+
+def watch():
+    body = json.dumps({"model": "specgate-demo", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answered = json.load(r)["usage"]["completion_tokens"]
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        answered = None
+    loaded = sorted(m for m in sys.modules if m == "specgate.builders" or m.startswith("specgate.builders."))
+    print(json.dumps({"answered": answered, "builders": loaded}), file=sys.stderr, flush=True)
+    os._exit(0)
+
+threading.Thread(target=watch, daemon=True).start()
+main(["serve", "--host", "127.0.0.1", "--port", port])
+"""
+
+
+def test_serve_never_imports_the_builders(tmp_path):
+    """Trainers, fixtures and GGUF export (specgate/builders/) are build-time
+    code: serving the demo model, a chat completion answered, loads none."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"SPECGATE_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-c", _SERVE_PROBE, str(port)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report["answered"], proc.stderr[-3000:]
+    assert report["builders"] == [], f"specgate serve imported {report['builders']}"
+
+
 # ---------------------------------------------------------------- --help, --version
 
 HEAVY = ("mlx", "mlx_lm", "transformers", "torch", "numpy", "tokenizers", "huggingface_hub",

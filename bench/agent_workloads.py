@@ -347,27 +347,29 @@ class InProcess:
         from specgate.engines.mlx_plain import MLXPlainEngine
         from specgate.engines.mlx_spec.engine import SpecEngine
         from specgate.engines.registry import MLX, BuildContext
+        from specgate.engines.settings import MTPNgramSettings, MTPSettings, NgramSettings
         from specgate.policies.config import PolicyConfig
         from specgate.policies.model_policy import LivePolicy, build_policy, timed_methods
 
         config = {"model_type": "qwen3", "vocab_size": args.vocab}
         self.loaded = LoadedModel("synthetic", model, _NoTokenizer(), config,
                                   PrefixCache("synthetic", 0))
-        ctx = BuildContext("synthetic", "synthetic", MLX, mtp_depth=args.mtp_depth,
-                           ngram_depth=args.ngram_depth, max_context=8192, loaded=self.loaded)  # fmt: skip
-        mtp = lambda loaded, target, drafter: Drafting("mtp", lambda t: MTPProposer(t, head))  # noqa: E731
+        settings = {"mlx_mtp": MTPSettings(depth=args.mtp_depth),
+                    "mlx_ngram": NgramSettings(depth=args.ngram_depth),
+                    "mlx_mtp_ngram": MTPNgramSettings(depth=args.ngram_depth, mtp_depth=args.mtp_depth)}
+        ctx = BuildContext("synthetic", "synthetic", MLX, settings=settings, max_context=8192,
+                           loaded=self.loaded)  # fmt: skip
+        mtp = lambda loaded, target, drafter, s: Drafting("mtp", lambda t: MTPProposer(t, head))  # noqa: E731
         evidence = CopyEvidence()  # the engine's, as engines/drafting/mtp_ngram.py's drafting makes it
-        both = lambda loaded, target, drafter: Drafting(  # noqa: E731
-            "mtp+ngram", lambda t: MTPNgramProposer(t, head, args.mtp_depth, evidence))
+        both = lambda loaded, target, drafter, s: Drafting(  # noqa: E731
+            "mtp+ngram", lambda t: MTPNgramProposer(t, head, s.mtp_depth, evidence))
         common = dict(max_context=8192, kernels=args.kernels)
         self.engines = {
             "mlx_plain": MLXPlainEngine("synthetic", self.loaded, max_context=8192, prefix_cache_size=0),
-            "mlx_mtp": SpecEngine("synthetic", self.loaded, name="mlx_mtp", drafting=mtp,
-                                  verify_depth=args.mtp_depth, **common),
-            "mlx_ngram": SpecEngine("synthetic", self.loaded, name="mlx_ngram",
-                                    drafting=ngram_drafting, verify_depth=args.ngram_depth, **common),
-            "mlx_mtp_ngram": SpecEngine("synthetic", self.loaded, name="mlx_mtp_ngram", drafting=both,
-                                        verify_depth=args.ngram_depth, **common),
+            **{name: SpecEngine("synthetic", self.loaded, name=name, drafting=drafting,
+                                settings=settings[name], **common)
+               for name, drafting in (("mlx_mtp", mtp), ("mlx_ngram", ngram_drafting),
+                                      ("mlx_mtp_ngram", both))},
         }  # fmt: skip
         self.policy = LivePolicy(
             build_policy("synthetic", self.engines, {}, PolicyConfig(), context=ctx, params=None),

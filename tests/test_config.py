@@ -169,13 +169,57 @@ def test_cli_refuses_a_missing_model_before_loading(tmp_path):
 
 
 def test_llamacpp_ngram_type_is_one_llama_server_has():
+    from specgate.engines.llamacpp.process import NGRAM_TYPES
+    from specgate.engines.settings import LlamaCppNgramSettings
     from specgate.gateway.config import parse_config
 
     model = {"id": "g", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_ngram"]}
-    ok = parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-mod"}}]})
-    assert ok.models[0].llamacpp.ngram_type == "ngram-mod"
-    with pytest.raises(ConfigError, match="ngram_type.*one of ngram-simple, ngram-map-k"):
-        parse_config({"models": [model | {"llamacpp": {"ngram_type": "ngram-cache"}}]})
+    ok = parse_config({"models": [model | {"llamacpp_ngram": {"type": "ngram-mod", "depth": 4}}]})
+    assert ok.models[0].engine_settings() == {
+        "llamacpp_ngram": LlamaCppNgramSettings(type="ngram-mod", depth=4)}
+    with pytest.raises(ConfigError, match="llamacpp_ngram.type: Input should be 'ngram-simple', "
+                                          "'ngram-map-k'"):
+        parse_config({"models": [model | {"llamacpp_ngram": {"type": "ngram-cache"}}]})
+    # The settings' types are the ones llama-server runs with.
+    assert LlamaCppNgramSettings.model_fields["type"].annotation.__args__ == NGRAM_TYPES
+
+
+def test_each_engine_takes_its_own_settings_and_older_keys_still_work():
+    from specgate.engines.settings import (
+        BlockSettings,
+        LlamaCppNgramSettings,
+        MTPNgramSettings,
+        MTPSettings,
+        NgramSettings,
+    )
+    from specgate.gateway.config import parse_config
+
+    mlx = {"id": "m", "path": "builtin:demo", "drafter": "builtin:demo-dflash",
+           "engines": ["mlx_plain", "mlx_mtp", "mlx_dflash", "mlx_ngram", "mlx_mtp_ngram"]}
+    got = parse_config({"models": [mlx | {"mlx_mtp": {"depth": 3}, "mlx_ngram": {"depth": 12}}]})
+    assert got.models[0].engine_settings() == {
+        "mlx_mtp": MTPSettings(depth=3), "mlx_dflash": BlockSettings(),
+        "mlx_ngram": NgramSettings(depth=12), "mlx_mtp_ngram": MTPNgramSettings()}
+    # The keys that once sat on the model go to the listed engines they set;
+    # an engine's own key wins over them.
+    got = parse_config({"models": [mlx | {"mtp_depth": 4, "block_depth": 6, "ngram_depth": 10,
+                                          "mlx_ngram": {"depth": 5}}]})
+    assert got.models[0].engine_settings() == {
+        "mlx_mtp": MTPSettings(depth=4), "mlx_dflash": BlockSettings(depth=6),
+        "mlx_ngram": NgramSettings(depth=5), "mlx_mtp_ngram": MTPNgramSettings(depth=10, mtp_depth=4)}
+    gguf = {"id": "g", "path": "builtin:demo-gguf", "engines": ["llamacpp", "llamacpp_mtp",
+                                                                "llamacpp_ngram"]}
+    got = parse_config({"models": [gguf | {"mtp_depth": 3, "ngram_depth": 6,
+                                           "llamacpp": {"ngram_type": "ngram-mod", "threads": 2}}]})
+    assert got.models[0].engine_settings() == {
+        "llamacpp_mtp": MTPSettings(depth=3),
+        "llamacpp_ngram": LlamaCppNgramSettings(depth=6, type="ngram-mod")}
+    assert got.models[0].llamacpp.threads == 2
+    # Settings for an engine the model does not list are a mistake worth a word.
+    with pytest.raises(ConfigError, match="settings for mlx_ngram, which `engines` does not list"):
+        parse_config({"models": [{"id": "m", "path": "builtin:demo", "mlx_ngram": {"depth": 3}}]})
+    with pytest.raises(ConfigError, match=r"models.0.mlx_mtp.depht: Extra inputs"):
+        parse_config({"models": [mlx | {"mlx_mtp": {"depht": 3}}]})
 
 
 def test_prefix_cache_sizes_take_units():

@@ -43,6 +43,9 @@ GOOD = [
     {"prefix_cache": {"disk_bytes": "512 MiB"}, "server": {"port": 9000, "log_level": "debug"},
      "models": [{"id": "g", "path": "builtin:demo-gguf", "llamacpp": {"idle_ttl_s": 60}}]},
     {"peers": [{"name": "mac2", "url": "http://10.0.0.2:8000", "key": "sg-x"}]},  # a front only
+    # each engine's own settings, and the older model-level keys they replace
+    {"models": [{"id": "m", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp", "mlx_ngram"],
+                 "mlx_mtp": {"depth": 3}, "ngram_depth": 6}]},
 ]
 BAD = [
     {},  # no models
@@ -76,8 +79,9 @@ def test_config_check_and_schema_commands(tmp_path, capsys):
     assert main(["config", "check", str(EXAMPLE)]) == 0
     assert "ok (1 model" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
-    bad.write_text("models:\n  - id: m\n    path: builtin:demo\n    mtp_depth: 99\n")
+    bad.write_text("models:\n  - id: m\n    path: builtin:demo\n    engines: [mlx_plain, mlx_mtp]\n"
+                   "    mlx_mtp: {depth: 99}\n")
     assert main(["config", "check", str(bad)]) == 2
-    assert f"{bad}: models.0.mtp_depth: Input should be less than or equal to 8" in capsys.readouterr().err
+    assert f"{bad}: models.0.mlx_mtp.depth: Input should be less than or equal to 8" in capsys.readouterr().err
     assert main(["config", "schema"]) == 0
     assert json.loads(capsys.readouterr().out) == json_schema()

@@ -33,6 +33,7 @@ from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.loading import load_mlx_model
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.mlx_spec.engine import SpecEngine
+from specgate.engines.settings import MTPSettings
 from specgate.gateway.config import ConfigError, parse_config
 from specgate.kernels import hook, qmm, wiring
 from specgate.kernels.guard import Candidate, Guard
@@ -143,7 +144,7 @@ def check_equal_to_plain(loaded, engine, kernel: Counting | None = None) -> int:
 def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
-    engine = mtp_engine(q4, verify_depth=max(DEPTHS), kernel_guard=guard)
+    engine = mtp_engine(q4, settings=MTPSettings(depth=max(DEPTHS)), kernel_guard=guard)
     wired = engine.kernel_wiring
     assert wired.enabled and engine.target.kernels and wired.hooked > 0
     # warm-up at load: every verify shape at widths 2..max depth + 1 proved ok
@@ -167,7 +168,7 @@ def test_kernels_off_never_calls_the_kernel(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
     hook.install(q4.model, guard)  # even with a hook in place (another engine's), off is off
-    engine = mtp_engine(q4, verify_depth=max(DEPTHS), kernel_guard=guard, kernels="off")
+    engine = mtp_engine(q4, settings=MTPSettings(depth=max(DEPTHS)), kernel_guard=guard, kernels="off")
     assert not engine.target.kernels and not engine.kernel_wiring.enabled
     assert guard.checks_run == 0
     check_equal_to_plain(q4, engine)
@@ -179,7 +180,7 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
     monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
     monkeypatch.setattr(wiring, "_guards", {})
     with caplog.at_level(logging.INFO, logger="specgate.kernels"):
-        engine = mtp_engine(q4, verify_depth=2)
+        engine = mtp_engine(q4, settings=MTPSettings(depth=2))
     wired = engine.kernel_wiring
     assert not wired.enabled and not engine.target.kernels
     assert set(wired.failed) == {"cuda_qmm", "metal_qmm"}
@@ -195,7 +196,7 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
 
     # A later process: the verdicts are read back, nothing is built again.
     monkeypatch.setattr(wiring, "_guards", {})
-    again = mtp_engine(q4, verify_depth=2)
+    again = mtp_engine(q4, settings=MTPSettings(depth=2))
     assert not again.target.kernels and kernel_wiring.shared_guard().checks_run == 0
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,17 +27,27 @@ import pytest
 from specgate.builders.gguf_export import export_gguf
 from specgate.builders.tiny import build_qwen35_hybrid
 from specgate.engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
-from specgate.engines.llamacpp.build import HealthCheck, build_llamacpp_engines
+from specgate.engines.llamacpp.build import build_llamacpp_engines
 from specgate.engines.llamacpp.engine import LlamaCppEngine
 from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
+from specgate.engines.settings import LlamaServerSettings, MTPSettings
 from tests.conftest import start_gateway, stop_gateway
 from tests.test_llamacpp_gateway import llama_servers
 from tests.test_llamacpp_process import gone
 
 pytestmark = pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
 
-NEVER = HealthCheck(interval=3600.0)  # health checks off: what else catches the hang is tested
-FAST = HealthCheck(interval=0.3, timeout=1.0, failures=3)
+
+
+@dataclass(frozen=True)
+class Health:
+    interval: float = 2.0
+    timeout: float = 3.0
+    failures: int = 3
+
+
+NEVER = Health(interval=3600.0)  # health checks off: what else catches the hang is tested
+FAST = Health(interval=0.3, timeout=1.0, failures=3)
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +146,19 @@ async def until(cond, timeout: float, what: str, every: float = 0.01) -> None:
         await asyncio.sleep(every)
 
 
-def engines_for(gguf: Path, binary: Path, names: list[str], *, health: HealthCheck,
+def engines_for(gguf: Path, binary: Path, names: list[str], *, health: Health,
                 progress_timeout: float = 600.0, max_context: int = 1024,
                 extra_args: tuple[str, ...] = ()) -> dict[str, LlamaCppEngine]:
+    # One thread: two would spin at each op's barrier, and on a shared
+    # machine wait for each other for seconds.
+    server = LlamaServerSettings(threads=1, extra_args=extra_args,
+                                 progress_timeout_s=progress_timeout,
+                                 health_interval_s=health.interval,
+                                 health_timeout_s=health.timeout,
+                                 health_failures=health.failures)  # fmt: skip
     built, refused = build_llamacpp_engines(
-        "demo-gguf", gguf, names, depth=2, max_context=max_context, max_concurrent=1,
-        # One thread: two would spin at each op's barrier, and on a shared
-        # machine wait for each other for seconds.
-        max_queue=0, binary=str(binary), start_at_boot=True, idle_ttl=None, threads=1,
-        extra_args=list(extra_args), read_timeout=600.0, progress_timeout=progress_timeout,
-        health=health,
+        "demo-gguf", gguf, names, settings={"llamacpp_mtp": MTPSettings(depth=2)}, server=server,
+        binary=str(binary), max_context=max_context, max_concurrent=1, max_queue=0,
     )
     assert not refused, refused
     return built  # type: ignore[return-value]

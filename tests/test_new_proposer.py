@@ -26,6 +26,7 @@ from specgate.engines.cache.prefix_cache import PrefixCache
 from specgate.engines.drafting.base import Context, Drafting, Proposal
 from specgate.engines.loading import LoadedModel
 from specgate.engines.registry import MLX, BuildContext, EngineRecord
+from specgate.engines.settings import NgramSettings
 from specgate.gateway.config import parse_config
 from specgate.policies.config import PolicyConfig
 from specgate.policies.decide import RequestFeatures, decide
@@ -62,13 +63,13 @@ class PromptLookup:
         return None
 
 
-def drafting(loaded, target, drafter=None) -> Drafting:
+def drafting(loaded, target, drafter=None, settings=None) -> Drafting:
     return Drafting("lookup", PromptLookup)
 
 
-RECORD = EngineRecord("mlx_lookup", "lookup", MLX,
-                      registry.spec_engine("mlx_lookup", __name__, lambda ctx: 4),
-                      depth=lambda ctx, engine: 4, tune=registry.spec_rounds)  # fmt: skip
+RECORD = EngineRecord("mlx_lookup", "lookup", MLX, registry.spec_engine("mlx_lookup", __name__),
+                      settings=NgramSettings, depth=lambda settings, engine: 4,
+                      tune=registry.spec_rounds)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 from specgate.engines import registry
 from specgate.engines.base import PLAIN
 from specgate.engines.registry import GGUF, MLX, BuildContext, EngineRecord
+from specgate.engines.settings import BlockSettings, MTPSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,16 +71,26 @@ def test_records_describe_the_engines():
     # llama.cpp's engines are built together, from one read of the GGUF.
     assert r["llamacpp"].build is r["llamacpp_mtp"].build is r["llamacpp_ngram"].build
     assert len({x.build for x in registry.records(MLX)}) == len(registry.records(MLX))
-    ctx = BuildContext("m", "p", MLX, mtp_depth=3, block_depth=None)
+    ctx = BuildContext("m", "p", MLX, settings={"mlx_mtp": MTPSettings(depth=3)})
     engine = FakeEngine("mlx_dflash")  # max_drafts 5
-    assert r["mlx_dflash"].depth(ctx, engine) == 5 and r["mlx_dflash"].depth_cap(engine) == 5
-    ctx.block_depth = 2
-    assert r["mlx_dspark"].depth(ctx, engine) == 2 and r["mlx_mtp"].depth(ctx, engine) == 3
-    ctx.block_depth = 9
-    assert r["mlx_dflash"].depth(ctx, engine) == 5
-    ctx.ngram_depth = 12
-    assert r["mlx_ngram"].depth(ctx, engine) == r["mlx_mtp_ngram"].depth(ctx, engine) == 12
-    assert r["llamacpp_ngram"].depth(ctx, engine) == 12
+
+    def depth(name: str, **given) -> int:
+        settings = r[name].settings(**given) if given else ctx.settings_of(name)
+        return r[name].depth(settings, engine)
+
+    assert depth("mlx_dflash") == 5 and r["mlx_dflash"].depth_cap(engine) == 5
+    assert depth("mlx_dspark", depth=2) == 2 and depth("mlx_mtp") == 3
+    assert depth("mlx_assistant") == 2  # its record's default: set per engine
+    assert depth("mlx_dflash", depth=9) == 5
+    assert depth("mlx_ngram", depth=12) == depth("mlx_mtp_ngram", depth=12) == 12
+    assert depth("llamacpp_ngram", depth=12) == 12 and depth("llamacpp_ngram") == 8
+    # Each record's settings class, which the config makes the engine's YAML key.
+    assert {n: x.settings.__name__ for n, x in r.items()} == {
+        "mlx_plain": "EngineSettings", "mlx_mtp": "MTPSettings", "mlx_dflash": "BlockSettings",
+        "mlx_dspark": "BlockSettings", "mlx_assistant": "MTPSettings",
+        "mlx_ngram": "NgramSettings", "mlx_mtp_ngram": "MTPNgramSettings",
+        "llamacpp": "EngineSettings", "llamacpp_mtp": "MTPSettings",
+        "llamacpp_ngram": "LlamaCppNgramSettings"}
 
 
 def test_a_shared_builder_builds_once_with_the_names_in_the_config_order():
@@ -174,9 +185,10 @@ def _fake_records(calls: list) -> tuple[EngineRecord, ...]:
     pair = _fake_builder(calls)
     return (
         EngineRecord("mlx_fake", "fake", MLX, _fake_builder(calls),  # type: ignore[arg-type]
-                     depth=lambda ctx, e: 3, depth_cap=lambda e: e.max_drafts),
+                     depth=lambda settings, e: 3, depth_cap=lambda e: e.max_drafts),
         EngineRecord("gguf_fake", "gguf_fake", GGUF, pair,  # type: ignore[arg-type]
-                     depth=lambda ctx, e: ctx.mtp_depth, fixed_depth=True, times_rounds=False),
+                     settings=MTPSettings, depth=lambda settings, e: settings.depth,
+                     fixed_depth=True, times_rounds=False),
         EngineRecord("gguf_fake_plain", PLAIN, GGUF, pair, times_rounds=False),
     )
 
@@ -202,7 +214,9 @@ def test_a_new_record_is_built_and_planned_without_editing_gateway_or_policies(t
     calls = []
     with registry.registered(*_fake_records(calls)):
         # A GGUF model served by the fake pair: built by one call of their builder.
-        config = _config(tmp_path, GGUF, ["gguf_fake_plain", "gguf_fake"], mtp_depth=3)
+        # (A record registered after the config module built its fields gets
+        # its settings' defaults: MTPSettings' depth 2.)
+        config = _config(tmp_path, GGUF, ["gguf_fake_plain", "gguf_fake"])
         mc = config.models[0]
         served = ServedModel(mc)
         context, served.engines, served.refused = build_model_engines(mc, config.llama_server, config.prefix_cache)
@@ -212,7 +226,7 @@ def test_a_new_record_is_built_and_planned_without_editing_gateway_or_policies(t
         live = _policy(served, context)
         p = live.policy
         assert p.engines_by_method == {"gguf_fake": "gguf_fake", PLAIN: "gguf_fake_plain"}
-        assert p.fixed_depth == ("gguf_fake",) and p.depth("gguf_fake") == 3
+        assert p.fixed_depth == ("gguf_fake",) and p.depth("gguf_fake") == 2
         assert live.timed == frozenset()  # neither times its rounds
 
         # An MLX model with the fake drafting engine beside the plain one.
@@ -235,18 +249,21 @@ def test_the_policy_reads_depths_caps_and_order_from_the_records(tmp_path):
     from specgate.policies.model_policy import build_policy, timed_methods
 
     stubs = {n: FakeEngine(n) for n in ("mlx_plain", "mlx_mtp", "mlx_dspark")}  # max_drafts 5
-    ctx = BuildContext("m", "p", MLX, mtp_depth=3, block_depth=None)
+    ctx = BuildContext("m", "p", MLX, settings={"mlx_mtp": MTPSettings(depth=3)})
     p = build_policy("m", stubs, {}, PolicyConfig(), context=ctx, params=None)
     assert list(p.engines_by_method) == ["mtp", "dspark", PLAIN]  # speculative first, as built
     assert (p.depths, p.caps, p.fixed_depth, p.max_depth) == ({"mtp": 3, "dspark": 5},
-                                                              {"dspark": 5}, (), 3)
-    ctx.block_depth = 4
+                                                              {"dspark": 5}, (), 5)
+    ctx = BuildContext("m", "p", MLX, settings={"mlx_mtp": MTPSettings(depth=3),
+                                                "mlx_dspark": BlockSettings(depth=4)})
+    assert build_policy("m", stubs, {}, PolicyConfig(), context=ctx, params=None).depths == {
+        "mtp": 3, "dspark": 4}
     p = build_policy("m", stubs, {}, PolicyConfig(depth=6), context=ctx, params=None)
     assert p.depths == {"mtp": 6, "dspark": 5} and not p.auto_depth
     assert timed_methods(stubs) == {PLAIN, "mtp", "dspark"}
 
     stubs = {n: FakeEngine(n) for n in ("llamacpp_mtp", "llamacpp")}
-    ctx = BuildContext("m", "m.gguf", GGUF, mtp_depth=4)
+    ctx = BuildContext("m", "m.gguf", GGUF, settings={"llamacpp_mtp": MTPSettings(depth=4)})
     p = build_policy("m", stubs, {}, PolicyConfig(depth=2), context=ctx, params=None)
     assert p.engines_by_method == {"llamacpp_mtp": "llamacpp_mtp", PLAIN: "llamacpp"}
     assert p.fixed_depth == ("llamacpp_mtp",) and p.depth("llamacpp_mtp") == 4  # set at start
@@ -295,3 +312,37 @@ def test_no_import_circle_between_models_and_tuning():
                 if m.startswith("specgate.gateway.") and m != "specgate.gateway.serving.builtins"]
     assert "specgate.gateway.serving.tuning" in _imports(REPO / "specgate/gateway/serving/models.py")  # the one direction
 
+
+
+# ---------------------------------------------------------------- docs/DESIGN.md
+
+
+def _design_engine_table() -> dict[str, dict[str, str]]:
+    """docs/DESIGN.md's engine table (section "The engine registry"), by engine."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    section = text.split("## The engine registry", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines()
+            if line.startswith("| `")]  # fmt: skip
+    header = [h.strip() for h in section.split("| engine |", 1)[1].splitlines()[0].strip().strip("|").split("|")]
+    header = ["engine", *header]
+    return {row[0].strip().strip("`"): dict(zip(header, (c.strip() for c in row), strict=True))
+            for row in rows}  # fmt: skip
+
+
+def test_the_design_notes_engine_table_is_the_registry():
+    table = _design_engine_table()
+    assert list(table) == list(registry.names()), "DESIGN.md's engine table lists other engines"
+    serves = {"mlx": "MLX dirs", "gguf": "GGUF"}
+    for rec in registry.records():
+        row = table[rec.name]
+        assert row["method"] == rec.method, rec.name
+        assert row["serves"] == serves[rec.format.name], rec.name
+        assert row["settings"] == (rec.settings.__name__ if rec.settings.model_fields else "-"), rec.name
+
+
+def test_the_design_table_check_sees_a_missing_engine(monkeypatch):
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `mlx_assistant` |"))
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text.replace(row + "\n", ""))
+    with pytest.raises(AssertionError, match="other engines"):
+        test_the_design_notes_engine_table_is_the_registry()

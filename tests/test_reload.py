@@ -25,7 +25,8 @@ def model(model_id: str, path, **extra) -> dict:
 @pytest.fixture
 def reloadable(tiny_model, tmp_path):
     config = {"models": [model("keep", tiny_model), model("gone", tiny_model),
-                         model("change", tiny_model, mtp_depth=2)]}  # fmt: skip
+                         model("change", tiny_model, engines=["mlx_plain", "mlx_ngram"],
+                               mlx_ngram={"depth": 6})]}  # fmt: skip
     gw = start_gateway(config, tmp_path)
     gw.config_file = tmp_path / "specgate.yaml"
     gw.config = yaml.safe_load(gw.config_file.read_text())
@@ -54,7 +55,8 @@ def test_reload_adds_removes_and_changes_models_while_a_stream_completes(reloada
             "temperature": 0, "stream": True, "ignore_eos": True}) as stream:  # fmt: skip
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        rewrite(gw, [model("keep", tiny_model), model("change", tiny_model, mtp_depth=3),
+        rewrite(gw, [model("keep", tiny_model), model("change", tiny_model, engines=["mlx_plain", "mlx_ngram"],
+                                                      mlx_ngram={"depth": 7}),
                      model("new", tiny_model, load="on_demand")],
                 server=gw.config["server"] | {"max_body_bytes": 12345})  # fmt: skip
         r = httpx.post(gw.base_url + "/admin/reload", timeout=60)
@@ -75,10 +77,10 @@ def test_reload_adds_removes_and_changes_models_while_a_stream_completes(reloada
 
 def test_a_bad_config_changes_nothing_and_sighup_reloads(reloadable, tiny_model, capsys):
     gw = reloadable
-    rewrite(gw, [model("keep", tiny_model, mtp_depth=99)])
+    rewrite(gw, [model("keep", tiny_model, engines=["mlx_plain", "mlx_ngram"], mlx_ngram={"depth": 99})])
     r = httpx.post(gw.base_url + "/admin/reload", timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_config"
-    assert f"{gw.config_file}: models.0.mtp_depth" in r.json()["error"]["message"]
+    assert f"{gw.config_file}: models.0.mlx_ngram.depth" in r.json()["error"]["message"]
     assert served(gw) == {"keep", "gone", "change"} and ask(gw, "gone") == "length"
     assert main(["reload", "--url", gw.base_url]) == 1  # the CLI says the same
     assert "400: config not reloaded, the running one stays" in capsys.readouterr().err

@@ -9,20 +9,22 @@ its rounds, and how `specgate tune` times one of them. Config validation
 (policies/model_policy.py) and tuning (gateway/serving/tuning.py) iterate over
 these records; adding an engine is adding a record here. An in-process
 speculative method is a proposer module (engines/drafting/) and a record
-whose builder is `spec_engine(name, module, ...)`.
+whose builder is `spec_engine(name, module)`. Each record names its
+settings class (engines/settings.py): the config validates the model's
+`<engine>:` key against it once, and the builder gets that object.
 
 Light to import (config validation reads it): builders import their engines,
 and MLX, when they run. Nothing here imports gateway/ or policies/: a
-builder reads a `BuildContext` of plain values, not the gateway's config.
+builder reads a `BuildContext` (plain values and the engines' settings
+objects), not the gateway's config.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,6 +36,15 @@ from specgate.engines.base import (
     Method,
     Plan,
     SamplingParams,
+)
+from specgate.engines.settings import (
+    BlockSettings,
+    EngineSettings,
+    LlamaCppNgramSettings,
+    LlamaServerSettings,
+    MTPNgramSettings,
+    MTPSettings,
+    NgramSettings,
 )
 
 if TYPE_CHECKING:
@@ -66,27 +77,12 @@ GGUF = Format("gguf", "a GGUF file", in_process=False)
 Needs = Literal["nothing", "mtp_head", "drafter"]
 
 
-@dataclass(frozen=True)
-class LlamaServerSettings:
-    """How llama-server runs for a GGUF model (the config's `llamacpp:` and
-    `llama_server:` sections, as plain values)."""
-
-    binary: str | None = None  # None: PATH, then `specgate install-llama-server`'s build
-    start_at_boot: bool = True
-    idle_ttl: float | None = None
-    threads: int | None = None
-    extra_args: tuple[str, ...] = ()
-    read_timeout: float = 600.0
-    progress_timeout: float = 60.0
-    health_interval: float = 2.0
-    health_timeout: float = 3.0
-    health_failures: int = 3
-
-
 @dataclass
 class BuildContext:
-    """What a builder reads of its model's config, as plain values, and the
-    model once loaded (MLX: loaded on first use, shared by its engines)."""
+    """What a builder reads of its model's config: the model's own values,
+    each engine's settings object as the config validated it (engines/
+    settings.py), and the model once loaded (MLX: loaded on first use,
+    shared by its engines)."""
 
     model_id: str
     path: str  # the checkpoint: a directory, a hub repo id or a .gguf file (builtins resolved)
@@ -98,12 +94,12 @@ class BuildContext:
     prefix_cache_size: int = 64
     prefix_cache: CacheSettings = field(default_factory=CacheSettings)
     kernels: str = "auto"  # "auto" | "off" (kernels/wiring.py)
-    mtp_depth: int = 2
-    block_depth: int | None = None  # None: the drafter's most
-    ngram_depth: int = 8  # the most tokens a round copies from the context
-    llamacpp_ngram: str = "ngram-simple"  # llamacpp_ngram's --spec-type
+    # Engine name -> its settings (its record's `settings` class); an engine
+    # not named gets its record's defaults (settings_of).
+    settings: Mapping[str, EngineSettings] = field(default_factory=dict)
     drafter: str | None = None  # a local directory (builtins resolved)
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
+    llama_server_binary: str | None = None  # None: PATH, then `specgate install-llama-server`'s
     distribution: Any = None  # engines/lockstep.Distribution: this rank's shard of the model
     loaded: LoadedModel | None = None
 
@@ -113,6 +109,11 @@ class BuildContext:
 
             self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution)
         return self.loaded
+
+    def settings_of(self, name: str) -> EngineSettings:
+        """The engine's own settings: as configured, else its record's defaults."""
+        given = self.settings.get(name)
+        return given if given is not None else record(name).settings()
 
     def context_length(self) -> int:
         """An in-process engine's context: the config's, else the checkpoint's."""
@@ -134,6 +135,9 @@ class EngineRecord:
     method: Method
     format: Format
     build: Builder
+    # Its own per-model settings (engines/settings.py): the model's `<name>:`
+    # key in YAML, validated once, handed to the builder as it is.
+    settings: type[EngineSettings] = EngineSettings
     needs: Needs = "nothing"
     drafter_kind: str | None = None  # needs == "drafter": what the directory holds
     # Takes the model's `drafter` where one is given, drafting without it
@@ -144,7 +148,7 @@ class EngineRecord:
     default: bool = False  # listed when a model's config lists no engines
     always: bool = False  # built for every model of its format, listed or not (built first)
     # The depth it plans by default, from its settings and the engine built.
-    depth: Callable[[BuildContext, Engine], int] | None = None
+    depth: Callable[[EngineSettings, Engine], int] | None = None
     depth_cap: Callable[[Engine], int] | None = None  # the most it drafts a round (else: depth)
     fixed_depth: bool = False  # its depth is set when it starts, not per request
     times_rounds: bool = True  # its RoundStats carry seconds (llama-server reports sums)
@@ -179,12 +183,12 @@ def _plain(ctx: BuildContext) -> Engine:
                           prefix_cache_size=ctx.prefix_cache_size)  # fmt: skip
 
 
-def spec_engine(name: str, proposers: str, verify_depth: Callable[[BuildContext], int | None],
-                options: Callable[[BuildContext], dict] | None = None) -> Builder:  # fmt: skip
-    """An in-process speculative engine (engines/mlx_spec/engine.py) drafting with
-    the module `proposers` (e.g. "specgate.engines.drafting.mtp.proposer"), whose `drafting`
-    loads what it needs (given `options(ctx)` as keywords, where set);
-    imported when the engine is built.
+def spec_engine(name: str, proposers: str) -> Builder:
+    """An in-process speculative engine (engines/mlx_spec/engine.py) drafting
+    with the module `proposers` (e.g. "specgate.engines.drafting.mtp.proposer"),
+    whose `drafting(loaded, target, drafter, settings)` loads what it needs,
+    given the engine's settings as the config validated them; imported when
+    the engine is built.
     Asked for by name: a checkpoint (or drafter) that cannot draft fails to
     load with the reason, rather than quietly serving plain decoding."""
 
@@ -192,11 +196,10 @@ def spec_engine(name: str, proposers: str, verify_depth: Callable[[BuildContext]
         from specgate.engines.mlx_spec.engine import SpecEngine
 
         module = importlib.import_module(proposers)
-        drafting = module.drafting if options is None else partial(module.drafting, **options(ctx))
-        return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=drafting,
-                          drafter=ctx.drafter, max_context=ctx.context_length(),
-                          max_queue=ctx.max_queue, kernels=ctx.kernels,
-                          verify_depth=verify_depth(ctx))  # fmt: skip
+        return SpecEngine(ctx.model_id, ctx.mlx_model(), name=name, drafting=module.drafting,
+                          settings=ctx.settings_of(name), drafter=ctx.drafter,
+                          max_context=ctx.context_length(), max_queue=ctx.max_queue,
+                          kernels=ctx.kernels)  # fmt: skip
 
     return _single(make)
 
@@ -204,19 +207,14 @@ def spec_engine(name: str, proposers: str, verify_depth: Callable[[BuildContext]
 def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
     """The llama-server engines of a GGUF from one read of it (they
     tokenize through each other's processes)."""
-    from specgate.engines.llamacpp.build import HealthCheck, build_llamacpp_engines
+    from specgate.engines.llamacpp.build import build_llamacpp_engines
 
-    ls = ctx.llama_server
-    drafter = Path(ctx.drafter) if ctx.drafter else None
     return build_llamacpp_engines(
-        ctx.model_id, Path(ctx.path), list(names), depth=ctx.mtp_depth,
-        max_context=ctx.max_context, max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
-        ngram_type=ctx.llamacpp_ngram, ngram_depth=ctx.ngram_depth,
-        binary=ls.binary, start_at_boot=ls.start_at_boot, idle_ttl=ls.idle_ttl,
-        threads=ls.threads, extra_args=list(ls.extra_args), read_timeout=ls.read_timeout,
-        progress_timeout=ls.progress_timeout,
-        health=HealthCheck(ls.health_interval, ls.health_timeout, ls.health_failures),
-        drafter=drafter,
+        ctx.model_id, Path(ctx.path), list(names),
+        settings={name: ctx.settings_of(name) for name in names}, server=ctx.llama_server,
+        binary=ctx.llama_server_binary, max_context=ctx.max_context,
+        max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
+        drafter=Path(ctx.drafter) if ctx.drafter else None,
     )
 
 
@@ -235,16 +233,12 @@ def spec_rounds(engine, prompt: list[int]) -> Callable[[int], Callable[[], objec
     return round_at
 
 
-def _mtp_depth(ctx: BuildContext, engine) -> int:
-    return ctx.mtp_depth  # llamacpp_mtp: its --spec-draft-n-max
+def _depth(settings: EngineSettings, engine) -> int:
+    return settings.depth  # llamacpp_mtp: its --spec-draft-n-max; llamacpp_ngram: its draft size
 
 
-def _ngram_depth(ctx: BuildContext, engine) -> int:
-    return ctx.ngram_depth  # llamacpp_ngram: its n-gram type's draft size
-
-
-def _block_depth(ctx: BuildContext, engine) -> int:
-    return min(ctx.block_depth or engine.max_drafts, engine.max_drafts)
+def _block_depth(settings: EngineSettings, engine) -> int:
+    return min(settings.depth or engine.max_drafts, engine.max_drafts)
 
 
 def _max_drafts(engine) -> int:
@@ -252,6 +246,7 @@ def _max_drafts(engine) -> int:
 
 
 _RECORDS: dict[str, EngineRecord] = {}
+_DRAFTING = "specgate.engines.drafting"
 
 
 def register(record: EngineRecord) -> EngineRecord:
@@ -282,39 +277,36 @@ def registered(*records: EngineRecord) -> Iterator[None]:
 for _record in (
     EngineRecord(MLX_PLAIN, PLAIN, MLX, _single(_plain), default=True, always=True,
                  distributed=True),
-    EngineRecord(MLX_MTP, "mtp", MLX,
-                 spec_engine(MLX_MTP, "specgate.engines.drafting.mtp.proposer", lambda c: c.mtp_depth),
-                 needs="mtp_head", depth=_mtp_depth, tune=spec_rounds, distributed=True),
-    EngineRecord(MLX_DFLASH, "dflash", MLX,
-                 spec_engine(MLX_DFLASH, "specgate.engines.drafting.dflash.proposer", lambda c: c.block_depth),
-                 needs="drafter", drafter_kind="dflash", exclusive="drafter",
-                 depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
-    EngineRecord(MLX_DSPARK, "dspark", MLX,
-                 spec_engine(MLX_DSPARK, "specgate.engines.drafting.dspark.proposer", lambda c: c.block_depth),
-                 needs="drafter", drafter_kind="dspark", exclusive="drafter",
-                 depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
+    EngineRecord(MLX_MTP, "mtp", MLX, spec_engine(MLX_MTP, f"{_DRAFTING}.mtp.proposer"),
+                 settings=MTPSettings, needs="mtp_head", depth=_depth, tune=spec_rounds,
+                 distributed=True),
+    EngineRecord(MLX_DFLASH, "dflash", MLX, spec_engine(MLX_DFLASH, f"{_DRAFTING}.dflash.proposer"),
+                 settings=BlockSettings, needs="drafter", drafter_kind="dflash",
+                 exclusive="drafter", depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
+    EngineRecord(MLX_DSPARK, "dspark", MLX, spec_engine(MLX_DSPARK, f"{_DRAFTING}.dspark.proposer"),
+                 settings=BlockSettings, needs="drafter", drafter_kind="dspark",
+                 exclusive="drafter", depth=_block_depth, depth_cap=_max_drafts, tune=spec_rounds),
     # A drafter that reads the target's own K/V (Gemma-4's -assistant
     # checkpoints): drafts one token a step, like an MTP head.
     EngineRecord(MLX_ASSISTANT, "gemma4_assistant", MLX,
-                 spec_engine(MLX_ASSISTANT, "specgate.engines.drafting.assistant.proposer", lambda c: c.mtp_depth),
-                 needs="drafter", drafter_kind="gemma4_assistant", exclusive="drafter",
-                 depth=_mtp_depth, tune=spec_rounds),
+                 spec_engine(MLX_ASSISTANT, f"{_DRAFTING}.assistant.proposer"),
+                 settings=MTPSettings, needs="drafter", drafter_kind="gemma4_assistant",
+                 exclusive="drafter", depth=_depth, tune=spec_rounds),
     # Copies from the context: any model. No tune timer (a fresh prompt has
     # nothing to copy): its prior is the verify cost, learned live from there.
-    EngineRecord(MLX_NGRAM, "ngram", MLX,
-                 spec_engine(MLX_NGRAM, "specgate.engines.drafting.ngram.proposer", lambda c: c.ngram_depth),
-                 depth=_ngram_depth),
+    EngineRecord(MLX_NGRAM, "ngram", MLX, spec_engine(MLX_NGRAM, f"{_DRAFTING}.ngram.proposer"),
+                 settings=NgramSettings, depth=_depth),
     EngineRecord(MLX_MTP_NGRAM, "mtp+ngram", MLX,
-                 spec_engine(MLX_MTP_NGRAM, "specgate.engines.drafting.mtp_ngram", lambda c: c.ngram_depth,
-                             options=lambda c: {"mtp_depth": c.mtp_depth}),
-                 needs="mtp_head", depth=_ngram_depth),
+                 spec_engine(MLX_MTP_NGRAM, f"{_DRAFTING}.mtp_ngram"),
+                 settings=MTPNgramSettings, needs="mtp_head", depth=_depth),
     # One builder: every process comes from one read of the GGUF.
     EngineRecord(LLAMACPP, PLAIN, GGUF, _llamacpp, default=True, times_rounds=False),
-    EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, needs="mtp_head",
-                 accepts_drafter=True, depth=_mtp_depth, fixed_depth=True, times_rounds=False,
-                 answers_to="mtp"),
+    EngineRecord(LLAMACPP_MTP, "llamacpp_mtp", GGUF, _llamacpp, settings=MTPSettings,
+                 needs="mtp_head", accepts_drafter=True, depth=_depth, fixed_depth=True,
+                 times_rounds=False, answers_to="mtp"),
     EngineRecord(LLAMACPP_NGRAM, "llamacpp_ngram", GGUF, _llamacpp,
-                 depth=_ngram_depth, fixed_depth=True, times_rounds=False, answers_to="ngram"),
+                 settings=LlamaCppNgramSettings, depth=_depth, fixed_depth=True,
+                 times_rounds=False, answers_to="ngram"),
 ):  # fmt: skip
     register(_record)
 

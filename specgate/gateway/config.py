@@ -19,6 +19,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     WithJsonSchema,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -32,6 +33,7 @@ from specgate.engines.checkpoints.builtin import (
     BUILTIN_PREFIX,
     DEFAULT_MODEL_ID,
 )
+from specgate.engines.settings import EngineSettings, LlamaServerSettings
 from specgate.policies.config import PolicyConfig
 
 
@@ -44,16 +46,6 @@ def _known_engine(name: str) -> str:
 
 
 EngineName = Annotated[str, AfterValidator(_known_engine)]
-
-
-def _ngram_type(name: str) -> str:
-    """An n-gram --spec-type specgate runs llama-server with (engines/llamacpp/process.py)."""
-    from specgate.engines.llamacpp.process import NGRAM_TYPES
-
-    if name not in NGRAM_TYPES:
-        raise PydanticCustomError("unknown_ngram_type", "one of {known}",
-                                  {"known": ", ".join(NGRAM_TYPES)})
-    return name
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -125,31 +117,6 @@ class LlamaServerConfig(_Strict):
     binary: str | None = None
 
 
-class LlamaCppConfig(_Strict):
-    """How specgate runs llama-server for one GGUF model."""
-
-    start: Literal["boot", "first_use"] = "boot"
-    idle_ttl_s: float | None = Field(None, gt=0)  # stop the process after this long idle
-    threads: int | None = Field(None, gt=0)  # -t; default: up to 8 cores
-    # Passed through (e.g. ["-ngl", "99"]); --host and --port are specgate's,
-    # and so is the info log (no --log-disable, no -lv below 3): it says the port.
-    extra_args: list[str] = Field(default_factory=list)
-    # llamacpp_ngram's --spec-type (its other knobs, e.g. the lookup key's
-    # size, keep llama.cpp's defaults; set them through extra_args).
-    ngram_type: Annotated[str, AfterValidator(_ngram_type)] = "ngram-simple"
-    read_timeout_s: float = Field(600.0, gt=0)  # longest silence in a stream before failing
-    # A request fails when llama-server makes no progress on it for this long:
-    # no token and no prompt progress (one event per batch of prompt, -b, 2048
-    # tokens by default). Raise it where one batch or one token takes longer.
-    progress_timeout_s: float = Field(60.0, gt=0)
-    # A running llama-server is asked GET /health every health_interval_s; one
-    # that misses health_failures answers in a row (health_timeout_s each) is
-    # stuck (e.g. SIGSTOPped): it is killed, its requests fail, it restarts.
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(3.0, gt=0)
-    health_failures: int = Field(3, ge=1)
-
-
 class DistributedConfig(_Strict):
     """One model over several machines (engines/distributed/lockstep.py): specgate runs
     under `mlx.launch`, rank 0 serves the API, the others follow its steps."""
@@ -162,7 +129,48 @@ class DistributedConfig(_Strict):
     rank_timeout_s: float = Field(15.0, gt=0, le=3600)
 
 
-class ModelConfig(_Strict):
+# Settings that once sat on the model, now each engine's own (the model's
+# `<engine>:` key): old key -> (engine, its field) for each engine it set.
+# A config that still uses one keeps working: the value goes to those of
+# the engines that the model lists (unless the engine's own key sets it).
+_MOVED_SETTINGS = {
+    "mtp_depth": (("mlx_mtp", "depth"), ("mlx_assistant", "depth"), ("llamacpp_mtp", "depth"),
+                  ("mlx_mtp_ngram", "mtp_depth")),
+    "block_depth": (("mlx_dflash", "depth"), ("mlx_dspark", "depth")),
+    "ngram_depth": (("mlx_ngram", "depth"), ("mlx_mtp_ngram", "depth"), ("llamacpp_ngram", "depth")),
+    "llamacpp.ngram_type": (("llamacpp_ngram", "type"),),
+}  # fmt: skip
+
+
+def _moved_settings(raw):
+    """A model's raw YAML with _MOVED_SETTINGS' old keys moved to the engines'."""
+    if not isinstance(raw, dict):
+        return raw
+    raw = dict(raw)
+    given = {}
+    for old in _MOVED_SETTINGS:
+        section, _, key = old.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and key in holder:
+            if section:
+                raw[section] = holder = dict(holder)
+            given[old] = holder.pop(key)
+    listed = raw.get("engines")
+    for old, value in given.items():
+        for engine, key in _MOVED_SETTINGS[old]:
+            if isinstance(listed, list) and engine in listed:
+                own = raw.get(engine)
+                own = dict(own) if isinstance(own, dict) else {}
+                own.setdefault(key, value)
+                raw[engine] = own
+    return raw
+
+
+class _ModelConfig(_Strict):
+    """A model to serve. Each engine's own settings are fields named after
+    the engine (`mlx_mtp: {depth: 3}`), added from the registry's records
+    below (ModelConfig)."""
+
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
     # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
@@ -180,17 +188,14 @@ class ModelConfig(_Strict):
     # policy choose per request (a process each, see
     # engines/llamacpp/engine.py). Default: mlx_plain, or llamacpp for a GGUF.
     # (The engines are engines/registry.py's records.)
+    # Each listed engine's own settings are its key: `mlx_mtp: {depth: 3}`
+    # (engines/settings.py says what each takes).
     engines: list[EngineName] = Field(default_factory=list)
-    mtp_depth: int = Field(2, ge=1, le=8)  # drafts per round (mlx_assistant too; llamacpp_mtp: --spec-draft-n-max)
     # The drafter engine's drafter: a DFlash (z-lab layout) or DSpark
     # (DeepSpec) directory, a Gemma-4 -assistant checkpoint (mlx_assistant),
     # or "builtin:demo-dflash"; for a GGUF model with llamacpp_mtp, a
     # Gemma-4 -assistant .gguf (llama-server -md).
     drafter: str | None = None
-    block_depth: int | None = Field(None, ge=1, le=64)  # drafts verified per round; default: all
-    # The most tokens a round copies from the context (mlx_ngram, mlx_mtp_ngram;
-    # llamacpp_ngram: the n-gram type's draft size).
-    ngram_depth: int = Field(8, ge=1, le=64)
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
@@ -213,7 +218,7 @@ class ModelConfig(_Strict):
     # Never unloaded to make room for another model, nor for being idle.
     pin: bool = False
     distributed: DistributedConfig | None = None
-    llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+    llamacpp: LlamaServerSettings = Field(default_factory=LlamaServerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
 
     @property
@@ -223,6 +228,11 @@ class ModelConfig(_Strict):
     @property
     def format(self) -> registry.Format:
         return registry.GGUF if self.is_gguf else registry.MLX
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_keys(cls, raw):
+        return _moved_settings(raw)
 
     @field_validator("path")
     @classmethod
@@ -237,7 +247,7 @@ class ModelConfig(_Strict):
         return None if v is None else _checked_location(v, (BUILTIN_DEMO_DFLASH,), local_only=True)
 
     @model_validator(mode="after")
-    def _engines_fit_the_format(self) -> ModelConfig:
+    def _engines_fit_the_format(self) -> _ModelConfig:
         fmt = self.format
         if not self.engines:
             self.engines = [r.name for r in registry.records(fmt) if r.default]
@@ -268,10 +278,31 @@ class ModelConfig(_Strict):
         if self.drafter is not None and self.is_gguf != self.drafter.lower().endswith(".gguf"):
             raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
                              f"model's a checkpoint directory; got {self.drafter}")
+        unused = [n for n in self.model_fields_set if n in _ENGINE_FIELDS and n not in self.engines]
+        if unused:
+            raise ValueError(f"settings for {' and '.join(sorted(unused))}, which `engines` does not "
+                             f"list ({', '.join(self.engines)})")
         return self
 
+    def engine_settings(self) -> dict[str, EngineSettings]:
+        """Each listed engine's own settings, as validated."""
+        return {name: getattr(self, name) for name in self.engines if name in _ENGINE_FIELDS}
 
-def _distribution_fits(mc: ModelConfig) -> None:
+
+# One field per registry record with settings of its own, named after the
+# engine and typed by the record's class: a new per-engine option is a field
+# in engines/settings.py, nothing here. (The `llamacpp` engine has none; the
+# model's `llamacpp:` section is how every llama.cpp engine's process runs.)
+# Records registered after this module loads (tests) get their defaults.
+_ENGINE_FIELDS = {r.name: r.settings for r in registry.records() if r.settings.model_fields}
+ModelConfig = create_model(
+    "ModelConfig", __base__=_ModelConfig, __module__=__name__, __doc__=_ModelConfig.__doc__,
+    **{name: (cls, Field(default_factory=cls, description=cls.__doc__))
+       for name, cls in _ENGINE_FIELDS.items()},
+)  # fmt: skip
+
+
+def _distribution_fits(mc: _ModelConfig) -> None:
     """What a model over several ranks may be, for now: its engines those
     tested in lockstep (the registry's `distributed`), loaded at start and
     never unloaded (every rank holds its shard for the process's life)."""
@@ -441,7 +472,16 @@ def json_schema() -> dict:
     drafter per model) is still checked by `specgate config check`."""
     schema = Config.model_json_schema(mode="validation")
     # The registry's engine names, which validation reads at run time.
-    schema["$defs"]["ModelConfig"]["properties"]["engines"]["items"]["enum"] = list(registry.names())
+    model = schema["$defs"]["ModelConfig"]["properties"]
+    model["engines"]["items"]["enum"] = list(registry.names())
+    # The keys that moved to the engines' own settings, still read (_MOVED_SETTINGS).
+    for old, where in _MOVED_SETTINGS.items():
+        section, _, key = old.rpartition(".")
+        props = schema["$defs"][model[section]["$ref"].rsplit("/", 1)[-1]]["properties"] if section else model
+        moved = ", ".join(f"{engine}.{field}" for engine, field in where)
+        props[key] = {"deprecated": True, "description": f"Moved: now {moved}.",
+                      **{k: v for k, v in schema["$defs"][_ENGINE_FIELDS[where[0][0]].__name__][
+                          "properties"][where[0][1]].items() if k not in ("title", "description")}}
     # A model to serve, or peers to route to (Config._unique_ids).
     schema["anyOf"] = [{"required": [key], "properties": {key: {"minItems": 1}}}
                        for key in ("models", "peers")]  # fmt: skip

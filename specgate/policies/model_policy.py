@@ -50,13 +50,13 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
         if record.depth_cap is not None:
             caps[record.method] = record.depth_cap(engines[name])
         if record.depth is not None:
-            depths[record.method] = record.depth(context, engines[name])
+            depths[record.method] = record.depth(context.settings_of(name), engines[name])
     if isinstance(config.depth, int):  # a fixed depth for every method a request may set
         for method in depths:
             if method not in fixed:
                 depths[method] = min(config.depth, caps.get(method, config.depth))
     return ModelPolicy(
-        model_id, methods, context.mtp_depth, refused_methods, fixed, depths, caps,
+        model_id, methods, max(depths.values(), default=0), refused_methods, fixed, depths, caps,
         penalty_capable=frozenset() if config.penalties == "plain" else None,
         long_context_tokens=_number(config.long_context_tokens),
         min_params=config.min_params,

@@ -21,8 +21,9 @@ A `Proposer` is one sequence's drafter state. The decoder calls it:
   a request feeds only the rest of its prompt. The state after a prompt
   chunk must depend on that prefix alone (a drafter that reads one token
   ahead keeps it owed), so a snapshot fits any prompt that shares the prefix.
-Each module also has `drafting(loaded, target, drafter)`: the method's
-shared part, loaded once per engine (`Drafting`). A new method is one
+Each method's proposer module also has `drafting(loaded, target, drafter,
+settings)`: the method's shared part, loaded once per engine (`Drafting`),
+given the engine's own settings (engines/settings.py). A new method is one
 module here and one record in engines/registry.py.
 """
 

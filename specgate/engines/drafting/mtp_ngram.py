@@ -24,19 +24,21 @@ from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.drafting.ngram.copy_length import CopyEvidence
 from specgate.engines.drafting.ngram.proposer import NgramProposer
 from specgate.engines.loading import LoadedModel
+from specgate.engines.settings import MTPNgramSettings
 from specgate.engines.targets import Forward, Target
 
 METHOD = "mtp+ngram"
 COPY_MATCH = 4  # matched tokens before a copy is trusted over the head
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None, *,
-             mtp_depth: int = 2) -> Drafting:  # fmt: skip
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
+             settings: MTPNgramSettings | None = None) -> Drafting:
     """The checkpoint's own head (ValueError, saying why, where it has none)."""
     from specgate.engines.drafting.mtp.loading import load_mtp_head
 
     head = load_mtp_head(loaded)
     evidence = CopyEvidence()  # the engine's
+    mtp_depth = (settings or MTPNgramSettings()).mtp_depth
     return Drafting(
         METHOD,
         lambda t: MTPNgramProposer(t, head, mtp_depth, evidence),

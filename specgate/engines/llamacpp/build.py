@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from specgate.engines.base import Engine
 from specgate.engines.llamacpp.engine import LlamaCppEngine
-from specgate.engines.llamacpp.process import NGRAM_TYPES, LlamaServer, ServerSpec
+from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
+from specgate.engines.settings import EngineSettings, LlamaServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +24,6 @@ _EOG_TEXTS = frozenset({
 # llama-server allocates its KV cache up front; when neither the config nor a
 # smaller trained context says otherwise, a slot gets this many tokens.
 DEFAULT_SLOT_CONTEXT = 8192
-
-
-@dataclass(frozen=True)
-class HealthCheck:
-    """How often a running llama-server is asked GET /health, how long each
-    answer may take, and after how many misses in a row it counts as stuck."""
-
-    interval: float = 2.0
-    timeout: float = 3.0
-    failures: int = 3
 
 
 @dataclass(frozen=True)
@@ -104,26 +96,18 @@ def build_llamacpp_engines(
     gguf: Path,
     engines: list[str],
     *,
-    depth: int,
-    ngram_type: str = "ngram-simple",
-    ngram_depth: int = 8,
+    settings: Mapping[str, EngineSettings],
+    server: LlamaServerSettings,
+    binary: str | None,
     max_context: int | None,
     max_concurrent: int,
     max_queue: int,
-    binary: str | None,
-    start_at_boot: bool,
-    idle_ttl: float | None,
-    threads: int | None,
-    extra_args: list[str],
-    read_timeout: float,
-    progress_timeout: float = 60.0,
-    health: HealthCheck | None = None,
     drafter: Path | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
     """The model's engines by name, and the engines refused with why: one
-    process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp
-    drafting `depth`, `llamacpp_ngram` `ngram_type` drafting up to
-    `ngram_depth`).
+    process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp,
+    `llamacpp_ngram` an n-gram type), each drafting as its `settings[name]`
+    says (engines/settings.py), every process run as `server` says.
 
     An `llamacpp_mtp` asked for on a GGUF without a usable MTP head is
     refused (not started), and the model still serves through `llamacpp`.
@@ -131,12 +115,12 @@ def build_llamacpp_engines(
     drafts with that instead (`-md`), checked against the model first.
     The engines tokenize through each other's processes when their own hangs.
     """
-    if ngram_type not in NGRAM_TYPES:
-        raise ValueError(f"llamacpp ngram type must be one of {', '.join(NGRAM_TYPES)}, "
-                         f"not {ngram_type!r}")
-    speculation = {"llamacpp_mtp": {"type": "draft-mtp", "n_max": depth},
-                   "llamacpp_ngram": {"type": ngram_type, "n_max": ngram_depth}}
-    health = health or HealthCheck()
+    speculation = {}
+    if "llamacpp_mtp" in engines:
+        speculation["llamacpp_mtp"] = {"type": "draft-mtp", "n_max": settings["llamacpp_mtp"].depth}
+    if "llamacpp_ngram" in engines:
+        ngram = settings["llamacpp_ngram"]
+        speculation["llamacpp_ngram"] = {"type": ngram.type, "n_max": ngram.depth}
     facts = read_gguf_facts(gguf)
     if facts.verdict == "incompatible":
         raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
@@ -157,17 +141,19 @@ def build_llamacpp_engines(
             ctx_size=(ctx + 16) * max_concurrent,
             parallel=max_concurrent,
             spec=speculation.get(name),
-            extra_args=list(extra_args),
+            extra_args=list(server.extra_args),
             draft_model=drafter if name == "llamacpp_mtp" else None,
-            **({"threads": threads} if threads else {}),
+            **({"threads": server.threads} if server.threads else {}),
         )
-        server = LlamaServer(spec, binary=binary, ttl=idle_ttl, health_interval=health.interval,
-                             health_timeout=health.timeout, health_failures=health.failures)
+        process = LlamaServer(spec, binary=binary, ttl=server.idle_ttl_s,
+                              health_interval=server.health_interval_s,
+                              health_timeout=server.health_timeout_s,
+                              health_failures=server.health_failures)  # fmt: skip
         built[name] = LlamaCppEngine(
-            model_id, server, name=name, method=name if name in speculation else "none",
+            model_id, process, name=name, method=name if name in speculation else "none",
             max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
-            max_queue=max_queue, start_at_boot=start_at_boot, read_timeout=read_timeout,
-            progress_timeout=progress_timeout,
+            max_queue=max_queue, start_at_boot=server.start == "boot",
+            read_timeout=server.read_timeout_s, progress_timeout=server.progress_timeout_s,
         )
     if not built:
         raise ValueError(f"model {model_id}: no engine left to serve it: {'; '.join(refused.values())}")

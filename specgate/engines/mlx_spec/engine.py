@@ -39,11 +39,12 @@ from specgate.engines.distributed.worker import WorkerEngine, deliver
 from specgate.engines.drafting.base import Drafting
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
 
 log = logging.getLogger(__name__)
 
-DEFAULT_VERIFY_DEPTH = 2  # a drafter without a cap, given no depth (the config's mtp_depth default)
+DEFAULT_VERIFY_DEPTH = 2  # a drafter without a cap, given no depth (MTPSettings' default)
 
 
 @dataclass
@@ -67,33 +68,36 @@ class SpecEngine(WorkerEngine):
         loaded: LoadedModel,
         *,
         name: str,
-        drafting: Callable[[LoadedModel, Target, str | None], Drafting],
+        drafting: Callable[[LoadedModel, Target, str | None, DraftSettings], Drafting],
+        settings: DraftSettings | None = None,
         drafter: str | None = None,
         max_context: int,
         max_queue: int = 64,
         prefill_step_size: int = 512,
         kernels: str = "auto",
-        verify_depth: int | None = None,
         kernel_guard=None,
     ):
-        """drafting(loaded, target, drafter): the method's loader (e.g.
-        specgate.engines.drafting.mtp.proposer.drafting); it raises ValueError, saying why,
-        when this checkpoint (or `drafter` directory) cannot draft.
-        verify_depth: the deepest round the policy plans (capped by the
-        drafter's max_drafts; default: max_drafts, else DEFAULT_VERIFY_DEPTH);
-        verify widths up to it + 1 are proved at load."""
+        """drafting(loaded, target, drafter, settings): the method's loader
+        (e.g. specgate.engines.drafting.mtp.proposer.drafting); it raises
+        ValueError, saying why, when this checkpoint (or `drafter` directory)
+        cannot draft. settings: the engine's own (engines/settings.py, as the
+        config validated them; None: the defaults); its `depth` is the
+        deepest round the policy plans (capped by the drafter's max_drafts;
+        None: max_drafts, else DEFAULT_VERIFY_DEPTH), and verify widths up to
+        it + 1 are proved at load."""
+        settings = DraftSettings() if settings is None else settings
         super().__init__(model_id, loaded, max_context=max_context)
         self.name = name
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
         self.target = target_for(loaded.model)
-        self.drafting = drafting(loaded, self.target, drafter)
+        self.drafting = drafting(loaded, self.target, drafter, settings)
         self.method: Method = self.drafting.method
         self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_wiring = None  # set by wire_kernels
-        depth = verify_depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
+        depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
     def wire_kernels(self, max_depth: int) -> None:

@@ -146,26 +146,22 @@ class ServedModel:
 
 def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
                   prefix_cache: PrefixCacheConfig | None = None) -> registry.BuildContext:  # fmt: skip
-    """What the model's engines are built from (engines/registry.py), as plain values."""
-    lc, pc = mc.llamacpp, prefix_cache or PrefixCacheConfig()
+    """What the model's engines are built from (engines/registry.py): the
+    model's values, and its engines' settings objects as validated."""
+    pc = prefix_cache or PrefixCacheConfig()
     from specgate.gateway.serving.ranks import distribution
 
     return registry.BuildContext(
         mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
-        prefix_cache_size=mc.prefix_cache_size, mtp_depth=mc.mtp_depth,
+        prefix_cache_size=mc.prefix_cache_size,
         # Proving kernels runs forwards at load, before the ranks follow each other.
         kernels="off" if mc.distributed else mc.kernels, distribution=distribution(mc),
-        block_depth=mc.block_depth, ngram_depth=mc.ngram_depth, llamacpp_ngram=lc.ngram_type,
+        settings=mc.engine_settings(),
         drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
                                    pc.snapshot_interval),
-        llama_server=registry.LlamaServerSettings(
-            binary=llama_server.binary, start_at_boot=lc.start == "boot", idle_ttl=lc.idle_ttl_s,
-            threads=lc.threads, extra_args=tuple(lc.extra_args), read_timeout=lc.read_timeout_s,
-            progress_timeout=lc.progress_timeout_s, health_interval=lc.health_interval_s,
-            health_timeout=lc.health_timeout_s, health_failures=lc.health_failures,
-        ),
+        llama_server=mc.llamacpp, llama_server_binary=llama_server.binary,
     )
 
 

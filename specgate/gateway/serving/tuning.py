@@ -91,9 +91,12 @@ def _round_timers(loaded, model_path: Path, drafter: str | None, kernels: bool =
 
     from specgate.engines import registry
 
-    # Rounds verify as the engines will: through the kernels where tune wired them.
+    # Rounds verify as the engines will: through the kernels where tune wired
+    # them, proved for every depth timed (a drafter's own cap where it has one).
+    deepest = {r.name: r.settings(depth=MAX_TUNED_DEPTH) for r in registry.records(registry.MLX)
+               if r.tune is not None and getattr(r.settings(), "depth", None) is not None}
     context = registry.BuildContext("tune", str(model_path), registry.MLX,
-                                    kernels="auto" if kernels else "off", mtp_depth=MAX_TUNED_DEPTH,
+                                    kernels="auto" if kernels else "off", settings=deepest,
                                     drafter=drafter, loaded=loaded)  # fmt: skip
     prompt = mx.random.randint(0, loaded.vocab_size, (PROMPT_TOKENS,), key=mx.random.key(2)).tolist()
     timers: dict[str, tuple] = {}

@@ -25,10 +25,12 @@ from specgate.engines.drafting.assistant.gemma4 import (
 from specgate.engines.drafting.base import Context, Drafting, Proposal, drafted
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import advanced
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
+             settings: DraftSettings | None = None) -> Drafting:
     """A Gemma-4 assistant directory, checked against the target."""
     if drafter is None:
         raise ValueError("assistant needs a `drafter` directory (a Gemma-4 -assistant checkpoint)")

@@ -30,10 +30,12 @@ from specgate.engines.drafting.dflash.model import (
     load_dflash,
 )
 from specgate.engines.loading import LoadedModel
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
+             settings: DraftSettings | None = None) -> Drafting:
     """A z-lab DFlash drafter directory, checked against the target. The
     drafter reads the target's layer features of every context token: prefix-cache entries
     keep its context cache and the features it is owed (`snapshot`)."""

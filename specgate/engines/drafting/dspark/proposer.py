@@ -17,10 +17,12 @@ from specgate.engines.drafting.dflash.proposer import BlockProposer
 from specgate.engines.drafting.dspark.model import DSparkDrafter, load_dspark
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import advanced
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None) -> Drafting:
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
+             settings: DraftSettings | None = None) -> Drafting:
     """A DeepSpec DSpark drafter directory, checked against the target."""
     if drafter is None:
         raise ValueError("dspark needs a `drafter` directory")

@@ -22,10 +22,12 @@ from specgate.engines.drafting.base import Context, Drafting, Proposal, drafted
 from specgate.engines.drafting.mtp.head import MTPHead
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import advanced
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None) -> Drafting:
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
+             settings: DraftSettings | None = None) -> Drafting:
     """The checkpoint's own head (ValueError, saying why, where it has none
     that fits: engines/drafting/mtp/loading.py)."""
     from specgate.engines.drafting.mtp.loading import load_mtp_head

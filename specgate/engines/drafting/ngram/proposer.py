@@ -24,10 +24,12 @@ from specgate.engines.drafting.base import Context, Drafting, Proposal
 from specgate.engines.drafting.ngram.copy_length import CopyEvidence, RoundTimer
 from specgate.engines.drafting.ngram.index import Draft, NgramIndex
 from specgate.engines.loading import LoadedModel
+from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
 
 
-def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None) -> Drafting:
+def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
+             settings: DraftSettings | None = None) -> Drafting:
     evidence = CopyEvidence()  # the engine's: every request it serves adds to it
     return Drafting("ngram", lambda t: NgramProposer(t, evidence))
 

@@ -1,0 +1,95 @@
+"""Each engine's own per-model settings, typed once.
+
+One pydantic class per kind of engine, named by the engine's registry
+record (`EngineRecord.settings`, engines/registry.py). In a model's YAML the
+engine's name is the key: `mlx_mtp: {depth: 3}`. gateway/config.py makes
+one field per record from these classes, so the YAML is validated against
+them once, and the validated object reaches the engine's builder as it is
+(`BuildContext.settings_of(name)`). A new per-engine option is one field
+here, plus the code that reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# llama-server's n-gram --spec-types (engines/llamacpp/process.py's
+# NGRAM_TYPES, which a test holds equal to this).
+NgramType = Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"]
+
+
+class EngineSettings(BaseModel):
+    """An engine with no settings of its own (plain decoding)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DraftSettings(EngineSettings):
+    """A speculative engine's: how deep its rounds go."""
+
+    depth: int | None = None  # drafts verified per round; None: the most its drafter makes
+
+
+class MTPSettings(DraftSettings):
+    """Drafting one token per step from the model's own MTP head or a
+    Gemma-4 -assistant drafter."""
+
+    depth: int = Field(2, ge=1, le=8, description="tokens drafted per round "
+                       "(llamacpp_mtp: llama-server's --spec-draft-n-max)")  # fmt: skip
+
+
+class BlockSettings(DraftSettings):
+    """A block drafter (DFlash, DSpark): a whole block drafted per forward."""
+
+    depth: int | None = Field(None, ge=1, le=64, description="drafts verified per round; "
+                              "default: every position the drafter proposes")  # fmt: skip
+
+
+class NgramSettings(DraftSettings):
+    """Drafting by copying from the context."""
+
+    depth: int = Field(8, ge=1, le=64, description="the most tokens a round copies from the "
+                       "context (llamacpp_ngram: the n-gram type's draft size)")  # fmt: skip
+
+
+class MTPNgramSettings(NgramSettings):
+    """Copying where the context has a match, the MTP head elsewhere."""
+
+    mtp_depth: int = Field(2, ge=1, le=8, description="the most tokens the MTP head drafts in "
+                           "a round where the context has no match")  # fmt: skip
+
+
+class LlamaCppNgramSettings(NgramSettings):
+    """llama-server drafting from the context."""
+
+    type: NgramType = Field("ngram-simple", description="llama-server's --spec-type (its "
+                            "other knobs keep llama.cpp's defaults; set them in "
+                            "llamacpp.extra_args)")  # fmt: skip
+
+
+class LlamaServerSettings(BaseModel):
+    """How specgate runs llama-server for one GGUF model (the model's
+    `llamacpp:` section; every llama.cpp engine of the model shares it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: Literal["boot", "first_use"] = "boot"
+    idle_ttl_s: float | None = Field(None, gt=0, description="stop the process after this long idle")
+    threads: int | None = Field(None, gt=0, description="-t; default: up to 8 cores")
+    # --host and --port are specgate's, and so is the info log (no
+    # --log-disable, no -lv below 3): it says the port.
+    extra_args: tuple[str, ...] = Field((), description="passed through (e.g. [\"-ngl\", \"99\"])")
+    read_timeout_s: float = Field(600.0, gt=0, description="longest silence in a stream before failing")
+    # One event per batch of prompt (-b, 2048 tokens by default): raise it where
+    # one batch or one token takes longer.
+    progress_timeout_s: float = Field(60.0, gt=0, description="a request fails when llama-server "
+                                      "makes no progress on it (no token, no prompt progress) "
+                                      "for this long")  # fmt: skip
+    # GET /health every health_interval_s; a process that misses
+    # health_failures answers in a row (health_timeout_s each) is stuck (e.g.
+    # SIGSTOPped): it is killed, its requests fail, it restarts.
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(3.0, gt=0)
+    health_failures: int = Field(3, ge=1)

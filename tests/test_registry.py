@@ -346,3 +346,30 @@ def test_the_design_table_check_sees_a_missing_engine(monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text.replace(row + "\n", ""))
     with pytest.raises(AssertionError, match="other engines"):
         test_the_design_notes_engine_table_is_the_registry()
+
+
+def test_an_engine_setting_goes_from_yaml_to_the_proposer_as_it_is(tmp_path):
+    """One per-engine option end to end: the model's YAML key, validated by
+    the engine's settings class, reaches the proposer the engine makes."""
+    from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+    from specgate.engines.settings import MTPNgramSettings
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import build_model_engines
+
+    config = parse_config({"models": [{
+        "id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp_ngram"],
+        "mlx_mtp_ngram": {"copy_match": 7, "mtp_depth": 3}}]})  # fmt: skip
+    ctx, engines, refused = build_model_engines(config.models[0], config.llama_server,
+                                                config.prefix_cache)  # fmt: skip
+    assert not refused
+    assert ctx.settings_of("mlx_mtp_ngram") == MTPNgramSettings(copy_match=7, mtp_depth=3)
+    engine = engines["mlx_mtp_ngram"]
+    request = GenerationRequest("r", "demo", [1, 2, 3], SamplingParams(), 8,
+                                Plan(engine.name, engine.method, 8, "spec_on"))  # fmt: skip
+    proposer = engine.make_decoder(request, None, 0).proposer
+    assert (proposer.copy_match, proposer.mtp_depth) == (7, 3)
+    # The class bounds it: a copy trusted on one matched token is refused.
+    with pytest.raises(Exception, match="mlx_mtp_ngram.copy_match"):
+        parse_config({"models": [{"id": "demo", "path": "builtin:demo",
+                                  "engines": ["mlx_plain", "mlx_mtp_ngram"],
+                                  "mlx_mtp_ngram": {"copy_match": 1}}]})  # fmt: skip

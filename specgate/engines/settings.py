@@ -59,6 +59,8 @@ class MTPNgramSettings(NgramSettings):
 
     mtp_depth: int = Field(2, ge=1, le=8, description="the most tokens the MTP head drafts in "
                            "a round where the context has no match")  # fmt: skip
+    copy_match: int = Field(4, ge=2, le=64, description="matched tokens before a copy is "
+                            "trusted over the head")  # fmt: skip
 
 
 class LlamaCppNgramSettings(NgramSettings):

@@ -1,7 +1,7 @@
 """Copied drafts where the context has them, the model's MTP head elsewhere (method "mtp+ngram").
 
 Each round first asks the context (engines/drafting/ngram/proposer.py): a copy
-that matched at least COPY_MATCH tokens and, cut to what the engine's
+that matched at least `copy_match` tokens (its settings) and, cut to what the engine's
 evidence says pays (engines/drafting/ngram/copy_length.py, learnt from the
 copied rounds alone), still offers more drafts than the head would draft
 is taken (a point mass, no head forward this round); otherwise the head
@@ -28,7 +28,6 @@ from specgate.engines.settings import MTPNgramSettings
 from specgate.engines.targets import Forward, Target
 
 METHOD = "mtp+ngram"
-COPY_MATCH = 4  # matched tokens before a copy is trusted over the head
 
 
 def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
@@ -38,10 +37,10 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
 
     head = load_mtp_head(loaded)
     evidence = CopyEvidence()  # the engine's
-    mtp_depth = (settings or MTPNgramSettings()).mtp_depth
+    settings = settings or MTPNgramSettings()
     return Drafting(
         METHOD,
-        lambda t: MTPNgramProposer(t, head, mtp_depth, evidence),
+        lambda t: MTPNgramProposer(t, head, settings.mtp_depth, evidence, settings.copy_match),
         cache_id=mtp.CACHE_ID,
         weights=head,
     )  # the head's state is the MTP engine's
@@ -52,15 +51,16 @@ class MTPNgramProposer:
     layers = ()
 
     def __init__(self, target: Target, head: MTPHead, mtp_depth: int,
-                 evidence: CopyEvidence | None = None):  # fmt: skip
+                 evidence: CopyEvidence | None = None, copy_match: int = 4):  # fmt: skip
         self.mtp = MTPProposer(target, head)
         self.ngram = NgramProposer(evidence=evidence)
         self.mtp_depth = mtp_depth
+        self.copy_match = copy_match
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
         head_depth = min(depth, self.mtp_depth)
         draft = self.ngram.draft(context, depth)
-        if draft is not None and draft.match >= COPY_MATCH and len(draft.tokens) > head_depth:
+        if draft is not None and draft.match >= self.copy_match and len(draft.tokens) > head_depth:
             kept = self.ngram.keep(draft, context.params)
             if kept is not None and len(kept.tokens) > head_depth:
                 return self.ngram.offer(kept)

@@ -1,4 +1,5 @@
-"""The shell of every in-process speculative engine (MTP, DFlash, DSpark).
+"""The shell of every in-process speculative engine: MTP, DFlash, DSpark,
+Gemma-4 assistants, n-gram copies and mtp+ngram (engines/drafting/).
 
 Speculation serves one sequence at a time (batching is the plain engine's
 job: a policy sends concurrent load there). A worker thread owns the model
@@ -6,7 +7,9 @@ work; requests queue FIFO behind the one being decoded, and the planner is
 asked for the depth at every round, so it can also switch speculation off
 (depth 0) between rounds. One class serves every method: it is built with
 the method's `Drafting` (engines/drafting/: the loaded drafter or head,
-and how to make one sequence's proposer), and each request's decoder
+and how to make one sequence's proposer), loaded with the engine's own
+settings (engines/settings.py: the depth it plans, a method's options), and
+each request's decoder
 (engines/mlx_spec/decoder.py) joins the model's target (engines/targets/) and
 a fresh proposer.
 """

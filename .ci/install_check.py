@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -64,12 +65,19 @@ def serves(venv: Path, home: Path, label: str) -> None:
                 raise SystemExit(f"{label}: specgate serve exited ({proc.returncode}):\n"
                                  + log.read_text()[-4000:])  # fmt: skip
             try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as r:
+                    pass
                 request = urllib.request.Request(
                     f"http://127.0.0.1:{port}/v1/chat/completions", body,
                     {"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=120) as r:
                     reply = json.load(r)
                 break
+            except urllib.error.HTTPError as e:  # not ready: loading, or failed for good
+                if "failed" in json.loads(e.read() or b"{}").get("models", {}).values():
+                    raise SystemExit(f"{label}: the model failed to load:\n"
+                                     + log.read_text()[-4000:]) from None
+                time.sleep(1)
             except OSError:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{label}: no answer in 600 s:\n" + log.read_text()[-4000:])
@@ -86,10 +94,24 @@ def serves(venv: Path, home: Path, label: str) -> None:
             proc.wait()
 
 
+# Every file specgate's distribution installed belongs to it alone (whatever
+# the install order, two distributions writing one path overwrite each other,
+# and uninstalling either deletes the other's file); Hugging Face's kernels
+# imports as itself.
+_SHARED = """
+import importlib.metadata as md, kernels, specgate.kernels.guard
+kernels.get_kernel
+ours = {str(f) for f in md.distribution("specgate-llm").files if not str(f).startswith("..")}
+shared = {d.metadata["Name"]: sorted(ours & {str(f) for f in (d.files or [])})
+          for d in md.distributions() if d.metadata["Name"] != "specgate-llm"}
+shared = {k: v[:5] for k, v in shared.items() if v}
+assert not shared, f"files specgate shares with other distributions: {shared}"
+print("kernels:", kernels.__file__)
+"""
+
+
 def hf_kernels_works(venv: Path, home: Path) -> None:
-    sh(venv / "bin" / "python", "-c",
-       "import kernels, specgate.kernels.guard; kernels.get_kernel; print(kernels.__file__)",
-       cwd=home, env={**os.environ, "PYTHONPATH": ""})
+    sh(venv / "bin" / "python", "-c", _SHARED, cwd=home, env={**os.environ, "PYTHONPATH": ""})
 
 
 def check(venv: Path, home: Path, label: str) -> None:

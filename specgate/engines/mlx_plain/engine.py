@@ -1,6 +1,6 @@
 """Plain decoding (speculation off) with mlx-lm's continuous batching.
 
-The worker thread (engines/distributed/worker.py) owns the `BatchGenerator`; a request
+The worker thread (engines/worker.py) owns the `BatchGenerator`; a request
 that arrives while others are decoding joins the running batch at the next
 step, and one that leaves (finished or cancelled) is removed from it there.
 
@@ -43,10 +43,10 @@ from specgate.engines.distributed.lockstep import (
     LockstepBroken,
     pin_seed,
 )
-from specgate.engines.distributed.worker import WorkerEngine, deliver
 from specgate.engines.grammar import GrammarError, GrammarState, masked
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
+from specgate.engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 

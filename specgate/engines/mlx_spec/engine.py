@@ -38,12 +38,12 @@ from specgate.engines.base import (
 )
 from specgate.engines.cache.prefix_cache import Hit, snapshot
 from specgate.engines.distributed.lockstep import FollowerOut, Immediate, LockstepBroken, pin_seed
-from specgate.engines.distributed.worker import WorkerEngine, deliver
 from specgate.engines.drafting.base import Drafting
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
+from specgate.engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 

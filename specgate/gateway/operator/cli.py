@@ -235,12 +235,12 @@ def _run_server(config: Config, sockets: list[socket.socket], config_path: str |
 
 
 def _end_now_if_a_worker_is_stuck() -> None:
-    """A worker thread that did not stop (engines/distributed/worker.py's ABANDONED)
+    """A worker thread that did not stop (engines/worker.py's ABANDONED)
     would hang the interpreter's exit: end the process here, status 1."""
     import logging
     import os
 
-    worker = sys.modules.get("specgate.engines.distributed.worker")  # (not imported: no MLX engine ever ran)
+    worker = sys.modules.get("specgate.engines.worker")  # (not imported: no MLX engine ever ran)
     stuck = [t.name for t in worker.ABANDONED if t.is_alive()] if worker else []
     if stuck:
         logging.getLogger("specgate.gateway.operator.cli").error("exiting without %s, which did not stop",

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +272,7 @@ def start_gateway(
             args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     gw = Gateway("", proc, log_path, cfg)
+    _STARTED.append(gw)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -294,6 +296,22 @@ def start_gateway(
     except BaseException:
         stop_gateway(gw)  # whatever went wrong (a non-JSON 500 on /ready too), none is left behind
         raise
+
+
+# Every gateway started in this process: whatever a test leaves running (a
+# failure before its own `finally`), the session's end stops.
+_STARTED: list[Gateway] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_gateway_left_behind():
+    yield
+    left = [gw for gw in _STARTED if gw.alive()]
+    for gw in left:
+        stop_gateway(gw)
+    if left:
+        warnings.warn(f"stopped {len(left)} gateway(s) a test left running: "
+                      + ", ".join(str(gw.log_path) for gw in left), stacklevel=1)
 
 
 def stop_gateway(gw: Gateway) -> None:

@@ -71,14 +71,16 @@ def test_a_stuck_rank_is_found_by_its_silence(tmp_path):
     answers the stream with the reason, though its own engine thread is
     stuck in a collective; /ready says why."""
     gw = launch(tmp_path, "tensor", rank_timeout_s=3)
-    follower = ranks_of(gw)[1]
-    try:
+    follower = None
+    try:  # (a failure finding the rank, too, must stop what was launched)
+        follower = ranks_of(gw)[1]
         signal_mid_stream(gw, "none", follower, signal.SIGSTOP, "rank 1 sent no heartbeat for 3 s")
         ready = httpx.get(gw.base_url + "/ready", timeout=5)
         assert ready.status_code == 503 and "no heartbeat" in ready.text
         with pytest.raises(openai.APIError, match="rank 1 sent no heartbeat"):  # refused at once
             complete(gw, PROMPTS[0], "mtp", max_tokens=4)
     finally:
-        os.kill(follower, signal.SIGKILL)
+        if follower is not None:
+            os.kill(follower, signal.SIGKILL)
         stop_gateway(gw)
     assert gone(gw)

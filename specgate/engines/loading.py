@@ -71,7 +71,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
     path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
     prefix cache's settings (the first load of a path decides them).
-    `distribution` (engines/lockstep.Distribution): this rank's shard, with
+    `distribution` (engines/distributed/lockstep.Distribution): this rank's shard, with
     the lockstep as its lock and no prefix cache (whose hits would differ
     between ranks whose entries differ in size, so evictions do too).
     """

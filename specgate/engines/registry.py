@@ -100,7 +100,7 @@ class BuildContext:
     drafter: str | None = None  # a local directory (builtins resolved)
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
     llama_server_binary: str | None = None  # None: PATH, then `specgate install-llama-server`'s
-    distribution: Any = None  # engines/lockstep.Distribution: this rank's shard of the model
+    distribution: Any = None  # engines/distributed/lockstep.Distribution: this rank's shard of the model
     loaded: LoadedModel | None = None
 
     def mlx_model(self) -> LoadedModel:

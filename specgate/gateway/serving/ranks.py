@@ -26,7 +26,7 @@ def rank(config: Config) -> int:
 
 
 def distribution(mc: ModelConfig):
-    """The model's engines/lockstep.Distribution, or None."""
+    """The model's engines/distributed/lockstep.Distribution, or None."""
     if mc.distributed is None:
         return None
     from specgate.engines.distributed.lockstep import Distribution

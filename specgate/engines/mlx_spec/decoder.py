@@ -22,7 +22,7 @@ without d. That is exact for any drafts, however they were chosen.
 
 Under a grammar (engines/grammar.py) every position's logits are masked by
 the state the grammar reaches after the tokens before it: the drafter's q
-as it draws (proposers/base.Context.draw), the verify's p at each position
+as it draws (drafting/base.Context.draw), the verify's p at each position
 from the committed tokens and the drafts before it. Drafts that come alone
 are cut at the first one the grammar refuses (a draft with p(d) = 0 would
 only be rejected). So p and q are masked alike and the output is the

@@ -15,8 +15,9 @@ the one direction their imports go:
 - kernels/: verify-shape kernels, their guard, cost measurement;
 - builders/: what specgate makes rather than serves (tiny checkpoints,
   training, GGUF export). Beside the chain: it may import engines/ and
-  kernels/; only the CLI's build commands import it, lazily, and
-  `specgate serve` never does.
+  kernels/; only the CLI's build commands and the demo's first GGUF export
+  (gateway/serving/builtins.py) import it, lazily, so `specgate serve`
+  never loads it otherwise.
 
 See docs/DESIGN.md, "Layers".
 """

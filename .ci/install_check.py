@@ -80,7 +80,7 @@ def serves(venv: Path, home: Path, label: str) -> None:
                 time.sleep(1)
             except OSError:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"{label}: no answer in 600 s:\n" + log.read_text()[-4000:])
+                    raise SystemExit(f"{label}: no answer in 600 s:\n" + log.read_text()[-4000:]) from None
                 time.sleep(1)
         text = reply["choices"][0]["message"]["content"]
         assert reply["usage"]["completion_tokens"] > 0, reply

@@ -52,7 +52,7 @@ from specgate.engines.drafting.dspark.proposer import DSparkProposer
 from specgate.engines.drafting.mtp.loading import load_mtp_head
 from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
-from specgate.engines.grammar import GrammarState, json_constraint, lark_constraint
+from specgate.engines.grammar.matcher import GrammarState, json_constraint, lark_constraint
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.sampling import KeyStream, probabilities

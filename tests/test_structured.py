@@ -5,6 +5,7 @@ breaks the schema is refused."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import llguidance
@@ -12,7 +13,8 @@ import llguidance.hf
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from specgate.engines.grammar import json_constraint
+from specgate.engines.grammar.matcher import GrammarError, json_constraint
+from specgate.engines.grammar.sandbox import GrammarSandbox
 from specgate.gateway.api.structured import ForcedTools, JsonOutput, constraint
 from specgate.gateway.api.tools import parse_call
 from specgate.gateway.errors import APIError
@@ -88,10 +90,20 @@ def test_json_output_with_tools_left_to_the_model(tokenizer):
     assert not accepts(tokenizer, any_object.grammar, "[1]")
 
 
+async def _sandboxed(grammar: str, param: str) -> None:
+    sandbox = GrammarSandbox()
+    try:
+        await sandbox.check(grammar, param, None)
+    finally:
+        await sandbox.close()
+
+
 def test_errors_name_the_parameter():
-    with pytest.raises(APIError) as e:
-        constraint(JsonOutput({"type": "no-such-type"}, "response_format"), None, [], None)
-    assert e.value.status == 400 and e.value.param == "response_format"
+    # A schema llguidance refuses is built, and refused where it compiles
+    # (the sandbox, before the request is admitted: test_hostile_schemas.py).
+    bad = constraint(JsonOutput({"type": "no-such-type"}, "response_format"), None, [], None)
+    with pytest.raises(GrammarError, match="^response_format: "):
+        asyncio.run(_sandboxed(bad.grammar, bad.param))
     with pytest.raises(APIError) as e:
         constraint(None, ForcedTools(TOOLS, "nope", False, "tool_choice"), TOOLS, "hermes")
     assert e.value.param == "tool_choice" and "nope" in str(e.value)

@@ -41,7 +41,7 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    """Output held to a grammar (engines/grammar.py builds these).
+    """Output held to a grammar (engines/grammar/matcher.py builds these).
 
     grammar: llguidance's form, compiled from a JSON schema or a Lark
     grammar; json_schema: the schema as JSON text where the grammar is one
@@ -75,7 +75,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     # Applied after the penalties, before temperature and truncation, to
-    # target and drafts alike (engines/grammar.py).
+    # target and drafts alike (engines/grammar/matcher.py).
     constraint: OutputConstraint | None = None
 
     @property
@@ -211,7 +211,7 @@ class RoundStats:
     # context drafts fewer, or none, where nothing longer matched. None: as
     # many as it drafted.
     depth: int | None = None
-    # Masked by a grammar (engines/grammar.py): a round then also waits for
+    # Masked by a grammar (engines/grammar/matcher.py): a round then also waits for
     # its drafts and computes masks, so the policy learns its cost apart.
     constrained: bool = False
 
@@ -320,6 +320,14 @@ class Engine(Protocol):
         system prompt and the messages before the newest end: the prefix
         cache keeps snapshots there. MessageBoundaries() where the engine
         keeps no prefix cache of its own."""
+        ...
+
+    async def check_constraint(self, constraint: OutputConstraint) -> None:
+        """Compile the request's grammar where a native failure cannot harm
+        the process (engines/grammar/sandbox.py), with this engine's
+        tokenizer where it has one; raise GrammarError, naming the request's
+        parameter, where it does not compile within the budget. Called
+        before the request is admitted: what passes, the engine compiles."""
         ...
 
     async def chat_template(self) -> str | None:

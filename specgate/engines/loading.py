@@ -16,7 +16,7 @@ import mlx.nn as nn
 from specgate.engines.base import CacheSettings
 from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.fair_lock import FairLock
-from specgate.engines.grammar import Grammars
+from specgate.engines.grammar.matcher import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ class LoadedModel:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        """Constrained decoding for this model's requests (engines/grammar.py)."""
-        return Grammars(self.tokenizer, self.vocab_size)
+        """Constrained decoding for this model's requests (engines/grammar/matcher.py)."""
+        # Keyed by path and load: a reloaded model's tokenizer may differ.
+        return Grammars(self.tokenizer, self.vocab_size, f"{self.path}#{id(self)}")
 
 
 # Weights load once per path while an engine holds them: when the last

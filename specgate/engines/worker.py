@@ -21,10 +21,13 @@ from specgate.engines.base import (
     HeldMemory,
     LiveState,
     MessageBoundaries,
+    OutputConstraint,
     Refusal,
     SamplingParams,
     TokenEvent,
 )
+from specgate.engines.cpu import run_cpu
+from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.engines.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,11 @@ def message_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None
     return MessageBoundaries(system, history)
 
 
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tools=tools or None,
+                                              add_generation_prompt=True))  # fmt: skip
+
+
 class WorkerEngine:
     name = "worker"
 
@@ -97,21 +105,22 @@ class WorkerEngine:
 
     # -- the model's tokenizer ------------------------------------------------------
 
-    # Async for the Engine protocol (llama-server tokenizes over HTTP); here
-    # the tokenizer is in-process and fast enough to run on the event loop.
+    # In-process, on the bounded CPU workers (engines/cpu.py), never on the
+    # event loop: a request's text is as large as its body allows.
     async def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return await run_cpu(self.tokenizer.encode, text)
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return list(
-            self.tokenizer.apply_chat_template(messages, tools=tools or None,
-                                               add_generation_prompt=True)
-        )
+        return await run_cpu(_render_chat, self.tokenizer, messages, tools)
 
     async def message_boundaries(
         self, messages: list[dict], tools: list[dict] | None, tokens: list[int]
     ) -> MessageBoundaries:
-        return await asyncio.to_thread(message_boundaries, self.tokenizer, messages, tools, tokens)
+        return await run_cpu(message_boundaries, self.tokenizer, messages, tools, tokens)
+
+    async def check_constraint(self, constraint: OutputConstraint) -> None:
+        tokenizer = await run_cpu(self.loaded.grammars.spec)
+        await SANDBOX.check(constraint.grammar, constraint.param, tokenizer)
 
     async def chat_template(self) -> str | None:
         template = self.tokenizer.chat_template

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from specgate.engines.base import EngineOverloaded
+
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -130,6 +132,12 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         return error_response(request.url.path, exc.status_code, str(exc.detail),
                               headers=exc.headers)
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(request: Request, exc: EngineOverloaded):
+        # The bounded CPU workers (engines/cpu.py) full, before an engine was asked.
+        return error_response(request.url.path, 429, str(exc), code="overloaded",
+                              headers={"Retry-After": str(max(1, round(exc.retry_after)))})  # fmt: skip
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

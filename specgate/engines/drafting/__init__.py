@@ -6,7 +6,7 @@ context), and mtp_ngram.py (the two combined). base.py is the contract
 every proposer meets.
 
 May import what sits below an engine in engines/ (base.py, targets/,
-sampling.py, grammar.py, loading.py, mlx_load.py, cache/, checkpoints/) and
+sampling.py, grammar/, loading.py, mlx_load.py, cache/, checkpoints/) and
 kernels/; never an engine, the registry or anything above engines/. One
 method may build on another: dspark/ on dflash/'s backbone, mtp_ngram.py on
 mtp/ and ngram/ (tests/test_layering.py holds the rest). See docs/DESIGN.md, "Drafting methods".

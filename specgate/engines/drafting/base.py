@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from specgate.engines.base import Method, SamplingParams
 from specgate.engines.cache.prefix_cache import DrafterState
-from specgate.engines.grammar import GrammarState, masked
+from specgate.engines.grammar.matcher import GrammarState, masked
 from specgate.engines.sampling import KeyStream, PenaltyState, penalised, probabilities
 from specgate.engines.targets import Forward, Target
 

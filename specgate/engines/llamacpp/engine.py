@@ -49,12 +49,14 @@ from specgate.engines.base import (
     LiveState,
     MessageBoundaries,
     Method,
+    OutputConstraint,
     Planner,
     Refusal,
     RoundStats,
     SamplingParams,
     TokenEvent,
 )
+from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.engines.llamacpp.adapter import (
     SpecCounters,
     completion_body,
@@ -218,6 +220,11 @@ class LlamaCppEngine:
 
     async def message_boundaries(self, messages, tools, tokens) -> MessageBoundaries:
         return MessageBoundaries()  # llama-server keeps its own prompt cache
+
+    async def check_constraint(self, constraint: OutputConstraint) -> None:
+        # The grammar alone (no in-process tokenizer here): llama-server
+        # compiles the schema itself, bounds.py keeps what reaches it shallow.
+        await SANDBOX.check(constraint.grammar, constraint.param, None)
 
     async def chat_template(self) -> str | None:
         r = await self._ask("GET", "/props")

@@ -43,7 +43,7 @@ from specgate.engines.distributed.lockstep import (
     LockstepBroken,
     pin_seed,
 )
-from specgate.engines.grammar import GrammarError, GrammarState, masked
+from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.worker import WorkerEngine, deliver
@@ -92,7 +92,7 @@ class _PenaltyProcessor:
 
 class _GrammarProcessor:
     """mlx-lm logits processor masking by the request's grammar
-    (engines/grammar.py); like _PenaltyProcessor, it reads the generated
+    (engines/grammar/matcher.py); like _PenaltyProcessor, it reads the generated
     tokens from the context mlx-lm hands it. Listed after the penalties,
     so the mask comes between them and the sampler's truncation, as in the
     speculative engines."""

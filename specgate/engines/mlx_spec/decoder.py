@@ -20,7 +20,7 @@ from: the proposer's own (MTP, DSpark), or, for drafts that come alone
 d is accepted with probability p(d), and a rejection resamples from p
 without d. That is exact for any drafts, however they were chosen.
 
-Under a grammar (engines/grammar.py) every position's logits are masked by
+Under a grammar (engines/grammar/matcher.py) every position's logits are masked by
 the state the grammar reaches after the tokens before it: the drafter's q
 as it draws (drafting/base.Context.draw), the verify's p at each position
 from the committed tokens and the drafts before it. Drafts that come alone
@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from specgate.engines.base import GenerationRequest, Handoff, RoundStats, TokenLogprob, TopLogprob
 from specgate.engines.drafting.base import Context, Proposal, Proposer
-from specgate.engines.grammar import GrammarState, masked
+from specgate.engines.grammar.matcher import GrammarState, masked
 from specgate.engines.mlx_spec.acceptance import accept_greedy, accept_sampled, point_masses
 from specgate.engines.sampling import (
     KeyStream,

@@ -168,7 +168,8 @@ async def messages(body: MessagesRequest, request: Request):
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
     stops = check_stops(body.stop_sequences, "stop_sequences")
-    output = structured.constraint(None, body.forced_tools, [], chat.tool_format)
+    output = await structured.checked_constraint(engine, None, body.forced_tools, [],
+                                                 chat.tool_format)  # fmt: skip
     req = plan_request(
         served, engine, request.headers, chat.tokens, replace(body.sampling(), constraint=output),
         body.max_tokens,

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from specgate.engines.base import Engine, EngineError, MessageBoundaries
+from specgate.engines.base import Engine, EngineError, EngineOverloaded, MessageBoundaries
 from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece
@@ -106,6 +106,8 @@ async def render_chat(
             )
     try:
         tokens = await engine.render_chat(messages, tools or None)
+    except EngineOverloaded:
+        raise
     except EngineError as e:
         raise APIError(
             500, f"the model's chat template could not be applied: {e}", code="engine_error"

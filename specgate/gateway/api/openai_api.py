@@ -193,8 +193,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt = chat.tokens
     limit, limit_param = body.token_limit
     json_output = body.response_format.json_output() if body.response_format else None
-    output = structured.constraint(json_output, body.forced_tools,
-                                   body.template_tools if chat.tool_format else [], chat.tool_format)
+    tools = body.template_tools if chat.tool_format else []
+    output = await structured.checked_constraint(engine, json_output, body.forced_tools, tools,
+                                                 chat.tool_format)  # fmt: skip
     sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,

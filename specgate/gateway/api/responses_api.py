@@ -206,8 +206,9 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise APIError(400, "input: nothing to respond to", param="input")
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              messages_param="input")  # fmt: skip
-    output = structured.constraint(body.json_output, body.forced_tools,
-                                   body.template_tools if chat.tool_format else [], chat.tool_format)
+    tools = body.template_tools if chat.tool_format else []
+    output = await structured.checked_constraint(engine, body.json_output, body.forced_tools,
+                                                 tools, chat.tool_format)  # fmt: skip
     req = plan_request(served, engine, request.headers, chat.tokens,
                        replace(body.sampling(), constraint=output), body.max_output_tokens,
                        "max_output_tokens", prompt_param="input",

@@ -12,6 +12,12 @@ Grammars are llguidance's Lark dialect, with the JSON parts inlined as
 `%json{...}` schemas; the JSON layout is the one templates render (", " and
 ": " separators, no other whitespace), so a forced call reads like the
 calls the model saw in training.
+
+A request's schemas are strangers' input to a native compiler: each is
+bounded first (engines/grammar/bounds.py: depth with `$ref`s followed,
+width, size, loops), the grammar is built on the CPU workers, and it is
+compiled once in the sandbox (engines/grammar/sandbox.py) before the
+request is admitted, so every refusal is a 400 before a byte streams.
 """
 
 from __future__ import annotations
@@ -19,8 +25,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from specgate.engines.base import OutputConstraint
-from specgate.engines.grammar import JSON_OPTIONS, GrammarError, json_constraint, lark_constraint
+from specgate.engines.base import Engine, OutputConstraint
+from specgate.engines.cpu import run_cpu
+from specgate.engines.grammar.bounds import LIMITS, check_schema
+from specgate.engines.grammar.matcher import (
+    JSON_OPTIONS,
+    GrammarError,
+    json_constraint,
+    lark_constraint,
+)
 from specgate.gateway.api.tools import CALL_END, CALL_START, GRAMMAR_FORMATS, ToolFormat
 from specgate.gateway.errors import APIError
 
@@ -43,6 +56,24 @@ class ForcedTools:
     param: str
 
 
+async def checked_constraint(
+    engine: Engine,
+    json_output: JsonOutput | None,
+    forced: ForcedTools | None,
+    tools: list[dict],
+    fmt: ToolFormat | None,
+) -> OutputConstraint | None:
+    """`constraint()`, built on the CPU workers and compiled in the
+    engine's sandbox: a 400 naming the parameter where it cannot be."""
+    output = await run_cpu(constraint, json_output, forced, tools, fmt)
+    if output is not None:
+        try:
+            await engine.check_constraint(output)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=output.param, code="invalid_schema") from None
+    return output
+
+
 def constraint(
     json_output: JsonOutput | None,
     forced: ForcedTools | None,
@@ -62,6 +93,7 @@ def constraint(
                 raise APIError(400, f"{forced.param}: no tool named '{forced.name}' in tools",
                                param=forced.param)  # fmt: skip
             _check_format(fmt, forced.param)
+            _check_tools(chosen, forced.param)
             lark = f"start: {_calls_rule(chosen, fmt, forced.parallel)}\n{_call_rules(chosen, fmt)}"
             grammar = lark_constraint(lark, forced.param)
             if fmt == "hermes" and not forced.parallel:
@@ -73,15 +105,28 @@ def constraint(
             return grammar
         if json_output is None:
             return None
+        if json_output.schema is not None:
+            check_schema(json_output.schema, json_output.param)
         if not tools or fmt is None:
             return json_constraint(json_output.schema, json_output.param)
         _check_format(fmt, json_output.param)
+        _check_tools(tools, json_output.param)
         value = _inline_json(json_output.schema or {"type": "object"})
         lark = f"start: {value} | {_calls_rule(tools, fmt, True)}\n{_call_rules(tools, fmt)}"
         return lark_constraint(lark, json_output.param)
     except GrammarError as e:
         raise APIError(400, str(e), param=(forced or json_output).param,
                        code="invalid_schema") from None  # fmt: skip
+
+
+def _check_tools(tools: list[dict], param: str) -> None:
+    """Bound what the grammar is built from: the tools' count and each
+    one's parameters schema (bounds.py)."""
+    if len(tools) > LIMITS.width:
+        raise GrammarError(f"{param}: {len(tools)} tools to hold the output to, more than "
+                           f"{LIMITS.width}")  # fmt: skip
+    for tool in tools:
+        check_schema(_parameters(tool), f"{param}: tool '{_name(tool)[:64]}' parameters")
 
 
 def _hermes_calls(tools: list[dict]) -> list[dict]:

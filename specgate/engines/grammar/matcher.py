@@ -17,11 +17,12 @@ target's p and a drafter's q see the same mask.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
+from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
@@ -34,6 +35,16 @@ NEG_INF = float("-inf")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A model's tokenizer as llguidance builds it (LLTokenizer's arguments)."""
+
+    key: str
+    json: str = field(repr=False)
+    n_vocab: int
+    eos: tuple[int, ...]
+
+
 class GrammarError(EngineError):
     """A grammar that cannot be compiled, or a sequence it cannot follow
     (the gateway checks grammars before a request runs: while it runs,
@@ -41,52 +52,70 @@ class GrammarError(EngineError):
 
 
 def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
-    """Output that is one JSON value matching `schema` (None: any JSON object)."""
+    """Output that is one JSON value matching `schema` (None: any JSON
+    object). Not compiled here: bounds.py, then sandbox.py, check it before
+    an engine compiles it."""
     body = {"type": "object"} if schema is None else schema
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:  # llguidance reports a bad schema as ValueError
-        raise GrammarError(f"{param}: {e}") from None
-    check(grammar, param)
+        raise GrammarError(f"{param}: {first_line(str(e))}") from None
     return OutputConstraint(grammar, json.dumps(body), param)
 
 
 def lark_constraint(lark: str, param: str) -> OutputConstraint:
     """Output that matches a Lark grammar (llguidance's dialect: `%json{...}`
-    embeds a JSON schema, special tokens are written bare, `<|im_end|>`)."""
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-    check(grammar, param)
-    return OutputConstraint(grammar, None, param)
+    embeds a JSON schema, special tokens are written bare, `<|im_end|>`).
+    Not compiled here, as above."""
+    return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(lark), None, param)
 
 
-def check(grammar: str, param: str) -> None:
-    """Raise GrammarError naming `param` where the grammar does not compile."""
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(f"{param}: {error}")
+def first_line(error: str, limit: int = 300) -> str:
+    """llguidance's message without the parser state it dumps after it."""
+    line = error.strip().splitlines()[0] if error.strip() else "the grammar is invalid"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 class Grammars:
     """One model's grammar support: its tokenizer as llguidance sees it
     (built on first use: a large vocabulary takes a moment)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, key: str):
         self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         self.vocab_size = vocab_size
+        self.key = key  # names this tokenizer in the sandbox's children
+        self._spec: TokenizerSpec | None = None
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def _llg(self) -> llguidance.LLTokenizer:
+    def spec(self) -> TokenizerSpec:
+        """The tokenizer as llguidance rebuilds it (here, and in the
+        sandbox's children): tokenizer.json's text, as llguidance.hf reads
+        it from a fast tokenizer, with padding and truncation off."""
         with self._lock:
-            if self._ll is None:
+            if self._spec is None:
                 hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
                 eos = sorted(getattr(self._tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+                backend = getattr(hf, "backend_tokenizer", None)
+                if backend is None:
+                    raise GrammarError("this model's tokenizer cannot drive constrained decoding: "
+                                       "it is not a fast (`tokenizers`) tokenizer")  # fmt: skip
+                backend = copy.copy(backend)
+                backend.no_padding()
+                backend.no_truncation()
+                self._spec = TokenizerSpec(self.key, backend.to_str(), self.vocab_size, tuple(eos))
+            return self._spec
+
+    def _llg(self) -> llguidance.LLTokenizer:
+        spec = self.spec()
+        with self._lock:
+            if self._ll is None:
                 try:
-                    self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                            eos_token=eos)  # fmt: skip
-                except Exception as e:  # e.g. a slow (non-`tokenizers`) tokenizer
+                    self._ll = llguidance.LLTokenizer(spec.json, n_vocab=spec.n_vocab,
+                                                      eos_token=list(spec.eos))  # fmt: skip
+                except Exception as e:
                     raise GrammarError(f"this model's tokenizer cannot drive constrained "
-                                       f"decoding: {e}") from None
+                                       f"decoding: {first_line(str(e))}") from None  # fmt: skip
             return self._ll
 
     def state(self, constraint: OutputConstraint | None) -> GrammarState | None:
@@ -163,7 +192,7 @@ class GrammarState:
 
     def _raise_if_error(self) -> None:
         if self._matcher.is_error():
-            raise GrammarError(f"{self.constraint.param}: {self._matcher.get_error()}")
+            raise GrammarError(f"{self.constraint.param}: {first_line(self._matcher.get_error())}")
 
 
 def masked(logits: mx.array, allowed: mx.array | np.ndarray | None) -> mx.array:

@@ -177,7 +177,7 @@ def test_a_trickled_body_gets_408_at_the_body_deadline(gw):
     assert BODY_DEADLINE_S / 2 < waited < BODY_DEADLINE_S + MARGIN_S
 
 
-def held_open(gw, sock: socket.socket) -> socket.socket:
+def held_open(sock: socket.socket) -> socket.socket:
     """A connection the server keeps for BODY_DEADLINE_S: its headers came,
     its body never does (a socket that sent nothing would be closed at the
     much shorter header deadline)."""
@@ -191,11 +191,9 @@ def test_connections_past_the_per_client_cap_are_closed_at_once(gw):
     before = refused(gw, "per_client")
     with ExitStack() as stack:
         for _ in range(PER_CLIENT):
-            stack.enter_context(held_open(gw, connect(gw, crowded)))
-        with connect(gw, crowded) as extra:
-            t0 = time.monotonic()
+            stack.enter_context(held_open(connect(gw, crowded)))
+        with connect(gw, crowded) as extra:  # closed unanswered (by the cap: the count below)
             assert read_all(extra) == b""
-            assert time.monotonic() - t0 < BODY_DEADLINE_S  # before any of the others ends
         # Another address is served meanwhile.
         with httpx.Client(transport=httpx.HTTPTransport(local_address=other)) as client:
             assert client.get(gw.api + "/models", timeout=30).status_code == 200

@@ -169,14 +169,15 @@ def listening_ports(pid: int) -> set[int]:
 
 
 @contextlib.contextmanager
-def serve_in_process(app, *, log_level: str = "warning") -> Iterator[str]:
+def serve_in_process(app, *, log_level: str = "warning", **settings) -> Iterator[str]:
     """Serve an ASGI app with a real uvicorn in a thread of this process, on
     a loopback socket bound here first (port 0: the kernel's pick, held from
-    the start); yields its base URL once uvicorn has started."""
+    the start); yields its base URL once uvicorn has started. `settings`:
+    more of uvicorn.Config's (its `http` protocol class, say)."""
     import uvicorn
 
     sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **settings))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

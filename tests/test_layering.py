@@ -49,7 +49,7 @@ ROOMS = {
     "api": {"base", "access", "serving"},
     "cluster": {"base", "access", "serving", "api"},
     "app": {"base", "access", "serving", "api", "cluster", "operator"},
-    "server": {"base"},
+    "server": {"base", "access"},  # the connections each client may hold (access/connections.py)
     "operator": {"base", "access", "serving", "api", "cluster", "app", "server"},
 }
 # The only modules that may import builders/, each from inside a function.

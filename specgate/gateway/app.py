@@ -206,7 +206,8 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.add_middleware(PeerRouter, peers=peers, registry=registry, responses=app.state.responses,
                        metrics=metrics)  # fmt: skip
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
-                       body_timeout_s=config.server.body_timeout_s)
+                       body_timeout_s=config.server.body_timeout_s,
+                       body_deadline_s=config.server.body_deadline_s)
     # Outermost: a request without a valid key costs no body read.
     app.add_middleware(AuthMiddleware, keys=keys,
                        metrics_requires_key=config.auth.metrics_requires_key,

@@ -79,9 +79,17 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
+    body_deadline_s: float = Field(60.0, gt=0)  # a whole body arrives within this; else 408
     # SIGTERM: running requests may finish for this long, then end with an error.
     shutdown_grace_s: float = Field(10.0, ge=0)
     max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
+    # A connection's request line and headers arrive within this of its
+    # opening (or of the previous response's end), or it is closed.
+    header_timeout_s: float = Field(10.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)  # an idle connection between requests closes
+    # Connections one client address (IPv6: its /64) may hold at once; those
+    # past it are closed before anything is read. 0: no cap.
+    max_connections_per_client: int = Field(256, ge=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # Memory every loaded model together may take (weights, drafters, their
     # KV reserve; the prefix cache's ram_bytes comes off it first). A model

@@ -179,11 +179,15 @@ class KeyStore:
 
 
 def client_of(scope) -> str:
-    """Whom failures are counted against: the peer address; an IPv6 one by
-    its /64, the block a single host gets (and rotates privacy addresses in).
-    Behind a reverse proxy every client is the proxy: forwarded headers are
-    not trusted, since any client can send them."""
-    host = (scope.get("client") or ("unknown", 0))[0]
+    """Whom failures are counted against: the peer address, as
+    `client_address` names it. Behind a reverse proxy every client is the
+    proxy: forwarded headers are not trusted, since any client can send them."""
+    return client_address((scope.get("client") or ("unknown", 0))[0])
+
+
+def client_address(host: str) -> str:
+    """One client, by its address: an IPv6 one by its /64, the block a single
+    host gets (and rotates privacy addresses in); an IPv4-mapped one as IPv4."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -9,18 +9,21 @@ from specgate.gateway.errors import error_response
 
 class BodyLimitMiddleware:
     """Answer 413 for bodies over max_bytes, and 408 for a body that stops
-    arriving for body_timeout_s (a stuck or slow client must not hold a
-    connection, or later a decoding slot, forever). Errors in the shape of
-    the API the path belongs to.
+    arriving for body_timeout_s or has not arrived whole body_deadline_s
+    after its headers (a stuck or slow client, a byte every few seconds,
+    must not hold a connection, or later a decoding slot, forever). Errors
+    in the shape of the API the path belongs to.
 
     A declared Content-Length is checked before reading anything; a chunked
     body is counted while it arrives, and the app only sees it if it fits.
     """
 
-    def __init__(self, app, max_bytes: int, body_timeout_s: float = 30.0):
+    def __init__(self, app, max_bytes: int, body_timeout_s: float = 30.0,
+                 body_deadline_s: float = 60.0):  # fmt: skip
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_deadline_s = body_deadline_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -34,13 +37,17 @@ class BodyLimitMiddleware:
                 if too_big:
                     return await self._reject(scope, send)
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_deadline_s
         while True:
+            stall_at = loop.time() + self.body_timeout_s
             try:
-                async with asyncio.timeout(self.body_timeout_s):
+                async with asyncio.timeout_at(min(stall_at, deadline)):
                     message = await receive()
             except TimeoutError:
-                return await self._reject(scope, send, 408, "request body did not arrive within "
-                                          f"{self.body_timeout_s:g} s", "body_timeout")  # fmt: skip
+                why = (f"did not arrive in full within {self.body_deadline_s:g} s" if deadline <= stall_at
+                       else f"stopped arriving for {self.body_timeout_s:g} s")  # fmt: skip
+                return await self._reject(scope, send, 408, f"request body {why}", "body_timeout")
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))

@@ -11,6 +11,7 @@ dashboard over these names.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -174,6 +175,9 @@ class Metrics:
             ["node", "model"], buckets=_E2E_BUCKETS, registry=r,
         )
         self.peers = None  # specgate.gateway.cluster.peers.Peers, when the node has some
+        # specgate.gateway.access.connections.ConnectionLimits, set by the
+        # server (gateway/server.py); None in an app served otherwise (tests).
+        self.connections = None
         # (model, method) -> [drafts, draft tokens, accepted], for the ratio gauges.
         self._spec: dict[tuple[str, str], list[int]] = {}
         # process_* (CPU, resident memory, open files): read from /proc, so Linux only.
@@ -328,6 +332,7 @@ class Metrics:
         yield from self._prefix_caches()
         if self.peers:
             yield from self._peers()
+        yield from self._connections()
 
     def _models(self):
         """Residency (gateway/serving/models.py): state, memory, loads and unloads."""
@@ -370,6 +375,39 @@ class Metrics:
         if (rss := process_rss(os.getpid())) is not None:
             resident.add_metric([], rss)
         yield from (state, memory, loads, unloads, load_time, budget, resident)
+
+    def _connections(self):
+        """The process's file descriptors (on macOS too, where the standard
+        process_open_fds and process_max_fds are missing) and the server's
+        connections (gateway/server.py, gateway/access/connections.py)."""
+        limit = GaugeMetricFamily(
+            "specgate_fd_limit", "The soft limit of open files (raised to the hard one at start)"
+        )
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            limit.add_metric([], soft)
+        yield limit
+        try:  # (the listing's own descriptor is one of those listed)
+            yield GaugeMetricFamily("specgate_open_fds", "Open file descriptors",
+                                    value=len(os.listdir("/dev/fd")) - 1)  # fmt: skip
+        except OSError:
+            pass
+        if (c := self.connections) is None:
+            return
+        yield GaugeMetricFamily("specgate_connections_open", "HTTP connections open now",
+                                value=c.open)  # fmt: skip
+        refused = CounterMetricFamily(
+            "specgate_connections_refused",
+            "Connections closed on arrival: per_client (its address held "
+            "server.max_connections_per_client), fd_reserve (too near the open-files limit)",
+            labels=["reason"])  # fmt: skip
+        for reason, n in c.refused.items():
+            refused.add_metric([reason], n)
+        yield refused
+        yield CounterMetricFamily(
+            "specgate_connections_header_timeouts",
+            "Connections closed for not sending a request's headers within server.header_timeout_s",
+            value=c.header_timeouts)  # fmt: skip
 
     def _prefix_caches(self):
         """The in-process models' prefix caches (engines/cache/prefix_cache.py)."""

@@ -1,7 +1,8 @@
 """Many clients at once, quiet and hostile: does every request get a full answer or a 429?
 
     uv run python bench/load.py [--clients 200] [--seconds 60] [--max-tokens 32]
-                                [--impatient 20] [--wrong-key 10] [--runs 1]
+                                [--impatient 20] [--wrong-key 10] [--bombs 10]
+                                [--idle 2000] [--slow-body 5] [--runs 1]
 
 Starts a real `specgate serve` on a loopback port serving the demo model
 (mlx_plain + mlx_mtp, the policy deciding), with API keys, and runs two
@@ -13,9 +14,15 @@ mixes against it one after the other (alternating, --runs times each):
 - hostile: the same clients, plus --impatient clients that send a long
   prompt (a few thousand tokens) and hang up after 1-3 s, mid-prefill (as
   an agent that gives up does; on a 429 they wait its Retry-After, as the
-  SDKs do), and --wrong-key clients that send a known key id with a wrong
+  SDKs do), --wrong-key clients that send a known key id with a wrong
   secret as fast as they are answered (ignoring Retry-After, as an attacker
-  would).
+  would), --bombs clients sending grammar bombs (a `$ref` chain that once
+  overflowed the compiler's stack, 10,000 properties, 5,000 anyOf
+  branches) in a loop, --idle sockets held open sending nothing (reopened
+  as soon as the server closes one), and --slow-body clients trickling a
+  body a byte a second. The hostile clients come from other loopback
+  addresses (127.0.0.2 and up) than the well-behaved ones (127.0.0.1), as
+  other machines on the LAN would.
 
 A well-behaved request ends in exactly one of:
 - full: the stream ended with a finish_reason and `data: [DONE]`, or
@@ -36,6 +43,7 @@ import argparse
 import asyncio
 import json
 import random
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -127,16 +135,77 @@ async def wrong_key_request(client: httpx.AsyncClient, key: str) -> str:
         return type(e).__name__
 
 
+def bomb_body(i: int) -> dict:
+    if i % 3 == 0:  # a $ref chain 999 objects deep (killed the process once)
+        defs = {f"d{j}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{j + 1}"}}}
+                for j in range(999)}  # fmt: skip
+        schema = {"$defs": defs | {"d999": {"type": "string"}}, "$ref": "#/$defs/d0"}
+    elif i % 3 == 1:
+        schema = {"type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(10_000)}}
+    else:
+        schema = {"anyOf": [{"const": f"v{j}"} for j in range(5000)]}
+    return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "stream": True, "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "o", "schema": schema}}}  # fmt: skip
+
+
+async def idle_socket(host: str, port: int, local: str, deadline: float, counts: Counter) -> None:
+    """Hold a connection open sending nothing; when the server closes it, open another."""
+    while time.perf_counter() < deadline:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(local, 0))
+        except OSError as e:
+            counts[f"connect {type(e).__name__}"] += 1
+            await asyncio.sleep(1)
+            continue
+        counts["opened"] += 1
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.perf_counter())):
+                await reader.read()  # b"" once the server closes it
+            counts["closed by server"] += 1
+        except TimeoutError:
+            pass
+        finally:
+            writer.close()
+
+
+async def slow_body(host: str, port: int, local: str, key: str) -> str:
+    """Headers promising 100 kB, then a byte a second until the server answers."""
+    reader, writer = await asyncio.open_connection(host, port, local_addr=(local, 0))
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+                     "content-type: application/json\r\ncontent-length: 100000\r\n\r\n{".encode())  # fmt: skip
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.read(64), 1.0)
+                return head.split(b"\r\n")[0].decode(errors="replace")[9:12] or "closed"
+            except TimeoutError:
+                writer.write(b" ")
+                await writer.drain()
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        writer.close()
+
+
 async def drive(url: str, keys: dict[str, str], args, hostile: bool) -> dict:
     results: list[dict] = []
     impatient: Counter = Counter()
     wrong: Counter = Counter()
+    bombs: Counter = Counter()
+    idle: Counter = Counter()
+    slow: Counter = Counter()
+    host, port = httpx.URL(url).host, httpx.URL(url).port
     health: list[float | None] = []
     deadline = time.perf_counter() + args.seconds
     n_conn = args.clients + args.impatient + args.wrong_key + 16
     limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
+    # The hostile clients from another address than the team's.
+    other = httpx.AsyncHTTPTransport(local_address="127.0.0.2", limits=limits)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=30),
-                                 limits=limits, trust_env=False) as client:  # fmt: skip
+                                 limits=limits, trust_env=False) as client, \
+            httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=30),
+                              transport=other, trust_env=False) as stranger:  # fmt: skip
         async def client_loop(i: int):
             n, key = 0, keys[f"team-{i % TEAM_KEYS}"]
             while time.perf_counter() < deadline:
@@ -150,14 +219,29 @@ async def drive(url: str, keys: dict[str, str], args, hostile: bool) -> dict:
         async def impatient_loop(i: int):
             rng = random.Random(i)
             while time.perf_counter() < deadline:
-                outcome, retry = await impatient_request(client, keys["impatient"], rng)
+                outcome, retry = await impatient_request(stranger, keys["impatient"], rng)
                 impatient[outcome] += 1
                 await asyncio.sleep(min(retry, max(0.0, deadline - time.perf_counter())))
 
         async def wrong_key_loop():
             while time.perf_counter() < deadline:
-                wrong[await wrong_key_request(client, keys["team-0"])] += 1
+                wrong[await wrong_key_request(stranger, keys["team-0"])] += 1
                 await asyncio.sleep(0.05)
+
+        async def bomb_loop(i: int):
+            while time.perf_counter() < deadline:
+                try:
+                    r = await stranger.post("/v1/chat/completions", json=bomb_body(i),
+                                            headers={"Authorization": f"Bearer {keys['impatient']}"})  # fmt: skip
+                    bombs[str(r.status_code)] += 1
+                except httpx.HTTPError as e:
+                    bombs[type(e).__name__] += 1
+                i += 1
+                await asyncio.sleep(0.1)
+
+        async def slow_loop(i: int):
+            while time.perf_counter() < deadline:
+                slow[await slow_body(host, port, f"127.0.0.{3 + i}", keys["impatient"])] += 1
 
         async def health_loop():
             async with httpx.AsyncClient(base_url=url, timeout=10, trust_env=False) as probe:
@@ -174,11 +258,16 @@ async def drive(url: str, keys: dict[str, str], args, hostile: bool) -> dict:
         if hostile:
             tasks += [impatient_loop(i) for i in range(args.impatient)]
             tasks += [wrong_key_loop() for _ in range(args.wrong_key)]
+            tasks += [bomb_loop(i) for i in range(args.bombs)]
+            tasks += [slow_loop(i) for i in range(args.slow_body)]
+            # 100 idle sockets per address (the per-client cap is 256).
+            tasks += [idle_socket(host, port, f"127.0.1.{1 + i // 100}", deadline, idle)
+                      for i in range(args.idle)]  # fmt: skip
         t0 = time.perf_counter()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     return {"results": results, "impatient": impatient, "wrong_key": wrong, "health": health,
-            "wall": wall}
+            "wall": wall, "bombs": bombs, "idle": idle, "slow_body": slow}
 
 
 def pct(values: list[float], q: int) -> float:
@@ -203,6 +292,7 @@ def summary(mix: str, run: dict, rss_peak: float) -> dict:
         "health_max_s": round(max(answered, default=float("nan")), 2),
         "rss_peak_mib": round(rss_peak),
         "impatient": dict(run["impatient"]), "wrong_key": dict(run["wrong_key"]),
+        "bombs": dict(run["bombs"]), "idle": dict(run["idle"]), "slow_body": dict(run["slow_body"]),
         "lost_why": dict(Counter(r.get("why") for r in results if r["outcome"] == "lost")),
     }  # fmt: skip
 
@@ -216,9 +306,15 @@ def main() -> None:
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--impatient", type=int, default=20)
     ap.add_argument("--wrong-key", type=int, default=10)
+    ap.add_argument("--bombs", type=int, default=10)
+    ap.add_argument("--idle", type=int, default=2000)
+    ap.add_argument("--slow-body", type=int, default=5)
     ap.add_argument("--runs", type=int, default=1, help="quiet/hostile pairs, alternating")
     ap.add_argument("--json", type=Path, default=REPO / "bench/results/load.json")
     args = ap.parse_args()
+    # This process holds every idle socket of the hostile mix.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     model = {"id": "demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"],
              "max_context": 8192, "max_concurrent": args.max_concurrent,
              "max_queue": args.max_queue}  # fmt: skip
@@ -248,7 +344,8 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     print(f"\ndemo model, {args.clients} well-behaved streaming clients for {args.seconds:.0f} s "
           f"(+ {args.impatient} hanging up mid-prefill on {LONG_PROMPT_TOKENS}-token prompts "
-          f"+ {args.wrong_key} wrong-key in the hostile mix), max_tokens {args.max_tokens}, "
+          f"+ {args.wrong_key} wrong-key + {args.bombs} grammar bombs + {args.idle} idle sockets "
+          f"+ {args.slow_body} slow bodies in the hostile mix), max_tokens {args.max_tokens}, "
           f"max_concurrent {args.max_concurrent}, max_queue {args.max_queue}")
     quiet = statistics.median(r["latency_p50_s"] for r in rows if r["mix"] == "quiet")
     cols = ["mix", "requests", "full", "refused_429", "lost", "tokens_per_s", "latency_p50_s",
@@ -261,7 +358,8 @@ def report(rows: list[dict], args) -> None:
         print("| " + " | ".join(str(r[c]) for c in cols) + f" | {ratio:.2f} |")
     for r in rows:
         if r["mix"] == "hostile":
-            print(f"hostile clients got: impatient {r['impatient']}, wrong key {r['wrong_key']}")
+            print(f"hostile clients got: impatient {r['impatient']}, wrong key {r['wrong_key']}, "
+                  f"bombs {r['bombs']}, idle sockets {r['idle']}, slow bodies {r['slow_body']}")
         if r["lost_why"]:
             print(f"{r['mix']} lost:", r["lost_why"])
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,13 @@ from tests.conftest import start_gateway, stop_gateway
 def server(tiny_model, tmp_path_factory):
     xml = build_tool_caller(tmp_path_factory.mktemp("xml") / "xml", XML_TEMPLATE, "ok")
     gw = start_gateway(
-        {"server": {"max_body_bytes": 8 << 20},
-         "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 2048},
-                    {"id": "xml", "path": str(xml), "max_context": 2048}]},  # fmt: skip
+        {
+            "server": {"max_body_bytes": 8 << 20},
+            "models": [
+                {"id": "tiny", "path": str(tiny_model), "max_context": 2048},
+                {"id": "xml", "path": str(xml), "max_context": 2048},
+            ],
+        },  # fmt: skip
         tmp_path_factory.mktemp("hostile-schemas"),
     )
     yield gw
@@ -60,8 +64,10 @@ BOMBS = {
     "ref-chain-3000": ref_chain(3000),  # killed the process (C stack overflow)
     "prop-chain-999": prop_chain(999),  # so did this
     "self-ref": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-    "mutual-ref": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
-                   "$ref": "#/$defs/a"},  # fmt: skip
+    "mutual-ref": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+        "$ref": "#/$defs/a",
+    },  # fmt: skip
     "10k-optional": properties(10_000, required=False),
     "10k-required": properties(10_000, required=True),
     "anyOf-5000": {"anyOf": [{"const": f"v{i}"} for i in range(5000)]},

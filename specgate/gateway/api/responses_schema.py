@@ -16,10 +16,19 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from specgate.engines.base import SamplingParams
-from specgate.gateway.api.openai_schema import FunctionName, refuse_lone_surrogates
+from specgate.gateway.api.openai_schema import FunctionName
+from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
 
 UNSUPPORTED = {
@@ -59,15 +68,11 @@ class FunctionCallItem(BaseModel):
     name: FunctionName
     arguments: StrictStr
 
-    @model_validator(mode="after")
-    def json_object(self):
-        try:
-            value = json.loads(self.arguments or "{}")
-        except json.JSONDecodeError:
-            value = None
-        if not isinstance(value, dict):
-            raise ValueError("arguments must be JSON text of an object")
-        return self
+    @field_validator("arguments")
+    @classmethod
+    def json_object(cls, v: str) -> str:
+        json_object_text(v)
+        return v
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -150,7 +155,7 @@ class Reasoning(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
+    _plain_json = model_validator(mode="before")(refuse_unsafe_json)
 
     model: StrictStr = Field(min_length=1)
     input: StrictStr | list[Annotated[Item, Field()]]

@@ -42,15 +42,20 @@ HARMLESS = {"background": (False, None), "top_logprobs": (0, None), "conversatio
 INCLUDABLE = {"reasoning.encrypted_content"}  # nothing to include: specgate makes no reasoning
 
 
-class InputText(BaseModel):
+class _ItemPart(BaseModel):
+    # Clients send output items back as the API gave them (ids, status, an
+    # output_text's annotations and logprobs), and may send fields of newer
+    # API versions: accepted, and dropped here, so a stored conversation
+    # (responses_api.ResponseStore) holds only the fields read.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_ItemPart):
     type: Literal["input_text", "output_text", "text"]
     text: StrictStr
-    model_config = ConfigDict(extra="allow")  # annotations, logprobs of an output_text
 
 
-class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class MessageItem(_ItemPart):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[InputText]
@@ -60,9 +65,7 @@ class MessageItem(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class FunctionCallItem(_ItemPart):
     type: Literal["function_call"]
     call_id: StrictStr = Field(min_length=1)
     name: FunctionName
@@ -75,9 +78,7 @@ class FunctionCallItem(BaseModel):
         return v
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class FunctionCallOutputItem(_ItemPart):
     type: Literal["function_call_output"]
     call_id: StrictStr = Field(min_length=1)
     output: StrictStr | list[InputText]
@@ -87,9 +88,7 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ReasoningItem(_ItemPart):
     type: Literal["reasoning"]
 
 

@@ -36,39 +36,48 @@ def _text(s: str) -> bool:
     return True
 
 
-def _path(steps: tuple, root: str) -> str:
-    shown = ".".join(str(s) for s in steps[:_SHOWN_STEPS])
-    if len(steps) > _SHOWN_STEPS:
-        shown += "..."
+def _path(at: tuple | None, root: str) -> str:
+    """A path kept as nested (parent, step) pairs, as text."""
+    steps = []
+    while at is not None:
+        at, step = at
+        steps.append(str(step))
+    steps.reverse()
+    shown = ".".join(steps[:_SHOWN_STEPS]) + ("..." if len(steps) > _SHOWN_STEPS else "")
     return f"{root}.{shown}" if root and shown else root or shown or "body"
+
+
+def _surrogate(at: tuple | None, root: str) -> str:
+    return f"{_path(at, root)}: contains a lone UTF-16 surrogate, which is not valid Unicode"
 
 
 def problem(data: Any, root: str = "") -> str | None:
     """What is wrong with decoded JSON, naming where (`root` names the
     value itself, as in "arguments"), or None."""
-    # (value, its path as a tuple of steps, its depth)
-    pending: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    if isinstance(data, str):
+        return None if _text(data) else _surrogate(None, root)
+    # Containers still to look into: (container, its path, its depth).
+    pending: list[tuple[dict | list, tuple | None, int]] = []
+    if isinstance(data, (dict, list)):
+        pending.append((data, None, 1))
     while pending:
-        value, steps, depth = pending.pop()
-        if isinstance(value, str):
-            if not _text(value):
-                return (f"{_path(steps, root)}: contains a lone UTF-16 surrogate, which is "
-                        "not valid Unicode")  # fmt: skip
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
+        value, at, depth = pending.pop()
         if depth > MAX_DEPTH:
-            return f"{_path(steps, root)}: nested more than {MAX_DEPTH} levels deep"
-        if isinstance(value, list):
-            entries = list(enumerate(value))
-        else:
+            return f"{_path(at, root)}: nested more than {MAX_DEPTH} levels deep"
+        if isinstance(value, dict):
             for key in value:  # JSON's keys are strings
                 if not _text(key):
-                    return (f"{_path(steps, root)}: the key {ascii(key)} contains a lone UTF-16 "
+                    return (f"{_path(at, root)}: the key {ascii(key)} contains a lone UTF-16 "
                             "surrogate, which is not valid Unicode")  # fmt: skip
-            entries = list(value.items())
-        # Reversed, so the first problem in the document's order is found first.
-        pending.extend((item, (*steps, key), depth + 1) for key, item in reversed(entries))
+            entries = value.items()
+        else:
+            entries = enumerate(value)
+        for key, item in entries:
+            if isinstance(item, str):
+                if not _text(item):
+                    return _surrogate((at, key), root)
+            elif isinstance(item, (dict, list)):
+                pending.append((item, (at, key), depth + 1))
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -181,3 +182,113 @@ def test_oversized_headers_get_431_and_the_server_keeps_serving(gateway):
     # Headers under the limit are fine, and the server still answers.
     ok = httpx.get(gateway.base_url + "/health", headers={"x-big": "b" * 30000}, timeout=30)
     assert ok.status_code == 200
+
+
+# -- object keys and nesting: every API, whole and streamed -----------------------------------------
+
+S = "\ud800"  # json.dumps writes it as the escape "\ud800"; the server decodes a lone surrogate
+USER = {"role": "user", "content": "hi"}
+
+
+def nested_text(depth: int) -> str:
+    """JSON text of objects `depth` deep (json.dumps itself cannot write 2,000)."""
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def nested(depth: int) -> str:
+    """Stands for nested_text(depth) inside a body; `encoded` puts it there."""
+    return f"<nested {depth}>"
+
+
+def encoded(body: dict) -> bytes:
+    text = json.dumps(body)
+    return re.sub(r'"<nested (\d+)>"', lambda m: nested_text(int(m.group(1))), text).encode()
+
+
+def chat_call(arguments: str) -> dict:
+    """A chat with a tool call in its history, `arguments` its JSON text."""
+    return chat(messages=[USER, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}])  # fmt: skip
+
+
+def responses_call(arguments: str) -> dict:
+    return {"model": "tiny", "max_output_tokens": 2, "input": [
+        USER, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}  # fmt: skip
+
+
+def messages_call(tool_input: object) -> dict:
+    return {"model": "tiny", "max_tokens": 2, "messages": [
+        USER, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": tool_input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}
+
+
+PROPERTY = {"type": "object", "properties": {f"city{S}": {"type": "string"}}}
+# (path, body, what the message must name, and say)
+KEYS_AND_DEPTH = {
+    "surrogate: a tool's property name": (CHAT, chat(tools=[
+        {"type": "function", "function": {"name": "f", "parameters": PROPERTY}}]),
+        "tools.0.function.parameters.properties", "surrogate"),
+    "surrogate: a message's key": (CHAT, chat(messages=[USER | {f"x{S}": 1}]), "messages.0", "surrogate"),
+    "surrogate: a response_format schema's property": (CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": PROPERTY}}),
+        "response_format.json_schema.schema.properties", "surrogate"),
+    "surrogate: a chat tool call's arguments": (CHAT, chat_call(json.dumps({S: 1})),
+        "messages.1.tool_calls.0.function.arguments", "surrogate"),
+    "surrogate: a Responses metadata key": (
+        "/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, "metadata": {S: "x"}},
+        "metadata", "surrogate"),
+    "surrogate: a Responses tool's property name": ("/responses", {
+        "model": "tiny", "input": "hi", "max_output_tokens": 2,
+        "tools": [{"type": "function", "name": "f", "parameters": PROPERTY}]},
+        "tools.0.parameters.properties", "surrogate"),
+    "surrogate: a Responses function_call's arguments": (
+        "/responses", responses_call(json.dumps({S: 1})), "input.1.function_call.arguments", "surrogate"),
+    "surrogate: an Anthropic tool_use input key": (
+        "/messages", messages_call({S: 1}), "messages.1.content.0.input", "surrogate"),
+    "surrogate: an Anthropic tool's input_schema property": ("/messages", {
+        "model": "tiny", "max_tokens": 2, "messages": [USER],
+        "tools": [{"name": "f", "input_schema": PROPERTY}]},
+        "tools.0.input_schema.properties", "surrogate"),
+    "surrogate: count_tokens": ("/messages/count_tokens", {
+        "model": "tiny", "messages": [USER], "tools": [{"name": "f", "input_schema": PROPERTY}]},
+        "tools.0.input_schema.properties", "surrogate"),
+    "depth: chat tool call arguments, 2,000 deep": (
+        CHAT, chat_call(nested_text(2000)), "messages.1.tool_calls.0.function.arguments", "nested"),
+    "depth: chat tool call arguments, 65 deep": (
+        CHAT, chat_call(nested_text(65)), "messages.1.tool_calls.0.function.arguments", "nested"),
+    "depth: Responses function_call arguments, 2,000 deep": (
+        "/responses", responses_call(nested_text(2000)), "input.1.function_call.arguments",
+        "nested"),
+    "depth: Anthropic tool_use input, 800 deep": (
+        "/messages", messages_call(nested(800)), "messages.1.content.0.input", "nested"),
+    "depth: Anthropic tool_use input, 2,000 deep (past what json.loads parses)": (
+        "/messages", messages_call(nested(2000)), "request body", "nested"),
+    "depth: a chat tool's parameters, 200 deep": (CHAT, chat(tools=[
+        {"type": "function", "function": {"name": "f", "parameters": nested(200)}}]),
+        "tools.0.function.parameters", "nested"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case,stream", [
+    pytest.param(case, stream, id=f"{case}-{'streamed' if stream else 'whole'}")
+    for case, (path, *_) in KEYS_AND_DEPTH.items()
+    for stream in ((False,) if path.endswith("count_tokens") else (False, True))])
+def test_bad_keys_and_deep_nesting_are_a_400_naming_the_field(gateway, case, stream):
+    """A lone surrogate in an object's key, or JSON nested past 64 levels,
+    anywhere a body holds a mapping (or JSON text of one), is the client's
+    400 in the API's own shape, before any byte of a stream; never a 500."""
+    path, body, where, says = KEYS_AND_DEPTH[case]
+    if stream:
+        body = body | {"stream": True}
+    resp = httpx.post(gateway.api + path, content=encoded(body), timeout=60,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text[:500]
+    assert resp.headers["content-type"] == "application/json"
+    shape = {"type", "error"} if path.startswith("/messages") else {"error"}
+    assert set(resp.json()) == shape
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert says in error["message"] and where in error["message"], error

@@ -82,7 +82,8 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.started_at = int(time.time())
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
-    app.state.responses = ResponseStore()  # for previous_response_id (gateway/api/responses_api.py)
+    kept = config.server.responses_store  # for previous_response_id (gateway/api/responses_api.py)
+    app.state.responses = ResponseStore(kept.responses_per_key, kept.bytes_per_key)
     app.state.peers = metrics.peers = peers = Peers(config.peers)  # gateway/cluster/peers.py, proxy.py
     reloader = Reloader(registry, keys, config, Path(config_path) if config_path else None,
                         overrides or {})  # fmt: skip

@@ -74,6 +74,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ResponsesStoreConfig(_Strict):
+    """Responses kept for the Responses API's `previous_response_id`
+    (gateway/api/responses_api.py), in memory, each API key's apart: a key
+    over either quota forgets its own least recently used, never another
+    key's."""
+
+    responses_per_key: int = Field(1024, ge=0)
+    bytes_per_key: ByteSize = 32 << 20  # of stored items, as JSON
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -96,6 +106,7 @@ class ServerConfig(_Strict):
     # that does not fit evicts the least recently used idle ones; one that
     # could never fit is refused. Default: 3/4 of physical memory.
     memory_budget: ByteSize | None = None
+    responses_store: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 
 
 class AuthConfig(_Strict):
@@ -206,6 +217,10 @@ class _ModelConfig(_Strict):
     drafter: str | None = None
     # Tokens of prompt + completion; default: the model's max_position_embeddings.
     max_context: int | None = Field(None, gt=0)
+    # Tokens a chat completion or a response generates when the request sets
+    # no max_tokens / max_completion_tokens / max_output_tokens (at most
+    # what the context leaves); /v1/completions keeps OpenAI's 16.
+    default_max_tokens: int = Field(4096, gt=0)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
     # Longest wait in the admission queue before 503 + Retry-After.

@@ -99,9 +99,16 @@ def _is_type_tag(part: object) -> bool:
     )
 
 
+def _param_path(error: dict) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    # The deepest error first: a union field (Responses' `input`, a string or
+    # items) fails once per member, and the member the value was meant for
+    # fails deeper than the one whose type it does not have.
+    first = max(exc.errors(), key=lambda e: len(_param_path(e)))
+    loc = _param_path(first)
     if first.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
     param = ".".join(loc) or None
@@ -127,6 +134,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
             # FastAPI's words for a body it could not decode (e.g. bad UTF-8).
+            if isinstance(exc.__cause__, RecursionError):  # json.loads' own depth limit
+                return error_response(request.url.path, 400,
+                                      "request body: JSON nested too deeply to parse",
+                                      code="invalid_json")  # fmt: skip
             return error_response(
                 request.url.path, 400, "request body is not valid UTF-8 JSON", code="invalid_json"
             )

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from specgate.engines.base import SamplingParams
-from specgate.gateway.api.openai_schema import refuse_lone_surrogates
+from specgate.gateway.api.plain_json import refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools
 
 # Fields Anthropic defines that specgate cannot honour, with what to say.
@@ -172,7 +172,7 @@ class _Conversation(BaseModel):
     # Anthropic adds fields often; known ones we cannot honour are refused.
     model_config = ConfigDict(extra="allow")
 
-    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
+    _plain_json = model_validator(mode="before")(refuse_unsafe_json)
 
     model: StrictStr = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)

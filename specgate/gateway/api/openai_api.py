@@ -30,6 +30,10 @@ from specgate.gateway.serving.generation import (
 
 router = APIRouter()
 
+# OpenAI's documented default for /v1/completions without max_tokens (chat
+# completions take the model's `default_max_tokens`).
+COMPLETIONS_MAX_TOKENS = 16
+
 
 def load_fields(running: int, waiting: int, capacity: int, state: str) -> dict:
     """The `specgate` field of a /v1/models entry (what a front node reads)."""
@@ -279,7 +283,8 @@ async def completions(body: CompletionRequest, request: Request):
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, body.max_tokens,
                        ignore_eos=body.ignore_eos, prompt_param="prompt",
-                       prompt_text=body.prompt if isinstance(body.prompt, str) else None)
+                       prompt_text=body.prompt if isinstance(body.prompt, str) else None,
+                       default_max_tokens=COMPLETIONS_MAX_TOKENS)
     usage = Usage(len(prompt))
     rid, created = new_id("cmpl"), int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from specgate.engines.base import SamplingParams
+from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
 
 # Fields we know and cannot honour yet, with what to tell the client.
@@ -42,30 +43,6 @@ HARMLESS_DEFAULTS = {
     "suffix": (None, ""),
     "echo": (False, None),
 }
-
-
-def lone_surrogate_at(data: object, path: str = "") -> str | None:
-    """Where in a decoded JSON body a string holds a lone UTF-16 surrogate
-    (JSON's "\\ud800" escape allows one; it is no Unicode text, and a tokenizer
-    or a UTF-8 encoder fails on it deep inside), or None."""
-    if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        found = lone_surrogate_at(value, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
-
-
-def refuse_lone_surrogates(data: object) -> object:
-    if (where := lone_surrogate_at(data)) is not None:
-        raise ValueError(f"{where}: contains a lone UTF-16 surrogate, which is not valid Unicode")
-    return data
 
 
 class StreamOptions(BaseModel):
@@ -97,7 +74,7 @@ class _Body(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
 
-    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
+    _plain_json = model_validator(mode="before")(refuse_unsafe_json)
 
     @model_validator(mode="after")
     def refuse_unsupported(self):
@@ -166,12 +143,7 @@ class CalledFunction(BaseModel):
     @field_validator("arguments")
     @classmethod
     def json_object(cls, v: str):
-        try:
-            parsed = json.loads(v or "{}")
-        except json.JSONDecodeError:
-            raise ValueError("arguments must be JSON text of an object") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("arguments must be JSON text of an object")
+        json_object_text(v)
         return v
 
 

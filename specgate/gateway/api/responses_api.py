@@ -8,8 +8,9 @@ closed, between `response.created` / `response.in_progress` and
 `response.completed` (or `response.incomplete` when max_output_tokens cut
 it), each event numbered. `previous_response_id` continues a stored
 response: responses are kept in memory per API key (`store: false` keeps
-none), a bounded number, the oldest forgotten first; a forgotten or
-another key's id is a 404 naming the parameter.
+none), each key within its own quota (`server.responses_store`), its least
+recently used forgotten first; a forgotten or another key's id is a 404
+naming the parameter.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -52,44 +54,67 @@ from specgate.gateway.serving.generation import (
 router = APIRouter()
 
 
-class ResponseStore:
-    """Stored responses, per API key: each keeps the items it added to its
-    conversation (the request's new input and its output) and the response
-    it continued, so a long conversation is stored once, not once per turn.
-    Bounded in responses and in characters, least recently used forgotten
-    first; a response whose chain lost a link is forgotten too."""
+@dataclass
+class _Stored:
+    parent: str | None  # the response it continued
+    items: list  # the items it added: the request's new input, then its output
+    size: int  # their JSON's bytes
 
-    def __init__(self, capacity: int = 4096, max_chars: int = 64 << 20):
-        self.capacity, self.max_chars = capacity, max_chars
-        self._entries: OrderedDict[tuple[str, str], tuple[str | None, list, int]] = OrderedDict()
-        self._chars = 0
+
+class _KeyStore:
+    """One key's responses, least recently used first."""
+
+    def __init__(self):
+        self.responses: OrderedDict[str, _Stored] = OrderedDict()
+        self.size = 0
+
+
+class ResponseStore:
+    """Stored responses, each API key's apart: a key keeps at most
+    `responses_per_key` responses and `bytes_per_key` bytes of items (as
+    JSON), its least recently used forgotten first, so one key's traffic
+    never evicts another key's conversations. Each response keeps the items
+    it added to its conversation and the response it continued, so a long
+    conversation is stored once, not once per turn; a response whose chain
+    lost a link is forgotten too, and one larger than a key's whole quota is
+    not kept. Items hold only the fields the API defines (responses_schema:
+    unknown ones are dropped as the request is parsed)."""
+
+    def __init__(self, responses_per_key: int, bytes_per_key: int):
+        self.responses_per_key, self.bytes_per_key = responses_per_key, bytes_per_key
+        self._keys: dict[str, _KeyStore] = {}
         self._lock = threading.Lock()
 
     def put(self, key: str, response_id: str, parent: str | None, items: list) -> None:
-        size = sum(len(i.model_dump_json()) for i in items)
+        size = len(pydantic_core.to_json(items))
+        if size > self.bytes_per_key or self.responses_per_key == 0:
+            return
         with self._lock:
-            self._entries[(key, response_id)] = (parent, items, size)
-            self._chars += size
-            while len(self._entries) > self.capacity or self._chars > self.max_chars:
-                _, (_, _, freed) = self._entries.popitem(last=False)
-                self._chars -= freed
+            own = self._keys.setdefault(key, _KeyStore())
+            own.responses[response_id] = _Stored(parent, items, size)
+            own.size += size
+            while len(own.responses) > self.responses_per_key or own.size > self.bytes_per_key:
+                _, forgotten = own.responses.popitem(last=False)
+                own.size -= forgotten.size
 
     def holds(self, key: str, response_id: str) -> bool:
         with self._lock:
-            return (key, response_id) in self._entries
+            own = self._keys.get(key)
+            return own is not None and response_id in own.responses
 
     def conversation(self, key: str, response_id: str) -> list | None:
         """Every item up to and including this response's output, or None."""
         chain: list[list] = []
         with self._lock:
+            own = self._keys.get(key)
             at: str | None = response_id
             while at is not None:
-                entry = self._entries.get((key, at))
-                if entry is None:
+                stored = own.responses.get(at) if own is not None else None
+                if stored is None:
                     return None
-                self._entries.move_to_end((key, at))
-                at, items, _ = entry
-                chain.append(items)
+                own.responses.move_to_end(at)
+                at = stored.parent
+                chain.append(stored.items)
         return [item for items in reversed(chain) for item in items]
 
 
@@ -197,7 +222,10 @@ async def create_response(body: ResponsesRequest, request: Request):
         if history is None:
             raise APIError(404, f"previous_response_id: no stored response '"
                                 f"{body.previous_response_id}' for this key (responses sent with "
-                                "store: false are not kept, and the oldest are forgotten)",
+                                "store: false are not kept, and each key's least recently used "
+                                "are forgotten past its quota of "
+                                f"{store.responses_per_key} responses and {store.bytes_per_key} "
+                                "bytes)",
                            param="previous_response_id",
                            code="previous_response_not_found")  # fmt: skip
     items = history + body.items

@@ -16,10 +16,19 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from specgate.engines.base import SamplingParams
-from specgate.gateway.api.openai_schema import FunctionName, refuse_lone_surrogates
+from specgate.gateway.api.openai_schema import FunctionName
+from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
 
 UNSUPPORTED = {
@@ -33,15 +42,20 @@ HARMLESS = {"background": (False, None), "top_logprobs": (0, None), "conversatio
 INCLUDABLE = {"reasoning.encrypted_content"}  # nothing to include: specgate makes no reasoning
 
 
-class InputText(BaseModel):
+class _ItemPart(BaseModel):
+    # Clients send output items back as the API gave them (ids, status, an
+    # output_text's annotations and logprobs), and may send fields of newer
+    # API versions: accepted, and dropped here, so a stored conversation
+    # (responses_api.ResponseStore) holds only the fields read.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_ItemPart):
     type: Literal["input_text", "output_text", "text"]
     text: StrictStr
-    model_config = ConfigDict(extra="allow")  # annotations, logprobs of an output_text
 
 
-class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class MessageItem(_ItemPart):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[InputText]
@@ -51,28 +65,20 @@ class MessageItem(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class FunctionCallItem(_ItemPart):
     type: Literal["function_call"]
     call_id: StrictStr = Field(min_length=1)
     name: FunctionName
     arguments: StrictStr
 
-    @model_validator(mode="after")
-    def json_object(self):
-        try:
-            value = json.loads(self.arguments or "{}")
-        except json.JSONDecodeError:
-            value = None
-        if not isinstance(value, dict):
-            raise ValueError("arguments must be JSON text of an object")
-        return self
+    @field_validator("arguments")
+    @classmethod
+    def json_object(cls, v: str) -> str:
+        json_object_text(v)
+        return v
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class FunctionCallOutputItem(_ItemPart):
     type: Literal["function_call_output"]
     call_id: StrictStr = Field(min_length=1)
     output: StrictStr | list[InputText]
@@ -82,9 +88,7 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ReasoningItem(_ItemPart):
     type: Literal["reasoning"]
 
 
@@ -150,7 +154,7 @@ class Reasoning(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    _text_only = model_validator(mode="before")(refuse_lone_surrogates)
+    _plain_json = model_validator(mode="before")(refuse_unsafe_json)
 
     model: StrictStr = Field(min_length=1)
     input: StrictStr | list[Annotated[Item, Field()]]

@@ -159,8 +159,11 @@ def plan_request(
     prompt_param: str = "messages",
     prompt_text: str | None = None,
     boundaries: MessageBoundaries | None = None,
+    default_max_tokens: int | None = None,
 ) -> Planned:
     """Check limits, decide the plan, and build the engine's request.
+    Without `max_tokens`, `default_max_tokens` (an API's documented default)
+    or else the model's configured one, either cut to what the context leaves.
     `prompt_text` (the rendered prompt, or its last message) classifies the
     content, whose acceptance the policy plans with; `boundaries` (a chat's)
     are where the prefix cache keeps snapshots."""
@@ -176,8 +179,8 @@ def plan_request(
             param=prompt_param,
             code="context_length_exceeded",
         )
-    if max_tokens is None:
-        max_tokens = room
+    if max_tokens is None:  # the API's default, or the model's, never past the context
+        max_tokens = min(room, default_max_tokens or served.config.default_max_tokens)
     elif max_tokens > room:
         raise APIError(
             400,

@@ -399,6 +399,10 @@ class PeerConfig(_Strict):
     health_interval_s: float = Field(2.0, gt=0)  # between checks of a healthy peer
     max_backoff_s: float = Field(30.0, gt=0)  # longest wait between checks of a down one
     connect_timeout_s: float = Field(3.0, gt=0)  # a check, or the start of a request
+    # A whole check, connect to last byte (a peer trickling its answer is down).
+    check_timeout_s: float = Field(5.0, gt=0)
+    # Its /v1/models body is read up to this much; a longer one marks it down.
+    max_models_body: ByteSize = Field(1 << 20, gt=0)
     # Longest silence within a proxied response (a long prefill answers late).
     read_timeout_s: float = Field(600.0, gt=0)
 

@@ -67,13 +67,16 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self, api: str = "openai") -> dict:
+        server_side = self.status >= 500  # e.g. a 502 for a peer's bad answer
         if api == "anthropic":
-            kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+            default = "api_error" if server_side else "invalid_request_error"
+            kind = _ANTHROPIC_TYPES.get(self.status, default)
             return {"type": "error", "error": {"type": kind, "message": self.message}}
+        default = "server_error" if server_side else "invalid_request_error"
         return {
             "error": {
                 "message": self.message,
-                "type": _OPENAI_TYPES.get(self.status, "invalid_request_error"),
+                "type": _OPENAI_TYPES.get(self.status, default),
                 "param": self.param,
                 "code": self.code,
             }

@@ -5,7 +5,8 @@ says which models it serves and how loaded each is (the `specgate` field
 of each entry, api/openai_api.py's `load_fields`). A failed check, or a request that
 could not reach it, marks the peer down; a down peer is checked again
 after a wait that doubles up to `max_backoff_s`, and is up at its first
-good answer.
+good answer. A peer is trusted no more than a client: a check reads at
+most `max_models_body` bytes and takes at most `check_timeout_s`.
 
 Which node serves a request is `choose`, a plain function: the least
 loaded candidate by (running + waiting) / max_concurrent, this node first
@@ -18,6 +19,7 @@ gateway/cluster/proxy.py carries the request there.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import defaultdict
@@ -30,7 +32,9 @@ from specgate.gateway.config import LOCAL_NODE, PeerConfig
 
 log = logging.getLogger(__name__)
 
-CHECK_READ_TIMEOUT_S = 5.0  # a peer's /v1/models answers from its event loop, never a model
+# Asked of every peer: its answers' bytes as they are, counted against the
+# caps, parsed and relayed as they are (nothing here decompresses them).
+IDENTITY = {"Accept-Encoding": "identity"}
 
 
 @dataclass(frozen=True)
@@ -174,23 +178,35 @@ class Peers:
     async def check(self, node: PeerNode) -> None:
         c = node.config
         try:
-            r = await self.client.get(c.base_url + "/v1/models", headers=node.headers(),
-                                      timeout=httpx.Timeout(CHECK_READ_TIMEOUT_S,
-                                                            connect=c.connect_timeout_s))  # fmt: skip
+            # A peer's /v1/models answers from its event loop, never a model:
+            # the whole check has a deadline, not only each read (a peer
+            # sending a byte a second would pass every read's).
+            async with asyncio.timeout(c.check_timeout_s):
+                async with self.client.stream(
+                        "GET", c.base_url + "/v1/models", headers=node.headers() | IDENTITY,
+                        timeout=httpx.Timeout(c.check_timeout_s, connect=c.connect_timeout_s)) as r:  # fmt: skip
+                    if r.status_code in (401, 403):
+                        node.failed_check(f"{c.base_url} refused this node's key ({r.status_code}); "
+                                          "set the peer's `key` to one of its API keys")  # fmt: skip
+                        return
+                    if r.status_code != 200:
+                        node.failed_check(f"{c.base_url}/v1/models answered {r.status_code}")
+                        return
+                    raw = await read_capped(r, c.max_models_body)
+        except TimeoutError:
+            node.failed_check(f"{c.base_url} did not answer /v1/models within "
+                              f"{c.check_timeout_s:g} s")  # fmt: skip
+            return
+        except TooLarge as e:
+            node.failed_check(f"{c.base_url} answered a /v1/models body {e}")
+            return
         except httpx.HTTPError as e:
             node.failed_check(f"{c.base_url} unreachable: {describe(e)}")
             return
-        if r.status_code in (401, 403):
-            node.failed_check(f"{c.base_url} refused this node's key ({r.status_code}); "
-                              "set the peer's `key` to one of its API keys")  # fmt: skip
-            return
-        if r.status_code != 200:
-            node.failed_check(f"{c.base_url}/v1/models answered {r.status_code}")
-            return
         try:
-            node.checked(parse_models(r.json()))
-        except ValueError as e:
-            node.failed_check(f"{c.base_url}: {e}")
+            node.checked(parse_models(json.loads(raw)))
+        except (ValueError, RecursionError):
+            node.failed_check(f"{c.base_url}: its /v1/models answer is not a model list")
 
     def serving(self, model: str) -> list[PeerNode]:
         """The peers whose last good check listed `model` as servable."""
@@ -232,6 +248,32 @@ def peer_status(peers: Peers) -> list[dict]:
              "models": {m: load_fields(x.running, x.waiting, x.capacity, x.state)
                         for m, x in n.models.items()},
              "in_flight": sum(n.inflight.values())} for n in peers.nodes.values()]  # fmt: skip
+
+
+class TooLarge(Exception):
+    """A peer sent more than this node reads of one answer (or one event)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"over {size_words(limit)}")
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes:
+    """A peer's whole body as sent, but never more than `limit` bytes of it
+    held: past that, TooLarge (the caller closes the response)."""
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(limit)
+    return bytes(body)
+
+
+def size_words(n: int) -> str:
+    """1048576 -> "1 MiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
 
 
 def describe(error: BaseException) -> str:

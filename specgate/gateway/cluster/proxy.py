@@ -8,6 +8,12 @@ it, and either passes the request on to this node's own routes or relays
 it to a peer under that peer's node key. The answer comes back as the peer
 sent it (tagged `X-Specgate-Node`), streamed event by event, except that:
 
+- a peer is no more trusted than a client: a whole answer is read up to
+  64 MiB, an SSE event up to 1 MiB (past either, the peer failed); only the
+  headers listed in `_PASSED_ON` (and specgate's own) are passed on, never
+  its cookies or hop-by-hop headers; an answer that is not the API's (an
+  HTML error page, JSON that is no API error) becomes an error in the API's
+  own shape, its status kept when it is a 4xx or 5xx, else 502;
 - a peer that cannot be reached before anything was sent is marked down
   and the next node in line is tried, this one included;
 - a peer shutting down (its 503 says so) is passed over the same way;
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from contextlib import aclosing
@@ -38,13 +45,16 @@ from specgate.gateway.access.limits import replay as body_once
 from specgate.gateway.access.quotas import Rejected
 from specgate.gateway.api.responses_api import ResponseStore
 from specgate.gateway.cluster.peers import (
+    IDENTITY,
     SERVING_STATES,
     Candidate,
     PeerNode,
     Peers,
+    TooLarge,
     choose,
     describe,
     fraction,
+    read_capped,
 )
 from specgate.gateway.config import LOCAL_NODE
 from specgate.gateway.errors import error_response
@@ -62,9 +72,17 @@ _DROP_REQUEST = frozenset({b"host", b"content-length", b"authorization", b"x-api
                            b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
                            b"upgrade", b"proxy-authorization", b"proxy-connection", b"expect",
                            b"accept-encoding", b"x-forwarded-for"})  # fmt: skip
-_DROP_RESPONSE = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
-                            b"date", b"server", b"content-encoding"})  # fmt: skip
+# A peer's response headers that its client gets. An allow-list, not a
+# deny-list: whatever answers at a peer's address (a specgate, or a reverse
+# proxy or captive portal in between) may send any header, and one not
+# thought of here (Set-Cookie, Alt-Svc, Strict-Transport-Security,
+# Location...) would reach clients as this node's own word. The body's type
+# and framing, Server, Date and the hop-by-hop headers are this node's to set.
+_PASSED_ON = frozenset({b"retry-after", b"cache-control", b"x-accel-buffering", b"x-request-id",
+                        b"request-id"})  # fmt: skip
+_SPECGATE_PREFIX = b"x-specgate-"  # the peer's own (X-Specgate-Plan...), but for NODE_HEADER
 MAX_WHOLE_RESPONSE = 64 << 20  # a whole (not streamed) answer held at most
+MAX_EVENT = 1 << 20  # one SSE event held at most (a whole answer's worth of text is far less)
 AFFINITY_SIZE = 65536  # response ids remembered for previous_response_id
 
 
@@ -129,11 +147,7 @@ class Relayed:
         if completion and counted[1]:
             self.completion_tokens = counted[1]
 
-    def whole(self, raw: bytes) -> None:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return
+    def whole(self, obj: object) -> None:
         if isinstance(obj, dict):
             self._saw_usage(obj.get("usage"))
             if self.api == "responses" and isinstance(obj.get("id"), str):
@@ -326,7 +340,8 @@ class PeerRouter:
         c, path, model = node.config, scope["path"], asked.model
         started = time.monotonic()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
-        headers += [(k.lower().encode(), v.encode()) for k, v in node.headers().items()]
+        headers += [(k.lower().encode(), v.encode())
+                    for k, v in (node.headers() | IDENTITY).items()]  # fmt: skip
         headers.append((b"x-forwarded-for", client_of(scope).encode()))
         query = scope.get("query_string", b"").decode("latin-1")
         request = self.peers.client.build_request(
@@ -364,44 +379,60 @@ class PeerRouter:
     async def _pass_back(self, path: str, send, node: PeerNode, upstream: httpx.Response,
                          relayed: Relayed) -> str:  # fmt: skip
         """Send the peer's answer to the client; the outcome for metrics."""
-        headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _DROP_RESPONSE]
-        headers.append((NODE_HEADER, node.name.encode()))
-        status = upstream.status_code
-        ok = "ok" if status < 400 else "error"
-        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        if not sse:
-            try:
-                raw = await _read_capped(upstream)
-            except httpx.HTTPError as e:
-                node.mark_down(f"{node.config.base_url} failed mid-answer: {describe(e)}")
-                response = error_response(path, 502,
-                                          f"peer {node.name} failed mid-answer: {describe(e)}",
-                                          code="peer_failed")  # fmt: skip
-                await response({"type": "http"}, None, send)
-                return "failed"
-            relayed.whole(raw)
-            headers.append((b"content-length", str(len(raw)).encode()))
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": raw, "more_body": False})
-            return ok
+        status, ok = upstream.status_code, 200 <= upstream.status_code < 300
+        sent = upstream.headers.raw
+        content_type = next((v for k, v in sent if k.lower() == b"content-type"), b"")
+        headers = [*_passed_on(sent), (NODE_HEADER, node.name.encode())]
+        if ok and content_type.startswith(b"text/event-stream"):
+            headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+            return await self._pass_events(send, node, upstream, relayed, status, headers)
+        try:
+            raw = await read_capped(upstream, MAX_WHOLE_RESPONSE)
+        except (TooLarge, httpx.HTTPError) as e:
+            why = f"sent an answer {e}" if isinstance(e, TooLarge) else describe(e)
+            node.mark_down(f"{node.config.base_url} failed mid-answer: {why}")
+            response = error_response(path, 502, f"peer {node.name} failed mid-answer: {why}",
+                                      code="peer_failed")  # fmt: skip
+            await response({"type": "http"}, None, _tagged(send, node.name))
+            return "failed"
+        body, error = _json(raw), 400 <= status < 600
+        if not (isinstance(body, dict) if ok else error and _api_error(api_of(path), body)):
+            what = "not a JSON object" if ok else "not an error in the API's shape"
+            kind, shown = excerpt(content_type, 60) or "no content type", excerpt(raw)
+            response = error_response(
+                path, status if error else 502,
+                f"peer {node.name} answered {status} with {kind}, {what}"
+                + (f': "{shown}"' if shown else ""), code="peer_failed",
+                headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers})  # fmt: skip
+            await response({"type": "http"}, None, send)
+            return "error" if error else "failed"
+        relayed.whole(body)
+        headers += [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode())]  # fmt: skip
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        pending, outcome = b"", ok
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        return "ok" if ok else "error"
+
+    async def _pass_events(self, send, node: PeerNode, upstream: httpx.Response, relayed: Relayed,
+                           status: int, headers: list) -> str:  # fmt: skip
+        """Relay an SSE stream whole events at a time; the outcome for metrics."""
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        events, outcome = EventSplitter(MAX_EVENT), "ok"
         try:
             async for chunk in upstream.aiter_raw():
-                pending += chunk
-                out = []
-                while (end := pending.find(b"\n\n")) >= 0:
-                    event, pending = pending[: end + 2], pending[end + 2 :]
-                    if relayed.keep(event):
-                        out.append(event)
+                out = [event for event in events.feed(chunk) if relayed.keep(event)]
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out),
                                 "more_body": True})  # fmt: skip
             if not relayed.ended:
                 raise httpx.RemoteProtocolError("the stream ended before its last event")
-        except httpx.HTTPError as e:
-            why = (f"sent nothing for {node.config.read_timeout_s:g} s"
-                   if isinstance(e, httpx.ReadTimeout) else describe(e))  # fmt: skip
+        except (TooLarge, httpx.HTTPError) as e:
+            if isinstance(e, TooLarge):
+                why = f"sent an event {e}"
+            elif isinstance(e, httpx.ReadTimeout):
+                why = f"sent nothing for {node.config.read_timeout_s:g} s"
+            else:
+                why = describe(e)
             node.mark_down(f"{node.config.base_url} failed mid-stream: {why}")
             message = f"peer {node.name} failed mid-stream ({why}); the next request goes elsewhere"
             await send({"type": "http.response.body", "body": relayed.error_event(message),
@@ -430,14 +461,67 @@ class _Unavailable(Exception):
     pass
 
 
-async def _read_capped(upstream: httpx.Response) -> bytes:
-    chunks, size = [], 0
-    async for chunk in upstream.aiter_raw():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_WHOLE_RESPONSE:
-            raise httpx.DecodingError(f"answer larger than {MAX_WHOLE_RESPONSE} bytes")
-    return b"".join(chunks)
+class EventSplitter:
+    """A byte stream cut into whole SSE events (each with its blank line),
+    none held past `limit` bytes: TooLarge then. Each byte is scanned once,
+    however small the pieces it comes in."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._pending = bytearray()
+        self._scanned = 0  # of _pending, where the search for a blank line goes on
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        pending = self._pending
+        pending += chunk
+        events, start = [], 0
+        while (end := pending.find(b"\n\n", max(start, self._scanned))) >= 0:
+            if end + 2 - start > self.limit:
+                raise TooLarge(self.limit)
+            events.append(bytes(pending[start : end + 2]))
+            start = end + 2
+        del pending[:start]
+        if len(pending) > self.limit:
+            raise TooLarge(self.limit)
+        self._scanned = max(0, len(pending) - 1)  # a last "\n" may begin the blank line
+        return events
+
+
+def _passed_on(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The peer's headers its client gets (`_PASSED_ON`'s comment says why so few)."""
+    out = []
+    for name, value in headers:
+        name = name.lower()
+        if name in _PASSED_ON or (name.startswith(_SPECGATE_PREFIX) and name != NODE_HEADER):
+            out.append((name, value))
+    return out
+
+
+def _json(raw: bytes) -> object:
+    """`raw` parsed, or None when it is not JSON (or nests past Python's limit)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _api_error(api: str, body: object) -> bool:
+    """Whether `body` is an error in the API's own shape (gateway/errors.py)."""
+    if not isinstance(body, dict) or (api == "anthropic" and body.get("type") != "error"):
+        return False
+    error = body.get("error")
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+_MARKUP = re.compile(r"<[^>]*>?")
+
+
+def excerpt(raw: bytes, limit: int = 120) -> str:
+    """A few words of what a peer sent, fit for an error message: its first
+    bytes only, decoded leniently, markup and control characters out."""
+    text = _MARKUP.sub(" ", raw[: limit * 8].decode("utf-8", "replace"))
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 async def _whole_body(receive) -> bytes | None:

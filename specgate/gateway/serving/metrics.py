@@ -167,7 +167,8 @@ class Metrics:
         self.peer_requests = Counter(
             "specgate_peer_requests",
             "Requests relayed to a peer, by outcome (ok, error: the peer's 4xx/5xx, failed: "
-            "the peer broke off, unreachable: tried the next node, cancelled: the client left)",
+            "the peer broke off or sent what is not passed on, unreachable: tried the next node, "
+            "cancelled: the client left)",
             ["node", "model", "outcome"], registry=r,
         )
         self.peer_latency = Histogram(

@@ -184,7 +184,7 @@ CASES = st.tuples(
     ANY_SCHEMA,
     st.booleans(),
     st.booleans(),
-    st.sampled_from([0, 0, 0, 50, 60]),
+    st.sampled_from([0, 0, 0, 50, 2000]),
 )
 
 

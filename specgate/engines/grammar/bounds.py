@@ -29,6 +29,10 @@ class SchemaLimits:
     # with properties is two: itself and its `properties`)
     width: int = 1_000  # keys of one object, items of one list (properties, enum, anyOf)
     properties: int = 5_000  # property schemas in all
+    # Optional properties of one object: llguidance tracks about four
+    # parser items per optional property still possible, and stops a
+    # generation past 2,000 items per row (500 optional: "2,007 items").
+    optional: int = 400
     nodes: int = 50_000  # JSON values in all, each `$ref` target counted once
 
 
@@ -96,9 +100,18 @@ class _Walk:
                 self.fail(f"{len(value)} entries in one {kind}, more than {self.limits.width}",
                           pointer)  # fmt: skip
             if isinstance(value, dict) and isinstance(value.get("properties"), dict):
-                self.properties += len(value["properties"])
+                names = value["properties"]
+                self.properties += len(names)
                 if self.properties > self.limits.properties:
                     self.fail(f"more than {self.limits.properties} properties in all", pointer)
+                required = value.get("required")
+                required = set(required) if isinstance(required, list) and all(
+                    isinstance(r, str) for r in required) else set()  # fmt: skip
+                optional = len(names) - len(required.intersection(names))
+                if optional > self.limits.optional:
+                    self.fail(f"{optional} optional properties in one object, more than "
+                              f"{self.limits.optional} (list them in `required`, or split the "
+                              "object)", pointer)  # fmt: skip
             on_path[id(value)] = len(path)
             path.append(entered_by)
             stack.append((value, pointer, entered_by, True))

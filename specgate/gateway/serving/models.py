@@ -426,9 +426,7 @@ class ModelRegistry:
         engines, served.engines, served.policy = served.engines, {}, None
         if not engines:
             return
-        for engine in engines.values():
-            await engine.stop()
-        await _release_ranks(served)
+        await _stop_engines(served, engines.values())
         served.counts.unloads[reason] = served.counts.unloads.get(reason, 0) + 1
         log.info("model %s unloaded (%s)", served.id, reason)
 
@@ -449,8 +447,11 @@ class ModelRegistry:
 
     async def drain(self, grace_s: float) -> None:
         """Shutting down: refuse new requests and the queued ones (503), let
-        those decoding finish for up to `grace_s`, then stop every engine, so
-        what still runs ends with an error the client can read."""
+        those decoding finish, then stop every engine, so what still runs
+        ends with an error the client can read. One grace period covers it
+        all: the requests have until its end, and the engines stop together
+        in what is left of it (a llama-server still running at its end is
+        killed), not one after another with a grace each."""
         self.draining = True
         every = [*self.models.values(), *self.retiring]
         for served in every:
@@ -463,19 +464,20 @@ class ModelRegistry:
         if busy:
             log.warning("shutdown grace of %g s over: ending the requests still running on %s",
                         grace_s, ", ".join(busy))  # fmt: skip
-        await self.stop_all()
+        await self.stop_all(max(0.0, deadline - loop.time()))
 
-    async def stop_all(self) -> None:
+    async def stop_all(self, grace_s: float | None = None) -> None:
+        """Stop every model's engines at once; a child process gets `grace_s`
+        to exit before it is killed (None: its engine's own setting)."""
         if self._watch is not None:
             self._watch.cancel()
         for task in list(self._tasks):
             task.cancel()
-        for served in [*self.models.values(), *self.retiring]:
+        every = [*self.models.values(), *self.retiring]
+        for served in every:
             if served.loading is not None:
                 served.loading.cancel()
-            for engine in served.engines.values():
-                await engine.stop()
-            await _release_ranks(served)
+        await asyncio.gather(*(_stop_engines(m, m.engines.values(), grace_s) for m in every))
         # The prefix caches' disk writes still queued: a restart reads them.
         from specgate.engines.loading import flush_prefix_caches
 
@@ -487,6 +489,17 @@ class ModelRegistry:
 
 
 RANKS_STOP_S = 10.0  # telling a distributed model's other ranks to end
+
+
+async def _stop_engines(served: ServedModel, engines, grace_s: float | None = None) -> None:
+    """Stop `engines` (the model's) together, then its other ranks, if any.
+    One that fails to stop is logged: the others stop all the same."""
+    results = await asyncio.gather(*(e.stop(grace_s) for e in engines), return_exceptions=True)
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException):
+            log.error("model %s: stopping %s failed: %r", served.id,
+                      getattr(engine, "name", "an engine"), result)  # fmt: skip
+    await _release_ranks(served)
 
 
 async def _release_ranks(served: ServedModel) -> None:

@@ -87,6 +87,12 @@ class ServerConfig(_Strict):
     # SIGTERM: running requests may finish for this long, then end with an
     # error; the engines stop together within the same period.
     shutdown_grace_s: float = Field(10.0, ge=0)
+    # A model whose load failed is tried again after load_retry_min_s, twice
+    # as long after each further failure, at most load_retry_max_s apart: a
+    # `load: boot` model by itself, one loaded on demand by the first request
+    # after that (until then requests get the error at once).
+    load_retry_min_s: float = Field(5.0, gt=0)
+    load_retry_max_s: float = Field(300.0, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # Memory every loaded model together may take (weights, drafters, their

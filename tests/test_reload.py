@@ -83,13 +83,15 @@ def test_reload_adds_removes_and_changes_models_while_a_stream_completes(reloada
 # in a few hundred bytes. (Once it blocked the event loop for minutes and
 # took 14.8 GB.)
 BOMB = "lol0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"lol{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9))
+    f"lol{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9)
+)
 JUNK = bytes(range(256)) * 16  # not UTF-8: a binary file
 
 
 def resident_bytes(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) << 10
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    kib = next(line for line in status if line.startswith("VmRSS:")).split()[1]
+    return int(kib) << 10
 
 
 def test_a_bad_config_changes_nothing_and_sighup_reloads(reloadable, tiny_model, capsys):

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from specgate.builders.gguf_export import export_gguf
+from specgate.gateway.server import CLOSE_WAIT_S  # after the drain, for the last bytes to go out
 from tests.conftest import start_gateway, stop_gateway
 from tests.test_llamacpp_faults import frozen
 from tests.test_llamacpp_gateway import llama_servers
@@ -31,7 +32,6 @@ from tests.test_llamacpp_process import gone
 pytestmark = pytest.mark.timeout(600)
 
 GRACE_S = 3.0
-CLOSE_WAIT_S = 3.0  # gateway/server.py: after the drain, for the last bytes to go out
 # Margins, not speed checks: what they tell apart is a one-grace exit (about
 # GRACE_S) from one grace per engine (llama-server alone waited 10 s more
 # after its SIGTERM), and a health check that reports the first missed

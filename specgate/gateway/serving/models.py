@@ -250,8 +250,8 @@ class ModelRegistry:
     @property
     def ready(self) -> bool:
         """What /ready says: every `load: boot` model has been tried, no
-        model is unhealthy (an engine stuck, dead or restarting: it recovers
-        by itself, within seconds), and some model can serve. A model whose
+        model is unhealthy (an engine stuck, dead or restarting), and some
+        model can serve. A model whose
         load failed does not hold the node back while another serves (a
         load balancer would pull them all for one); it is retried, and
         /v1/models, /admin/status and /metrics say why it failed. With every

@@ -213,9 +213,12 @@ def test_a_stopped_process_is_found_stuck_killed_and_restarted(tiny_gguf, home,
             first = server.pid
             assert server.problem is None
             with frozen(first):
-                # The restart takes at least one /health poll of the new process
-                # (0.2 s): long enough to see the problem while it lasts.
+                # The first missed answer is a problem at once; the kill comes
+                # at the third. The restart takes at least one /health poll of
+                # the new process (0.2 s): long enough to see the problem then.
                 await until(lambda: server.problem is not None, 30, "the hang to be noticed")
+                seen.append(server.problem)
+                await until(lambda: "stuck" in (server.problem or ""), 30, "the kill")
                 seen.append(server.problem)
                 await until(lambda: server.running and server.pid != first, 60, "a restart")
             assert gone(first) and server.problem is None and server.restarts == 1
@@ -230,7 +233,8 @@ def test_a_stopped_process_is_found_stuck_killed_and_restarted(tiny_gguf, home,
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         server._kill_group(signal.SIGKILL)
-    assert "did not answer /health 3 times in a row" in seen[0] and "restarting" in seen[0]
+    assert "did not answer /health within 1 s (1 time in a row; killed at 3)" in seen[0], seen
+    assert "did not answer /health 3 times in a row" in seen[1] and "restarting" in seen[1], seen
     assert not server.alive
 
 

@@ -366,4 +366,9 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def stop(self) -> None: ...
+    async def stop(self, grace_s: float | None = None) -> None:
+        """End every request it holds (EngineStopped) and what it runs. A
+        child process gets `grace_s` to exit after it is asked to, then is
+        killed (None: the engine's own setting); an in-process worker ends
+        within one step of its work, whatever the grace."""
+        ...

@@ -89,9 +89,10 @@ class LlamaServerSettings(BaseModel):
     progress_timeout_s: float = Field(60.0, gt=0, description="a request fails when llama-server "
                                       "makes no progress on it (no token, no prompt progress) "
                                       "for this long")  # fmt: skip
-    # GET /health every health_interval_s; a process that misses
-    # health_failures answers in a row (health_timeout_s each) is stuck (e.g.
-    # SIGSTOPped): it is killed, its requests fail, it restarts.
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(3.0, gt=0)
+    # GET /health every health_interval_s; one answer missed (none within
+    # health_timeout_s) makes the model unhealthy on /ready until the next
+    # answer, and a process that misses health_failures in a row is stuck
+    # (e.g. SIGSTOPped): it is killed, its requests fail, it restarts.
+    health_interval_s: float = Field(1.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
     health_failures: int = Field(3, ge=1)

@@ -147,9 +147,10 @@ class WorkerEngine:
             )
             self._thread.start()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """End every request in the engine (EngineStopped) and the worker,
-        within one step of its work."""
+        within one step of its work (a thread cannot be killed: the grace
+        does not shorten the wait for that step)."""
         if self._thread is not None:
             self._stopping = True
             self._inbox.put(("stop", None))

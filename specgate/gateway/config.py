@@ -1,11 +1,16 @@
 """specgate's YAML config, validated with pydantic.
 
 A bad config fails at start with the file, the key path and what was
-expected, never with a traceback from deep inside the server.
+expected, never with a traceback from deep inside the server. Reading it
+is bounded whatever the file holds: its size, UTF-8 text only, and the
+nodes its YAML aliases expand to (a few hundred bytes of nested aliases, a
+"billion laughs", expand to billions), so a reload runs it off the event
+loop as a job of bounded size.
 """
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -90,8 +95,15 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
     body_deadline_s: float = Field(60.0, gt=0)  # a whole body arrives within this; else 408
-    # SIGTERM: running requests may finish for this long, then end with an error.
+    # SIGTERM: running requests may finish for this long, then end with an
+    # error; the engines stop together within the same period.
     shutdown_grace_s: float = Field(10.0, ge=0)
+    # A model whose load failed is tried again after load_retry_min_s, twice
+    # as long after each further failure, at most load_retry_max_s apart: a
+    # `load: boot` model by itself, one loaded on demand by the first request
+    # after that (until then requests get the error at once).
+    load_retry_min_s: float = Field(5.0, gt=0)
+    load_retry_max_s: float = Field(300.0, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
     # A connection's request line and headers arrive within this of its
     # opening (or of the previous response's end), or it is closed.
@@ -456,11 +468,18 @@ def default_config() -> Config:
     )
 
 
+# A value quoted in an error: its start (a list of a thousand entries is not
+# repeated back whole).
+_quote = reprlib.Repr()
+_quote.maxstring, _quote.maxother, _quote.maxlist, _quote.maxlevel = 500, 200, 10, 3
+
+
 def _format(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        got = (f" (got {_quote.repr(e['input'])})"
+               if "input" in e and not isinstance(e["input"], dict) else "")  # fmt: skip
         lines.append(f"{source}: {where}: {e['msg']}{got}")
     return "\n".join(lines)
 
@@ -476,16 +495,69 @@ def parse_config(data: object, source: str = "<config>") -> Config:
         raise ConfigError(_format(source, e)) from None
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; past this it is something else
+MAX_CONFIG_NODES = 100_000  # YAML nodes once aliases are expanded (a config: hundreds)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses, before building anything, a document
+    whose aliases expand past MAX_CONFIG_NODES nodes or that contains
+    itself. Aliases within the bound (`&defaults` ... `<<: *defaults`) work."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node)
+        return node
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes `root` holds once every alias is copied out, each
+    shared node counted once (the work is linear in the file, whatever the
+    expansion); YAMLError past the bound or for a node inside itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # nodes whose children are being counted: their subtree
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])  # fmt: skip
+        if counted:
+            open_.discard(id(node))
+            sizes[id(node)] = size = 1 + sum(sizes[id(c)] for c in children)
+            if size > MAX_CONFIG_NODES:
+                raise yaml.YAMLError(f"its aliases expand to more than {MAX_CONFIG_NODES} "
+                                     "nodes; a config is far smaller (an alias bomb?)")  # fmt: skip
+        elif id(node) in open_:
+            raise yaml.YAMLError("an alias refers to a node that contains it")
+        elif id(node) not in sizes:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children)
+    return sizes[id(root)]
+
+
 def load_config(path: str | Path) -> Config:
+    """ConfigError, saying why, for anything but a usable config file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); "
+                          "a config is a YAML text file") from None  # fmt: skip
+    try:
+        data = yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply for a config") from None
     return parse_config(data, str(path))
 
 

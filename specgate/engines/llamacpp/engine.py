@@ -135,9 +135,9 @@ class LlamaCppEngine:
             if self.speculative:
                 self._counters, self._counters_start = await self._read_counters(), self.server.starts
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         self._stopping = True  # what the stop cuts short ends with EngineStopped
-        await self.server.stop()
+        await self.server.stop(grace_s)
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -12,10 +12,12 @@ cleanup runs.
 
 A hung process (SIGSTOPped, wedged in the kernel, swapped to death) keeps its
 listening socket: connections are accepted and then nothing answers. So while
-it runs, GET /health is asked every `health_interval` seconds; a process that
-misses `health_failures` answers in a row (each within `health_timeout`) is
-declared stuck and SIGKILLed (the one signal a stopped process cannot hold
-back), which also fails the requests in flight on it at once, and restarted.
+it runs, GET /health is asked every `health_interval` seconds. One answer
+missed (none within `health_timeout`) is a `problem` at once, so /ready says
+so within seconds; the next answer clears it. A process that misses
+`health_failures` answers in a row is declared stuck and SIGKILLed (the one
+signal a stopped process cannot hold back), which also fails the requests in
+flight on it at once, and restarted.
 llama-server answers /health from its HTTP threads, not from the loop that
 decodes, so a long prompt or a slow token does not make a process look stuck.
 While a process is stuck, dead or restarting, `problem` says why.
@@ -197,8 +199,8 @@ class LlamaServer:
         max_start_failures: int = 5,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
-        health_interval: float = 2.0,
-        health_timeout: float = 3.0,
+        health_interval: float = 1.0,
+        health_timeout: float = 2.0,
         health_failures: int = 3,
     ) -> None:
         self.spec = spec
@@ -353,11 +355,13 @@ class LlamaServer:
                     log.warning("llama-server start failed; retrying in %.1f s: %s",
                                 self._retry_at - time.monotonic(), e)
 
-    async def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL it after the grace period. Idempotent."""
+    async def stop(self, grace: float | None = None) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace` seconds (at
+        most, and by default, `stop_grace`). Idempotent."""
         await self._cancel_recovery()
+        grace = self.stop_grace if grace is None else min(grace, self.stop_grace)
         async with self._lock:
-            await self._stop_locked()
+            await self._stop_locked(grace)
         # The watcher may have seen a crash, and begun a restart, just before
         # _stop_locked ended it.
         await self._cancel_recovery()
@@ -469,7 +473,7 @@ class LlamaServer:
             m = _LISTENING.search(f.read())
         return int(m.group(1)) if m else None
 
-    async def _stop_locked(self) -> None:
+    async def _stop_locked(self, grace: float | None = None) -> None:
         monitor, self._monitor = self._monitor, None
         if monitor is not None and monitor is not asyncio.current_task():
             monitor.cancel()
@@ -480,7 +484,7 @@ class LlamaServer:
             return
         if proc.poll() is None:
             self._kill_group(signal.SIGTERM)
-            deadline = time.monotonic() + self.stop_grace
+            deadline = time.monotonic() + (self.stop_grace if grace is None else grace)
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         self._kill_group(signal.SIGKILL)  # no-op when SIGTERM did it
@@ -527,6 +531,12 @@ class LlamaServer:
                     if misses >= self.health_failures:
                         await self._kill_stuck(proc, misses)
                         return
+                    # One miss is a problem already (/ready says so); an
+                    # answer ends it, and a few in a row end the process.
+                    self._problem = None if not misses else (
+                        f"the process (pid {proc.pid}) did not answer /health within "
+                        f"{self.health_timeout:g} s ({misses} time{'s' * (misses > 1)} in a row; "
+                        f"killed at {self.health_failures})")  # fmt: skip
                 idle = time.monotonic() - self._last_used
                 if self.ttl is not None and self._in_use == 0 and idle >= self.ttl:
                     log.info("llama-server for %s idle %.0f s: stopping", self.spec.model, idle)

@@ -35,9 +35,12 @@ router = APIRouter()
 COMPLETIONS_MAX_TOKENS = 16
 
 
-def load_fields(running: int, waiting: int, capacity: int, state: str) -> dict:
-    """The `specgate` field of a /v1/models entry (what a front node reads)."""
-    return {"running": running, "waiting": waiting, "max_concurrent": capacity, "state": state}
+def load_fields(running: int, waiting: int, capacity: int, state: str,
+                error: str | None = None) -> dict:  # fmt: skip
+    """The `specgate` field of a /v1/models entry (what a front node reads),
+    with why the model's last load failed while it did."""
+    fields = {"running": running, "waiting": waiting, "max_concurrent": capacity, "state": state}
+    return fields | {"error": error} if error else fields
 
 
 def _usage(usage: Usage) -> dict:
@@ -160,7 +163,9 @@ async def _collect(pieces: AsyncIterator[Piece]):
 @router.get("/v1/models")
 async def list_models(request: Request):
     """Each model with its load in a `specgate` field, which a front node
-    routing to this one reads (gateway/cluster/peers.py)."""
+    routing to this one reads (gateway/cluster/peers.py). A failed load's
+    error is there too: a request for the model gets the same in its 503
+    (an engine's problem is for admins only: /ready, /admin/status)."""
     registry = request.app.state.registry
     created = request.app.state.started_at
     return {
@@ -168,7 +173,8 @@ async def list_models(request: Request):
         "data": [
             {"id": m.id, "object": "model", "created": created, "owned_by": "specgate",
              "specgate": load_fields(m.gate.running, m.gate.waiting, m.config.max_concurrent,
-                                     "shutting_down" if registry.draining else m.state)}
+                                     "shutting_down" if registry.draining else m.state,
+                                     m.error if m.engine is None else None)}
             for m in registry.models.values()
         ],
     }  # fmt: skip

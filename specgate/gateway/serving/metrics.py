@@ -352,6 +352,10 @@ class Metrics:
                                       labels=[m, "reason"])
         load_time = SummaryMetricFamily("specgate_model_load_seconds",
                                         "Time to load a model (successful loads)", labels=[m])
+        failing = GaugeMetricFamily("specgate_model_failed_loads_in_a_row",
+                                    "Failed loads since the model's last successful one (each "
+                                    "doubles the wait before it is tried again; the reason is in "
+                                    "/v1/models and /admin/status)", labels=[m])  # fmt: skip
         budget = GaugeMetricFamily("specgate_memory_budget_bytes",
                                    "server.memory_budget, and what of it models may use",
                                    labels=["scope"])
@@ -369,13 +373,14 @@ class Metrics:
             for reason in ("idle", "evicted", "admin", "reload"):
                 unloads.add_metric([served.id, reason], c.unloads.get(reason, 0))
             load_time.add_metric([served.id], c.loads, c.load_seconds)
+            failing.add_metric([served.id], served.failures)
         resident = GaugeMetricFamily(
             "specgate_process_resident_memory_bytes",
             "The gateway process's resident memory (on macOS too, where the standard "
             "process_resident_memory_bytes is missing)")  # fmt: skip
         if (rss := process_rss(os.getpid())) is not None:
             resident.add_metric([], rss)
-        yield from (state, memory, loads, unloads, load_time, budget, resident)
+        yield from (state, memory, loads, unloads, load_time, failing, budget, resident)
 
     def _connections(self):
         """The process's file descriptors (on macOS too, where the standard

@@ -49,7 +49,9 @@ class ServedModel:
     engines: dict[str, Engine] = field(default_factory=dict)  # by engine name
     refused: dict[str, str] = field(default_factory=dict)  # configured engine -> why not built
     policy: LivePolicy | None = None  # once loaded
-    error: str | None = None  # why its last load failed (cleared by the next)
+    error: str | None = None  # why its last load failed (kept while retried, cleared by a success)
+    failures: int = 0  # failed loads in a row: the retry's backoff doubles with each
+    retry_at: float = 0.0  # monotonic; before it, a failed model's error is the answer
     gate: ModelGate = field(init=False)  # admission, fair across keys
     cache_share: str = "system"  # the server's prefix_cache.share
     # Residency (gateway/serving/residency.py decides, ModelRegistry carries out).
@@ -91,6 +93,14 @@ class ServedModel:
         if self.loading is not None or self.boot_pending:
             return "loading"
         return "failed" if self.error else "unloaded"
+
+    @property
+    def serves(self) -> bool:
+        """A request for it can be served: loaded and healthy, or loaded by
+        the request (unloaded, or a first load under way). Not while it
+        failed to load, nor while that load is tried again."""
+        state = self.state
+        return state in ("ready", "unloaded") or (state == "loading" and not self.error)
 
     @property
     def busy(self) -> bool:
@@ -203,7 +213,7 @@ def _parameter_count(served: ServedModel) -> int | None:
 _leases: contextvars.ContextVar[list[ServedModel] | None] = contextvars.ContextVar(
     "model_leases", default=None)
 
-IDLE_CHECK_S = 1.0  # how often idle TTLs are checked
+IDLE_CHECK_S = 1.0  # how often idle TTLs and failed boot models' retries are checked
 ROOM_RETRY_S = 0.25  # waiting for busy models to go idle, to make room
 
 
@@ -219,6 +229,7 @@ class ModelRegistry:
         self.llama_server = config.llama_server
         self.prefix_cache = config.prefix_cache
         self.draining = False  # shutting down: no new requests
+        self.load_retry = (config.server.load_retry_min_s, config.server.load_retry_max_s)
         self._set_budget(config)
         self._room = asyncio.Lock()  # one residency change at a time
         self._watch: asyncio.Task | None = None
@@ -238,12 +249,22 @@ class ModelRegistry:
 
     @property
     def ready(self) -> bool:
-        return all(m.state in ("ready", "unloaded") for m in self.models.values())
+        """What /ready says: every `load: boot` model has been tried, no
+        model is unhealthy (an engine stuck, dead or restarting), and some
+        model can serve. A model whose
+        load failed does not hold the node back while another serves (a
+        load balancer would pull them all for one); it is retried, and
+        /v1/models, /admin/status and /metrics say why it failed. With every
+        model failed, the node is not ready."""
+        models = list(self.models.values())
+        if any(m.boot_pending or m.state == "unhealthy" for m in models):
+            return False
+        return not models or any(m.serves for m in models)
 
     async def start(self) -> None:
         """Load the `load: boot` models one after another (they share one
-        machine's memory), and watch idle TTLs from now on."""
-        self._watch = asyncio.create_task(self._unload_idle())
+        machine's memory), and watch idle TTLs and failed loads from now on."""
+        self._watch = asyncio.create_task(self._watch_residency())
         for served in list(self.models.values()):
             if served.config.load == "boot":
                 await self._boot(served)
@@ -334,14 +355,14 @@ class ModelRegistry:
     async def ensure_loaded(self, served: ServedModel, wait_s: float | None = None,
                             retry_failed: bool = True) -> None:  # fmt: skip
         """Load `served` unless it is; APIError (503) if it cannot be, or not
-        within `wait_s`. A model whose last load failed is tried again only
-        with `retry_failed` (an admin's load), else its error is the answer."""
+        within `wait_s`. A model whose last load failed is tried again once
+        its backoff is over, or at once with `retry_failed` (an admin's
+        load); until then its error is the answer."""
         if served.engine is not None:
             return
         if served.loading is None:
-            if served.error and not retry_failed:
-                raise APIError(503, f"model '{served.id}' failed to load: {served.error}",
-                               code="model_failed")  # fmt: skip
+            if served.error and not retry_failed and time.monotonic() < served.retry_at:
+                raise _load_failed(served)
             served.loading = asyncio.create_task(self._load(served))
         try:
             await asyncio.wait_for(asyncio.shield(served.loading), wait_s)
@@ -349,13 +370,11 @@ class ModelRegistry:
             raise APIError(503, f"model '{served.id}' is still loading",
                            code="model_loading", headers={"Retry-After": "5"}) from None  # fmt: skip
         if served.engine is None:
-            raise APIError(503, f"model '{served.id}' failed to load: {served.error}",
-                           code="model_failed")  # fmt: skip
+            raise _load_failed(served)
 
     async def _load(self, served: ServedModel) -> None:
         t0 = time.monotonic()
         try:
-            served.error = None
             if served.estimate is None:
                 served.estimate = await asyncio.to_thread(estimate, served.config)
             await self._make_room(served)
@@ -375,6 +394,7 @@ class ModelRegistry:
             # From here to the policy, nothing awaits: a request may come as
             # soon as the model has engines.
             served.engines, served.refused, served.lockstep = engines, refused, lockstep
+            served.error, served.failures = None, 0
             served.policy = _policy(served, context)
             served.counts.loads += 1
             served.counts.load_seconds += time.monotonic() - t0
@@ -383,7 +403,12 @@ class ModelRegistry:
         except Exception as e:  # one bad model must not take down the others
             served.error = str(e) if isinstance(e, _CannotFit) else f"{type(e).__name__}: {e}"
             served.counts.load_failures += 1
-            log.error("model %s failed to load: %s", served.id, served.error)
+            served.failures += 1
+            low, high = self.load_retry
+            backoff = min(high, low * 2 ** min(served.failures - 1, 30))
+            served.retry_at = time.monotonic() + backoff
+            log.error("model %s failed to load: %s (next try in %g s)", served.id, served.error,
+                      backoff)  # fmt: skip
         finally:
             served.last_used = time.monotonic()
             served.loading = None
@@ -426,18 +451,19 @@ class ModelRegistry:
         engines, served.engines, served.policy = served.engines, {}, None
         if not engines:
             return
-        for engine in engines.values():
-            await engine.stop()
-        await _release_ranks(served)
+        await _stop_engines(served, engines.values())
         served.counts.unloads[reason] = served.counts.unloads.get(reason, 0) + 1
         log.info("model %s unloaded (%s)", served.id, reason)
 
-    async def _unload_idle(self) -> None:
+    async def _watch_residency(self) -> None:
+        """Unload what is idle past its TTL; try failed boot models again."""
         while True:
             await asyncio.sleep(IDLE_CHECK_S)
             now = time.monotonic()
             for served in list(self.models.values()):
                 mc = served.config
+                if _retry_due(served, now) and not self.draining:
+                    served.loading = asyncio.create_task(self._load(served))
                 if served.engine is not None and idle_expired(now, served.last_used,
                                                               mc.idle_ttl_s, served.busy, mc.pin):  # fmt: skip
                     try:
@@ -449,8 +475,11 @@ class ModelRegistry:
 
     async def drain(self, grace_s: float) -> None:
         """Shutting down: refuse new requests and the queued ones (503), let
-        those decoding finish for up to `grace_s`, then stop every engine, so
-        what still runs ends with an error the client can read."""
+        those decoding finish, then stop every engine, so what still runs
+        ends with an error the client can read. One grace period covers it
+        all: the requests have until its end, and the engines stop together
+        in what is left of it (a llama-server still running at its end is
+        killed), not one after another with a grace each."""
         self.draining = True
         every = [*self.models.values(), *self.retiring]
         for served in every:
@@ -463,19 +492,20 @@ class ModelRegistry:
         if busy:
             log.warning("shutdown grace of %g s over: ending the requests still running on %s",
                         grace_s, ", ".join(busy))  # fmt: skip
-        await self.stop_all()
+        await self.stop_all(max(0.0, deadline - loop.time()))
 
-    async def stop_all(self) -> None:
+    async def stop_all(self, grace_s: float | None = None) -> None:
+        """Stop every model's engines at once; a child process gets `grace_s`
+        to exit before it is killed (None: its engine's own setting)."""
         if self._watch is not None:
             self._watch.cancel()
         for task in list(self._tasks):
             task.cancel()
-        for served in [*self.models.values(), *self.retiring]:
+        every = [*self.models.values(), *self.retiring]
+        for served in every:
             if served.loading is not None:
                 served.loading.cancel()
-            for engine in served.engines.values():
-                await engine.stop()
-            await _release_ranks(served)
+        await asyncio.gather(*(_stop_engines(m, m.engines.values(), grace_s) for m in every))
         # The prefix caches' disk writes still queued: a restart reads them.
         from specgate.engines.loading import flush_prefix_caches
 
@@ -489,6 +519,17 @@ class ModelRegistry:
 RANKS_STOP_S = 10.0  # telling a distributed model's other ranks to end
 
 
+async def _stop_engines(served: ServedModel, engines, grace_s: float | None = None) -> None:
+    """Stop `engines` (the model's) together, then its other ranks, if any.
+    One that fails to stop is logged: the others stop all the same."""
+    results = await asyncio.gather(*(e.stop(grace_s) for e in engines), return_exceptions=True)
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException):
+            log.error("model %s: stopping %s failed: %r", served.id,
+                      getattr(engine, "name", "an engine"), result)  # fmt: skip
+    await _release_ranks(served)
+
+
 async def _release_ranks(served: ServedModel) -> None:
     """A distributed model's engines stopped: its other ranks end too."""
     lockstep, served.lockstep = served.lockstep, None
@@ -498,6 +539,22 @@ async def _release_ranks(served: ServedModel) -> None:
         except TimeoutError:
             log.warning("model %s: its other ranks did not take the stop within %g s",
                         served.id, RANKS_STOP_S)  # fmt: skip
+
+
+def _load_failed(served: ServedModel) -> APIError:
+    wait = max(1, round(served.retry_at - time.monotonic()))
+    return APIError(503, f"model '{served.id}' failed to load: {served.error} (next try in "
+                    f"{wait} s)", code="model_failed", headers={"Retry-After": str(wait)})  # fmt: skip
+
+
+def _retry_due(served: ServedModel, now: float) -> bool:
+    """A `load: boot` model whose load failed, its backoff over. (One loaded
+    on demand is tried again by a request; a distributed one not at all: its
+    other ranks load it once, as they start.)"""
+    mc = served.config
+    return (mc.load == "boot" and mc.distributed is None and served.error is not None
+            and served.engine is None and served.loading is None and not served.boot_pending
+            and now >= served.retry_at)  # fmt: skip
 
 
 class _CannotFit(Exception):
@@ -522,7 +579,9 @@ def model_status(served: ServedModel) -> dict:
         "memory": served.memory(), "estimate": est.total if est else None,
         "in_flight": served.in_use, "idle_s": round(time.monotonic() - served.last_used, 1),
         "load": mc.load, "pin": mc.pin, "idle_ttl_s": mc.idle_ttl_s,
-        "error": served.error, "loads": served.counts.loads,
+        "error": served.error, "loads": served.counts.loads, "failures": served.failures,
+        "retry_in_s": (round(max(0.0, served.retry_at - time.monotonic()), 1)
+                       if served.error and served.engine is None else None),
     }  # fmt: skip
 
 

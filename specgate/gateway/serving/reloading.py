@@ -1,7 +1,9 @@
 """Hot reload: POST /admin/reload and SIGHUP re-read the config file and
 the keys file. A bad file changes nothing (the error names file, key and
 value); a good one applies what can change while serving (the models, the
-memory budget, the keys) and names what waits for a restart."""
+memory budget, the keys) and names what waits for a restart. The config is
+read and validated on a worker thread (a bounded job: gateway/config.py
+bounds the file and its YAML), so serving goes on meanwhile."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class Reloader:
     async def reload(self) -> dict:
         """Apply the files as they are now; ReloadRefused if either is bad."""
         async with self._lock:
-            new = self._read() if self.path is not None else None
+            new = await asyncio.to_thread(self._read) if self.path is not None else None
             try:
                 count = self.keys.reload()
             except KeyFileError as e:

@@ -34,9 +34,11 @@ class CPUPool:
         self.workers, self.queue = workers, queue
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="specgate-cpu")
         self.pending = 0  # running or waiting (read on the loop only)
+        self.refused = 0
 
     async def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         if self.pending >= self.workers + self.queue:
+            self.refused += 1
             raise EngineOverloaded(f"{self.pending} requests are being tokenized or compiled; "
                                    "try again shortly")  # fmt: skip
         self.pending += 1

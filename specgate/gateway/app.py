@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
+from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.gateway.access.auth import (
     AuthMiddleware,
     FailedAuthLimiter,
@@ -76,6 +77,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
             loading.cancel()
             await peers.stop()
             await registry.stop_all()
+            await SANDBOX.close()
 
     app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.registry = registry

@@ -50,14 +50,21 @@ class _Child:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
 
+    async def end(self) -> int:
+        """Kill it and reap it (a killed process exits at once)."""
+        self.kill()
+        return await self.process.wait()
+
 
 class GrammarSandbox:
     def __init__(self, timeout_s: float = 10.0, memory_bytes: int = 4 << 30, workers: int = 2):
         self.timeout_s, self.memory_bytes, self.workers = timeout_s, memory_bytes, workers
         self._idle: list[_Child] = []
+        self._reaping: set[asyncio.Future] = set()
         self._slots = asyncio.Semaphore(workers)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.crashes = self.timeouts = 0  # seen since start (the metrics read them)
+        # Jobs by outcome since start (the metrics read them).
+        self.outcomes = dict.fromkeys(("ok", "refused", "crashed", "timed_out"), 0)
 
     async def check(self, grammar: str, param: str, tokenizer: TokenizerSpec | None) -> None:
         """Raise GrammarError (a 400 naming `param`) where the grammar does
@@ -85,14 +92,13 @@ class GrammarSandbox:
                     error = await child.ask({"op": "check", "grammar": grammar,
                                              "tokenizer": tokenizer and tokenizer.key})  # fmt: skip
             except TimeoutError:
-                child.kill()
-                self.timeouts += 1
+                await child.end()
+                self.outcomes["timed_out"] += 1
                 raise GrammarError(f"{param}: the grammar did not compile within "
                                    f"{self.timeout_s:g} s; simplify the schema") from None  # fmt: skip
             except (asyncio.IncompleteReadError, ConnectionError):
-                child.kill()
-                self.crashes += 1
-                code = await child.process.wait()
+                code = await child.end()
+                self.outcomes["crashed"] += 1
                 log.warning(
                     "the grammar compiler's child ended with %s on a request's %s", code, param
                 )
@@ -100,8 +106,11 @@ class GrammarSandbox:
                                    "(it exceeded the compiler's stack or memory); simplify it") from None  # fmt: skip
             except BaseException:  # cancelled mid-job: the child's state is unknown
                 child.kill()
+                self._reaping.add(task := asyncio.ensure_future(child.process.wait()))
+                task.add_done_callback(self._reaping.discard)
                 raise
             self._idle.append(child)
+        self.outcomes["refused" if error else "ok"] += 1
         if error:
             raise GrammarError(f"{param}: {first_line(error)}")
 
@@ -119,7 +128,9 @@ class GrammarSandbox:
             try:
                 await asyncio.wait_for(child.process.wait(), 2.0)
             except TimeoutError:
-                child.kill()
+                await child.end()
+        if self._reaping:
+            await asyncio.wait(self._reaping, timeout=2.0)
 
 
 SANDBOX = GrammarSandbox()

@@ -26,6 +26,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from specgate.engines.base import Plan, RoundStats
+from specgate.engines.cpu import POOL
+from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.engines.memory import process_rss
 from specgate.gateway.serving.models import STATES, ModelRegistry
 from specgate.policies.content import CONTENT_CLASSES
@@ -334,6 +336,7 @@ class Metrics:
         if self.peers:
             yield from self._peers()
         yield from self._connections()
+        yield from self._request_cpu()
 
     def _models(self):
         """Residency (gateway/serving/models.py): state, memory, loads and unloads."""
@@ -414,6 +417,21 @@ class Metrics:
             "specgate_connections_header_timeouts",
             "Connections closed for not sending a request's headers within server.header_timeout_s",
             value=c.header_timeouts)  # fmt: skip
+
+    def _request_cpu(self):
+        """A request's CPU work off the event loop: the bounded workers
+        (engines/cpu.py) and the grammar compiler's child (engines/grammar/sandbox.py)."""
+        yield GaugeMetricFamily("specgate_cpu_jobs", "Tokenizing, templating and grammar jobs "
+                                "running or waiting on the bounded workers", value=POOL.pending)  # fmt: skip
+        yield CounterMetricFamily("specgate_cpu_jobs_refused", "Jobs refused (429) with the "
+                                  "workers' queue full", value=POOL.refused)  # fmt: skip
+        compiles = CounterMetricFamily(
+            "specgate_grammar_compiles", "Request grammars compiled in the sandbox, by outcome: "
+            "ok, refused (did not compile: a 400), crashed (killed the child), timed_out",
+            labels=["outcome"])  # fmt: skip
+        for outcome, n in SANDBOX.outcomes.items():
+            compiles.add_metric([outcome], n)
+        yield compiles
 
     def _prefix_caches(self):
         """The in-process models' prefix caches (engines/cache/prefix_cache.py)."""

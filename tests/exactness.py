@@ -456,6 +456,7 @@ def sample_rounds(s: Subject, n: int) -> Sample:
         hit = entries.fetch(prefix, drafter=cache_id)
         assert hit.cached == len(prefix) - 1
         decoder = s.engine.make_decoder(_request(s, prefix, SAMPLED, 2, 3), hit.cache, hit.cached)
+        whole_copies(decoder.proposer)
         if hit.drafter is not None:
             decoder.proposer.restore(hit.drafter)
         step = decoder.prefill()
@@ -471,6 +472,16 @@ def sample_rounds(s: Subject, n: int) -> Sample:
     distance = 0.5 * sum(abs(counts[k] / m - exact.get(k, 0.0)) for k in set(counts) | set(exact))
     return Sample(distance, 3 * 0.5 * math.sqrt(len(exact) / m), len(exact), m, drafted, accepted,
                   set(counts) <= set(exact))  # fmt: skip
+
+
+def whole_copies(proposer) -> None:
+    """Copies go to verify whole: on this CPU the engine's evidence
+    (engines/drafting/ngram/copy_length.py) soon learns that the random
+    target rejects them and cuts them, which would leave the sample few
+    drafts to show a wrong rule by."""
+    for p in (proposer, getattr(proposer, "ngram", None)):
+        if hasattr(p, "evidence"):
+            p.evidence = None
 
 
 def wrong_rule(draft, draft_probs, target_probs, key=None):

@@ -435,10 +435,10 @@ class Sample:
 
 def sample_rounds(s: Subject, n: int) -> Sample:
     """n unseeded requests (rejection sampling; MLX's random state seeded
-    before each, so the run repeats) for the copy prefix, each resumed from one prefilled
-    state as the engine resumes a cached prompt (specgate/engines/mlx_spec/engine.py: the
-    prefix cache's entry before the prompt's last token, the drafter's state
-    restored): the last prompt token, the first sampled token, then a depth-2
+    before each, so the run repeats) for the copy prefix, each resumed from
+    one prefilled state as the engine resumes a cached prompt
+    (specgate/engines/mlx_spec/engine.py: the prefix cache's entry before the
+    prompt's last token, the drafter's state restored): the last prompt token, the first sampled token, then a depth-2
     round. The round's two tokens are counted given the commonest first token
     and compared with the target's exact p(a) p(b | a)."""
     prefix = copy_prefix(s.model)

@@ -12,11 +12,12 @@ target, is checked for the wiring around it:
   every depth, with the method's own drafts and with injected ones (each
   position's token is the Gumbel-max of its seed and position,
   engines/sampling.py; that law is proved in tests/test_speculative.py);
-- unseeded (rejection sampling), a round's first two tokens, over many runs, against the target's exact
-  p(a) p(b | a), in total variation, bound 3 x 0.5 sqrt(m/n) (for n samples
-  over m outcomes E[TV] <= 0.5 sqrt(m/n); McDiarmid: a correct sampler fails
-  with probability < exp(-2m) for a random seed; the seeds are fixed). The
-  fast tier draws N_FAST samples, the proof tier (`pytest -m proof`) N_PROOF;
+- unseeded (rejection sampling), a round's first two tokens, over many
+  runs, against the target's exact p(a) p(b | a), in total variation,
+  bound 3 x 0.5 sqrt(m/n) (for n samples over m outcomes E[TV] <= 0.5
+  sqrt(m/n); McDiarmid: a correct sampler fails with probability < exp(-2m)
+  for a random seed; the seeds are fixed). The fast tier draws N_FAST
+  samples, the proof tier (`pytest -m proof`) N_PROOF;
 - a deliberately wrong rule (failure injection: the residual with p and q
   swapped) fails the same check at the fast tier's size, so that size has
   the power to see a real slip.

@@ -19,6 +19,7 @@ state vs checkpoint + replay) at depth 2, greedy. Writes JSON too.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -60,8 +61,9 @@ def timed(fn) -> float:
 
 def plain(model, prompt: list[int], params: SamplingParams, n: int) -> tuple[int, float]:
     """(tokens, decode seconds) with mlx-lm's generate_step."""
+    position = itertools.count(len(prompt))  # a seeded token's noise is its position's
     gen = generate_step(mx.array(prompt), model, max_tokens=n,
-                        sampler=lambda lp: sample(lp, params))  # fmt: skip
+                        sampler=lambda lp: sample(lp, params, next(position)))  # fmt: skip
     next(gen)  # the first token comes with the prefill
     t0 = time.perf_counter()
     count = 1 + sum(1 for _ in gen)

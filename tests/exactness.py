@@ -3,7 +3,8 @@
 tests/test_exactness_greedy.py and test_exactness_sampled.py prove the same
 claims of each engine with the same code: at temperature 0 its output is
 plain greedy decoding's, token for token; above 0 a round's tokens follow
-the target's distribution. The engines under test are built the way the
+the target's distribution, and a seeded request's output is plain seeded
+sampling's, token for token. The engines under test are built the way the
 gateway builds them, through their registry record's builder, over tiny
 float32 checkpoints in the published layouts (float32: in bfloat16 near-ties
 would blur what is compared). A new engine inherits the proofs when it
@@ -25,12 +26,12 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-from greedy import assert_same_greedy, greedy_reference
+from greedy import assert_same_greedy, greedy_reference, seeded_reference
 from mlx_lm.utils import load_model
 
 from specgate.builders.drafters import (
@@ -360,6 +361,29 @@ def greedy_sweep(s: Subject, depth: int) -> Sweep:
     return sweep
 
 
+# -- seeded sampling: plain sampling's tokens, whatever the drafts --------------------
+
+
+def seeded_sweep(s: Subject, seed: int) -> tuple[int, int]:
+    """A seeded request (SAMPLED with `seed`), one prompt per depth (rotated),
+    decoded with the method's own drafts and with injected ones (the seeded
+    reference's continuation corrupted at one position: every accepted
+    length); each output must equal plain seeded sampling's
+    (greedy.seeded_reference) token for token, near-ties aside. Returns
+    (near-tie divergences, drafts accepted)."""
+    params = replace(SAMPLED, seed=seed)
+    ties = accepted = 0
+    cycle: list[int] = []
+    for depth in s.depths:
+        i, prompt = rotated(s, depth)[0]
+        want, margins = seeded_reference(s.model, prompt, N_TOKENS + MAX_DEPTH, params)
+        for inject in (None, want):
+            out = decode(s, prompt, depth, params=params, inject=inject, seed=i, cycle=cycle)
+            ties += assert_same_greedy(out.tokens, want[:N_TOKENS], margins)
+            accepted += sum(r.accepted for r in out.rounds)
+    return ties, accepted
+
+
 # -- sampling: a round's first tokens against the target's exact law ------------------
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
@@ -410,10 +434,11 @@ class Sample:
 
 
 def sample_rounds(s: Subject, n: int) -> Sample:
-    """n seeded requests for the copy prefix, each resumed from one prefilled
-    state as the engine resumes a cached prompt (specgate/engines/mlx_spec/engine.py: the
-    prefix cache's entry before the prompt's last token, the drafter's state
-    restored): the last prompt token, the first sampled token, then a depth-2
+    """n unseeded requests (rejection sampling; MLX's random state seeded
+    before each, so the run repeats) for the copy prefix, each resumed from
+    one prefilled state as the engine resumes a cached prompt
+    (specgate/engines/mlx_spec/engine.py: the prefix cache's entry before the
+    prompt's last token, the drafter's state restored): the last prompt token, the first sampled token, then a depth-2
     round. The round's two tokens are counted given the commonest first token
     and compared with the target's exact p(a) p(b | a)."""
     prefix = copy_prefix(s.model)
@@ -427,10 +452,11 @@ def sample_rounds(s: Subject, n: int) -> Sample:
     by_first: dict[int, Counter] = {}
     drafted = accepted = 0
     for seed in range(n):
-        params = SamplingParams(**{**vars(SAMPLED), "seed": seed})
+        mx.random.seed(seed)
         hit = entries.fetch(prefix, drafter=cache_id)
         assert hit.cached == len(prefix) - 1
-        decoder = s.engine.make_decoder(_request(s, prefix, params, 2, 3), hit.cache, hit.cached)
+        decoder = s.engine.make_decoder(_request(s, prefix, SAMPLED, 2, 3), hit.cache, hit.cached)
+        whole_copies(decoder.proposer)
         if hit.drafter is not None:
             decoder.proposer.restore(hit.drafter)
         step = decoder.prefill()
@@ -448,6 +474,16 @@ def sample_rounds(s: Subject, n: int) -> Sample:
                   set(counts) <= set(exact))  # fmt: skip
 
 
+def whole_copies(proposer) -> None:
+    """Copies go to verify whole: on this CPU the engine's evidence
+    (engines/drafting/ngram/copy_length.py) soon learns that the random
+    target rejects them and cuts them, which would leave the sample few
+    drafts to show a wrong rule by."""
+    for p in (proposer, getattr(proposer, "ngram", None)):
+        if hasattr(p, "evidence"):
+            p.evidence = None
+
+
 def wrong_rule(draft, draft_probs, target_probs, key=None):
     """Failure injection: Leviathan acceptance, but the residual with p and q
     swapped, normalize(max(q - p, 0)): a slip that draws corrections from the
@@ -456,6 +492,7 @@ def wrong_rule(draft, draft_probs, target_probs, key=None):
     j = verdict.accepted
     if j < len(draft):
         dist = speculative.residual(draft_probs[j], target_probs[j])
-        token = int(mx.random.categorical(mx.log(dist), key=mx.random.split(key)[1]).item())
+        key = None if key is None else mx.random.split(key)[1]
+        token = int(mx.random.categorical(mx.log(dist), key=key).item())
         return speculative.Verdict(j, token)
     return verdict

@@ -14,6 +14,32 @@ from mlx_lm.generate import generate_step
 NEAR_TIE = 1e-4
 
 
+def seeded_reference(
+    model, prompt: list[int], max_tokens: int, params
+) -> tuple[list[int], list[float]]:
+    """Plain sampling of a seeded request through mlx-lm's generate_step, each
+    token engines/sampling.sample's at its absolute position (the plain
+    engine's sampler): tokens and, at each position, the top-2 margin of
+    log p' + g, where a divergence is a near-tie as in greedy decoding."""
+    from specgate.engines.sampling import gumbel_noise, sample, truncated_logits
+
+    margins, position = [], len(prompt)
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        nonlocal position
+        x = truncated_logits(logprobs[0], params)
+        scored = x - mx.logsumexp(x) + gumbel_noise(params.seed, position, 1, x.shape[-1])[0]
+        top2 = mx.sort(scored)[-2:].tolist()
+        margins.append(top2[1] - top2[0])
+        token = sample(logprobs, params, position)
+        position += 1
+        return token
+
+    tokens = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                          sampler=sampler)]  # fmt: skip
+    return tokens, margins[: len(tokens)]
+
+
 def greedy_reference(
     model, prompt: list[int], max_tokens: int, eos: frozenset[int] = frozenset(),
     logits_processors: list | None = None,

@@ -55,7 +55,7 @@ from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
 from specgate.engines.grammar.matcher import GrammarState, json_constraint, lark_constraint
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder
-from specgate.engines.sampling import KeyStream, probabilities
+from specgate.engines.sampling import probabilities
 from specgate.engines.targets import target_for
 
 SCHEMA = {
@@ -260,7 +260,7 @@ def sample_constrained_pairs(trunk, head, n: int, proposer) -> tuple[Counter, li
             pass
         d._prefill_hidden = None
         d._commit([FIRST], [])  # the prompt is in: a fixed first token
-        d.keys = KeyStream(1000 + i)
+        mx.random.seed(1000 + i)
         got = []
         while len(got) < 2:
             step = d.round(2)

@@ -21,7 +21,7 @@ from specgate.engines.distributed.lockstep import FollowerOut, Lockstep, Lockste
 
 
 def handoff() -> Handoff:
-    return Handoff(Plan("mlx_mtp", "mtp", 2, "spec_on"), [1, 2, 3], 1, [], None, None, [3])
+    return Handoff(Plan("mlx_mtp", "mtp", 2, "spec_on"), [1, 2, 3], 1, [], None, [3])
 
 
 def test_a_resume_that_comes_before_its_handoff_waits_for_it():

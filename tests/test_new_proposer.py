@@ -129,4 +129,5 @@ def test_the_exactness_harness_proves_it_once_registered(tmp_path):
         got = exactness.sample_rounds(sampled, 400)
         assert got.drafted > 0 and got.accepted > 0 and got.support_ok
         assert got.distance < got.bound
+        assert exactness.seeded_sweep(sampled, seed=5)[1] > 0
     assert "mlx_lookup" not in dict(exactness.subjects())

@@ -91,11 +91,18 @@ def test_anthropic_messages_with_ngram_equal_plain(gw):
     assert texts["ngram"] == texts["none"] and texts["none"]
 
 
-def test_sampled_ngram_is_seeded_and_in_the_vocabulary(client):
+def test_a_seeded_request_gives_one_text_on_every_engine(client):
+    """Sampled with a seed, plain batching, the MTP head, copies and both
+    give the same tokens: each is its seed's at its position, whatever was
+    drafted (and however much of a copy the evidence let through)."""
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0.8, top_p=0.95, seed=5,
-              extra_headers={"X-Specgate-Method": "ngram"})
-    a, b = client.completions.create(**kw), client.completions.create(**kw)
-    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 48
+              extra_body={"return_token_ids": True})  # fmt: skip
+    methods = ("none", "mtp", "ngram", "mtp+ngram", "ngram")  # ngram twice: a rerun too
+    got = [client.completions.create(**kw, extra_headers={"X-Specgate-Method": m}).choices[0]
+           .token_ids for m in methods]  # fmt: skip
+    assert len(got[0]) == 48
+    differ = [m for m, g in zip(methods, got, strict=True) if g != got[0]]
+    assert not differ, differ
 
 
 def test_the_policy_may_plan_ngram_and_says_why(client):

@@ -293,7 +293,13 @@ def test_mtp_and_plain_give_the_same_text(gateway, client):
 
 def test_mtp_streams_sampled_and_seeded(client):
     kwargs = dict(model="demo", prompt="class Parser:\n", max_tokens=32, temperature=0.8, top_p=0.95,
-                  seed=11, extra_headers={"X-Specgate-Method": "mtp"})
-    a = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
-    b = client.completions.create(**kwargs).choices[0].text
+                  seed=11)
+    mtp = {"X-Specgate-Method": "mtp"}
+    a = "".join(c.choices[0].text
+                for c in client.completions.create(**kwargs, stream=True, extra_headers=mtp))
+    b = client.completions.create(**kwargs, extra_headers=mtp).choices[0].text
     assert a == b and a  # a seeded request is reproducible on the MTP engine
+    # and the same under plain batching, where the policy sends it under load
+    # (each token is its seed's at its position, whatever the drafts were)
+    plain = client.completions.create(**kwargs, extra_headers={"X-Specgate-Method": "none"})
+    assert plain.choices[0].text == a

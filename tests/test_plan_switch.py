@@ -130,6 +130,30 @@ def test_a_stream_under_a_grammar_switches_with_the_same_output(gw):
     assert grew == DANCE, grew
 
 
+def test_a_seeded_sampled_stream_switches_with_the_same_output(gw):
+    """The same dance, sampled with a seed: each engine samples a token with
+    the noise of its seed and position, so the stream's text is what plain
+    batching alone gives the same request (the draws once came from a key
+    stream the MTP engine also spent on its drafts, so the text changed)."""
+    prompt = [random.Random(8).randrange(2000) for _ in range(24)]
+    kw = dict(model="switch", prompt=prompt, max_tokens=N, temperature=0.8, top_p=0.95, seed=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
+    before = decisions(gw)
+    b = threading.Thread(target=second_request, args=(client,))
+    got = []
+    for chunk in client.completions.create(**kw, stream=True):
+        got += chunk.choices[0].token_ids or [] if chunk.choices else []
+        if got and not b.ident:  # the stream is decoding, on the MTP engine, with ~N tokens to go
+            b.start()
+    b.join(timeout=60)
+    assert not b.is_alive()
+    grew = switched(gw, before)
+    want = client.completions.create(**kw, extra_headers={"X-Specgate-Method": "none"})
+    assert got == want.choices[0].token_ids and len(got) == N
+    assert grew == DANCE, grew
+
+
 def second_request(client) -> None:
     """The second request: 40 tokens, batched with the stream."""
     client.completions.create(model="switch", prompt=[5, 6, 7], max_tokens=40, temperature=0,

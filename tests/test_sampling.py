@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from specgate.engines.base import SamplingParams
 from specgate.engines.sampling import (
-    KeyStream,
     PenaltyState,
     apply_penalties,
     probabilities,
@@ -54,29 +55,50 @@ def test_greedy_is_one_hot_argmax():
     assert sample(mx.array(LOGITS), p).item() == 0
 
 
-def test_samples_follow_the_distribution():
-    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95)
-    want = reference(LOGITS, 0.9, 6, 0.95)
-    keys = KeyStream(1234)
-    n = 4000
-    draws = np.array([sample(mx.array(LOGITS), params, keys.next()).item() for _ in range(n)])
-    counts = np.bincount(draws, minlength=len(LOGITS))
+def _chi2(draws: np.ndarray, want: np.ndarray) -> float:
+    n = len(draws)
+    counts = np.bincount(draws, minlength=len(want))
     assert counts[want == 0].sum() == 0  # truncated tokens are never drawn
     support = want > 0
-    chi2 = (((counts[support] - n * want[support]) ** 2) / (n * want[support])).sum()
-    assert chi2 < 25, (chi2, counts, n * want)  # dof <= 5: p ~ 1e-4
+    return (((counts[support] - n * want[support]) ** 2) / (n * want[support])).sum()
 
 
-def test_seeded_key_streams_repeat():
-    params = SamplingParams(temperature=1.0)
-    a, b = KeyStream(7), KeyStream(7)
-    xs = [sample(mx.array(LOGITS), params, a.next()).item() for _ in range(20)]
-    ys = [sample(mx.array(LOGITS), params, b.next()).item() for _ in range(20)]
-    assert xs == ys
-    # Every integer is a seed: negative and beyond 64 bits wrap, not fail.
+@pytest.mark.parametrize("over", ["process state", "seeds", "positions"])
+def test_samples_follow_the_distribution(over):
+    """Unseeded, from MLX's random state; seeded (Gumbel-max), over seeds at
+    one position and over positions of one seed: each is the distribution."""
+    want = reference(LOGITS, 0.9, 6, 0.95)
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95)
+    logits, n = mx.array(LOGITS), 4000
+    if over == "process state":
+        mx.random.seed(1234)
+        draws = [sample(logits, params).item() for _ in range(n)]
+    elif over == "seeds":
+        draws = [sample(logits, replace(params, seed=s), 17).item() for s in range(n)]
+    else:
+        draws = [sample(logits, replace(params, seed=7), t).item() for t in range(n)]
+    chi2 = _chi2(np.array(draws), want)
+    assert chi2 < 25, chi2  # dof <= 5: p ~ 1e-4
+
+
+def test_a_seeded_token_depends_on_its_seed_and_position_alone():
+    """The same (seed, position) gives the same token whatever was drawn
+    before, one row at a time or as rows of a verify window, as log-probs or
+    logits; any integer is a seed."""
+    params = SamplingParams(temperature=1.0, seed=7)
+    rows = mx.array(np.stack([np.roll(LOGITS, i) for i in range(5)]))
+    each = [sample(rows[i], params, 40 + i).item() for i in range(5)]
+    assert sample(rows, params, 40).tolist() == each
+    assert sample(rows[2:3], params, 42).tolist() == each[2:3]  # mlx-lm's (1, V)
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    assert sample(logprobs, params, 40).tolist() == each
+    other = [sample(rows[i], replace(params, seed=8), 40 + i).item() for i in range(5)]
+    later = [sample(rows[i], params, 41 + i).item() for i in range(5)]
+    assert each != other and each != later  # (a 5-token coincidence: ~1e-4)
     for seed in (-1, 2**64 + 7, 10**30):
-        assert KeyStream(seed).next() is not None
-    assert KeyStream(2**64 + 7).next().tolist() == KeyStream(7).next().tolist()
+        assert 0 <= sample(rows[0], replace(params, seed=seed), 0).item() < len(LOGITS)
+    with pytest.raises(ValueError, match="position"):
+        sample(rows[0], params)
 
 
 def test_logprobs_stay_reportable_under_extreme_logits():

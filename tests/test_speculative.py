@@ -1,6 +1,9 @@
 """specgate/engines/mlx_spec/acceptance.py: the acceptance rules, checked for exactness.
 
-The greedy rule and the residual are checked on hand-made cases. The sampled
+The greedy rule and the residual are checked on hand-made cases. A seeded
+request's rule (the greedy rule on each position's Gumbel-max token, at the
+end of this module) is checked to commit plain seeded sampling's tokens
+whatever the drafts, and its law in a sample as below. The unseeded sampled
 rule (Leviathan-Chen rejection sampling) is checked as a *distribution*: we
 run many seeded speculative rounds against known target distributions and
 compare the committed tokens with the target's own distribution in total
@@ -50,6 +53,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +69,7 @@ from specgate.engines.mlx_spec.acceptance import (
     point_masses,
     residual,
 )
-from specgate.engines.sampling import probabilities
+from specgate.engines.sampling import gumbel_max, gumbel_noise, probabilities, sample
 
 V = 6  # tiny vocabulary for the statistical tests
 
@@ -510,3 +514,141 @@ def test_accept_sampled_is_reproducible_with_a_key():
         a = accept_sampled(draft, q, p, mx.random.key(seed))
         b = accept_sampled(draft, q, p, mx.random.key(seed))
         assert a == b
+
+
+# ------------------------------------------------------- seeded: Gumbel-max
+#
+# A seeded request's rule (engines/mlx_spec/decoder.py): the target's token at
+# each verify row is `sample(rows, params, t)`, its Gumbel-max at absolute
+# position t, and `accept_greedy` keeps the drafts while they equal it. Its
+# claims: the committed tokens are plain seeded sampling's, one `sample` per
+# position, whatever the drafts (so every engine gives one text); hence the
+# law is P[0] x P[1] x ... (Gumbel-max is exact, each position's noise its own).
+
+DRAFTS = ("coupled", "independent", "point masses")
+
+
+def _log(rows: np.ndarray) -> mx.array:
+    """Rows of probabilities as logits whose distribution they are (0: -inf)."""
+    with np.errstate(divide="ignore"):
+        return mx.array(np.log(rows.astype(np.float32)))
+
+
+SEEDED = SamplingParams(temperature=1.0)  # on logits that are already the truncated law
+
+
+def _seeded_drafts(kind: str, Q: np.ndarray, s: int, k: int, seed: int, rng) -> list[int]:
+    """k drafts from position s: drawn from Q with the target's noise (as
+    drafting/base.Context.draw draws them), from Q with noise of their own,
+    or Q's argmax (drafts that come alone)."""
+    if kind == "coupled":
+        return sample(_log(Q[s : s + k]), replace(SEEDED, seed=seed), s).tolist()
+    if kind == "independent":
+        return [int(rng.choice(V, p=Q[s + j] / Q[s + j].sum())) for j in range(k)]
+    return np.argmax(Q[s : s + k], axis=-1).tolist()
+
+
+def _seeded_stream(P: np.ndarray, Q: np.ndarray, k: int, length: int, seed: int, drafts: str,
+                   rng, choose=sample) -> tuple[list[int], int]:  # fmt: skip
+    """One seeded stream decoded in rounds at depth k under the prefix-free
+    model: its first `length` tokens and how many drafts stood."""
+    params, out, s, stood = replace(SEEDED, seed=seed), [], 0, 0
+    while s < length:
+        d = _seeded_drafts(drafts, Q, s, k, seed, rng)
+        verdict = accept_greedy(d, choose(_log(P[s : s + k + 1]), params, s).tolist())
+        stood += verdict.accepted
+        take = [*d[: verdict.accepted], verdict.next_token][: length - s]
+        out += take
+        s += len(take)
+    return out, stood
+
+
+def test_the_seeded_rule_commits_plain_seeded_sampling_whatever_the_drafts():
+    """Prefix-dependent targets (a random table by the tokens so far) and
+    drafters of every kind, at depths 0..4: each stream is, token for token,
+    plain decoding's with `sample` at each position."""
+    rng = np.random.default_rng(21)
+    table = rng.normal(size=(97, V)).astype(np.float32) * 1.5
+    params = SamplingParams(temperature=0.9, top_k=4)
+
+    def logits(tokens: list[int]) -> mx.array:
+        return mx.array(table[hash(tuple(tokens)) % 97])
+
+    prompt, length, stood = [1, 2, 3], 12, dict.fromkeys(DRAFTS, 0)
+    for seed in range(12):
+        p = replace(params, seed=seed)
+        plain = list(prompt)
+        for _ in range(length):
+            plain.append(sample(logits(plain), p, len(plain)).item())
+        for k, kind in itertools.product(range(5), DRAFTS):
+            tokens = list(prompt)
+            while len(tokens) < len(prompt) + length:
+                d = []  # drafted one by one, each from the prefix it extends
+                for _ in range(k):
+                    row = table[hash(tuple(tokens + d)) % 97] + rng.normal(size=V) * 0.5
+                    if kind == "coupled":
+                        at = len(tokens) + len(d)
+                        d.append(sample(mx.array(row, dtype=mx.float32), p, at).item())
+                    elif kind == "independent":
+                        d.append(int(rng.integers(V)))
+                    else:
+                        d.append(int(np.argmax(row)))
+                rows = mx.stack([logits(tokens + d[:j]) for j in range(k + 1)])
+                verdict = accept_greedy(d, sample(rows, p, len(tokens)).tolist())
+                stood[kind] += verdict.accepted
+                tokens += [*d[: verdict.accepted], verdict.next_token]
+            assert tokens[: len(plain)] == plain, (seed, k, kind)
+    assert all(stood.values()), stood  # every kind had drafts stand (and later rows checked)
+
+
+def _seeded_run(P, Q, k, length, n, drafts, choose=sample) -> tuple[list, float]:
+    rng = np.random.default_rng(length)
+    streams = [_seeded_stream(P, Q, k, length, seed, drafts, rng, choose) for seed in range(n)]
+    tokens = np.array([t for t, _ in streams])
+    stood = sum(a for _, a in streams)
+    return _tv_checks(tokens, P), stood
+
+
+@pytest.mark.parametrize("drafts,n", [
+    *[(kind, 2000) for kind in DRAFTS],  # the fast tier
+    *[pytest.param(kind, 20_000, marks=pytest.mark.proof) for kind in DRAFTS],
+])  # fmt: skip
+def test_the_seeded_rule_commits_the_target_distribution(drafts, n):
+    """Over seeds, the committed tokens' law is P[0] x P[1] x ... at every
+    position and for the first pair, across round boundaries."""
+    P, Q = _checked_case("k2_topk_topp")
+    checks, stood = _seeded_run(P, Q, 2, 3, n, drafts)
+    assert stood > 0
+    for name, tv, bound in checks:
+        assert tv < bound, f"{drafts} {name}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def _one_noise_per_round(rows: mx.array, params: SamplingParams, position: int) -> mx.array:
+    """A slip: every row of a verify window gets the noise of its first position."""
+    noise = gumbel_noise(params.seed, position, 1, rows.shape[-1])
+    return gumbel_max(rows, params, noise)
+
+
+def test_the_same_check_sees_a_slip_in_the_noise():
+    """Negative control: tokens of one round drawn with one noise vector
+    are not the target's, and the check sees it at the fast tier's size
+    (position 2: TV 0.108 against a bound of 0.058)."""
+    P, Q = _checked_case("k2_topk_topp")
+    checks, _ = _seeded_run(P, Q, 2, 3, 2000, "coupled", choose=_one_noise_per_round)
+    assert [name for name, tv, bound in checks if tv > bound], checks
+
+
+def test_coupled_drafts_stand_as_often_as_the_two_laws_choose_alike():
+    """A coupled draft stands exactly when argmax(log q + g) == argmax(log p + g):
+    over seeds, its rate is that probability (computed here by brute force
+    on the same noise), below the maximal coupling sum(min(p, q))."""
+    P, Q = _checked_case("k2_topk_topp")
+    n, same = 4000, 0
+    for seed in range(n):
+        p = replace(SEEDED, seed=seed)
+        same += sample(_log(P[0]), p, 0).item() == sample(_log(Q[0]), p, 0).item()
+    overlap = float(np.minimum(P[0], Q[0]).sum())
+    stood = sum(_seeded_stream(P, Q, 1, 1, seed, "coupled", None)[1] for seed in range(n))
+    assert stood == same  # one draft per stream at position 0: it stood iff they chose alike
+    assert same / n <= overlap + 3 * 0.5 / math.sqrt(n)
+    print(f"coupled acceptance {same / n:.3f}, maximal coupling {overlap:.3f}")

@@ -242,7 +242,6 @@ class Handoff:
     generated: int  # output tokens committed, pending included
     cache: list  # the trunk's caches, as mlx-lm makes them
     detokenizer: object  # so the text continues where it stopped
-    keys: object  # the request's random key stream (engines/sampling.KeyStream)
     pending: list[int] = field(default_factory=list)
 
 

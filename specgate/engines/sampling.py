@@ -12,10 +12,20 @@ Penalty semantics follow the OpenAI API / vLLM:
   negative ones) applies to every token seen in the prompt or the output.
 Counts are plain arrays advanced token by token, so a speculative verify
 window can advance them per position and throw the copy away on rejection.
+
+Randomness. A seeded request's token at absolute position t (its index in
+prompt + output) is argmax(log p'_t + g(seed, t)): Gumbel-max, an exact
+sample of p'_t, with g a Gumbel vector drawn from an MLX key that hashes
+(seed, t) alone. Nothing counts draws, so the same seed gives the same
+token at t on every engine, batch row and thread, whatever was drafted or
+which engine decoded the tokens before (a speculative verify computes the
+same x_t: engines/mlx_spec/acceptance.py). Unseeded requests draw from the
+process's random state.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -116,31 +126,44 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(truncated_logits(logits, params), axis=-1)
 
 
-def sample(logits: mx.array, params: SamplingParams, key: mx.array | None = None) -> mx.array:
-    """Draw one token per row of logits (..., V) -> (...,) uint32."""
+def position_key(seed: int, position: int) -> mx.array:
+    """The MLX key of a seeded request's token at absolute `position`: a
+    hash of both (any integer is a seed: the APIs allow negative and huge
+    ones), so neighbouring positions and seeds get unrelated noise."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
+
+
+def gumbel_noise(seed: int, start: int, rows: int, vocab: int) -> mx.array:
+    """(rows, vocab): g(seed, t) for t = start .. start + rows - 1, standard
+    Gumbel, one key per position (the same vector whatever else is drawn)."""
+    return mx.stack([mx.random.gumbel((vocab,), key=position_key(seed, start + i))
+                     for i in range(rows)])  # fmt: skip
+
+
+def gumbel_max(logits: mx.array, params: SamplingParams, noise: mx.array) -> mx.array:
+    """argmax(log p' + g) per row: a sample of p' (the request's truncated
+    distribution) fixed by `noise`. log p' is normalised, so logits that
+    differ by a constant per row (an engine handed log-probabilities, one
+    handed logits) choose alike."""
+    x = truncated_logits(logits, params)
+    return mx.argmax(x - mx.logsumexp(x, axis=-1, keepdims=True) + noise, axis=-1)
+
+
+def sample(logits: mx.array, params: SamplingParams, position: int | None = None) -> mx.array:
+    """One token per row of logits, (V,) or (R, V) -> () or (R,) uint32.
+    Greedy: the argmax. Seeded: Gumbel-max with the noise of absolute
+    positions `position`, `position` + 1, ... (one per row; needed then).
+    Else a draw from the process's random state."""
     if params.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    return mx.random.categorical(truncated_logits(logits, params), key=key).astype(mx.uint32)
-
-
-class KeyStream:
-    """Per-request random keys: a seeded request draws the same tokens on a
-    rerun, independent of what else is in the batch."""
-
-    def __init__(self, seed: int | None):
-        # Any integer is a seed (the APIs allow negative and huge ones); MLX
-        # keys take 64 bits, so seeds are taken modulo 2**64.
-        self._key = mx.random.key(seed % 2**64) if seed is not None else None
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self._key is None else [self._key]
-
-    def next(self) -> mx.array | None:
-        if self._key is None:
-            return None
-        self._key, sub = mx.random.split(self._key)
-        return sub
+    if params.seed is not None:
+        if position is None:
+            raise ValueError("a seeded request samples at a position")
+        rows = 1 if logits.ndim == 1 else logits.shape[0]
+        noise = gumbel_noise(params.seed, position, rows, logits.shape[-1])
+        return gumbel_max(logits, params, noise.reshape(logits.shape)).astype(mx.uint32)
+    return mx.random.categorical(truncated_logits(logits, params)).astype(mx.uint32)
 
 
 LOGPROB_FLOOR = -9999.0  # what the APIs report for "no probability": JSON has no -inf

@@ -413,7 +413,8 @@ class Lockstep:
 def pin_seed(request: GenerationRequest) -> GenerationRequest:
     """Sampling without a seed draws from each process's own random state,
     which differs between ranks: rank 0 gives such a request a seed, which
-    every rank then uses (a random seed: the same distribution)."""
+    every rank then uses (a random seed: the same distribution). It then
+    samples as a seeded request does (engines/sampling.py)."""
     s = request.sampling
     if s.greedy or s.seed is not None:
         return request

@@ -6,11 +6,13 @@ A `Proposer` is one sequence's drafter state. The decoder calls it:
   the proposer reads, `layers`);
 - `propose(context, depth)` at a round: up to `depth` drafts as a lazy 1-D
   array, and either the distributions q they were drawn from (one row per
-  draft) or none. Sampling, either is rejection sampling (Leviathan et
-  al.): against q, or, for drafts without q, against a point mass on each
-  (d accepted with probability p(d): exact for any drafts). It may propose
-  fewer than `depth`, or None (a plain step). Greedy decoding needs
-  neither: the trunk's argmax decides;
+  draft) or none. Sampling unseeded, either is rejection sampling
+  (Leviathan et al.): against q, or, for drafts without q, against a point
+  mass on each (d accepted with probability p(d): exact for any drafts).
+  It may propose fewer than `depth`, or None (a plain step). Greedy
+  decoding needs neither (the trunk's argmax decides), nor does a seeded
+  request (the trunk's Gumbel-max token at each position decides; drafts
+  drawn through `Context.draw` share its noise);
 - `committed(last, drafts, accepted, forward)` after the round committed
   drafts[:accepted] and one target token; `forward` is the verify's, one
   row per input [last, *drafts];
@@ -38,7 +40,7 @@ import mlx.core as mx
 from specgate.engines.base import Method, SamplingParams
 from specgate.engines.cache.prefix_cache import DrafterState
 from specgate.engines.grammar.matcher import GrammarState, masked
-from specgate.engines.sampling import KeyStream, PenaltyState, penalised, probabilities
+from specgate.engines.sampling import PenaltyState, penalised, probabilities, sample
 from specgate.engines.targets import Forward, Target
 
 
@@ -56,11 +58,11 @@ class Context:
     prompt_len: int
     params: SamplingParams
     penalties: PenaltyState | None  # after `tokens`; None without penalties
-    keys: KeyStream  # the request's random keys (the decoder draws from them too)
     # The request's grammar, after `tokens`, or None. `draw` masks by it and
     # pushes each draft (so the next draw sees the state after it); the
     # decoder takes the pushes back after `propose`.
     grammar: GrammarState | None = None
+    drawn: int = 0  # drafts drawn so far this round: the next one's position is after them
 
     @property
     def last(self) -> int:
@@ -71,20 +73,25 @@ class Context:
         return len(self.tokens) - self.prompt_len
 
     def draw(self, logits: mx.array, state: PenaltyState | None) -> tuple[mx.array, mx.array | None]:
-        """A draft from the request's own distribution (penalties from
+        """The next draft from the request's own distribution (penalties from
         `state`, the grammar's mask, the same truncation as the target's):
-        the argmax when greedy; else a sample and the q it was drawn from.
+        the argmax when greedy; seeded, the Gumbel-max sample with the noise
+        the target's token at that position gets (so the draft stands
+        whenever the two distributions choose alike under it), no q needed;
+        else a sample and the q it was drawn from. Drafts are drawn in
+        order: the j-th of a round is the token at position len(tokens) + j.
         Under a grammar each draft is computed at once (its successor's mask
         depends on it)."""
         logits = penalised(logits, state, self.params)
         q = None
         if self.grammar is not None:
             logits = masked(logits, self.grammar.allowed())
-        if self.params.greedy:
-            token = mx.argmax(logits, keepdims=True)
+        if self.params.greedy or self.params.seed is not None:
+            token = sample(logits, self.params, len(self.tokens) + self.drawn)[None]
         else:
             q = probabilities(logits, self.params)
-            token = mx.random.categorical(mx.log(q), key=self.keys.next())[None]
+            token = mx.random.categorical(mx.log(q))[None]
+        self.drawn += 1
         if self.grammar is not None:
             self.grammar.draft(int(token.item()))
         return token, q

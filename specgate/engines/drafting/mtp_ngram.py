@@ -61,7 +61,7 @@ class MTPNgramProposer:
         head_depth = min(depth, self.mtp_depth)
         draft = self.ngram.draft(context, depth)
         if draft is not None and draft.match >= self.copy_match and len(draft.tokens) > head_depth:
-            kept = self.ngram.keep(draft, context.params)
+            kept = self.ngram.keep(draft)
             if kept is not None and len(kept.tokens) > head_depth:
                 return self.ngram.offer(kept)
         return self.mtp.propose(context, head_depth)

@@ -10,6 +10,10 @@ its planner is asked again after each step. BatchGenerator decodes one step
 ahead (after a step its cache already holds the token it just returned, and
 the next token is sampled), so a sequence leaving takes that sampled token
 along as `pending`: it was drawn from the target's own distribution.
+
+A seeded sampled request samples each token with the noise of its absolute
+position (engines/sampling.py), as a speculative engine's verify does, so
+its text is the same whichever engine decodes it, handed over or not.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from specgate.engines.distributed.lockstep import (
 )
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.loading import LoadedModel
-from specgate.engines.sampling import KeyStream, PenaltyState, apply_penalties, reportable, sample
+from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.worker import WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
@@ -58,14 +62,26 @@ def greedy_batch_sampler(logprobs: mx.array) -> mx.array:
 
 
 class _RequestSampler:
-    """A request's own sampler: its params and, if seeded, its own key stream."""
+    """A request's own sampler: its params and the absolute position of the
+    token it samples next (a seeded request's noise is the position's).
+    BatchGenerator calls it once per token, in order."""
 
-    def __init__(self, request: GenerationRequest, keys: KeyStream | None = None):
+    def __init__(self, request: GenerationRequest, position: int):
         self.params = request.sampling
-        self.keys = keys or KeyStream(request.sampling.seed)
+        self.position = position
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return sample(logprobs, self.params, self.keys.next())
+        token = sample(logprobs, self.params, self.position)
+        self.position += 1
+        return token
+
+
+def _float32(context: mx.array, logits: mx.array) -> mx.array:
+    """mlx-lm logits processor: the logits in float32 before mlx-lm takes
+    their log-softmax, which it would round to the model's dtype (bfloat16:
+    0.03 near -5) where a speculative engine samples from float32; a seeded
+    request's Gumbel-max choice must see the same numbers."""
+    return logits.astype(mx.float32)
 
 
 class _PenaltyProcessor:
@@ -131,7 +147,6 @@ class _Slot:
     cached_tokens: int = 0
     started: bool = False
     generated: int = 0  # output tokens so far, earlier engines' included
-    keys: KeyStream | None = None
     grammar: _GrammarProcessor | None = None
     finished: bool = False  # decoded to its end (WorkerEngine.live_state)
 
@@ -338,7 +353,6 @@ class MLXPlainEngine(WorkerEngine):
             # The handed-over cache holds tokens[:-1]: feed the last one.
             cache, rest, known = resume.cache, resume.tokens[-1:], resume.tokens[:-1]
             slot.generated = resume.generated
-            slot.keys = resume.keys
         else:
             hit = self._prefix_cache.fetch(prompt, request.cache_scope)
             cache, slot.cached_tokens = hit.cache, hit.cached
@@ -348,12 +362,9 @@ class MLXPlainEngine(WorkerEngine):
             cuts = [slot.cached_tokens, *self._prefix_cache.snapshot_points(request, hit.cached)]
             rest = [prompt[a:b] for a, b in zip(cuts, [*cuts[1:], len(prompt)], strict=True)]
         sampling = request.sampling
-        slot.keys = slot.keys or KeyStream(sampling.seed)
-        sampler = (
-            greedy_batch_sampler
-            if sampling.greedy and sampling.seed is None
-            else _RequestSampler(request, slot.keys)
-        )
+        # Where its first sampled token goes: after everything it is fed.
+        position = len(resume.tokens) if resume is not None else len(prompt)
+        sampler = greedy_batch_sampler if sampling.greedy else _RequestSampler(request, position)
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
         try:
             grammar = self.loaded.grammars.state(sampling.constraint)
@@ -363,6 +374,8 @@ class MLXPlainEngine(WorkerEngine):
         if grammar is not None:
             slot.grammar = _GrammarProcessor(request, grammar)
             processors.append(slot.grammar)
+        if sampling.seed is not None and not sampling.greedy:
+            processors.append(_float32)
         stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
         if resume is not None:
             rest = [rest]
@@ -391,11 +404,11 @@ class MLXPlainEngine(WorkerEngine):
             return  # still in prompt processing: no step to hand over yet
         pending = int(gen._next_tokens[gen.uids.index(slot.uid)].item())
         (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
-        mx.eval([c.state for c in cache], slot.keys.state)  # see base.Handoff
+        mx.eval([c.state for c in cache])  # see base.Handoff
         del self._slots[slot.uid]
         self._running -= 1
         slot.post(Handoff(plan, [*tokens, pending], slot.generated + 1, cache, slot.detokenizer,
-                          slot.keys, [pending]))
+                          [pending]))  # fmt: skip
 
     def _store_prompt_caches(self, prompt_responses: list) -> None:
         # A segment ends at each snapshot point (PrefixCache.snapshot_points):

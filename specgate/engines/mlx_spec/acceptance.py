@@ -8,7 +8,17 @@ them, so every round commits accepted + 1 tokens.
 
 - Greedy (temperature 0): accept while d_j == argmax p_j; the added token is
   argmax p_{accepted+1}. The output equals plain greedy decoding.
-- Sampled (Leviathan et al. 2023, Chen et al. 2023): accept d_j with
+- Seeded (sampling with a seed): the target's own token at each position
+  is its Gumbel-max sample there, x_j = argmax(log p_j + g(seed, t_j)) with
+  t_j the position's index in the sequence (engines/sampling.py: what plain
+  decoding of the same seed draws at t_j). Accept while d_j == x_j; the
+  added token is x_{accepted+1}: the greedy rule on x (`accept_greedy`).
+  The output is plain sampling's with that seed, token for token, whatever
+  the drafts (so whichever engine serves the request), and exactly the
+  target's distribution (Gumbel-max is exact). Drafts drawn from q with
+  the same noise, argmax(log q_j + g(seed, t_j)), stand with probability
+  P(argmax(log q + g) == argmax(log p + g)); a point-mass draft with p(d).
+- Sampled (Leviathan et al. 2023, Chen et al. 2023), unseeded: accept d_j with
   probability min(1, p_j(d_j) / q_j(d_j)) where q_j is the distribution d_j
   was drawn from; at the first rejection draw from normalize(max(p_j - q_j, 0));
   if all k are accepted draw the bonus from p_{k+1}. The committed tokens are
@@ -39,8 +49,8 @@ class Verdict:
 
 
 def accept_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
-    """target_argmax[j]: the target's greedy token after accepting j drafts
-    (k+1 entries for k drafts)."""
+    """target_argmax[j]: the target's own token after accepting j drafts
+    (k+1 entries for k drafts): its argmax, or, seeded, its Gumbel-max sample."""
     n = 0
     while n < len(draft) and draft[n] == target_argmax[n]:
         n += 1

@@ -13,12 +13,17 @@ Depth 0 is a plain decoding step, so a planner can switch speculation off for
 a round without leaving the engine. At temperature 0 every committed token is
 the trunk's argmax at its position: the output is plain greedy decoding's.
 
-When sampling, every proposal is checked by rejection sampling
+A seeded sampled request takes, at every verify position t, the target's
+Gumbel-max token there (argmax(log p + g(seed, t)), engines/sampling.py)
+and accepts drafts while they equal it: its output is plain sampling's with
+the same seed, whatever was drafted, so the same on every engine. The
+proposers draw their own drafts with the same noise (drafting/base.Context.draw).
+Unseeded, every proposal is checked by rejection sampling
 (engines/mlx_spec/acceptance.py) against the distributions q its drafts were drawn
 from: the proposer's own (MTP, DSpark), or, for drafts that come alone
 (DFlash's argmax, text copied from the context), a point mass on each draft:
 d is accepted with probability p(d), and a rejection resamples from p
-without d. That is exact for any drafts, however they were chosen.
+without d. Both are exact for any drafts, however they were chosen.
 
 Under a grammar (engines/grammar/matcher.py) every position's logits are masked by
 the state the grammar reaches after the tokens before it: the drafter's q
@@ -42,7 +47,6 @@ from specgate.engines.drafting.base import Context, Proposal, Proposer
 from specgate.engines.grammar.matcher import GrammarState, masked
 from specgate.engines.mlx_spec.acceptance import accept_greedy, accept_sampled, point_masses
 from specgate.engines.sampling import (
-    KeyStream,
     PenaltyState,
     advanced,
     logprobs_of,
@@ -83,7 +87,6 @@ class SpecDecoder:
         self.cached_tokens = cached_tokens
         self.tokens = list(request.prompt_tokens)  # the trunk's cache holds tokens[:-1]
         self.generated = 0
-        self.keys = KeyStream(self.params.seed)
         self.penalties = (
             PenaltyState.from_prompt(request.prompt_tokens, target.vocab_size)
             if self.params.has_penalties
@@ -103,7 +106,6 @@ class SpecDecoder:
         n_pending = len(handoff.pending)
         self.tokens = handoff.tokens[: len(handoff.tokens) - n_pending]
         self.generated = handoff.generated - n_pending
-        self.keys = handoff.keys
         generated = self.tokens[len(self.request.prompt_tokens) :]
         if self.penalties is not None:
             self.penalties = self.penalties.advance(generated)
@@ -114,8 +116,8 @@ class SpecDecoder:
 
     def handoff(self, plan, detokenizer) -> Handoff:
         """This sequence, ready for another engine (between rounds)."""
-        mx.eval([c.state for c in self.cache], self.keys.state)
-        return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer, self.keys)
+        mx.eval([c.state for c in self.cache])
+        return Handoff(plan, list(self.tokens), self.generated, self.cache, detokenizer)
 
     # -- the target ------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class SpecDecoder:
         adjusted = penalised(logits, self.penalties, self.params)
         if self.grammar is not None:
             adjusted = masked(adjusted, self.grammar.allowed())
-        token = int(sample(adjusted, self.params, self.keys.next()).item())
+        token = int(sample(adjusted, self.params, len(self.tokens)).item())
         return self._commit([token], [adjusted])
 
     # -- rounds ---------------------------------------------------------------------
@@ -195,11 +197,13 @@ class SpecDecoder:
             mx.async_eval(adjusted)
             masks = mx.array(self.grammar.masks_along(proposal.drafts.tolist() if depth else []))
             adjusted = [masked(a, masks[j]) for j, a in enumerate(adjusted)]
-        if self.params.greedy:
-            argmax = mx.argmax(mx.stack(adjusted), axis=-1)
-            mx.eval(verify_arr, argmax)
+        if self.params.greedy or self.params.seed is not None:
+            # The target's own token at each position: its argmax, or seeded
+            # its Gumbel-max sample at that position (engines/sampling.py).
+            chosen = sample(mx.stack(adjusted), self.params, context)
+            mx.eval(verify_arr, chosen)
             drafts = verify_arr.tolist()[1:]
-            verdict = accept_greedy(drafts, argmax.tolist())
+            verdict = accept_greedy(drafts, chosen.tolist())
         else:
             target = mx.stack([probabilities(a, self.params) for a in adjusted])
             if not depth:
@@ -210,7 +214,7 @@ class SpecDecoder:
                 q = proposal.q
             mx.eval(verify_arr, target, q)
             drafts = verify_arr.tolist()[1:]
-            verdict = accept_sampled(drafts, q, target, self.keys.next())
+            verdict = accept_sampled(drafts, q, target)
         n = verdict.accepted
         committed = [*drafts[:n], verdict.next_token]
         step = self._commit(committed, adjusted[: n + 1])
@@ -236,7 +240,7 @@ class SpecDecoder:
 
     def _context(self) -> Context:
         return Context(self.tokens, len(self.request.prompt_tokens), self.params, self.penalties,
-                       self.keys, self.grammar)  # fmt: skip
+                       self.grammar)  # fmt: skip
 
     def _grammatical(self, proposal: Proposal | None) -> Proposal | None:
         """The proposal cut before its first draft the grammar refuses (drawn

@@ -184,7 +184,7 @@ class SpecEngine(WorkerEngine):
         return command, job
 
     def _taken(self, job: _Job) -> None:
-        if self.loaded.lockstep is not None:  # every rank must draw the same keys
+        if self.loaded.lockstep is not None:  # every rank must draw the same tokens
             job.request = pin_seed(job.request)
 
     # A command as it travels to the other ranks of a distributed model, and

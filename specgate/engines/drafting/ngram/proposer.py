@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from specgate.engines.base import SamplingParams
 from specgate.engines.drafting.base import Context, Drafting, Proposal
 from specgate.engines.drafting.ngram.copy_length import CopyEvidence, RoundTimer
 from specgate.engines.drafting.ngram.index import Draft, NgramIndex
@@ -50,12 +49,11 @@ class NgramProposer:
         self.index.extend(context.tokens[len(self.index) :])
         return self.index.draft(depth)
 
-    def keep(self, draft: Draft | None, params: SamplingParams) -> Draft | None:
-        """What of `draft` the evidence says to verify (None: nothing). A
-        seeded sampled request keeps its copies whole: which tokens a round
-        samples depends on its drafts, and cuts learnt from timings would
-        make the same seed give different text."""
-        if draft is None or self.evidence is None or (params.seed is not None and not params.greedy):
+    def keep(self, draft: Draft | None) -> Draft | None:
+        """What of `draft` the evidence says to verify (None: nothing). The
+        cut never changes the text, a seeded sampled request's included (its
+        tokens are its seed's at each position, whatever was drafted)."""
+        if draft is None or self.evidence is None:
             return draft
         n = self.evidence.length(draft.match, len(draft.tokens))
         return Draft(draft.tokens[:n], draft.match, draft.support) if n else None
@@ -69,7 +67,7 @@ class NgramProposer:
         return None if draft is None else copied(draft)
 
     def propose(self, context: Context, depth: int) -> Proposal | None:
-        return self.offer(self.keep(self.draft(context, depth), context.params))
+        return self.offer(self.keep(self.draft(context, depth)))
 
     def prefilled(self, start: int, forward: Forward, prompt: Sequence[int]) -> None:
         pass

@@ -1,8 +1,8 @@
 """Constrained decoding: the tokens a grammar allows next, per sequence.
 
 A request's `OutputConstraint` (engines/base.py) carries a grammar in
-llguidance's format (a JSON schema or a Lark grammar compiled by the
-builders below). llguidance rather than xgrammar: one abi3 wheel with no
+llguidance's format (a JSON schema or a Lark grammar, built below and
+compiled in the sandbox first: sandbox.py). llguidance rather than xgrammar: one abi3 wheel with no
 dependencies (xgrammar pulls in torch), masks computed on the CPU in tens of
 microseconds, and a matcher that validates, consumes and rolls back tokens,
 which is what speculative decoding needs: a verify position's mask is the

@@ -2,12 +2,12 @@
 
 A request's `OutputConstraint` (engines/base.py) carries a grammar in
 llguidance's format (a JSON schema or a Lark grammar, built below and
-compiled in the sandbox first: sandbox.py). llguidance rather than xgrammar: one abi3 wheel with no
-dependencies (xgrammar pulls in torch), masks computed on the CPU in tens of
-microseconds, and a matcher that validates, consumes and rolls back tokens,
-which is what speculative decoding needs: a verify position's mask is the
-one the grammar reaches after the drafts before it, and a rejected draft
-rolls back.
+compiled in the sandbox first: sandbox.py). llguidance rather than
+xgrammar: one abi3 wheel with no dependencies (xgrammar pulls in torch),
+masks computed on the CPU in tens of microseconds, and a matcher that
+validates, consumes and rolls back tokens, which is what speculative
+decoding needs: a verify position's mask is the one the grammar reaches
+after the drafts before it, and a rejected draft rolls back.
 
 `Grammars` is one model's: the tokenizer llguidance needs, built once.
 `GrammarState` is one sequence's; the engines apply its masks to the

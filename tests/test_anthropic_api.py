@@ -161,7 +161,9 @@ BAD = {
         "type": "object"}}]),
     "tool choice without a name": dict(tools=[{"name": "f", "input_schema": {"type": "object"}}],
                                        tool_choice={"type": "tool"}),
-    "thinking": dict(thinking={"type": "enabled", "budget_tokens": 1024}),
+    "thinking budget not a number": dict(thinking={"type": "enabled", "budget_tokens": "lots"}),
+    "thinking in a user message": dict(messages=[{"role": "user", "content": [
+        {"type": "thinking", "thinking": "hmm", "signature": "x"}]}]),
     "too many stop sequences": dict(stop_sequences=[f"s{i}" for i in range(40)]),
     "max_tokens beyond context": dict(max_tokens=10**6),
 }  # fmt: skip
@@ -175,6 +177,27 @@ def test_bad_requests_are_anthropic_400s(client, case):
     body = err.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert body["error"]["message"]
+
+
+@pytest.mark.parametrize("thinking", [{"type": "adaptive"}, {"type": "disabled"},
+                                      {"type": "enabled", "budget_tokens": 1024}])  # fmt: skip
+def test_thinking_in_any_form_is_served_without_thinking(client, thinking):
+    """Claude Code sends `thinking: {"type": "adaptive"}` on every turn (it
+    was a 400); a model that cannot think answers, with no thinking blocks.
+    An earlier turn's thinking blocks, sent back with their signatures, are
+    taken (and left out of the context, as Anthropic does)."""
+    history = [*MSG, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Let me see.", "signature": "c2lnbmF0dXJl"},
+        {"type": "redacted_thinking", "data": "b3BhcXVl"},
+        {"type": "text", "text": "Hello."}]}, {"role": "user", "content": "Again."}]  # fmt: skip
+    msg = client.messages.create(model="tiny", max_tokens=4, messages=history,
+                                 thinking=thinking, **GREEDY)  # fmt: skip
+    assert msg.usage.output_tokens >= 1
+    assert {b.type for b in msg.content} <= {"text"}
+    counted = client.messages.count_tokens(model="tiny", messages=history, thinking=thinking)
+    plain = client.messages.count_tokens(model="tiny", messages=[*MSG, {
+        "role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again."}])  # fmt: skip
+    assert counted.input_tokens == plain.input_tokens  # the thinking left out
 
 
 def test_error_shapes_and_still_serving(gateway, client):

@@ -1,9 +1,13 @@
 """Anthropic Messages API request bodies, validated with pydantic.
 
 Bounds are Anthropic's own (temperature 0..1, max_tokens required). Content
-blocks specgate cannot give a model (images, documents, thinking) are
-refused by name; fields that only steer Anthropic's service (metadata,
-service_tier, cache_control on blocks) are accepted and ignored.
+blocks specgate cannot give a model (images, documents) are refused by
+name; fields that only steer Anthropic's service (metadata, service_tier,
+cache_control on blocks) are accepted and ignored. `thinking` is accepted
+in every form clients send (Claude Code sends `adaptive` on every turn):
+the models served here do not think on request yet, so a request to think
+is answered without thinking, as a model that cannot think is; earlier
+turns' thinking blocks are dropped from the context, as Anthropic does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
-    field_validator,
     model_validator,
 )
 
@@ -65,10 +68,16 @@ class ToolResultBlock(_Block):
         return f"Error: {text}" if self.is_error else text
 
 
+class ThinkingBlock(_Block):
+    """An earlier assistant turn's thinking, sent back as clients do. Not
+    given to the model: Anthropic strips earlier turns' thinking from the
+    context too."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 class UnsupportedBlock(_Block):
-    type: Literal[
-        "image", "document", "thinking", "redacted_thinking", "server_tool_use", "search_result"
-    ]
+    type: Literal["image", "document", "server_tool_use", "search_result"]
 
     @model_validator(mode="after")
     def refuse(self):
@@ -76,7 +85,8 @@ class UnsupportedBlock(_Block):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
+    Field(discriminator="type"),
 ]
 
 
@@ -92,6 +102,8 @@ class Message(BaseModel):
                 raise ValueError("tool_use blocks belong in assistant messages")
             if self.role == "assistant" and "tool_result" in kinds:
                 raise ValueError("tool_result blocks belong in user messages")
+            if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
+                raise ValueError("thinking blocks belong in assistant messages")
         return self
 
     def as_template_input(self) -> list[dict[str, Any]]:
@@ -151,16 +163,12 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
+    """Accepted and, for now, answered without thinking (module docstring)."""
+
     model_config = ConfigDict(extra="allow")
 
     type: Literal["enabled", "disabled", "adaptive"]
-
-    @field_validator("type")
-    @classmethod
-    def only_disabled(cls, v):
-        if v != "disabled":
-            raise ValueError("extended thinking is not supported")
-        return v
+    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
 
 SystemPrompt = StrictStr | list[TextBlock]

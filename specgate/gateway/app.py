@@ -84,6 +84,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.started_at = int(time.time())
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
+    app.state.keepalive_s = config.server.stream_keepalive_s  # gateway/api/chat.py, FirstPiece
     kept = config.server.responses_store  # for previous_response_id (gateway/api/responses_api.py)
     app.state.responses = ResponseStore(kept.responses_per_key, kept.bytes_per_key)
     app.state.peers = metrics.peers = peers = Peers(config.peers)  # gateway/cluster/peers.py, proxy.py

@@ -109,6 +109,11 @@ class ServerConfig(_Strict):
     # opening (or of the previous response's end), or it is closed.
     header_timeout_s: float = Field(10.0, gt=0)
     keep_alive_timeout_s: float = Field(5.0, gt=0)  # an idle connection between requests closes
+    # A stream whose first token takes longer than this (a long prefill, a
+    # wait for a slot) starts at once and sends a keep-alive this often
+    # until it comes (an SSE comment; Anthropic's `ping`). Before it, an
+    # error still gets its own status code.
+    stream_keepalive_s: float = Field(2.5, gt=0)
     # Connections one client address (IPv6: its /64) may hold at once; those
     # past it are closed before anything is read. 0: no cap.
     max_connections_per_client: int = Field(256, ge=0)

@@ -211,22 +211,25 @@ async def messages(body: MessagesRequest, request: Request):
         }
         return JSONResponse(message, headers=headers)
 
+    keepalive_s = request.app.state.keepalive_s
     try:
-        first = await first_piece(request, pieces)
+        start = await first_piece(request, pieces, keepalive_s)
     except ClientGone:
         return Response(status_code=499)
 
     async def events():
-        start = head | {
+        opening = head | {
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
             "usage": _usage(usage) | {"output_tokens": 0},
         }
-        yield _sse({"type": "message_start", "message": start})
+        yield _sse({"type": "message_start", "message": opening})
         blocks = _Blocks()
-        output = _output(_prepend(first, pieces), chat.tool_stream(), outcome)
         try:
+            async for _ in start.waiting(keepalive_s):
+                yield _sse({"type": "ping"})  # Anthropic's own keep-alive event
+            output = _output(_prepend(start.piece(), pieces), chat.tool_stream(), outcome)
             async with aclosing(output):
                 async for event in output:
                     out = blocks.tool(event) if isinstance(event, ToolCall) else blocks.text(event)
@@ -240,6 +243,8 @@ async def messages(body: MessagesRequest, request: Request):
             yield b"".join(_sse(e) for e in out)
         except APIError as e:
             yield _sse(e.body("anthropic"))
+        finally:
+            await start.close()
 
     return StreamingResponse(
         events(),

@@ -9,6 +9,7 @@ client disconnects and the first piece.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -46,14 +47,67 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             await asyncio.wait({task})
 
 
-async def first_piece(request: Request, pieces: AsyncIterator[Piece]) -> Piece | None:
-    """The first piece of a stream, awaited before the response starts so an
-    overload or engine error still gets its own status code instead of a
-    broken stream. Raises ClientGone (the stream closed) if the client left."""
+class FirstPiece:
+    """A stream's first piece, or the wait for it.
+
+    It is awaited before the response starts, for `patience_s`, so that an
+    overload or an engine error still gets its own status code rather than
+    an error event. A first token slower than that (a long prompt's
+    prefill, a wait for a slot) would leave the client with no byte at all,
+    and a 100k-token agent turn looks like a dead server: the response then
+    starts, and `waiting` paces keep-alives until the piece is there; an
+    error after that is an error event in the stream, as later ones are."""
+
+    def __init__(self, task: asyncio.Future, pieces: AsyncIterator[Piece]):
+        self._task, self._pieces = task, pieces
+
+    async def waiting(self, every_s: float) -> AsyncIterator[None]:
+        """Once every `every_s` seconds while the first piece is not there."""
+        while not self._task.done():
+            done, _ = await asyncio.wait({self._task}, timeout=every_s)
+            if not done:
+                yield
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def piece(self) -> Piece | None:
+        """The first piece (None: the stream was empty); raises what the
+        generation raised before it."""
+        return self._task.result()
+
+    async def close(self) -> None:
+        """Stop waiting (the client left) and close the stream."""
+        if not self._task.done():
+            self._task.cancel()
+            # Until the cancel lands the anext still runs, and closing the
+            # stream fails with "asynchronous generator is already running".
+            await asyncio.wait({self._task})
+        await self._pieces.aclose()
+
+
+async def first_piece(request: Request, pieces: AsyncIterator[Piece],
+                      patience_s: float = math.inf) -> FirstPiece:  # fmt: skip
+    """Wait for a stream's first piece up to `patience_s` (FirstPiece).
+    Raises what the generation raised before that, and ClientGone (the
+    stream closed) if the client left."""
+    task = asyncio.ensure_future(anext(pieces, None))
+    start = FirstPiece(task, pieces)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
     try:
-        return await until_disconnect(request, anext(pieces, None))
+        while not task.done():
+            await asyncio.wait({task}, timeout=max(0.0, min(0.25, deadline - loop.time())))
+            if task.done() or loop.time() >= deadline:
+                break
+            if await request.is_disconnected():
+                raise ClientGone
+        if task.done():
+            task.result()
+        return start
     except BaseException:
-        await pieces.aclose()
+        await start.close()
         raise
 
 

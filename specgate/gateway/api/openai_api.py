@@ -112,8 +112,9 @@ async def _respond(
             return Response(status_code=499)
         return JSONResponse(final(text, ids, lps, finish), headers=headers)
 
+    keepalive_s = request.app.state.keepalive_s
     try:
-        first = await first_piece(request, pieces)
+        start = await first_piece(request, pieces, keepalive_s)
     except ClientGone:
         return Response(status_code=499)
 
@@ -122,7 +123,9 @@ async def _respond(
         # The preamble goes out in the same write as the first token.
         head = _sse(preamble) if preamble is not None else b""
         try:
-            piece = first
+            async for _ in start.waiting(keepalive_s):
+                yield KEEPALIVE  # an SSE comment: clients skip it
+            piece = start.piece()
             while piece is not None:
                 out = head + b"".join(_sse(c) for c in chunks(piece, sent))
                 if out:
@@ -135,7 +138,7 @@ async def _respond(
         except APIError as e:
             yield _sse(e.body())
         finally:
-            await pieces.aclose()
+            await start.close()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -143,6 +146,9 @@ async def _respond(
         media_type="text/event-stream",
         headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+KEEPALIVE = b": keepalive\n\n"
 
 
 async def _collect(pieces: AsyncIterator[Piece]):

@@ -277,8 +277,9 @@ async def create_response(body: ResponsesRequest, request: Request):
             return Response(status_code=499)
         return JSONResponse(finished(finish), headers=headers)
 
+    keepalive_s = request.app.state.keepalive_s
     try:
-        first = await first_piece(request, pieces)
+        start = await first_piece(request, pieces, keepalive_s)
     except ClientGone:
         return Response(status_code=499)
 
@@ -294,7 +295,12 @@ async def create_response(body: ResponsesRequest, request: Request):
         head = [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]  # fmt: skip
         try:
-            piece, finish = first, None
+            if not start.done:  # the response starts now: created, then keep-alives
+                yield b"".join(sse(e) for e in head)
+                head = []
+                async for _ in start.waiting(keepalive_s):
+                    yield b": keepalive\n\n"  # an SSE comment: clients skip it
+            piece, finish = start.piece(), None
             while piece is not None:
                 built.feed(piece.text, piece.finish_reason is not None)
                 finish = piece.finish_reason or finish
@@ -309,7 +315,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         except APIError as e:
             yield sse({"type": "error", "code": e.code, "message": e.message, "param": e.param})
         finally:
-            await pieces.aclose()
+            await start.close()
 
     return StreamingResponse(
         events(), media_type="text/event-stream",

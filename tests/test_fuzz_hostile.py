@@ -20,24 +20,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from tool_caller import XML_TEMPLATE, build_tool_caller
+from tool_caller import tiny_and_xml
 
 from tests.conftest import start_gateway, stop_gateway
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    xml = build_tool_caller(tmp_path_factory.mktemp("xml") / "xml", XML_TEMPLATE, "ok")
-    gw = start_gateway(
-        {
-            "server": {"max_body_bytes": 4 << 20},
-            "models": [
-                {"id": "tiny", "path": str(tiny_model), "max_context": 4096},
-                {"id": "xml", "path": str(xml), "max_context": 4096},
-            ],
-        },  # fmt: skip
-        tmp_path_factory.mktemp("fuzz-hostile"),
-    )
+    config = tiny_and_xml(tiny_model, tmp_path_factory.mktemp("xml"), 4096, 4 << 20)
+    gw = start_gateway(config, tmp_path_factory.mktemp("fuzz-hostile"))
     # A connection per request: the server closes an idle keep-alive one after
     # 5 s, and hypothesis can take that long to build a case.
     limits = httpx.Limits(max_keepalive_connections=0)

@@ -18,24 +18,15 @@ import anthropic
 import httpx
 import openai
 import pytest
-from tool_caller import XML_TEMPLATE, build_tool_caller
+from tool_caller import tiny_and_xml
 
 from tests.conftest import start_gateway, stop_gateway
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    xml = build_tool_caller(tmp_path_factory.mktemp("xml") / "xml", XML_TEMPLATE, "ok")
-    gw = start_gateway(
-        {
-            "server": {"max_body_bytes": 8 << 20},
-            "models": [
-                {"id": "tiny", "path": str(tiny_model), "max_context": 2048},
-                {"id": "xml", "path": str(xml), "max_context": 2048},
-            ],
-        },  # fmt: skip
-        tmp_path_factory.mktemp("hostile-schemas"),
-    )
+    config = tiny_and_xml(tiny_model, tmp_path_factory.mktemp("xml"), 2048, 8 << 20)
+    gw = start_gateway(config, tmp_path_factory.mktemp("hostile-schemas"))
     yield gw
     stop_gateway(gw)
 

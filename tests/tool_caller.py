@@ -206,3 +206,13 @@ def _write_lookup_weights(dest: Path, sequence: list[int], first: int) -> None:
         "lm_head.weight": head,
     }
     save_safetensors(dest, tensors, "float32")
+
+
+def tiny_and_xml(tiny_model: Path, root: Path, max_context: int, max_body_bytes: int) -> dict:
+    """A gateway config serving the tiny model as "tiny" and, as "xml", a
+    tool caller in Qwen's XML format answering "ok" (forced tool calls need
+    a template that takes tools)."""
+    xml = build_tool_caller(root / "xml", XML_TEMPLATE, "ok")
+    return {"server": {"max_body_bytes": max_body_bytes},
+            "models": [{"id": "tiny", "path": str(tiny_model), "max_context": max_context},
+                       {"id": "xml", "path": str(xml), "max_context": max_context}]}  # fmt: skip

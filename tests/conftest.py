@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import agent_clis
 import httpx
 import llama_build
 import pytest
@@ -468,3 +469,10 @@ def llama_server_binary() -> Path:
     from specgate.engines.llamacpp.install import install_llama_server
 
     return install_llama_server()
+
+
+@pytest.fixture(scope="session")
+def agent_cli():
+    """`agent_cli("claude")`: a coding agent's CLI, installed from npm at its
+    pinned version under the run's SPECGATE_HOME (tests/agent_clis.py)."""
+    return lambda name: agent_clis.install(name, RUN_HOME)

@@ -9,6 +9,7 @@ turn looked like a dead server."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -97,3 +98,82 @@ def test_a_client_leaving_during_the_keepalives_stops_the_prefill(server):
                 break
             time.sleep(0.1)
         assert load["running"] == 0, load
+
+
+def test_prefill_progress_is_sent_where_asked(server):
+    """`return_progress` (llama-server's): chunks with no choices and a
+    `prompt_progress` whose count grows, then the tokens; they parse in the
+    openai SDK's own chunk type, and a client reading only choices skips them."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(
+        model="tiny", stream=True, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": long_text("five")}],
+        extra_body={"return_progress": True},
+    )  # fmt: skip
+    progress, text = [], []
+    for chunk in stream:
+        if not chunk.choices:
+            progress.append(chunk.model_extra["prompt_progress"])
+        elif chunk.choices[0].delta.content:
+            assert progress, "a token came before any progress"
+            text.append(chunk.choices[0].delta.content)
+    processed = [p["processed"] for p in progress]
+    assert len(processed) > 1 and processed == sorted(processed), progress
+    assert all(0 < p["processed"] < p["total"] for p in progress), progress
+    assert text
+
+
+# -- the issue's own measure: a 20k-token prompt, the default period ------------------
+# In the agents tier (-m agents), beside the real agents: about a minute of
+# prefill on this CPU, for what the 3,000-token tests above check in seconds.
+
+LONG_PROMPT_TOKENS = 20_000
+
+
+@pytest.fixture(scope="module")
+def default_server(tiny_model, tmp_path_factory):
+    """The shipped keep-alive period (server.stream_keepalive_s left out), a
+    context that takes a 20k-token prompt."""
+    gw = start_gateway(
+        {
+            "server": {"max_body_bytes": 8 << 20},
+            "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 32_768}],
+        },  # fmt: skip
+        tmp_path_factory.mktemp("keepalive-default"),
+    )
+    yield gw
+    stop_gateway(gw)
+
+
+@pytest.mark.agents
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_a_20k_token_prompt_gets_a_keepalive_at_least_every_5_s(default_server, api):
+    path = {"chat": "/v1/chat/completions", "messages": "/v1/messages",
+            "responses": "/v1/responses"}[api]  # fmt: skip
+    text = f"{api} beta gamma delta " * (LONG_PROMPT_TOKENS // 9)  # 9-11 tokens each
+    body = ({"input": text, "max_output_tokens": 2} if api == "responses" else
+            {"messages": [{"role": "user", "content": text}], "max_tokens": 2})  # fmt: skip
+    body |= {"model": "tiny", "stream": True, "temperature": 0}
+    arrivals: list[tuple[float, bytes]] = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", default_server.base_url + path, json=body, timeout=600) as r:
+        assert r.status_code == 200, r.read()[:300]
+        for line in r.iter_lines():
+            arrivals.append((time.monotonic() - t0, line.encode()))
+            if first_token(line.encode()):
+                break
+    first = arrivals[-1][0]
+    alive = [(t, line) for t, line in arrivals if keepalive(line)]
+    gaps = [b - a for a, b in zip([0.0, *(t for t, _ in alive)], [*(t for t, _ in alive), first],
+                                  strict=True)]  # fmt: skip
+    # The prefill must outlast a period, or this measures nothing.
+    assert first > 5.0 and alive, (first, alive)
+    assert max(gaps) < 5.0, gaps
+    if api != "messages":  # Anthropic's ping carries nothing; the comments say how far
+        counts = [tuple(map(int, line.split()[-1].split(b"/"))) for _, line in alive
+                  if re.fullmatch(rb": keepalive \d+/\d+", line)]  # fmt: skip
+        assert counts, alive
+        assert all(0 < done < total and total >= LONG_PROMPT_TOKENS for done, total in counts), counts
+        assert [d for d, _ in counts] == sorted(d for d, _ in counts), counts

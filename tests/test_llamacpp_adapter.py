@@ -4,13 +4,14 @@ import random
 
 import pytest
 
-from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.base import GenerationRequest, Plan, PrefillProgress, SamplingParams
 from specgate.engines.llamacpp.adapter import (
     SAMPLER_ORDER,
     SpecCounters,
     completion_body,
     parse_spec_counters,
     read_chunk,
+    read_progress,
     refusal,
     rounds_from_counters,
 )
@@ -81,16 +82,21 @@ def test_chunk_translation():
     assert read_chunk({"tokens": [], "stop": True, "stop_type": "eos"}, req).finish_reason == "stop"
 
 
-def test_prompt_progress_events_are_no_output():
+def test_prompt_progress_events_are_progress_not_output():
     # Asked for, so a long prefill shows progress; as llama-server b11312 sends
     # them, with a placeholder token 0 that is no output.
     assert completion_body(request())["return_progress"] is True
-    req = request(stops=frozenset({0}))
-    for progress in ({"total": 900, "cache": 0, "processed": 0, "time_ms": 0},
-                     {"total": 900, "cache": 0, "processed": 512, "time_ms": 40}):
-        got = read_chunk({"content": "", "tokens": [0], "stop": False,
-                          "prompt_progress": progress}, req)
-        assert (got.token_ids, got.text, got.finish_reason) == ([], "", None)
+
+    def chunk(processed: int) -> dict:
+        return {"content": "", "tokens": [0], "stop": False,
+                "prompt_progress": {"total": 900, "cache": 100, "processed": processed,
+                                    "time_ms": 40}}  # fmt: skip
+
+    assert read_progress(chunk(100)) is None  # nothing evaluated yet
+    assert read_progress(chunk(612)) == PrefillProgress(612, 900, 100)
+    assert read_progress(chunk(900)) is None  # the last batch: the first token follows
+    assert read_progress({"content": "x", "tokens": [4]}) is None
+    assert read_progress({"prompt_progress": {"total": "many"}}) is None
 
 
 def test_stop_token_ends_and_is_not_output():

@@ -26,7 +26,14 @@ import pytest
 
 from specgate.builders.gguf_export import export_gguf
 from specgate.builders.tiny import build_qwen35_hybrid
-from specgate.engines.base import EngineError, GenerationRequest, Plan, SamplingParams, TokenEvent
+from specgate.engines.base import (
+    EngineError,
+    GenerationRequest,
+    Plan,
+    PrefillProgress,
+    SamplingParams,
+    TokenEvent,
+)
 from specgate.engines.llamacpp.build import build_llamacpp_engines
 from specgate.engines.llamacpp.engine import LlamaCppEngine
 from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
@@ -246,6 +253,8 @@ async def stream_until_frozen(engine: LlamaCppEngine, got: list[TokenEvent]) -> 
     pid = engine.server.pid
     try:
         async for event in engine.generate(request([1, 2, 3], 900)):
+            if not isinstance(event, TokenEvent):
+                continue
             got.append(event)
             if len(got) == 2:
                 freeze(pid)
@@ -325,15 +334,21 @@ def test_a_long_prefill_is_progress(demo_gguf, home, llama_server_binary):
                 await asyncio.sleep(0.2)
 
         pauser = asyncio.create_task(slow_down())
-        n = 0
+        n, progress = 0, []
         try:
             async for event in engine.generate(request(prompt, 4)):
+                if isinstance(event, PrefillProgress):  # llama-server's, passed on
+                    progress.append(event)
+                    continue
                 first_token.set()
                 n += len(event.token_ids)
         finally:
             first_token.set()
             await pauser
         assert n == 4
+        processed = [p.processed for p in progress]
+        assert len(processed) > 1 and processed == sorted(processed), processed
+        assert all(p.total == len(prompt) and p.processed < p.total for p in progress)
         # The test means something only if the prefill outlasted the deadline.
         assert paused > timeout, f"the prefill took only {paused:.1f} s of pauses: too fast"
 

@@ -175,6 +175,18 @@ class TokenLogprob:
     top: tuple[TopLogprob, ...] = ()
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far a request's prompt is in the cache, sent between prefill
+    chunks before its first token: a long prompt's stream then tells the
+    client it is alive, and how far along (gateway/api/chat.py). Engines
+    that prefill in one piece send none."""
+
+    processed: int  # prompt tokens in the cache, cached ones included
+    total: int  # the prompt's tokens
+    cached: int = 0  # of them, served from the prefix cache
+
+
 @dataclass
 class TokenEvent:
     """Tokens the engine committed, with the text they add.
@@ -343,10 +355,10 @@ class Engine(Protocol):
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None
-    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff | PrefillProgress]:
         """Admit a request (raising EngineOverloaded at once if the engine is
         full) and return its stream; closing the stream cancels it at the
-        next step. With `resume`, continue a sequence another engine of the
+        next step. Before its first token it may send PrefillProgress. With `resume`, continue a sequence another engine of the
         same model handed off; a stream may end in a Handoff of its own."""
         ...
 

@@ -37,6 +37,7 @@ from specgate.engines.base import (
     FinishReason,
     GenerationRequest,
     Method,
+    PrefillProgress,
     Refusal,
     RoundStats,
     SamplingParams,
@@ -151,11 +152,9 @@ def read_chunk(chunk: dict, request: GenerationRequest) -> ChunkResult:
     """One streamed /completion chunk as specgate's tokens, text and finish reason.
 
     A token in the request's stop set ends generation and, as in the MLX
-    engines, is not part of the output. A prompt-progress event carries no
-    output (llama-server fills its `tokens` with a placeholder 0).
+    engines, is not part of the output. Not for a prompt-progress event
+    (read_progress): llama-server fills its `tokens` with a placeholder 0.
     """
-    if "prompt_progress" in chunk:
-        return ChunkResult([], "", None, None)
     tokens = [int(t) for t in chunk.get("tokens") or []]
     text = chunk.get("content") or ""
     finish: FinishReason | None = None
@@ -173,6 +172,21 @@ def read_chunk(chunk: dict, request: GenerationRequest) -> ChunkResult:
         logprobs = [_logprob(p, k) for p in chunk.get("completion_probabilities") or []][: len(tokens)]
     timings = chunk.get("timings") or {}
     return ChunkResult(tokens, text, finish, logprobs, int(timings.get("cache_n", 0)))
+
+
+def read_progress(chunk: dict) -> PrefillProgress | None:
+    """A prompt-progress event (`return_progress`) as specgate's; its
+    `processed` counts the cached tokens too, as PrefillProgress does. None
+    for other chunks, and where it says nothing a stream would show: before
+    the first batch, and after the last (the first token follows)."""
+    p = chunk.get("prompt_progress")
+    if not isinstance(p, dict):
+        return None
+    try:
+        progress = PrefillProgress(int(p["processed"]), int(p["total"]), int(p.get("cache", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return progress if progress.cached < progress.processed < progress.total else None
 
 
 def _logprob(p: dict, k: int) -> TokenLogprob:

@@ -51,6 +51,7 @@ from specgate.engines.base import (
     Method,
     OutputConstraint,
     Planner,
+    PrefillProgress,
     Refusal,
     RoundStats,
     SamplingParams,
@@ -62,6 +63,7 @@ from specgate.engines.llamacpp.adapter import (
     completion_body,
     parse_spec_counters,
     read_chunk,
+    read_progress,
     refusal,
     rounds_from_counters,
 )
@@ -261,7 +263,9 @@ class LlamaCppEngine:
                 raise EngineStopped(f"model '{self.model_id}' ({self.name}) was stopped") from e
             raise
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | RoundStats]:
+    async def _stream(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[TokenEvent | RoundStats | PrefillProgress]:
         assert self._client is not None, "engine not started"
         finished = False
         process = self.server.starts  # which process serves this request (set again below)
@@ -286,6 +290,10 @@ class LlamaCppEngine:
                     while (chunk := await self._progress(_next_event(lines))) is not None:
                         if "error" in chunk:
                             raise EngineError(f"llama-server: {_error_message(chunk)}")
+                        if "prompt_progress" in chunk:
+                            if (progress := read_progress(chunk)) is not None:
+                                yield progress
+                            continue
                         got = read_chunk(chunk, request)
                         finished = got.finish_reason is not None
                         text = prefix + got.text + (suffix if got.finish_reason == "stop" else "")

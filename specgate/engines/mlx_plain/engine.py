@@ -35,6 +35,7 @@ from specgate.engines.base import (
     Handoff,
     LiveState,
     Planner,
+    PrefillProgress,
     RoundStats,
     TokenEvent,
     TokenLogprob,
@@ -187,7 +188,7 @@ class MLXPlainEngine(WorkerEngine):
     def generate(
         self, request: GenerationRequest, planner: Planner | None = None,
         resume: Handoff | None = None,
-    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff | PrefillProgress]:
         """Stream one request (or continue one handed over). The planner is
         asked again only while the request is alone in the batch."""
         if self._in_flight >= self.max_concurrent + self.max_queue:
@@ -235,6 +236,8 @@ class MLXPlainEngine(WorkerEngine):
                 self._store_prompt_caches(prompt_responses)
                 # One wake-up per event loop per step, not one per token.
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                for slot, progress in self._prefill_progress(prompt_responses):
+                    by_loop.setdefault(slot.loop, []).append((slot.out, progress))
                 stats = self._step_stats(decoding, seconds) if timed and not prompt_responses else None
                 for response in generation_responses:
                     if (made := self._event(response)) is not None:
@@ -419,6 +422,24 @@ class MLXPlainEngine(WorkerEngine):
             if tokens and slot is not None:
                 scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
                 self._prefix_cache.insert(list(tokens), cache, scope)
+
+    def _prefill_progress(self, prompt_responses: list) -> list[tuple[_Slot, PrefillProgress]]:
+        """Where each prompt still prefilling stands (mlx-lm counts the
+        tokens it feeds, the uncached rest of the prompt)."""
+        out = []
+        for r in prompt_responses:
+            slot = self._slots.get(r.uid)
+            if slot is None or slot.started or slot.resume is not None or r.end_of_prompt:
+                continue
+            fed, fed_total = r.progress
+            # mlx-lm feeds the last prompt token with the first decoding step:
+            # at fed_total - 1 the first token follows.
+            if fed >= fed_total - 1:
+                continue
+            total = len(slot.request.prompt_tokens)
+            out.append((slot, PrefillProgress(min(total, slot.cached_tokens + fed), total,
+                                              slot.cached_tokens)))  # fmt: skip
+        return out
 
     def _event(self, response: Any) -> tuple[_Slot, TokenEvent] | None:
         """The event a generation response makes for its request."""

@@ -33,6 +33,7 @@ from specgate.engines.base import (
     LiveState,
     Method,
     Planner,
+    PrefillProgress,
     RoundStats,
     TokenEvent,
 )
@@ -136,7 +137,7 @@ class SpecEngine(WorkerEngine):
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None
-    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff]:
+    ) -> AsyncIterator[TokenEvent | RoundStats | Handoff | PrefillProgress]:
         if self._in_flight > self.max_queue:
             raise EngineOverloaded(
                 f"model '{self.model_id}' ({self.method}) has {self._in_flight} requests in flight "
@@ -281,6 +282,8 @@ class SpecEngine(WorkerEngine):
                     return
                 with lock:
                     fed = next(chunks)
+                if fed < total:
+                    job.post(PrefillProgress(fed, total, cached))
                 if fed in points:
                     prefix.insert(request.prompt_tokens[:fed], snapshot(decoder.cache),
                                   prefix.snapshot_scope(request, fed), drafter=cache_id,

@@ -19,7 +19,7 @@ from fastapi import Request
 from specgate.engines.base import Engine, EngineError, EngineOverloaded, MessageBoundaries
 from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
 from specgate.gateway.errors import APIError
-from specgate.gateway.serving.generation import Piece
+from specgate.gateway.serving.generation import Piece, Usage
 
 T = TypeVar("T")
 
@@ -47,6 +47,14 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             await asyncio.wait({task})
 
 
+def keepalive_comment(usage: Usage) -> bytes:
+    """An SSE comment, which clients skip; during a prefill it says how far
+    along it is, as mlx-lm's server does (`: keepalive 5120/20000`)."""
+    if usage.prefill is None:
+        return b": keepalive\n\n"
+    return f": keepalive {usage.prefill.processed}/{usage.prefill.total}\n\n".encode()
+
+
 class FirstPiece:
     """A stream's first piece, or the wait for it.
 
@@ -62,11 +70,11 @@ class FirstPiece:
         self._task, self._pieces = task, pieces
 
     async def waiting(self, every_s: float) -> AsyncIterator[None]:
-        """Once every `every_s` seconds while the first piece is not there."""
+        """While the first piece is not there: at once (the response starts
+        only after `patience_s` of silence), then every `every_s` seconds."""
         while not self._task.done():
-            done, _ = await asyncio.wait({self._task}, timeout=every_s)
-            if not done:
-                yield
+            yield
+            await asyncio.wait({self._task}, timeout=every_s)
 
     @property
     def done(self) -> bool:

@@ -13,7 +13,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specgate.engines.base import TokenLogprob
 from specgate.gateway.api import structured
-from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
+from specgate.gateway.api.chat import (
+    ClientGone,
+    FirstPiece,
+    first_piece,
+    keepalive_comment,
+    render_chat,
+    until_disconnect,
+)
 from specgate.gateway.api.openai_schema import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.api.tools import ToolCall, split_output
 from specgate.gateway.errors import APIError
@@ -102,9 +109,12 @@ async def _respond(
     chunks: Callable[[Piece, int], list[dict]],
     final: Callable[[str, list[int], list[TokenLogprob] | None, str | None], dict],
     preamble: dict | None,
+    progress: bool = False,
 ) -> Response:
     """Answer whole or as SSE; `chunks` makes the events of one piece (a
-    chat stream parsing tool calls may hold a piece back or split it)."""
+    chat stream parsing tool calls may hold a piece back or split it).
+    `progress`: llama-server's `return_progress`, chunks that say how far
+    the prompt's prefill is, before the first token."""
     if not stream:
         try:
             text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
@@ -123,8 +133,13 @@ async def _respond(
         # The preamble goes out in the same write as the first token.
         head = _sse(preamble) if preamble is not None else b""
         try:
-            async for _ in start.waiting(keepalive_s):
-                yield KEEPALIVE  # an SSE comment: clients skip it
+            if progress:
+                async for out in _prefill_progress(start, usage, keepalive_s,
+                                                   final("", [], None, None)):  # fmt: skip
+                    yield out
+            else:
+                async for _ in start.waiting(keepalive_s):
+                    yield keepalive_comment(usage)
             piece = start.piece()
             while piece is not None:
                 out = head + b"".join(_sse(c) for c in chunks(piece, sent))
@@ -148,7 +163,28 @@ async def _respond(
     )
 
 
-KEEPALIVE = b": keepalive\n\n"
+PROGRESS_EVERY_S = 0.5  # how often a stream asking for prefill progress may get it
+
+
+async def _prefill_progress(start: FirstPiece, usage: Usage, keepalive_s: float,
+                            base: dict) -> AsyncIterator[bytes]:  # fmt: skip
+    """Until the first piece: a `prompt_progress` chunk whenever the prefill
+    moved (at most every PROGRESS_EVERY_S), a keep-alive comment when it did
+    not for `keepalive_s` (a wait for a slot, an engine that prefills in one
+    piece). The chunk has no choices, so clients that only read choices
+    skip it, as they skip the usage chunk."""
+    t0 = quiet_since = time.monotonic()
+    sent = None
+    async for _ in start.waiting(min(keepalive_s, PROGRESS_EVERY_S)):
+        now, p = time.monotonic(), usage.prefill
+        if p is not None and p != sent:
+            sent, quiet_since = p, now
+            yield _sse(base | {"choices": [], "prompt_progress": {
+                "total": p.total, "cache": p.cached, "processed": p.processed,
+                "time_ms": round((now - t0) * 1000)}})  # fmt: skip
+        elif now - quiet_since >= keepalive_s:
+            quiet_since = now
+            yield keepalive_comment(usage)
 
 
 async def _collect(pieces: AsyncIterator[Piece]):
@@ -276,7 +312,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     }
     pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
-                          body.include_usage, usage, chunks, final, preamble)
+                          body.include_usage, usage, chunks, final, preamble,
+                          body.return_progress)
 
 
 @router.post("/v1/completions")
@@ -320,4 +357,4 @@ async def completions(body: CompletionRequest, request: Request):
 
     pieces = run(served, req, stops, usage, request.app.state.metrics)
     return await _respond(request, pieces, plan_headers(req.plan), body.stream,
-                          body.include_usage, usage, chunks, final, None)
+                          body.include_usage, usage, chunks, final, None, body.return_progress)

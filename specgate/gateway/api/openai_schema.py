@@ -73,6 +73,9 @@ class _Body(BaseModel):
     # generating past EOS (benchmarks need an exact number of tokens).
     return_token_ids: bool = False
     ignore_eos: bool = False
+    # As llama-server's: while a stream's prompt is prefilled, chunks with no
+    # choices and a `prompt_progress` {total, cache, processed, time_ms}.
+    return_progress: bool = False
 
     _plain_json = model_validator(mode="before")(refuse_unsafe_json)
 

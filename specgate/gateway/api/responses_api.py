@@ -31,6 +31,7 @@ from specgate.gateway.api.chat import (
     ChatPrompt,
     ClientGone,
     first_piece,
+    keepalive_comment,
     render_chat,
     until_disconnect,
 )
@@ -299,7 +300,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                 yield b"".join(sse(e) for e in head)
                 head = []
                 async for _ in start.waiting(keepalive_s):
-                    yield b": keepalive\n\n"  # an SSE comment: clients skip it
+                    yield keepalive_comment(usage)
             piece, finish = start.piece(), None
             while piece is not None:
                 built.feed(piece.text, piece.finish_reason is not None)

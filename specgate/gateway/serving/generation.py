@@ -24,6 +24,7 @@ from specgate.engines.base import (
     MessageBoundaries,
     Plan,
     Planner,
+    PrefillProgress,
     RoundStats,
     SamplingParams,
     TokenLogprob,
@@ -63,6 +64,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Before the first token: how far the prompt's prefill is (the engine's
+    # latest PrefillProgress), which a stream's keep-alives report.
+    prefill: PrefillProgress | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -365,6 +369,9 @@ async def run(
                     if isinstance(event, RoundStats):
                         metrics.round(event)
                         planned.policy.observe(event, planned.content)
+                        continue
+                    if isinstance(event, PrefillProgress):
+                        usage.prefill = event
                         continue
                     now = time.perf_counter()
                     if ttft is None:

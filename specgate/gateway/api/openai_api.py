@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -13,7 +12,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specgate.engines.base import TokenLogprob
 from specgate.gateway.api import structured
-from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
+from specgate.gateway.api.chat import (
+    ClientGone,
+    collect,
+    first_piece,
+    render_chat,
+    until_disconnect,
+)
 from specgate.gateway.api.openai_schema import ChatCompletionRequest, CompletionRequest
 from specgate.gateway.api.tools import ToolCall, split_output
 from specgate.gateway.errors import APIError
@@ -107,7 +112,7 @@ async def _respond(
     chat stream parsing tool calls may hold a piece back or split it)."""
     if not stream:
         try:
-            text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
+            text, ids, lps, finish = await until_disconnect(request, collect(pieces))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(final(text, ids, lps, finish), headers=headers)
@@ -149,18 +154,6 @@ async def _respond(
 
 
 KEEPALIVE = b": keepalive\n\n"
-
-
-async def _collect(pieces: AsyncIterator[Piece]):
-    text, ids, lps, finish = [], [], [], None
-    async with aclosing(pieces):
-        async for piece in pieces:
-            text.append(piece.text)
-            ids.extend(piece.token_ids)
-            if piece.logprobs:
-                lps.extend(piece.logprobs)
-            finish = piece.finish_reason or finish
-    return "".join(text), ids, lps, finish
 
 
 # -- routes --------------------------------------------------------------------

@@ -199,6 +199,8 @@ async def show(body: ShowRequest, request: Request):
 
 
 # -- what specgate does not serve --------------------------------------------------------
+# Clear answers to Ollama's clients rather than a bare 404; not in specgate's
+# OpenAPI schema, since they are no part of its API.
 
 _MANAGED = ("specgate serves the models its config names: add or change one in its config "
             "and reload it (`POST /admin/reload` or SIGHUP)")  # fmt: skip
@@ -220,10 +222,10 @@ for _path, _methods, _what in (
     ("/api/blobs/{digest}", ["HEAD", "POST"], "model blobs"),
 ):
     router.add_api_route(_path, _refusal(f"{_what} is not supported: {_MANAGED}"),
-                         methods=_methods)  # fmt: skip
+                         methods=_methods, include_in_schema=False)  # fmt: skip
 for _path in ("/api/embed", "/api/embeddings"):
     router.add_api_route(_path, _refusal("embeddings are not served by specgate yet"),
-                         methods=["POST"])  # fmt: skip
+                         methods=["POST"], include_in_schema=False)  # fmt: skip
 
 
 # -- generation --------------------------------------------------------------------------

@@ -108,7 +108,9 @@ def test_chat_whole_and_streamed_agree_and_match_the_openai_route(server):
     whole = c.chat(model="tiny", messages=ASK, stream=False, options=GREEDY)
     assert whole.done and whole.done_reason == "length" and whole.eval_count == 12
     assert whole.prompt_eval_count > 0 and whole.total_duration >= whole.eval_duration > 0
-    parts = list(c.chat(model="tiny", messages=ASK, stream=True, options=GREEDY))
+    # What Ollama's clients send besides: accepted, and the answer is the same.
+    parts = list(c.chat(model="tiny", messages=ASK, stream=True, options=GREEDY, think=True,
+                        keep_alive="5m"))  # fmt: skip
     assert [p.done for p in parts].count(True) == 1 and parts[-1].done
     assert parts[-1].done_reason == "length" and parts[-1].eval_count == 12
     assert "".join(p.message.content or "" for p in parts) == whole.message.content
@@ -124,6 +126,20 @@ def test_chat_whole_and_streamed_agree_and_match_the_openai_route(server):
     plain = oai.completions.create(model="tiny", prompt="The sea is", temperature=0,
                                    max_tokens=12)  # fmt: skip
     assert raw.response == plain.choices[0].text
+
+
+def test_num_ctx_bounds_the_answer_and_logprobs_come_per_token(server):
+    c = client(server)
+    n = c.chat(model="tiny", messages=ASK, stream=False, options=GREEDY).prompt_eval_count
+    # -1: as long as the context allows, and num_ctx is the request's context.
+    short = c.chat(model="tiny", messages=ASK, stream=False,
+                   options={"temperature": 0, "num_ctx": n + 5, "num_predict": -1})  # fmt: skip
+    assert (short.eval_count, short.done_reason) == (5, "length")
+    scored = c.chat(model="tiny", messages=ASK, stream=False, logprobs=True, top_logprobs=2,
+                    options=GREEDY)  # fmt: skip
+    assert len(scored.logprobs) == 12 and all(len(lp.top_logprobs) == 2 for lp in scored.logprobs)
+    # Greedy: each token is its position's most likely one.
+    assert all(lp.logprob == max(t.logprob for t in lp.top_logprobs) for lp in scored.logprobs)
 
 
 def test_a_tool_call_round_trip_in_ollamas_types(server):

@@ -44,7 +44,7 @@ from specgate.gateway.api.chat import (
     render_chat,
     until_disconnect,
 )
-from specgate.gateway.api.ollama_schema import ChatRequest, GenerateRequest, ShowRequest
+from specgate.gateway.api.ollama_schema import ChatRequest, GenerateRequest, Options, ShowRequest
 from specgate.gateway.api.tools import ToolCall, ToolCallStream, split_output, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
@@ -303,7 +303,7 @@ def _done_reason(finish: str | None) -> str:
 
 
 def _token_limit(
-    opts, engine: Engine, served: ServedModel, n_prompt: int
+    opts: Options, engine: Engine, served: ServedModel, n_prompt: int
 ) -> tuple[int | None, str]:
     """num_predict within num_ctx, or the model's context: (max_tokens, the
     param it came from). -1 and -2 (Ollama's "until the context ends" and
@@ -323,9 +323,8 @@ def _token_limit(
     room = context - n_prompt
     predict = opts.num_predict
     if predict is None:  # the model's default, as on the other APIs, within num_ctx
-        return (
-            None if opts.num_ctx is None else min(room, served.config.default_max_tokens)
-        ), param
+        default = None if opts.num_ctx is None else min(room, served.config.default_max_tokens)
+        return default, param
     if predict < 0:
         return room, param
     if opts.num_ctx is not None and predict > room:
@@ -351,9 +350,9 @@ async def _answer(
     opts = body.sampling_options
     sampling = replace(opts.sampling(body.logprobs, body.top_logprobs or 0), constraint=constraint)
     max_tokens, limit_param = _token_limit(opts, engine, served, len(tokens))
+    stops = check_stops(opts.stop, "options.stop")
     req = plan_request(served, engine, request.headers, tokens, sampling, max_tokens, limit_param,
                        prompt_text=prompt_text, **plan)  # fmt: skip
-    stops = check_stops(opts.stop, "options.stop")
     usage = Usage(len(tokens))
     shape = _Shape(body.model, isinstance(body, ChatRequest))
     pieces = clock.timed(run(served, req, stops, usage, request.app.state.metrics))

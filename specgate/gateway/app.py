@@ -32,7 +32,7 @@ from specgate.gateway.access.auth import (
     presented_key,
 )
 from specgate.gateway.access.limits import BodyLimitMiddleware
-from specgate.gateway.api import openai_api
+from specgate.gateway.api import ollama_api, openai_api
 from specgate.gateway.api.anthropic_api import router as anthropic_router
 from specgate.gateway.api.responses_api import ResponseStore
 from specgate.gateway.api.responses_api import router as responses_router
@@ -43,6 +43,7 @@ from specgate.gateway.errors import APIError, install_error_handlers
 from specgate.gateway.operator.status import RecentErrors, status
 from specgate.gateway.operator.status import page as status_page_html
 from specgate.gateway.serving.metrics import Metrics
+from specgate.gateway.serving.model_card import ModelCards
 from specgate.gateway.serving.models import ModelLeases, ModelRegistry, model_status
 from specgate.gateway.serving.reloading import Reloader, ReloadRefused
 
@@ -85,6 +86,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
     app.state.keepalive_s = config.server.stream_keepalive_s  # gateway/api/chat.py, FirstPiece
+    app.state.model_cards = ModelCards()  # Ollama's model listing (gateway/api/ollama_api.py)
     kept = config.server.responses_store  # for previous_response_id (gateway/api/responses_api.py)
     app.state.responses = ResponseStore(kept.responses_per_key, kept.bytes_per_key)
     app.state.peers = metrics.peers = peers = Peers(config.peers)  # gateway/cluster/peers.py, proxy.py
@@ -93,7 +95,8 @@ def create_app(config: Config, config_path: str | Path | None = None,
     errors = RecentErrors()  # the status page's "recent warnings and errors"
     install_error_handlers(app)
 
-    @app.get("/", include_in_schema=False)
+    # HEAD / too: tools that speak Ollama's API check that a server is up with it.
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     @app.get("/ui", include_in_schema=False)
     async def status_page():
         """The status page: static, its data from /admin/status (gateway/operator/status.py)."""
@@ -121,6 +124,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.include_router(openai_api.router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
+    app.include_router(ollama_api.router)
 
     @app.get("/health")
     async def health():

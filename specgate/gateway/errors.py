@@ -2,6 +2,7 @@
 
 OpenAI:    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
+Ollama:    {"error": ...} (the message alone, as Ollama's clients read it)
 
 Raise `APIError` anywhere below a route; code that answers before routing
 (ASGI middleware) calls `error_response(path, ...)` itself.
@@ -42,11 +43,14 @@ _ANTHROPIC_TYPES = {
     529: "overloaded_error",
 }
 ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 
 def api_of(path: str) -> str:
-    """Which API's error shape a path answers in: "anthropic" or "openai"."""
-    return "anthropic" if path.startswith(ANTHROPIC_PREFIX) else "openai"
+    """Which API's error shape a path answers in: "anthropic", "ollama" or "openai"."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return "anthropic"
+    return "ollama" if path.startswith(OLLAMA_PREFIX) else "openai"
 
 
 class APIError(Exception):
@@ -68,6 +72,8 @@ class APIError(Exception):
 
     def body(self, api: str = "openai") -> dict:
         server_side = self.status >= 500  # e.g. a 502 for a peer's bad answer
+        if api == "ollama":
+            return {"error": self.message}
         if api == "anthropic":
             default = "api_error" if server_side else "invalid_request_error"
             kind = _ANTHROPIC_TYPES.get(self.status, default)

@@ -278,8 +278,9 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class AuthMiddleware:
-    """Every /v1 and /admin route needs a valid key once keys exist (and
-    /metrics when `metrics_requires_key`); /health and /ready never do.
+    """Every /v1, /api (Ollama's) and /admin route needs a valid key once
+    keys exist (and /metrics when `metrics_requires_key`); /health and
+    /ready never do.
     Plain ASGI, so streaming responses pass through untouched.
 
     A client past its failure limit (`limiter`) gets 429 + Retry-After for a
@@ -303,7 +304,7 @@ class AuthMiddleware:
 
     def _guarded(self, path: str) -> bool:
         return (
-            path == "/v1" or path.startswith(("/v1/", "/admin/"))
+            path == "/v1" or path.startswith(("/v1/", "/api/", "/admin/"))
             or (path == "/metrics" and self.metrics_requires_key)
         )
 

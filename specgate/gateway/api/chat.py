@@ -1,9 +1,10 @@
-"""What the OpenAI and Anthropic chat adapters share past their own schemas.
+"""What the chat adapters (OpenAI, Anthropic, Responses, Ollama) share past
+their own schemas.
 
-Both reduce a request to template messages and OpenAI-shaped tools, render
+Each reduces a request to template messages and OpenAI-shaped tools, renders
 them here through the model's chat template (deciding whether and how tool
-calls are parsed), and stream the generation through the same helpers for
-client disconnects and the first piece.
+calls are parsed), and streams the generation through the same helpers for
+client disconnects, the first piece and a whole answer.
 """
 
 from __future__ import annotations
@@ -11,12 +12,19 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 
-from specgate.engines.base import Engine, EngineError, EngineOverloaded, MessageBoundaries
+from specgate.engines.base import (
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    MessageBoundaries,
+    TokenLogprob,
+)
 from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
@@ -117,6 +125,21 @@ async def first_piece(request: Request, pieces: AsyncIterator[Piece],
     except BaseException:
         await start.close()
         raise
+
+
+async def collect(
+    pieces: AsyncIterator[Piece],
+) -> tuple[str, list[int], list[TokenLogprob], str | None]:
+    """A whole answer: its text, token ids, logprobs and finish reason."""
+    text, ids, lps, finish = [], [], [], None
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text.append(piece.text)
+            ids.extend(piece.token_ids)
+            if piece.logprobs:
+                lps.extend(piece.logprobs)
+            finish = piece.finish_reason or finish
+    return "".join(text), ids, lps, finish
 
 
 @dataclass

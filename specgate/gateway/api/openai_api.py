@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -16,6 +15,7 @@ from specgate.gateway.api import structured
 from specgate.gateway.api.chat import (
     ClientGone,
     FirstPiece,
+    collect,
     first_piece,
     keepalive_comment,
     render_chat,
@@ -117,7 +117,7 @@ async def _respond(
     the prompt's prefill is, before the first token."""
     if not stream:
         try:
-            text, ids, lps, finish = await until_disconnect(request, _collect(pieces))
+            text, ids, lps, finish = await until_disconnect(request, collect(pieces))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(final(text, ids, lps, finish), headers=headers)
@@ -185,18 +185,6 @@ async def _prefill_progress(start: FirstPiece, usage: Usage, keepalive_s: float,
         elif now - quiet_since >= keepalive_s:
             quiet_since = now
             yield keepalive_comment(usage)
-
-
-async def _collect(pieces: AsyncIterator[Piece]):
-    text, ids, lps, finish = [], [], [], None
-    async with aclosing(pieces):
-        async for piece in pieces:
-            text.append(piece.text)
-            ids.extend(piece.token_ids)
-            if piece.logprobs:
-                lps.extend(piece.logprobs)
-            finish = piece.finish_reason or finish
-    return "".join(text), ids, lps, finish
 
 
 # -- routes --------------------------------------------------------------------

@@ -2,7 +2,8 @@
 and its lifecycle (models.py: load, unload, leases), residency under the
 memory budget (residency.py, footprint.py), a distributed model's share of
 this rank (ranks.py), config reload (reloading.py), `specgate tune`
-(tuning.py), the builtin model names (builtins.py), a generation's run
+(tuning.py), the builtin model names (builtins.py), what a model is, read
+from its checkpoint without loading it (model_card.py), a generation's run
 through admission, a policy and an engine (generation.py, stops.py), and
 the Prometheus metrics all of it records (metrics.py).
 

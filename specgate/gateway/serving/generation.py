@@ -77,7 +77,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedModel, Engine]:
+def find_model(registry: ModelRegistry, model_id: str) -> ServedModel:
+    """The model a request names, if the caller's key may use it (403, 404
+    otherwise); not loaded (resolve_model loads it)."""
     principal = current_principal()
     if not principal.may_use(model_id):
         # Checked before existence, so a key learns nothing of models beyond its own.
@@ -86,8 +88,6 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             403, f"this API key may not use model '{model_id}'; its models: {allowed}",
             param="model", code="model_not_allowed",
         )
-    if registry.draining:
-        raise shutting_down()
     served = registry.get(model_id)
     if served is None:
         raise APIError(
@@ -96,6 +96,13 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
             param="model",
             code="model_not_found",
         )
+    return served
+
+
+async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedModel, Engine]:
+    if registry.draining and current_principal().may_use(model_id):
+        raise shutting_down()
+    served = find_model(registry, model_id)
     await registry.acquire(served)  # loads it if need be; held until the response ends
     if served.engine is None:  # unloaded by an admin just now
         raise APIError(503, f"model '{model_id}' was unloaded by an admin; retry",

@@ -210,6 +210,27 @@ def test_greedy_ngram_equals_llama_server_without_speculation(client, gw):
     assert got["demo"][1][0] == got["demo-gguf"][1][0]
 
 
+def test_demo_gguf_takes_tools_as_mlx_renders_them(client):
+    """The demo's tool template goes into its GGUF (builtin:demo-gguf), and
+    llama-server's Jinja renders a tool turn, results and all, to the same
+    tokens as transformers does for the MLX engines. (With a description:
+    llama-server gives a tool without one an empty "description".)"""
+    tools = [{"type": "function", "function": WEATHER["function"] | {"description": "Forecast."}}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+    ]  # fmt: skip
+    prompt = {}
+    for model in ("demo", "demo-gguf"):
+        r = client.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=2,
+                                           temperature=0)  # fmt: skip
+        prompt[model] = r.usage.prompt_tokens
+    assert prompt["demo"] == prompt["demo-gguf"] > 100, prompt
+
+
 def test_sampled_and_seeded(client):
     kw = dict(model="demo-gguf", prompt="The river was", max_tokens=24, temperature=0.9,
               top_p=0.95, seed=11)

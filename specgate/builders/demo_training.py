@@ -60,7 +60,7 @@ def prepare(
     from tokenizers import Tokenizer
 
     from specgate.builders.tiny import build_qwen35_hybrid
-    from specgate.builders.tokenizer import ENDOFTEXT
+    from specgate.builders.tokenizer import DEMO_CHAT_TEMPLATE, ENDOFTEXT, write_chat_template
 
     work.mkdir(parents=True, exist_ok=True)
     init = work / "init"
@@ -70,6 +70,7 @@ def prepare(
         # training itself runs in float32.
         build_qwen35_hybrid(init, seed=seed, max_position_embeddings=32768, dtype="bfloat16",
                             **SIZES[size])
+    write_chat_template(init, DEMO_CHAT_TEMPLATE)  # export copies it into the model
     tok = Tokenizer.from_file(str(init / "tokenizer.json"))
     eot = tok.token_to_id(ENDOFTEXT)
     train_files, heldout_files = stdlib_files()

@@ -53,6 +53,62 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
+# The demo model's template: Qwen3.5's layout with tools, written here (not
+# copied from a published file). Tools go into the system turn as one JSON
+# signature a line inside <tools>; a call is Qwen3.5's XML, which
+# gateway/api/tools.py reads as "qwen3_xml" (mlx-lm's qwen3_coder parser);
+# tool results go back in a user turn, each inside <tool_response>, several
+# in a row in one turn; an assistant turn's earlier calls are written back in
+# the same XML. No <think> block: the demo model cannot think. Every tag is
+# whitespace-trimmed on both sides, so the line breaks here are not output
+# and Jinja2 (transformers) and llama-server's engine render alike.
+_DEMO_TEMPLATE_LINES = (
+    "{%- macro text(content) -%}",
+    "{%- if content is string -%}{{- content -}}",
+    "{%- elif content -%}{%- for part in content if part.type == 'text' -%}{{- part.text -}}{%- endfor -%}",
+    "{%- endif -%}",
+    "{%- endmacro -%}",
+    "{%- set system_first = messages and messages[0].role == 'system' -%}",
+    "{%- if tools -%}",
+    "{{- '<|im_start|>system\\n' -}}",
+    "{%- if system_first -%}{{- text(messages[0].content) + '\\n\\n' -}}{%- endif -%}",
+    "{{- '# Tools\\n\\nYou may call the functions below. Their signatures, one JSON object a line:\\n<tools>\\n' -}}",
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}",
+    "{{- '</tools>\\n\\nTo call one, answer with\\n<tool_call>\\n<function=FUNCTION_NAME>\\n"
+    "<parameter=PARAMETER_NAME>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n"
+    "with one <parameter> block for each argument (objects and arrays as JSON) and one "
+    "<tool_call> block for each call.<|im_end|>\\n' -}}",
+    "{%- elif system_first -%}",
+    "{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message.role == 'tool' -%}",
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}",
+    "{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}",
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- elif message.role == 'assistant' -%}",
+    "{%- set said = text(message.content) -%}",
+    "{{- '<|im_start|>assistant\\n' + said -}}",
+    "{%- for call in message.tool_calls or [] -%}",
+    "{%- set call = call.function if call.function is defined else call -%}",
+    "{%- if said or not loop.first -%}{{- '\\n' -}}{%- endif -%}",
+    "{{- '<tool_call>\\n<function=' + call.name + '>\\n' -}}",
+    "{%- if call.arguments is mapping -%}",
+    "{%- for name, value in call.arguments | items -%}",
+    "{{- '<parameter=' + name + '>\\n' + (value if value is string else (value | tojson)) + '\\n</parameter>\\n' -}}",
+    "{%- endfor -%}",
+    "{%- endif -%}",
+    "{{- '</function>\\n</tool_call>' -}}",
+    "{%- endfor -%}",
+    "{{- '<|im_end|>\\n' -}}",
+    "{%- elif not (message.role == 'system' and loop.first) -%}",
+    "{{- '<|im_start|>' + message.role + '\\n' + text(message.content) + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
+)
+DEMO_CHAT_TEMPLATE = "\n".join(_DEMO_TEMPLATE_LINES)
+
 # A fixed selection, sorted, so the corpus (and so the vocabulary) depends only
 # on the Python version. Modules a version lacks are skipped.
 _CORPUS_MODULES = (
@@ -172,6 +228,15 @@ def build_tokenizer(dest: Path, *, vocab_size: int = 2048) -> None:
         dest / "special_tokens_map.json",
         {"eos_token": IM_END, "pad_token": ENDOFTEXT},
     )
+
+
+def write_chat_template(dest: Path, template: str) -> None:
+    """Set the chat template in `dest`'s tokenizer_config.json (the demo
+    model's tool-capable one over the tiny checkpoints' plain ChatML)."""
+    path = Path(dest) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    _write_json(path, config)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -60,14 +60,18 @@ def demo_gguf_path(export: ExportGGUF | None = None) -> Path:
     """The demo model as GGUF (MTP head as nextn), exported with `export` on
     first use; without `export`, only if it was exported before.
 
-    Cached under SPECGATE_HOME by the weights' digest, so a new demo model
-    gets a new file and an interrupted export never leaves a partial one.
+    Cached under SPECGATE_HOME by the digest of the weights and the
+    tokenizer's config (the chat template is written into the GGUF), so a
+    new demo model or template gets a new file and an interrupted export
+    never leaves a partial one.
     """
     import hashlib
 
     src = default_model_path()
-    digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()[:16]
-    out = models_dir() / f"{DEFAULT_MODEL_ID}-{digest}.gguf"
+    digest = hashlib.sha256()
+    for name in ("model.safetensors", "tokenizer_config.json"):
+        digest.update((src / name).read_bytes())
+    out = models_dir() / f"{DEFAULT_MODEL_ID}-{digest.hexdigest()[:16]}.gguf"
     if not out.is_file():
         if export is None:
             raise FileNotFoundError(f"{BUILTIN_DEMO_GGUF} is not exported yet ({out})")

@@ -54,6 +54,7 @@ from specgate.engines.base import (
     Refusal,
     RoundStats,
     SamplingParams,
+    ThinkingFormat,
     TokenEvent,
 )
 from specgate.engines.grammar.sandbox import SANDBOX
@@ -64,6 +65,7 @@ from specgate.engines.llamacpp.adapter import (
     read_chunk,
     refusal,
     rounds_from_counters,
+    thinking_markers,
 )
 from specgate.engines.llamacpp.process import LlamaServer, LlamaServerError
 
@@ -207,19 +209,43 @@ class LlamaCppEngine:
         return (await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True}))["tokens"]
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         # llama-server renders with the GGUF's Jinja template (--jinja is its
-        # default), tools included.
+        # default), tools and template variables included.
         body: dict = {"messages": messages}
         if tools:
             body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
         prompt = (await self._post("/apply-template", body))["prompt"]
         # The template already wrote the special tokens (BOS included, if any).
         return (await self._post("/tokenize", {"content": prompt, "add_special": False,
                                                "parse_special": True}))["tokens"]
 
-    async def message_boundaries(self, messages, tools, tokens) -> MessageBoundaries:
+    async def message_boundaries(self, messages, tools, tokens, template_kwargs=None
+                                 ) -> MessageBoundaries:  # fmt: skip
         return MessageBoundaries()  # llama-server keeps its own prompt cache
+
+    async def thinking_format(self) -> ThinkingFormat | None:
+        """The markers mlx-lm would find in the model's tokenizer, read from
+        its template (there is no Hugging Face tokenizer here), tokenized by
+        llama-server. llama-server holds a grammar over the whole output, so
+        a request with one is rendered with thinking off
+        (`grammar_after_thinking`); its own budget sampler holds the budget
+        (adapter.completion_body)."""
+        template = await self.chat_template()
+        markers = thinking_markers(template)
+        if markers is None:
+            return None
+        start, end = markers
+        tokens = []
+        for marker in markers:
+            tokens.append(tuple((await self._post("/tokenize", {
+                "content": marker, "add_special": False, "parse_special": True}))["tokens"]))
+        return ThinkingFormat(start, end, tokens[0], tokens[1],
+                              switchable="enable_thinking" in template,
+                              grammar_after_thinking=False)  # fmt: skip
 
     async def check_constraint(self, constraint: OutputConstraint) -> None:
         # The grammar alone (no in-process tokenizer here): llama-server

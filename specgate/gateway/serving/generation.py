@@ -63,6 +63,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion's, spent on thinking (the API adapters count)
 
     @property
     def total_tokens(self) -> int:

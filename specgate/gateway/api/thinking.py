@@ -218,7 +218,7 @@ class ThinkingStream:
         """The end of the output: a thinking never closed is thinking."""
         rest, self._buf = self._buf, ""
         if self.phase is Phase.THINKING:
-            rest = rest.strip()
+            rest = rest.rstrip()
             return [Thought(rest)] if rest else []
         if self.phase is Phase.ANSWER and self._at_start:  # nothing but padding after the marker
             rest = rest.lstrip()
@@ -302,6 +302,7 @@ _SIGNATURE_PREFIX = "sg1."
 def _key(path: Path) -> bytes:
     """This server's signing secret, made on first use (32 random bytes,
     readable by the owner only). Read once per process and home."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -61,7 +61,12 @@ def _split(text: str, opened: bool, cuts: list[int]) -> tuple[str, str]:
 
 SAMPLES = [
     # (output, prompt opened the thinking, thinking, answer)
-    ("Let me see.\n\nYes.\n</think>\n\nIt is <b>4</b>.", True, "Let me see.\n\nYes.", "It is <b>4</b>."),
+    (
+        "Let me see.\n\nYes.\n</think>\n\nIt is <b>4</b>.",
+        True,
+        "Let me see.\n\nYes.",
+        "It is <b>4</b>.",
+    ),
     ("<think>\nhmm</think>\n\nHi", False, "hmm", "Hi"),
     ("  <think>hmm</think>Hi", False, "hmm", "Hi"),
     ("No thinking here. <think> is just text", False, "", "No thinking here. <think> is just text"),
@@ -94,7 +99,9 @@ def test_the_answer_goes_to_the_tool_call_parser():
     stream = OutputStream(counting, tools)
     text = ('I will call it.</think>\n\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
             "</tool_call>")  # fmt: skip
-    events = stream.feed(text[:20], [1, 2, 3, END, 4]) + stream.feed(text[20:], [5]) + stream.finish()
+    events = (
+        stream.feed(text[:20], [1, 2, 3, END, 4]) + stream.feed(text[20:], [5]) + stream.finish()
+    )
     assert events == [Thought("I will call it."), ToolCall("f", {"x": 1})]
     assert stream.reasoning_tokens == 4  # the thinking and its closing marker
     assert split_thinking("x</think>y", counting) == ("x", "y")
@@ -168,7 +175,8 @@ def test_tracker_counts_what_usage_reports():
     tracker = ThinkingTracker(_spec(None, opened=False))
     for t in [START, 1, 2, END, 3, 4]:
         tracker.feed(t)
-    assert tracker.spent == 4 and tracker.thinking_tokens == 3  # (the closing marker's own token too)
+    # Spent: everything before the answer; counted: the closing marker's token too.
+    assert tracker.spent == 4 and tracker.thinking_tokens == 3
 
 
 # -- requests to think ----------------------------------------------------------------
@@ -185,10 +193,16 @@ def test_efforts_and_switches():
     cfg = ThinkingConfig(low=3, medium=30, high=None, default=100)
     assert thinking.from_effort("low", cfg) == ThinkingAsk(True, 3)
     assert thinking.from_effort("high", cfg) == ThinkingAsk(True, None)
-    assert thinking.from_effort("minimal", cfg) == thinking.from_effort("none", cfg) == ThinkingAsk(False)
+    assert (
+        thinking.from_effort("minimal", cfg)
+        == thinking.from_effort("none", cfg)
+        == ThinkingAsk(False)
+    )
     assert thinking.from_effort(None, cfg) == ThinkingAsk()
     assert thinking.from_switch(True, cfg) == ThinkingAsk(True, 100)
-    assert thinking.either(ThinkingAsk(True, 30), ThinkingAsk(True, 100), "p") == ThinkingAsk(True, 30)
+    assert thinking.either(ThinkingAsk(True, 30), ThinkingAsk(True, 100), "p") == ThinkingAsk(
+        True, 30
+    )
     assert thinking.either(ThinkingAsk(), ThinkingAsk(False), "p") == ThinkingAsk(False)
     with pytest.raises(APIError, match="opposite"):
         thinking.either(ThinkingAsk(False), ThinkingAsk(True), "reasoning_effort")
@@ -201,7 +215,9 @@ def test_what_the_template_and_the_engines_get():
     # A budget: the switch on, the budget held.
     p = plan_thinking(QWEN, ThinkingAsk(True, 5), grammar=False)
     assert p.template_kwargs == {"enable_thinking": True}
-    assert p.held(p.counting(OPENED)) == ThinkingBudget((START,), (END,), True, 5, "<think>", "</think>")
+    assert p.held(p.counting(OPENED)) == ThinkingBudget(
+        (START,), (END,), True, 5, "<think>", "</think>"
+    )
     # Off: the template switches it off, and nothing is held.
     p = plan_thinking(QWEN, ThinkingAsk(False), grammar=True)
     assert p.template_kwargs == {"enable_thinking": False} and p.held(p.counting(CLOSED)) is None
@@ -333,32 +349,54 @@ def test_anthropic_thinking_block(ant, gw):
                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4"}]}]  # fmt: skip
         tools = [{"name": "add", "input_schema": {"type": "object"}}]
         ant.messages.create(model="thinker", max_tokens=4, messages=history, tools=tools)
-        return ant.messages.count_tokens(model="thinker", messages=history, tools=tools).input_tokens
+        return ant.messages.count_tokens(
+            model="thinker", messages=history, tools=tools
+        ).input_tokens
 
     assert count(block.signature) > count("sg1.forged")
 
 
 def test_thinking_off_gives_no_thinking(oai, ant):
-    for extra in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}):
+    for extra in (
+        {"reasoning_effort": "none"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+    ):
         r = oai.chat.completions.create(model="thinker", messages=ASK, temperature=0,
                                         max_tokens=40, extra_body=extra)  # fmt: skip
         msg = r.choices[0].message
         assert getattr(msg, "reasoning_content", None) is None and msg.content == ANSWER
         assert r.usage.completion_tokens_details.reasoning_tokens == 0
-    msg = ant.messages.create(model="thinker", max_tokens=40, messages=ASK,
-                              thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    msg = ant.messages.create(
+        model="thinker",
+        max_tokens=40,
+        messages=ASK,
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+    )
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == ANSWER
     r = oai.responses.create(model="thinker", input="What is 2+2?", temperature=0,
                              max_output_tokens=40, reasoning={"effort": "minimal"})  # fmt: skip
     assert [i.type for i in r.output] == ["message"] and r.output_text == ANSWER
     with pytest.raises(openai.BadRequestError, match="opposite"):
-        oai.chat.completions.create(model="thinker", messages=ASK, max_tokens=4, extra_body={
-            "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}})
+        oai.chat.completions.create(
+            model="thinker",
+            messages=ASK,
+            max_tokens=4,
+            extra_body={
+                "reasoning_effort": "high",
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        )
 
 
 def test_the_budget_is_respected(oai, ant, think_end):
-    r = oai.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=40,
-                                    extra_body={"reasoning_effort": "low", "return_token_ids": True})
+    r = oai.chat.completions.create(
+        model="thinker",
+        messages=ASK,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"reasoning_effort": "low", "return_token_ids": True},
+    )
     ids = r.choices[0].token_ids
     assert ids.index(think_end) == LOW  # forced right after the budget's tokens
     msg = r.choices[0].message
@@ -379,8 +417,12 @@ def test_a_grammar_holds_the_answer_after_free_thinking(oai):
     schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"],
               "additionalProperties": False}  # fmt: skip
     r = oai.chat.completions.create(
-        model="thinker", messages=ASK, temperature=0, max_tokens=40,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        model="thinker",
+        messages=ASK,
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
     assert r.choices[0].message.reasoning_content == THOUGHT
     assert r.choices[0].message.content == '{"a": "x"}'
 
@@ -402,8 +444,13 @@ def test_a_model_that_cannot_think_just_answers(oai, ant):
 
 def _ids(oai, method: str, **kw) -> tuple[list[int], str]:
     raw = oai.chat.completions.with_raw_response.create(
-        model="thinker-mtp", messages=ASK, max_tokens=24, extra_headers={"X-Specgate-Method": method},
-        extra_body={"reasoning_effort": "low", "return_token_ids": True}, **kw)
+        model="thinker-mtp",
+        messages=ASK,
+        max_tokens=24,
+        extra_headers={"X-Specgate-Method": method},
+        extra_body={"reasoning_effort": "low", "return_token_ids": True},
+        **kw,
+    )
     return raw.parse().choices[0].token_ids, raw.headers["x-specgate-plan"]
 
 
@@ -415,19 +462,38 @@ def test_mtp_equals_plain_with_the_budget(oai, think_end):
     seeded = _ids(oai, "mtp", temperature=0.8, seed=7)[0]
     assert seeded == _ids(oai, "none", temperature=0.8, seed=7)[0] and think_end in seeded[:6]
     # The same thinking in every shape, under MTP.
-    msg = oai.chat.completions.create(model="thinker-mtp", messages=ASK, max_tokens=24, temperature=0,
-                                      extra_headers={"X-Specgate-Method": "mtp"},
-                                      extra_body={"reasoning_effort": "low"}).choices[0].message
+    msg = (
+        oai.chat.completions.create(
+            model="thinker-mtp",
+            messages=ASK,
+            max_tokens=24,
+            temperature=0,
+            extra_headers={"X-Specgate-Method": "mtp"},
+            extra_body={"reasoning_effort": "low"},
+        )
+        .choices[0]
+        .message
+    )
     assert msg.reasoning_content
     ant = anthropic.Anthropic(base_url=str(oai.base_url).removesuffix("/v1/"), api_key="none",
                               max_retries=0)  # fmt: skip
-    block = ant.messages.create(model="thinker-mtp", max_tokens=24, messages=ASK,
-                                thinking={"type": "enabled", "budget_tokens": 5},
-                                extra_body={"temperature": 0},
-                                extra_headers={"X-Specgate-Method": "mtp"}).content[0]
+    block = ant.messages.create(
+        model="thinker-mtp",
+        max_tokens=24,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 5},
+        extra_body={"temperature": 0},
+        extra_headers={"X-Specgate-Method": "mtp"},
+    ).content[0]
     assert block.type == "thinking" and block.thinking == msg.reasoning_content
-    r = oai.responses.create(model="thinker-mtp", input=ASK, max_output_tokens=24, temperature=0,
-                             reasoning={"effort": "low"}, extra_headers={"X-Specgate-Method": "mtp"})
+    r = oai.responses.create(
+        model="thinker-mtp",
+        input=ASK,
+        max_output_tokens=24,
+        temperature=0,
+        reasoning={"effort": "low"},
+        extra_headers={"X-Specgate-Method": "mtp"},
+    )
     assert r.output[0].content[0].text == msg.reasoning_content
 
 

@@ -37,7 +37,6 @@ from specgate.gateway.api.thinking import (
     ThinkingStream,
     Thought,
     plan_thinking,
-    split_thinking,
 )
 from specgate.gateway.api.tools import ToolCall, ToolCallStream
 from specgate.gateway.config import ThinkingConfig
@@ -104,8 +103,6 @@ def test_the_answer_goes_to_the_tool_call_parser():
     )
     assert events == [Thought("I will call it."), ToolCall("f", {"x": 1})]
     assert stream.reasoning_tokens == 4  # the thinking and its closing marker
-    assert split_thinking("x</think>y", counting) == ("x", "y")
-    assert split_thinking("x</think>y", None) == ("", "x</think>y")
 
 
 # -- the tokens: a budget held by masks -------------------------------------------------
@@ -461,6 +458,10 @@ def test_mtp_equals_plain_with_the_budget(oai, think_end):
     assert think_end in greedy[:6]  # forced at the budget, 5 (if not written earlier)
     seeded = _ids(oai, "mtp", temperature=0.8, seed=7)[0]
     assert seeded == _ids(oai, "none", temperature=0.8, seed=7)[0] and think_end in seeded[:6]
+    # With a grammar after the thinking: drafts pass the budget, then the grammar.
+    json = {"response_format": {"type": "json_object"}}
+    held = _ids(oai, "mtp", temperature=0, **json)[0]
+    assert held == _ids(oai, "none", temperature=0, **json)[0] and think_end in held[:6]
     # The same thinking in every shape, under MTP.
     msg = (
         oai.chat.completions.create(

@@ -211,8 +211,7 @@ class _Output:
         self._message = None
 
     def _where(self) -> dict:
-        return {"item_id": self._message["id"], "output_index": self.items.index(self._message),
-                "content_index": 0}  # fmt: skip
+        return self._in(self._message)
 
     def _call(self, call: ToolCall) -> None:
         arguments = json.dumps(call.arguments)

@@ -283,16 +283,6 @@ class OutputStream:
         return out
 
 
-def split_thinking(text: str, counting: ThinkingBudget | None) -> tuple[str, str]:
-    """A whole output as (thinking, the rest), as streaming splits it."""
-    if counting is None:
-        return "", text
-    stream = ThinkingStream(counting.start_text, counting.end_text, counting.opened)
-    parts = stream.feed(text) + stream.finish()
-    return ("".join(p.text for p in parts if isinstance(p, Thought)),
-            "".join(p for p in parts if isinstance(p, str)))  # fmt: skip
-
-
 # -- signatures --------------------------------------------------------------------------------
 
 _SIGNATURE_PREFIX = "sg1."

@@ -507,3 +507,48 @@ def test_unknown_template_variables_are_not_refused(gw):
         "model": "thinker", "messages": ASK, "max_tokens": 4,
         "chat_template_kwargs": {"enable_thinking": "yes"}}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and "enable_thinking" in r.json()["error"]["message"]
+
+
+# -- through llama-server -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_gw(models, llama_server_binary, tmp_path_factory):
+    from specgate.builders.gguf_export import export_gguf
+
+    gguf = export_gguf(models["mtp"], tmp_path_factory.mktemp("gguf") / "thinker-mtp.gguf")
+    model = {"id": "g", "path": str(gguf), "max_context": 512, "engines": ["llamacpp", "llamacpp_mtp"],
+             "llamacpp_mtp": {"depth": 3}, "thinking": {"low": 5}, "llamacpp": {"threads": 1}}  # fmt: skip
+    g = start_gateway(
+        {"llama_server": {"binary": str(llama_server_binary)}, "models": [model]},
+        tmp_path_factory.mktemp("thinking-gguf"),
+    )
+    yield g
+    stop_gateway(g)
+
+
+def test_llama_server_holds_the_budget_and_switches_thinking_off_under_a_grammar(
+    gguf_gw, think_end
+):
+    """llama-server's own budget sampler, given the markers and the prompt's
+    opening one: the same count as the MLX engines'."""
+    oai = openai.OpenAI(base_url=gguf_gw.api, api_key="none", max_retries=0, timeout=120)
+    for method in ("none", "mtp"):
+        raw = oai.chat.completions.with_raw_response.create(
+            model="g", messages=ASK, max_tokens=16, temperature=0,
+            extra_headers={"X-Specgate-Method": method},
+            extra_body={"reasoning_effort": "low", "return_token_ids": True})  # fmt: skip
+        r = raw.parse()
+        assert raw.headers["x-specgate-plan"].startswith(
+            f"method={'llamacpp_mtp' if method == 'mtp' else 'none'}"
+        )
+        ids = r.choices[0].token_ids
+        assert think_end in ids[:6], ids
+        assert r.choices[0].message.reasoning_content
+        assert r.usage.completion_tokens_details.reasoning_tokens == ids.index(think_end) + 1
+    # A grammar holds llama-server's whole output: the prompt has thinking off.
+    r = oai.chat.completions.create(model="g", messages=ASK, max_tokens=16, temperature=0,
+                                    response_format={"type": "json_object"},
+                                    extra_body={"reasoning_effort": "low"})  # fmt: skip
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    assert r.choices[0].message.content.startswith("{")

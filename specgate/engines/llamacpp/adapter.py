@@ -137,9 +137,12 @@ def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -
     if s.constraint is not None:  # refusal() let only JSON schemas through
         body["json_schema"] = json.loads(s.constraint.json_schema)
     if s.thinking is not None and s.thinking.budget is not None:
+        # The message's handler is what makes the closing tag the forced
+        # sequence (b11312's server-schema.cpp): sent empty, it forces the tag alone.
         body |= {"reasoning_budget_tokens": s.thinking.budget,
                  "reasoning_budget_start_tag": s.thinking.start_text,
-                 "reasoning_budget_end_tag": s.thinking.end_text}  # fmt: skip
+                 "reasoning_budget_end_tag": s.thinking.end_text,
+                 "reasoning_budget_message": ""}  # fmt: skip
         if s.thinking.opened:
             body["generation_prompt"] = s.thinking.start_text
     return body

@@ -112,6 +112,8 @@ class LlamaCppEngine:
         self._timeout = httpx.Timeout(read_timeout, connect=10.0)
         self.progress_timeout = progress_timeout
         self._siblings: list[LlamaServer] = []  # the model's other processes, for tokenizing
+        # Read once (the GGUF's template and vocabulary do not change): (the format,)
+        self._thinking: tuple[ThinkingFormat | None] | None = None
         self._client: httpx.AsyncClient | None = None
         self._in_flight = 0
         self._stopping = False
@@ -234,18 +236,21 @@ class LlamaCppEngine:
         a request with one is rendered with thinking off
         (`grammar_after_thinking`); its own budget sampler holds the budget
         (adapter.completion_body)."""
+        if self._thinking is not None:
+            return self._thinking[0]
         template = await self.chat_template()
-        markers = thinking_markers(template)
-        if markers is None:
-            return None
-        start, end = markers
-        tokens = []
-        for marker in markers:
-            tokens.append(tuple((await self._post("/tokenize", {
-                "content": marker, "add_special": False, "parse_special": True}))["tokens"]))
-        return ThinkingFormat(start, end, tokens[0], tokens[1],
-                              switchable="enable_thinking" in template,
-                              grammar_after_thinking=False)  # fmt: skip
+        form = None
+        if (markers := thinking_markers(template)) is not None:
+            tokens = []
+            for marker in markers:
+                tokens.append(tuple((await self._post("/tokenize", {
+                    "content": marker, "add_special": False, "parse_special": True}))["tokens"]))
+            form = ThinkingFormat(*markers, tokens[0], tokens[1],
+                                  switchable="enable_thinking" in template,
+                                  grammar_after_thinking=False)  # fmt: skip
+        if template is not None:  # (None: the server did not answer; ask again next time)
+            self._thinking = (form,)
+        return form
 
     async def check_constraint(self, constraint: OutputConstraint) -> None:
         # The grammar alone (no in-process tokenizer here): llama-server

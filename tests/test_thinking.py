@@ -25,7 +25,7 @@ from openai.types.responses import (
     ResponseReasoningTextDeltaEvent,
     ResponseReasoningTextDoneEvent,
 )
-from thinker import ANSWER, THOUGHT, build_thinker, build_thinking_mtp
+from thinker import ANSWER, THINKING_TEMPLATE, THOUGHT, build_thinker, build_thinking_mtp
 from tokenizers import Tokenizer
 
 from specgate.engines.base import ThinkingBudget, ThinkingFormat
@@ -230,6 +230,21 @@ def test_what_the_template_and_the_engines_get():
     # A model that does not think: nothing at all.
     p = plan_thinking(None, ThinkingAsk(True, 5), grammar=True)
     assert p.template_kwargs is None and p.counting(OPENED) is None
+
+
+def test_which_models_think(models):
+    """mlx-lm's markers, where the template writes them: a family's
+    non-thinking models share its vocabulary."""
+    from mlx_lm.utils import load_tokenizer
+
+    from specgate.builders.tokenizer import CHAT_TEMPLATE
+    from specgate.engines.worker import thinking_format
+
+    tok = load_tokenizer(models["thinker"])
+    form = thinking_format(tok, THINKING_TEMPLATE)
+    assert (form.start, form.end, form.switchable) == ("<think>", "</think>", True)
+    assert form.start_tokens == (tok.convert_tokens_to_ids("<think>"),)
+    assert thinking_format(tok, CHAT_TEMPLATE) is None
 
 
 def test_signatures(tmp_path, monkeypatch):

@@ -90,8 +90,15 @@ def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None,
 
 def thinking_format(tokenizer, template: str | None) -> ThinkingFormat | None:
     """The model's thinking markers as mlx-lm's tokenizer wrapper found them
-    (`_infer_thinking`), and whether its template has the switch."""
+    (`_infer_thinking`), and whether its template has the switch. mlx-lm
+    reads the vocabulary alone, and a family's non-thinking models share it
+    (Qwen3-Coder's has `<think>`): a template that never writes the opening
+    marker teaches no thinking (either marker: one of several tokens may be
+    written in parts)."""
     if not getattr(tokenizer, "has_thinking", False):
+        return None
+    if template is not None and not (tokenizer.think_start in template
+                                     or tokenizer.think_end in template):  # fmt: skip
         return None
     # A renderer of its own that takes the switch under another name is
     # handed it by mlx-lm's wrapper (apply_chat_template renames it).

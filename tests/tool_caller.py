@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from specgate.builders._build import save_safetensors
 from specgate.builders.tiny import build_qwen3_dense
-from specgate.builders.tokenizer import IM_END, special_token_ids
+from specgate.builders.tokenizer import IM_END, build_tokenizer, special_token_ids
 
 VOCAB, HIDDEN, HEAD_DIM, UNITS = 2048, 640, 32, 128
 ROPE_THETA = 10.0  # widely spaced RoPE frequencies: a sharp peak at the chosen distance
@@ -103,8 +103,14 @@ def windows(sequence: list[int], first: int) -> list[int]:
     return out
 
 
-def build_tool_caller(dest: Path, template: str, answer: str) -> Path:
-    """A checkpoint at dest whose greedy reply to any chat is `answer`, then <|im_end|>."""
+GENERATION_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def build_tool_caller(dest: Path, template: str, answer: str, *, thinking: bool = False,
+                      tail: str = GENERATION_TAIL) -> Path:  # fmt: skip
+    """A checkpoint at dest whose greedy reply to any chat is `answer`, then <|im_end|>.
+    `thinking`: its tokenizer has `<think>` and `</think>`; `tail`: how every
+    rendered chat ends (the template's generation prompt)."""
     from transformers import AutoTokenizer
 
     dest = Path(dest)
@@ -112,6 +118,8 @@ def build_tool_caller(dest: Path, template: str, answer: str) -> Path:
         dest, hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=VOCAB,
         intermediate_size=UNITS, head_dim=HEAD_DIM,
     )  # fmt: skip
+    if thinking:
+        build_tokenizer(dest, vocab_size=VOCAB, thinking=True)
     config = json.loads((dest / "config.json").read_text())
     config["rope_theta"] = ROPE_THETA
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -121,7 +129,7 @@ def build_tool_caller(dest: Path, template: str, answer: str) -> Path:
 
     # Every chat ends in the same generation-prompt tail; the lookup starts from it.
     tok = Tokenizer.from_file(str(dest / "tokenizer.json"))
-    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n").ids
+    tail = tok.encode(tail).ids
     hf = AutoTokenizer.from_pretrained(dest)
     prompt = hf.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False

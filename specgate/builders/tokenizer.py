@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 from tokenizers import (
+    AddedToken,
     Regex,
     Tokenizer,
     decoders,
@@ -28,6 +29,11 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 # Qwen's order; they take the last ids of the vocabulary, as in Qwen's own files.
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# A reasoning model's thinking markers: added tokens, not special ones, as in
+# Qwen3.x's files (so decoding keeps them in the text). Here just before the
+# special tokens, which keep the last ids.
+THINK_START, THINK_END = "<think>", "</think>"
+THINKING_TOKENS = (THINK_START, THINK_END)
 
 # Qwen2/3/3.5's pre-tokenizer split (transformers' tokenization_qwen3_5.py).
 _QWEN_SPLIT = (
@@ -157,8 +163,9 @@ def corpus_files() -> list[Path]:
 
 
 @functools.cache
-def _trained_json(vocab_size: int) -> str:
+def _trained_json(vocab_size: int, thinking: bool = False) -> str:
     """tokenizer.json text; cached because training dominates a tiny build."""
+    added = THINKING_TOKENS if thinking else ()
     tok = Tokenizer(models.BPE())
     # Exactly the pipeline transformers' Qwen3_5Tokenizer builds: in a
     # qwen3_5 checkpoint AutoTokenizer always uses that class and keeps only
@@ -175,13 +182,17 @@ def _trained_json(vocab_size: int) -> str:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train([str(p) for p in corpus_files()], trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    first = vocab_size - len(SPECIAL_TOKENS) - len(added)
+    if any(tok.token_to_id(t) != first + i for i, t in enumerate(added)):
+        raise RuntimeError(f"the thinking markers did not get ids {first}, {first + 1}")
     if tok.get_vocab_size() != vocab_size or ids != special_token_ids(vocab_size):
         raise RuntimeError(
             f"tokenizer reached {tok.get_vocab_size()} tokens (specials {ids}), wanted {vocab_size}"
@@ -189,20 +200,25 @@ def _trained_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(dest: Path, *, vocab_size: int = 2048) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = False) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json;
+    `thinking`: with `<think>` and `</think>` added, as a reasoning model's."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    tok_json = _trained_json(vocab_size)
+    tok_json = _trained_json(vocab_size, thinking)
     (dest / "tokenizer.json").write_text(tok_json, encoding="utf-8")
 
     ids = special_token_ids(vocab_size)
+    first = vocab_size - len(SPECIAL_TOKENS) - len(THINKING_TOKENS)
+    added = ({str(first + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                               "single_word": False, "special": False}
+              for i, t in enumerate(THINKING_TOKENS)} if thinking else {})  # fmt: skip
     config = {
         # Outside a model directory this loads tokenizer.json verbatim; inside
         # one, transformers substitutes Qwen3_5Tokenizer (same pipeline).
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_prefix_space": False,
-        "added_tokens_decoder": {
+        "added_tokens_decoder": added | {
             str(ids[t]): {
                 "content": t,
                 "lstrip": False,

@@ -57,6 +57,68 @@ class OutputConstraint:
 
 
 @dataclass(frozen=True)
+class ThinkingFormat:
+    """How a model marks its thinking, as mlx-lm knows it
+    (`mlx_lm.tokenizer_utils._infer_thinking`: `<think>`/`</think>` and the
+    other pairs its parsers know), and whether its chat template can turn
+    thinking on and off (`enable_thinking`).
+
+    Token sequences are the markers as the tokenizer writes them (one token
+    each for Qwen3.x); `grammar_after_thinking` says whether the engine
+    holds an answer's grammar only after free thinking (the in-process
+    engines, engines/grammar/thinking.py) or the whole output (llama-server:
+    there a request with a grammar is rendered with thinking off)."""
+
+    start: str
+    end: str
+    start_tokens: tuple[int, ...]
+    end_tokens: tuple[int, ...]
+    switchable: bool  # the template reads `enable_thinking`
+    grammar_after_thinking: bool = True
+
+    def opened_by(self, prompt: list[int]) -> bool:
+        """Whether the prompt ends inside thinking: in its tail (the
+        generation prompt's, where templates such as Qwen3.5's open `<think>`)
+        the last opening marker comes after the last closing one, as
+        mlx-lm's server reads it. Only the tail: an earlier turn's thinking
+        is history, and a 100k-token prompt is not scanned."""
+        tail = prompt[-TAIL_TOKENS:]
+        return _rfind(tail, self.start_tokens) > _rfind(tail, self.end_tokens)
+
+
+TAIL_TOKENS = 64  # a generation prompt is far shorter
+
+
+def _rfind(tokens: list[int], sequence: tuple[int, ...]) -> int:
+    n = len(sequence)
+    if n == 0:
+        return -1
+    for i in range(len(tokens) - n, -1, -1):
+        if tuple(tokens[i : i + n]) == sequence:
+            return i
+    return -1
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A request's thinking, as the engines hold it to its budget
+    (engines/grammar/thinking.py): the markers' tokens; whether the prompt
+    opened the thinking (else the output may open it with its first
+    tokens); how many thinking tokens may come before the closing marker is
+    forced (None: no budget; 0: it is forced at once). An answer grammar
+    (`SamplingParams.constraint`) then applies from the token after the
+    closing marker."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    opened: bool
+    budget: int | None
+    # The markers as text, for llama-server's own budget sampler.
+    start_text: str = ""
+    end_text: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy.
 
@@ -77,6 +139,9 @@ class SamplingParams:
     # Applied after the penalties, before temperature and truncation, to
     # target and drafts alike (engines/grammar/matcher.py).
     constraint: OutputConstraint | None = None
+    # The thinking's budget, and where an answer grammar starts; None where
+    # the request leaves the model's thinking alone.
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -316,16 +381,20 @@ class Engine(Protocol):
 
     async def encode(self, text: str) -> list[int]: ...
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         """Apply the model's chat template with the generation prompt.
 
         `tools` are OpenAI-shaped function tools ({"type": "function",
         "function": {...}}), handed to the template as its `tools` variable;
-        messages may carry `tool_calls` (arguments as dicts) and `tool` roles."""
+        messages may carry `tool_calls` (arguments as dicts), `reasoning_content`
+        and `tool` roles. `template_kwargs`: further variables for the
+        template (`enable_thinking`)."""
         ...
 
     async def message_boundaries(
-        self, messages: list[dict], tools: list[dict] | None, tokens: list[int]
+        self, messages: list[dict], tools: list[dict] | None, tokens: list[int],
+        template_kwargs: dict | None = None,
     ) -> MessageBoundaries:
         """Where, in `tokens` (render_chat's output for these messages), the
         system prompt and the messages before the newest end: the prefix
@@ -344,6 +413,10 @@ class Engine(Protocol):
     async def chat_template(self) -> str | None:
         """The chat template's source text (None when there is no readable one):
         the gateway reads from it whether and how the model calls tools."""
+        ...
+
+    async def thinking_format(self) -> ThinkingFormat | None:
+        """How the model marks its thinking, None for a model that does not think."""
         ...
 
     def refusal(self, sampling: SamplingParams) -> Refusal | None:

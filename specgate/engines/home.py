@@ -6,6 +6,7 @@ under it ($SPECGATE_HOME, else ~/.specgate):
     models/              builtin models made on first use (the demo as GGUF),
                          and where `specgate demo-model` / `demo-drafter` train to
     keys                 the API keys (gateway/access/keys.py), unless `auth.keys_file`
+    thinking.key         the secret that signs Anthropic thinking blocks (gateway/api/thinking.py)
     llama.cpp/           llama-server as `specgate install-llama-server` builds it:
                          <tag>/bin/llama-server, src/, build/<tag>/
     logs/                llama-server's build log and each server's own
@@ -41,6 +42,11 @@ def models_dir(home: Path | None = None) -> Path:
 def keys_file(home: Path | None = None) -> Path:
     """The API keys file when the config names none."""
     return (home or specgate_home()) / "keys"
+
+
+def thinking_key_file(home: Path | None = None) -> Path:
+    """The secret the server signs its thinking blocks with."""
+    return (home or specgate_home()) / "thinking.key"
 
 
 def llama_cpp_dir(home: Path | None = None) -> Path:

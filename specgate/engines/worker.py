@@ -24,6 +24,7 @@ from specgate.engines.base import (
     OutputConstraint,
     Refusal,
     SamplingParams,
+    ThinkingFormat,
     TokenEvent,
 )
 from specgate.engines.cpu import run_cpu
@@ -49,7 +50,8 @@ def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 def message_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None,
-                       tokens: list[int]) -> MessageBoundaries:  # fmt: skip
+                       tokens: list[int], template_kwargs: dict | None = None,
+                       ) -> MessageBoundaries:  # fmt: skip
     """Each boundary is where the rendered prompt stops agreeing with a render
     of the messages before it followed by an empty user message: templates
     differ in what they write between messages (and some refuse a
@@ -60,7 +62,8 @@ def message_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None
         probe = [*head, {"role": "user", "content": ""}]
         try:
             other = tokenizer.apply_chat_template(probe, tools=tools or None,
-                                                  add_generation_prompt=False)  # fmt: skip
+                                                  add_generation_prompt=False,
+                                                  **(template_kwargs or {}))  # fmt: skip
         except Exception:  # the template refused this shape: no boundary here
             return 0
         n = min(len(other), len(tokens))
@@ -74,9 +77,35 @@ def message_boundaries(tokenizer, messages: list[dict], tools: list[dict] | None
     return MessageBoundaries(system, history)
 
 
-def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None,
+                 template_kwargs: dict | None) -> list[int]:  # fmt: skip
+    # mlx-lm's wrapper passes `enable_thinking` = whether the tokenizer has
+    # thinking markers when the request leaves it unset (Qwen3.x's templates
+    # think by default too), and renames it for renderers that call it
+    # otherwise.
     return list(tokenizer.apply_chat_template(messages, tools=tools or None,
-                                              add_generation_prompt=True))  # fmt: skip
+                                              add_generation_prompt=True,
+                                              **(template_kwargs or {})))  # fmt: skip
+
+
+def thinking_format(tokenizer, template: str | None) -> ThinkingFormat | None:
+    """The model's thinking markers as mlx-lm's tokenizer wrapper found them
+    (`_infer_thinking`), and whether its template has the switch. mlx-lm
+    reads the vocabulary alone, and a family's non-thinking models share it
+    (Qwen3-Coder's has `<think>`): a template that never writes the opening
+    marker teaches no thinking (either marker: one of several tokens may be
+    written in parts)."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return None
+    if template is not None and not (tokenizer.think_start in template
+                                     or tokenizer.think_end in template):  # fmt: skip
+        return None
+    # A renderer of its own that takes the switch under another name is
+    # handed it by mlx-lm's wrapper (apply_chat_template renames it).
+    renamed = getattr(tokenizer, "_thinking_kwarg", "enable_thinking") != "enable_thinking"
+    return ThinkingFormat(tokenizer.think_start, tokenizer.think_end,
+                          tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens),
+                          switchable=renamed or "enable_thinking" in (template or ""))  # fmt: skip
 
 
 class WorkerEngine:
@@ -110,13 +139,19 @@ class WorkerEngine:
     async def encode(self, text: str) -> list[int]:
         return await run_cpu(self.tokenizer.encode, text)
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return await run_cpu(_render_chat, self.tokenizer, messages, tools)
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
+        return await run_cpu(_render_chat, self.tokenizer, messages, tools, template_kwargs)
 
     async def message_boundaries(
-        self, messages: list[dict], tools: list[dict] | None, tokens: list[int]
+        self, messages: list[dict], tools: list[dict] | None, tokens: list[int],
+        template_kwargs: dict | None = None,
     ) -> MessageBoundaries:
-        return await run_cpu(message_boundaries, self.tokenizer, messages, tools, tokens)
+        return await run_cpu(message_boundaries, self.tokenizer, messages, tools, tokens,
+                             template_kwargs)  # fmt: skip
+
+    async def thinking_format(self) -> ThinkingFormat | None:
+        return thinking_format(self.tokenizer, await self.chat_template())
 
     async def check_constraint(self, constraint: OutputConstraint) -> None:
         tokenizer = await run_cpu(self.loaded.grammars.spec)

@@ -165,6 +165,27 @@ class DistributedConfig(_Strict):
     rank_timeout_s: float = Field(15.0, gt=0, le=3600)
 
 
+ThinkingBudgetTokens = Annotated[int, Field(ge=0)] | None
+
+
+class ThinkingConfig(_Strict):
+    """How a request to think maps onto a reasoning model's thinking
+    (gateway/api/thinking.py): the thinking tokens allowed before the
+    closing marker is forced, per effort a request names (OpenAI
+    `reasoning_effort`, Responses `reasoning.effort`; "none" and "minimal"
+    turn thinking off). null: no budget but max_tokens. Anthropic's
+    `budget_tokens` is taken as sent."""
+
+    low: ThinkingBudgetTokens = 1024
+    medium: ThinkingBudgetTokens = 4096
+    high: ThinkingBudgetTokens = 16384
+    xhigh: ThinkingBudgetTokens = None
+    # A request that turns thinking on without a budget or an effort
+    # (Anthropic's `adaptive`, `chat_template_kwargs.enable_thinking`). A
+    # request that asks nothing keeps the template's default and no budget.
+    default: ThinkingBudgetTokens = None
+
+
 # Settings that once sat on the model, now each engine's own (the model's
 # `<engine>:` key): old key -> (engine, its field) for each engine it set.
 # A config that still uses one keeps working: the value goes to those of
@@ -260,6 +281,7 @@ class _ModelConfig(_Strict):
     distributed: DistributedConfig | None = None
     llamacpp: LlamaServerSettings = Field(default_factory=LlamaServerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    thinking: ThinkingConfig = Field(default_factory=ThinkingConfig, description=ThinkingConfig.__doc__)
 
     @property
     def is_gguf(self) -> bool:

@@ -40,6 +40,7 @@ import mlx.core as mx
 from specgate.engines.base import Method, SamplingParams
 from specgate.engines.cache.prefix_cache import DrafterState
 from specgate.engines.grammar.matcher import GrammarState, masked
+from specgate.engines.grammar.thinking import ThinkingState
 from specgate.engines.sampling import PenaltyState, penalised, probabilities, sample
 from specgate.engines.targets import Forward, Target
 
@@ -58,10 +59,10 @@ class Context:
     prompt_len: int
     params: SamplingParams
     penalties: PenaltyState | None  # after `tokens`; None without penalties
-    # The request's grammar, after `tokens`, or None. `draw` masks by it and
-    # pushes each draft (so the next draw sees the state after it); the
-    # decoder takes the pushes back after `propose`.
-    grammar: GrammarState | None = None
+    # The request's grammar (or thinking budget), after `tokens`, or None.
+    # `draw` masks by it and pushes each draft (so the next draw sees the
+    # state after it); the decoder takes the pushes back after `propose`.
+    grammar: GrammarState | ThinkingState | None = None
     drawn: int = 0  # drafts drawn so far this round: the next one's position is after them
 
     @property

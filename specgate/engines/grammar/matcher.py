@@ -173,6 +173,17 @@ class GrammarState:
         self._matcher.rollback(consumed)
         return np.stack(rows)
 
+    def is_eos(self, token: int) -> bool:
+        return token in self._eos
+
+    def consume(self, token: int) -> None:
+        """Take one token for now (masks_along's walk); `rollback` undoes it."""
+        self._consume(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._matcher.rollback(n)
+
     def draft(self, token: int) -> None:
         if self._draft_ended or token in self._eos:
             self._draft_ended = True

@@ -26,6 +26,10 @@ from specgate's sampling (engines/sampling.py), and what we do about it:
   resample a token the grammar refuses, which is the masked distribution
   greedy but not above temperature 0: refused there, and for grammars that
   are not one JSON schema (a forced tool call).
+- Thinking budgets: llama-server's own reasoning-budget sampler, which
+  counts as engines/grammar/thinking.py does (the budget's tokens after the
+  opening marker, then the closing one forced); the opening marker of a
+  prompt that opened the thinking goes as its `generation_prompt`.
 """
 
 from __future__ import annotations
@@ -133,7 +137,53 @@ def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -
         body["n_probs"] = max(1, s.top_logprobs)
     if s.constraint is not None:  # refusal() let only JSON schemas through
         body["json_schema"] = json.loads(s.constraint.json_schema)
+    if s.thinking is not None and s.thinking.budget is not None:
+        # The message's handler is what makes the closing tag the forced
+        # sequence (b11312's server-schema.cpp): sent empty, it forces the tag alone.
+        body |= {"reasoning_budget_tokens": s.thinking.budget,
+                 "reasoning_budget_start_tag": s.thinking.start_text,
+                 "reasoning_budget_end_tag": s.thinking.end_text,
+                 "reasoning_budget_message": ""}  # fmt: skip
+        if s.thinking.opened:
+            body["generation_prompt"] = s.thinking.start_text
     return body
+
+
+class _TemplateWords(dict):
+    """A chat template as the vocabulary mlx-lm's thinking inference reads:
+    a marker is "in" it when the template writes it."""
+
+    def __init__(self, template: str):
+        super().__init__()
+        self.template = template
+
+    def __contains__(self, word: object) -> bool:
+        return isinstance(word, str) and word in self.template
+
+    def __getitem__(self, word: str) -> int:
+        return -1  # the ids come from llama-server
+
+
+class _TemplateOnly:
+    def __init__(self, template: str):
+        self.words = _TemplateWords(template)
+
+    def get_vocab(self) -> dict:
+        return self.words
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return []
+
+
+def thinking_markers(template: str | None) -> tuple[str, str] | None:
+    """The thinking markers a chat template writes, among those mlx-lm
+    knows (`tokenizer_utils._infer_thinking`), or None."""
+    if not template:
+        return None
+    from mlx_lm.tokenizer_utils import _infer_thinking  # pinned mlx-lm (uv.lock)
+
+    start, end, _, _ = _infer_thinking(_TemplateOnly(template))
+    return None if start is None else (start, end)
 
 
 @dataclass

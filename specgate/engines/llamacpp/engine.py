@@ -55,6 +55,7 @@ from specgate.engines.base import (
     Refusal,
     RoundStats,
     SamplingParams,
+    ThinkingFormat,
     TokenEvent,
 )
 from specgate.engines.grammar.sandbox import SANDBOX
@@ -66,6 +67,7 @@ from specgate.engines.llamacpp.adapter import (
     read_progress,
     refusal,
     rounds_from_counters,
+    thinking_markers,
 )
 from specgate.engines.llamacpp.process import LlamaServer, LlamaServerError
 
@@ -112,6 +114,8 @@ class LlamaCppEngine:
         self._timeout = httpx.Timeout(read_timeout, connect=10.0)
         self.progress_timeout = progress_timeout
         self._siblings: list[LlamaServer] = []  # the model's other processes, for tokenizing
+        # Read once (the GGUF's template and vocabulary do not change): (the format,)
+        self._thinking: tuple[ThinkingFormat | None] | None = None
         self._client: httpx.AsyncClient | None = None
         self._in_flight = 0
         self._stopping = False
@@ -209,19 +213,46 @@ class LlamaCppEngine:
         return (await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True}))["tokens"]
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         # llama-server renders with the GGUF's Jinja template (--jinja is its
-        # default), tools included.
+        # default), tools and template variables included.
         body: dict = {"messages": messages}
         if tools:
             body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
         prompt = (await self._post("/apply-template", body))["prompt"]
         # The template already wrote the special tokens (BOS included, if any).
         return (await self._post("/tokenize", {"content": prompt, "add_special": False,
                                                "parse_special": True}))["tokens"]
 
-    async def message_boundaries(self, messages, tools, tokens) -> MessageBoundaries:
+    async def message_boundaries(self, messages, tools, tokens, template_kwargs=None
+                                 ) -> MessageBoundaries:  # fmt: skip
         return MessageBoundaries()  # llama-server keeps its own prompt cache
+
+    async def thinking_format(self) -> ThinkingFormat | None:
+        """The markers mlx-lm would find in the model's tokenizer, read from
+        its template (there is no Hugging Face tokenizer here), tokenized by
+        llama-server. llama-server holds a grammar over the whole output, so
+        a request with one is rendered with thinking off
+        (`grammar_after_thinking`); its own budget sampler holds the budget
+        (adapter.completion_body)."""
+        if self._thinking is not None:
+            return self._thinking[0]
+        template = await self.chat_template()
+        form = None
+        if (markers := thinking_markers(template)) is not None:
+            tokens = []
+            for marker in markers:
+                tokens.append(tuple((await self._post("/tokenize", {
+                    "content": marker, "add_special": False, "parse_special": True}))["tokens"]))
+            form = ThinkingFormat(*markers, tokens[0], tokens[1],
+                                  switchable="enable_thinking" in template,
+                                  grammar_after_thinking=False)  # fmt: skip
+        if template is not None:  # (None: the server did not answer; ask again next time)
+            self._thinking = (form,)
+        return form
 
     async def check_constraint(self, constraint: OutputConstraint) -> None:
         # The grammar alone (no in-process tokenizer here): llama-server

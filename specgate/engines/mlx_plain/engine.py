@@ -49,6 +49,7 @@ from specgate.engines.distributed.lockstep import (
     pin_seed,
 )
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
+from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.worker import WorkerEngine, deliver
@@ -114,7 +115,7 @@ class _GrammarProcessor:
     so the mask comes between them and the sampler's truncation, as in the
     speculative engines."""
 
-    def __init__(self, request: GenerationRequest, grammar: GrammarState):
+    def __init__(self, request: GenerationRequest, grammar: GrammarState | ThinkingState):
         self.grammar = grammar
         self.seen = len(request.prompt_tokens)
         # Raising here would fail the whole batch step: the worker ends this
@@ -272,7 +273,8 @@ class MLXPlainEngine(WorkerEngine):
         contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
         return RoundStats(self.model_id, "none", 0, seconds=seconds, batch=len(decoding),
                           context_tokens=sum(contexts) // max(1, len(contexts)),
-                          constrained=any(s.grammar is not None for s in decoding))  # fmt: skip
+                          constrained=any(s.grammar is not None and s.grammar.grammar.constraint
+                                          is not None for s in decoding))  # fmt: skip
 
     def _end_broken_grammars(self) -> None:
         """End the requests whose grammar failed in the step (its processor
@@ -370,7 +372,7 @@ class MLXPlainEngine(WorkerEngine):
         sampler = greedy_batch_sampler if sampling.greedy else _RequestSampler(request, position)
         processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
         try:
-            grammar = self.loaded.grammars.state(sampling.constraint)
+            grammar = decoding_state(self.loaded.grammars, sampling)
         except GrammarError as e:  # this request's alone: the batch goes on
             slot.post(e)
             return

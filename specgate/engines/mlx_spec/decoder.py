@@ -31,7 +31,11 @@ as it draws (drafting/base.Context.draw), the verify's p at each position
 from the committed tokens and the drafts before it. Drafts that come alone
 are cut at the first one the grammar refuses (a draft with p(d) = 0 would
 only be rejected). So p and q are masked alike and the output is the
-constrained target's, greedy or sampled.
+constrained target's, greedy or sampled. A thinking budget
+(engines/grammar/thinking.py) is held the same way, so a token it forces is
+forced at every position, drafted or verified; where no mask can apply
+within a round (thinking far from its budget, no grammar) the round runs
+as an unconstrained one, without waiting for its drafts' values.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from specgate.engines.base import GenerationRequest, Handoff, RoundStats, TokenLogprob, TopLogprob
 from specgate.engines.drafting.base import Context, Proposal, Proposer
 from specgate.engines.grammar.matcher import GrammarState, masked
+from specgate.engines.grammar.thinking import ThinkingState
 from specgate.engines.mlx_spec.acceptance import accept_greedy, accept_sampled, point_masses
 from specgate.engines.sampling import (
     PenaltyState,
@@ -78,7 +84,7 @@ class SpecDecoder:
         tokenizer,
         prefill_step: int = 512,
         undo: Undo = "tape",
-        grammar: GrammarState | None = None,
+        grammar: GrammarState | ThinkingState | None = None,
     ):
         self.target, self.proposer, self.request = target, proposer, request
         self.method = proposer.method
@@ -170,11 +176,15 @@ class SpecDecoder:
         if self.cold:
             depth, self.cold = 0, False
         asked = depth
+        # Masked this round: a thinking budget far from its end masks nothing.
+        grammar = self.grammar
+        if isinstance(grammar, ThinkingState) and grammar.quiet(depth + 1):
+            grammar = None
         # Drafting and verifying build one lazy graph: the only wait is for
         # the verdict, once per round (the drafts start computing early).
-        proposal = self.proposer.propose(self._context(), depth) if depth > 0 else None
-        if self.grammar is not None:
-            self.grammar.undo_drafts()
+        proposal = self.proposer.propose(self._context(grammar), depth) if depth > 0 else None
+        if grammar is not None:
+            grammar.undo_drafts()
             proposal = self._grammatical(proposal)
         depth = 0 if proposal is None else proposal.drafts.shape[0]
         verify_arr = mx.array([last])
@@ -193,9 +203,11 @@ class SpecDecoder:
         for j in range(depth):
             states.append(advanced(states[-1], verify_arr[j + 1 : j + 2]))
         adjusted = [penalised(logits[j], states[j], self.params) for j in range(depth + 1)]
-        if self.grammar is not None:  # the masks, on the CPU while the verify runs
+        if grammar is not None:  # the masks, on the CPU while the verify runs
             mx.async_eval(adjusted)
-            masks = mx.array(self.grammar.masks_along(proposal.drafts.tolist() if depth else []))
+            masks = grammar.masks_along(proposal.drafts.tolist() if depth else [])
+            if not any(m is None for m in masks):
+                masks = mx.array(np.asarray(masks))  # one copy for the whole window
             adjusted = [masked(a, masks[j]) for j, a in enumerate(adjusted)]
         if self.params.greedy or self.params.seed is not None:
             # The target's own token at each position: its argmax, or seeded
@@ -234,13 +246,13 @@ class SpecDecoder:
             seconds=time.perf_counter() - t0,
             context_tokens=context,
             depth=asked,
-            constrained=self.grammar is not None,
+            constrained=self.grammar is not None and self.grammar.constraint is not None,
         )
         return step
 
-    def _context(self) -> Context:
+    def _context(self, grammar: GrammarState | ThinkingState | None) -> Context:
         return Context(self.tokens, len(self.request.prompt_tokens), self.params, self.penalties,
-                       self.grammar)  # fmt: skip
+                       grammar)  # fmt: skip
 
     def _grammatical(self, proposal: Proposal | None) -> Proposal | None:
         """The proposal cut before its first draft the grammar refuses (drawn

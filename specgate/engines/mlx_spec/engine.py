@@ -40,6 +40,7 @@ from specgate.engines.base import (
 from specgate.engines.cache.prefix_cache import Hit, snapshot
 from specgate.engines.distributed.lockstep import FollowerOut, Immediate, LockstepBroken, pin_seed
 from specgate.engines.drafting.base import Drafting
+from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.settings import DraftSettings
@@ -130,7 +131,7 @@ class SpecEngine(WorkerEngine):
     def make_decoder(
         self, request: GenerationRequest, cache: list | None, cached_tokens: int
     ) -> SpecDecoder:
-        grammar = self.loaded.grammars.state(request.sampling.constraint)
+        grammar = decoding_state(self.loaded.grammars, request.sampling)
         return SpecDecoder(self.target, self.drafting.proposer(self.target), request, cache,
                            cached_tokens, self.tokenizer, self.prefill_step_size,
                            grammar=grammar)  # fmt: skip

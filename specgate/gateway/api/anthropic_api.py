@@ -2,9 +2,10 @@
 
 The request goes through the same API-neutral steps as OpenAI's chat
 completions (gateway/serving/generation.py, gateway/api/chat.py); this module only
-speaks Anthropic's shapes: content blocks in and out, stop reasons, and the
-streaming event sequence message_start, content_block_start, ping,
-content_block_delta..., content_block_stop, message_delta, message_stop.
+speaks Anthropic's shapes: content blocks in and out (a reasoning model's
+thinking as a `thinking` block first, signed: gateway/api/thinking.py), stop
+reasons, and the streaming event sequence message_start, content_block_start,
+ping, content_block_delta..., content_block_stop, message_delta, message_stop.
 
 Stop sequences are matched here rather than in generation.run, because
 Anthropic names the one that matched (`stop_sequence`).
@@ -24,7 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from specgate.gateway.api import structured
 from specgate.gateway.api.anthropic_schema import CountTokensRequest, MessagesRequest
 from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
-from specgate.gateway.api.tools import ToolCall, ToolCallStream
+from specgate.gateway.api.thinking import OutputStream, Thought, sign
+from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
     Piece,
@@ -53,25 +55,25 @@ class _Outcome:
 
 async def _output(
     pieces: AsyncIterator[Piece],
-    calls: ToolCallStream | None,
+    output: OutputStream,
     outcome: _Outcome,
-) -> AsyncIterator[str | ToolCall]:
-    """The model's output as text and tool calls; sets `outcome` at the end."""
+) -> AsyncIterator[Thought | str | ToolCall]:
+    """The model's output as thinking, text and tool calls; sets `outcome` at the end."""
     async with aclosing(pieces):
         async for piece in pieces:
             text, finish = piece.text, piece.finish_reason
             if piece.stop_sequence is not None:
                 finish = "stop_sequence"
-            events = [text] if calls is None else calls.feed(text)
-            if finish is not None and calls is not None:
-                events += calls.finish()
+            events = output.feed(text, piece.token_ids)
+            if finish is not None:
+                events += output.finish()
             for event in events:
                 if event:
                     yield event
             if finish is not None:
                 if finish == "stop_sequence":
                     outcome.stop_reason, outcome.stop_sequence = finish, piece.stop_sequence
-                elif calls is not None and calls.calls and finish == "stop":
+                elif output.calls and finish == "stop":
                     outcome.stop_reason = "tool_use"
                 else:
                     outcome.stop_reason = _STOP_REASONS.get(finish, "end_turn")
@@ -91,16 +93,19 @@ def _tool_use(call: ToolCall) -> dict:
 
 
 class _Blocks:
-    """Text and tool calls as Anthropic's content block events, in order.
+    """Thinking, text and tool calls as Anthropic's content block events, in order.
 
-    Consecutive text shares one text block; each tool call is a block of
-    its own, sent whole (start, its input as one input_json_delta, stop)
-    because it is parsed only once complete.
+    Consecutive text shares one text block, consecutive thinking one
+    thinking block (its signature, over the whole text, in a signature_delta
+    before it stops); each tool call is a block of its own, sent whole
+    (start, its input as one input_json_delta, stop) because it is parsed
+    only once complete.
     """
 
     def __init__(self):
         self.index = -1
         self.open_text = False
+        self.thinking: str | None = None  # the open thinking block's text
         self.pinged = False
 
     def _start(self, block: dict) -> list[dict]:
@@ -113,10 +118,24 @@ class _Blocks:
         return out
 
     def _stop_text(self) -> list[dict]:
+        if self.thinking is not None:
+            delta = {"type": "signature_delta", "signature": sign(self.thinking)}
+            self.thinking = None
+            return [{"type": "content_block_delta", "index": self.index, "delta": delta},
+                    {"type": "content_block_stop", "index": self.index}]  # fmt: skip
         if not self.open_text:
             return []
         self.open_text = False
         return [{"type": "content_block_stop", "index": self.index}]
+
+    def thought(self, text: str) -> list[dict]:
+        out = []
+        if self.thinking is None:
+            out = self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking = ""
+        self.thinking += text
+        delta = {"type": "thinking_delta", "thinking": text}
+        return out + [{"type": "content_block_delta", "index": self.index, "delta": delta}]
 
     def text(self, text: str) -> list[dict]:
         out = [] if self.open_text else self._start({"type": "text", "text": ""})
@@ -156,9 +175,10 @@ def _sse(event: dict) -> bytes:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
-    _, engine = await resolve_model(request.app.state.registry, body.model)
+    served, engine = await resolve_model(request.app.state.registry, body.model)
     chat = await render_chat(engine, body.model, body.template_messages(), body.template_tools,
-                             body.parse_tools, boundaries=False)  # fmt: skip
+                             body.parse_tools, boundaries=False,
+                             ask=body.thinking_ask(served.config.thinking))  # fmt: skip
     return {"input_tokens": len(chat.tokens)}
 
 
@@ -166,12 +186,15 @@ async def count_tokens(body: CountTokensRequest, request: Request):
 async def messages(body: MessagesRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     messages = body.template_messages()
-    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
+                             ask=body.thinking_ask(served.config.thinking),
+                             grammar=body.forced_tools is not None)  # fmt: skip
     stops = check_stops(body.stop_sequences, "stop_sequences")
     output = await structured.checked_constraint(engine, None, body.forced_tools, [],
                                                  chat.tool_format)  # fmt: skip
     req = plan_request(
-        served, engine, request.headers, chat.tokens, replace(body.sampling(), constraint=output),
+        served, engine, request.headers, chat.tokens,
+        replace(body.sampling(), constraint=output, thinking=chat.held),
         body.max_tokens,
         prompt_text=messages[-1]["content"], boundaries=chat.boundaries,
     )  # fmt: skip
@@ -190,13 +213,21 @@ async def messages(body: MessagesRequest, request: Request):
 
         async def collect() -> list[dict]:
             content: list[dict] = []
-            async for event in _output(pieces, chat.tool_stream(), outcome):
+            async for event in _output(pieces, chat.output_stream(), outcome):
                 if isinstance(event, ToolCall):
                     content.append(_tool_use(event))
+                elif isinstance(event, Thought):
+                    if content and content[-1]["type"] == "thinking":
+                        content[-1]["thinking"] += event.text
+                    else:
+                        content.append({"type": "thinking", "thinking": event.text})
                 elif content and content[-1]["type"] == "text":
                     content[-1]["text"] += event
                 else:
                     content.append({"type": "text", "text": event})
+            for block in content:
+                if block["type"] == "thinking":
+                    block["signature"] = sign(block["thinking"])
             return content or [{"type": "text", "text": ""}]
 
         try:
@@ -229,10 +260,15 @@ async def messages(body: MessagesRequest, request: Request):
         try:
             async for _ in start.waiting(keepalive_s):
                 yield _sse({"type": "ping"})  # Anthropic's own keep-alive event
-            output = _output(_prepend(start.piece(), pieces), chat.tool_stream(), outcome)
+            output = _output(_prepend(start.piece(), pieces), chat.output_stream(), outcome)
             async with aclosing(output):
                 async for event in output:
-                    out = blocks.tool(event) if isinstance(event, ToolCall) else blocks.text(event)
+                    if isinstance(event, ToolCall):
+                        out = blocks.tool(event)
+                    elif isinstance(event, Thought):
+                        out = blocks.thought(event.text)
+                    else:
+                        out = blocks.text(event)
                     yield b"".join(_sse(e) for e in out)
             delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
             out = blocks.close() + [

@@ -4,14 +4,21 @@ Bounds are Anthropic's own (temperature 0..1, max_tokens required). Content
 blocks specgate cannot give a model (images, documents) are refused by
 name; fields that only steer Anthropic's service (metadata, service_tier,
 cache_control on blocks) are accepted and ignored. `thinking` is accepted
-in every form clients send (Claude Code sends `adaptive` on every turn):
-the models served here do not think on request yet, so a request to think
-is answered without thinking, as a model that cannot think is; earlier
-turns' thinking blocks are dropped from the context, as Anthropic does.
+in every form clients send (Claude Code sends `adaptive` on every turn) and
+maps onto a reasoning model's thinking (gateway/api/thinking.py); a model
+that cannot think answers without. A thinking block sent back goes to the
+chat template as the turn's `reasoning_content` when its signature is this
+server's (the template decides whether it is shown again: Qwen3.x's keep
+the turn in progress's thinking and drop earlier turns', as Anthropic
+does). One whose signature is not (another server's, a client's own text)
+is dropped rather than refused: it would end an agent's session that moved
+between servers, and leaving it out costs only the model's view of its
+own earlier thinking.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,6 +34,10 @@ from pydantic import (
 from specgate.engines.base import SamplingParams
 from specgate.gateway.api.plain_json import refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools
+from specgate.gateway.api.thinking import UNSAID, ThinkingAsk, from_switch, verify
+from specgate.gateway.config import ThinkingConfig
+
+log = logging.getLogger(__name__)
 
 # Fields Anthropic defines that specgate cannot honour, with what to say.
 UNSUPPORTED = {
@@ -69,11 +80,20 @@ class ToolResultBlock(_Block):
 
 
 class ThinkingBlock(_Block):
-    """An earlier assistant turn's thinking, sent back as clients do. Not
-    given to the model: Anthropic strips earlier turns' thinking from the
-    context too."""
+    """An assistant turn's thinking, sent back as clients do (module docstring)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: StrictStr | None = None
+    signature: StrictStr | None = None
+
+    def verified(self) -> str:
+        """Its text where this server signed it, else "" (logged)."""
+        if self.type != "thinking" or not self.thinking:
+            return ""
+        if verify(self.thinking, self.signature):
+            return self.thinking
+        log.debug("a thinking block whose signature is not this server's was left out")
+        return ""
 
 
 class UnsupportedBlock(_Block):
@@ -114,6 +134,9 @@ class Message(BaseModel):
         text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
         if self.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
+            thought = "".join(b.verified() for b in self.content if isinstance(b, ThinkingBlock))
+            if thought:
+                msg["reasoning_content"] = thought
             calls = [b for b in self.content if isinstance(b, ToolUseBlock)]
             if calls:
                 msg["tool_calls"] = [
@@ -163,12 +186,18 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    """Accepted and, for now, answered without thinking (module docstring)."""
+    """enabled (within budget_tokens), adaptive (the model's own measure:
+    the model's `thinking.default` budget), disabled."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # display: the text is always given
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    def ask(self, settings: ThinkingConfig) -> ThinkingAsk:
+        if self.type == "enabled" and self.budget_tokens is not None:
+            return ThinkingAsk(True, self.budget_tokens)
+        return from_switch(self.type != "disabled", settings)
 
 
 SystemPrompt = StrictStr | list[TextBlock]
@@ -219,6 +248,9 @@ class _Conversation(BaseModel):
     @property
     def template_tools(self) -> list[dict[str, Any]]:
         return [t.as_template_input() for t in self.tools or []]
+
+    def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
+        return self.thinking.ask(settings) if self.thinking is not None else UNSAID
 
     @property
     def parse_tools(self) -> bool:

@@ -3,8 +3,9 @@ their own schemas.
 
 Each reduces a request to template messages and OpenAI-shaped tools, renders
 them here through the model's chat template (deciding whether and how tool
-calls are parsed), and streams the generation through the same helpers for
-client disconnects, the first piece and a whole answer.
+calls are parsed, and the thinking's switch and budget: gateway/api/thinking.py),
+and streams the generation through the same helpers for client disconnects,
+the first piece and a whole answer.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from specgate.engines.base import (
     EngineError,
     EngineOverloaded,
     MessageBoundaries,
+    ThinkingBudget,
     TokenLogprob,
 )
+from specgate.gateway.api.thinking import UNSAID, OutputStream, ThinkingAsk, plan_thinking
 from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
@@ -148,11 +151,20 @@ class ChatPrompt:
     tool_format: ToolFormat | None  # set when the output is parsed for tool calls
     tools: list[dict]  # OpenAI-shaped, as the parsers read parameter types
     boundaries: MessageBoundaries = MessageBoundaries()  # for the prefix cache
+    # The model's thinking markers and whether the prompt opened thinking
+    # (None: a model that does not think), and what the engines hold the
+    # output to (SamplingParams.thinking: a budget, a grammar after thinking).
+    thinking: ThinkingBudget | None = None
+    held: ThinkingBudget | None = None
 
     def tool_stream(self) -> ToolCallStream | None:
         if self.tool_format is None:
             return None
         return ToolCallStream(self.tool_format, self.tools)
+
+    def output_stream(self) -> OutputStream:
+        """The output as thinking, answer text and tool calls."""
+        return OutputStream(self.thinking, self.tool_stream())
 
 
 async def render_chat(
@@ -164,11 +176,14 @@ async def render_chat(
     *,
     messages_param: str = "messages",
     boundaries: bool = True,
+    ask: ThinkingAsk = UNSAID,
+    grammar: bool = False,
 ) -> ChatPrompt:
     """Render through the model's chat template; with tools, check first that
     the template takes them and that its call format is one we can parse.
     `boundaries`: where its messages end, for the prefix cache (not needed
-    to count tokens)."""
+    to count tokens). `ask`: the request's thinking; `grammar`: its answer
+    is held to a grammar (which then starts after the thinking)."""
     fmt = None
     if tools:
         template = await engine.chat_template()
@@ -189,8 +204,10 @@ async def render_chat(
                 param="tools",
                 code="tools_unsupported",
             )
+    planned = plan_thinking(await engine.thinking_format(), ask, grammar)
+    kwargs = planned.template_kwargs
     try:
-        tokens = await engine.render_chat(messages, tools or None)
+        tokens = await engine.render_chat(messages, tools or None, kwargs)
     except EngineOverloaded:
         raise
     except EngineError as e:
@@ -211,6 +228,8 @@ async def render_chat(
             f"{messages_param}: the model's chat template rejected them: {e}",
             param=messages_param,
         ) from None
-    marks = (await engine.message_boundaries(messages, tools or None, tokens) if boundaries
+    marks = (await engine.message_boundaries(messages, tools or None, tokens, kwargs) if boundaries
              else MessageBoundaries())  # fmt: skip
-    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks)
+    counting = planned.counting(tokens)
+    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks, counting,
+                      planned.held(counting))

@@ -22,7 +22,8 @@ from specgate.gateway.api.chat import (
     until_disconnect,
 )
 from specgate.gateway.api.openai_schema import ChatCompletionRequest, CompletionRequest
-from specgate.gateway.api.tools import ToolCall, split_output
+from specgate.gateway.api.thinking import Thought
+from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
     Piece,
@@ -56,6 +57,7 @@ def _usage(usage: Usage) -> dict:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -229,14 +231,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     messages = [m.as_template_input() for m in body.messages]
-    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools)
+    json_output = body.response_format.json_output() if body.response_format else None
+    chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
+                             ask=body.thinking_ask(served.config.thinking),
+                             grammar=json_output is not None or body.forced_tools is not None)
     prompt = chat.tokens
     limit, limit_param = body.token_limit
-    json_output = body.response_format.json_output() if body.response_format else None
     tools = body.template_tools if chat.tool_format else []
     output = await structured.checked_constraint(engine, json_output, body.forced_tools, tools,
                                                  chat.tool_format)  # fmt: skip
-    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output)
+    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output,
+                       thinking=chat.held)  # fmt: skip
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
                        body.ignore_eos, prompt_text=messages[-1]["content"],
@@ -244,24 +249,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}
-    calls_stream = chat.tool_stream()
+    output_stream = chat.output_stream()
 
     def chunks(piece: Piece, _offset: int) -> list[dict]:
-        if calls_stream is None:
-            deltas = [{"content": piece.text}] if piece.text else []
-        else:
-            before = calls_stream.calls
-            events = calls_stream.feed(piece.text)
-            if piece.finish_reason is not None:
-                events += calls_stream.finish()
-            deltas, index = [], before
-            for e in events:
-                if isinstance(e, ToolCall):
-                    deltas.append({"tool_calls": _tool_calls([e], index, stream=True)})
-                    index += 1
-                else:
-                    deltas.append({"content": e})
-        called = calls_stream is not None and calls_stream.calls > 0
+        before = output_stream.calls
+        events = output_stream.feed(piece.text, piece.token_ids)
+        if piece.finish_reason is not None:
+            events += output_stream.finish()
+        usage.reasoning_tokens = output_stream.reasoning_tokens
+        deltas, index = [], before
+        for e in events:
+            if isinstance(e, ToolCall):
+                deltas.append({"tool_calls": _tool_calls([e], index, stream=True)})
+                index += 1
+            elif isinstance(e, Thought):
+                deltas.append({"reasoning_content": e.text})
+            else:
+                deltas.append({"content": e})
+        called = output_stream.calls > 0
         out = []
         for i, delta in enumerate(deltas or [{}]):
             last = i == max(len(deltas), 1) - 1
@@ -278,10 +283,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return out
 
     def final(text, ids, lps, finish) -> dict:
-        calls = []
-        if chat.tool_format is not None:
-            text, calls = split_output(text, chat.tool_format, chat.tools)
+        whole = chat.output_stream()
+        events = whole.feed(text, ids) + whole.finish()
+        usage.reasoning_tokens = usage.reasoning_tokens or whole.reasoning_tokens
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        thought = "".join(e.text for e in events if isinstance(e, Thought))
+        text = "".join(e for e in events if isinstance(e, str))
         message = {"role": "assistant", "content": text if text or not calls else None}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = _tool_calls(calls)
         choice = {"index": 0, "message": message,

@@ -2,11 +2,18 @@
 
 Bounds are the OpenAI API's own where it has them. Fields a client may send
 that specgate cannot honour yet are refused by name, never silently dropped.
+A chat request asks a reasoning model to think with `reasoning_effort` or,
+as vLLM and llama-server take it, `chat_template_kwargs.enable_thinking`
+(gateway/api/thinking.py); other template variables are not passed to the
+template (a client's variable is no place for strangers' Jinja input) and
+are logged. An assistant message's `reasoning_content` goes to the template,
+which decides whether it is shown again (Qwen3.x's keep the turn in progress's).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,6 +29,19 @@ from pydantic import (
 from specgate.engines.base import SamplingParams
 from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
+from specgate.gateway.api.thinking import (
+    EFFORTS,
+    ThinkingAsk,
+    either,
+    from_effort,
+    from_switch,
+)
+from specgate.gateway.config import ThinkingConfig
+from specgate.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+Effort = Literal[EFFORTS]
 
 # Fields we know and cannot honour yet, with what to tell the client.
 UNSUPPORTED = {
@@ -164,6 +184,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None  # an assistant turn's thinking, as given
 
     @model_validator(mode="after")
     def tool_fields_in_place(self):
@@ -190,6 +211,8 @@ class ChatMessage(BaseModel):
             ]
         if self.role == "tool":
             msg["tool_call_id"] = self.tool_call_id
+        if self.role == "assistant" and self.reasoning_content:
+            msg["reasoning_content"] = self.reasoning_content
         return msg
 
 
@@ -225,6 +248,19 @@ class ChatCompletionRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: a forced call is one call
     response_format: ResponseFormat | None = None
+    reasoning_effort: Effort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's; enable_thinking is read
+
+    def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
+        kwargs = dict(self.chat_template_kwargs or {})
+        switch = kwargs.pop("enable_thinking", kwargs.pop("thinking", None))
+        if switch is not None and not isinstance(switch, bool):
+            raise APIError(400, "chat_template_kwargs.enable_thinking: expected true or false",
+                           param="chat_template_kwargs")  # fmt: skip
+        if kwargs:
+            log.debug("chat_template_kwargs: not passed to the template: %s", ", ".join(kwargs))
+        return either(from_effort(self.reasoning_effort, settings),
+                      from_switch(switch, settings), "reasoning_effort")  # fmt: skip
 
     @field_validator("tool_choice")
     @classmethod

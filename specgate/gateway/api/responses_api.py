@@ -1,8 +1,10 @@
 """POST /v1/responses: OpenAI's Responses API over the same generation path
 as chat completions (gateway/api/chat.py, gateway/serving/generation.py).
 
-A response's output is a list of items: a message with the text, and a
-function_call item per tool call, in the order the model wrote them.
+A response's output is a list of items: a reasoning item with a reasoning
+model's thinking (its text in `content`, no summary), a message with the
+text, and a function_call item per tool call, in the order the model wrote
+them.
 Streamed, each item is announced, filled (text or argument deltas) and
 closed, between `response.created` / `response.in_progress` and
 `response.completed` (or `response.incomplete` when max_output_tokens cut
@@ -41,6 +43,7 @@ from specgate.gateway.api.responses_schema import (
     ResponsesRequest,
     template_messages,
 )
+from specgate.gateway.api.thinking import Thought
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
@@ -124,24 +127,59 @@ class _Output:
     events that announce them (`events` collects those not yet sent)."""
 
     def __init__(self, chat: ChatPrompt):
-        self.tool_stream = chat.tool_stream()
+        self.stream = chat.output_stream()
         self.items: list[dict] = []
         self.events: list[dict] = []
         self._message: dict | None = None  # the open message item
+        self._reasoning: dict | None = None  # the open reasoning item
 
-    def feed(self, text: str, last: bool) -> None:
-        if self.tool_stream is None:
-            parts = [text] if text else []
-        else:
-            parts = self.tool_stream.feed(text) + (self.tool_stream.finish() if last else [])
+    def feed(self, text: str, token_ids: list[int], last: bool) -> None:
+        parts = self.stream.feed(text, token_ids) + (self.stream.finish() if last else [])
         for part in parts:
+            if isinstance(part, Thought):
+                self._think(part.text)
+                continue
+            self._close_reasoning()
             if isinstance(part, ToolCall):
                 self._close_message()
                 self._call(part)
             elif part:
                 self._text(part)
         if last:
+            self._close_reasoning()
             self._close_message()
+
+    def _think(self, text: str) -> None:
+        if self._reasoning is None:
+            self._reasoning = {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                               "content": [], "status": "in_progress"}  # fmt: skip
+            self.items.append(self._reasoning)
+            self.events.append({"type": "response.output_item.added",
+                                "output_index": len(self.items) - 1,
+                                "item": self._reasoning | {"content": []}})  # fmt: skip
+            self._reasoning["content"].append({"type": "reasoning_text", "text": ""})
+            self.events.append({"type": "response.content_part.added", **self._in(self._reasoning),
+                                "part": {"type": "reasoning_text", "text": ""}})  # fmt: skip
+        self._reasoning["content"][0]["text"] += text
+        self.events.append({"type": "response.reasoning_text.delta", **self._in(self._reasoning),
+                            "delta": text})  # fmt: skip
+
+    def _close_reasoning(self) -> None:
+        if self._reasoning is None:
+            return
+        item, where = self._reasoning, self._in(self._reasoning)
+        part = item["content"][0]
+        self.events += [
+            {"type": "response.reasoning_text.done", **where, "text": part["text"]},
+            {"type": "response.content_part.done", **where, "part": dict(part)},
+        ]
+        item["status"] = "completed"
+        self.events.append({"type": "response.output_item.done", "output_index": where["output_index"],
+                            "item": json.loads(json.dumps(item))})  # fmt: skip
+        self._reasoning = None
+
+    def _in(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
 
     def _text(self, text: str) -> None:
         if self._message is None:
@@ -174,8 +212,7 @@ class _Output:
         self._message = None
 
     def _where(self) -> dict:
-        return {"item_id": self._message["id"], "output_index": self.items.index(self._message),
-                "content_index": 0}  # fmt: skip
+        return self._in(self._message)
 
     def _call(self, call: ToolCall) -> None:
         arguments = json.dumps(call.arguments)
@@ -196,6 +233,8 @@ class _Output:
         """The output as input items, for a later previous_response_id."""
         out = []
         for item in self.items:
+            if item["type"] == "reasoning":  # not kept: a later turn's context leaves it out
+                continue
             if item["type"] == "message":
                 out.append(MessageItem(role="assistant", content=item["content"][0]["text"]))
             else:
@@ -208,7 +247,7 @@ def _usage(usage: Usage) -> dict:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}  # fmt: skip
 
 
@@ -234,12 +273,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     if not messages:
         raise APIError(400, "input: nothing to respond to", param="input")
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
-                             messages_param="input")  # fmt: skip
+                             messages_param="input", ask=body.thinking_ask(served.config.thinking),
+                             grammar=body.json_output is not None or body.forced_tools is not None)
     tools = body.template_tools if chat.tool_format else []
     output = await structured.checked_constraint(engine, body.json_output, body.forced_tools,
                                                  tools, chat.tool_format)  # fmt: skip
     req = plan_request(served, engine, request.headers, chat.tokens,
-                       replace(body.sampling(), constraint=output), body.max_output_tokens,
+                       replace(body.sampling(), constraint=output, thinking=chat.held),
+                       body.max_output_tokens,
                        "max_output_tokens", prompt_param="input",
                        prompt_text=messages[-1]["content"], boundaries=chat.boundaries)  # fmt: skip
     usage = Usage(len(chat.tokens))
@@ -276,6 +317,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             finish = await until_disconnect(request, _drain(pieces, built))
         except ClientGone:
             return Response(status_code=499)
+        usage.reasoning_tokens = built.stream.reasoning_tokens
         return JSONResponse(finished(finish), headers=headers)
 
     keepalive_s = request.app.state.keepalive_s
@@ -303,7 +345,8 @@ async def create_response(body: ResponsesRequest, request: Request):
                     yield keepalive_comment(usage)
             piece, finish = start.piece(), None
             while piece is not None:
-                built.feed(piece.text, piece.finish_reason is not None)
+                built.feed(piece.text, piece.token_ids, piece.finish_reason is not None)
+                usage.reasoning_tokens = built.stream.reasoning_tokens
                 finish = piece.finish_reason or finish
                 out = b"".join(sse(e) for e in head + built.events)
                 head, built.events = [], []
@@ -328,7 +371,7 @@ async def _drain(pieces, built: _Output) -> str | None:
     finish = None
     try:
         async for piece in pieces:
-            built.feed(piece.text, piece.finish_reason is not None)
+            built.feed(piece.text, piece.token_ids, piece.finish_reason is not None)
             finish = piece.finish_reason or finish
     finally:
         await pieces.aclose()

@@ -5,10 +5,11 @@ What is served: `input` as a string or as items (messages with text
 content, function calls and their outputs), `instructions`, function
 `tools`, `tool_choice`, `text.format`, `max_output_tokens`, sampling,
 `previous_response_id` (gateway/api/responses_api.py keeps responses per key).
-Known fields specgate cannot honour are refused by name. Reasoning is not
-something specgate produces: reasoning items a client sends back are
-dropped, `reasoning.effort` and an `include` of encrypted reasoning are
-hints with nothing to act on.
+Known fields specgate cannot honour are refused by name. `reasoning.effort`
+asks a reasoning model to think, or not (gateway/api/thinking.py); its
+thinking comes back as a reasoning item with the text in the clear, so an
+`include` of encrypted reasoning has nothing to add. Reasoning items a
+client sends back are dropped from the context.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from specgate.engines.base import SamplingParams
 from specgate.gateway.api.openai_schema import FunctionName
 from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
+from specgate.gateway.api.thinking import EFFORTS, ThinkingAsk, from_effort
+from specgate.gateway.config import ThinkingConfig
 
 UNSUPPORTED = {
     "background": "background responses are not supported",
@@ -39,7 +42,7 @@ UNSUPPORTED = {
 }
 HARMLESS = {"background": (False, None), "top_logprobs": (0, None), "conversation": (None,),
             "prompt": (None,)}  # fmt: skip
-INCLUDABLE = {"reasoning.encrypted_content"}  # nothing to include: specgate makes no reasoning
+INCLUDABLE = {"reasoning.encrypted_content"}  # nothing to add: reasoning is in the clear
 
 
 class _ItemPart(BaseModel):
@@ -146,9 +149,9 @@ class TextOptions(BaseModel):
 
 
 class Reasoning(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # summary: the whole text is given, no summary
 
-    effort: StrictStr | None = None
+    effort: Literal[EFFORTS] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -201,6 +204,9 @@ class ResponsesRequest(BaseModel):
             raise ValueError("tools: strict functions are honoured with a forced call only "
                              '(tool_choice "required" or a named function)')
         return self
+
+    def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
+        return from_effort(self.reasoning.effort if self.reasoning else None, settings)
 
     @property
     def items(self) -> list:

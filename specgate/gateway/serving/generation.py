@@ -67,6 +67,7 @@ class Usage:
     # Before the first token: how far the prompt's prefill is (the engine's
     # latest PrefillProgress), which a stream's keep-alives report.
     prefill: PrefillProgress | None = None
+    reasoning_tokens: int = 0  # of the completion's, spent on thinking (the API adapters count)
 
     @property
     def total_tokens(self) -> int:

@@ -335,6 +335,28 @@ def test_responses_reasoning_item(oai):
     assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
 
 
+def test_ollama_thinking_field(gw):
+    """Ollama's API gives the same generation's thinking as `message.thinking`
+    (`thinking` on /api/generate), streamed and not, in the ollama client's own
+    types; `think: false` turns it off, an effort holds it to its budget."""
+    import ollama
+
+    client = ollama.Client(host=gw.base_url, timeout=60)
+    opts = {"temperature": 0, "num_predict": 40}
+    r = client.chat(model="thinker", messages=ASK, options=opts)
+    assert r.message.thinking == THOUGHT and r.message.content == ANSWER
+    parts = list(client.chat(model="thinker", messages=ASK, options=opts, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == THOUGHT
+    assert "".join(p.message.content for p in parts) == ANSWER
+    g = client.generate(model="thinker", prompt="What is 2+2?", options=opts, think=True)
+    assert g.thinking == THOUGHT and g.response == ANSWER
+    off = client.chat(model="thinker", messages=ASK, options=opts, think=False)
+    assert not off.message.thinking and off.message.content == ANSWER
+    low = client.chat(model="thinker", messages=ASK, options=opts, think="low")
+    assert THOUGHT.startswith(low.message.thinking) and low.message.thinking != THOUGHT
+    assert low.message.content == ANSWER
+
+
 def test_anthropic_thinking_block(ant, gw):
     kw = dict(model="thinker", max_tokens=40, messages=ASK, thinking={"type": "adaptive"},
               extra_body={"temperature": 0})  # fmt: skip

@@ -38,6 +38,7 @@ from specgate.engines.base import Engine, OutputConstraint, TokenLogprob
 from specgate.gateway.access.auth import current_principal
 from specgate.gateway.api import structured
 from specgate.gateway.api.chat import (
+    ChatPrompt,
     ClientGone,
     collect,
     first_piece,
@@ -45,7 +46,8 @@ from specgate.gateway.api.chat import (
     until_disconnect,
 )
 from specgate.gateway.api.ollama_schema import ChatRequest, GenerateRequest, Options, ShowRequest
-from specgate.gateway.api.tools import ToolCall, ToolCallStream, split_output, tool_format
+from specgate.gateway.api.thinking import Thought
+from specgate.gateway.api.tools import ToolCall, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
     Piece,
@@ -281,14 +283,18 @@ class _Shape:
         self.model, self.chat = model, chat
 
     def chunk(self, text: str, calls: list[dict] | None = None,
-              lps: list[TokenLogprob] | None = None, done: bool = False) -> dict:  # fmt: skip
+              lps: list[TokenLogprob] | None = None, done: bool = False,
+              thinking: str = "") -> dict:  # fmt: skip
         out: dict = {"model": self.model, "created_at": _now()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text} | (
+                {"thinking": thinking} if thinking else {}) | (
                 {"tool_calls": calls} if calls else {}
-            )
+            )  # fmt: skip
         else:
             out["response"] = text
+            if thinking:
+                out["thinking"] = thinking
         if lps is not None:
             out["logprobs"] = _logprobs(lps)
         return out | {"done": done}
@@ -342,13 +348,16 @@ async def _answer(
     clock: _Clock,
     tokens: list[int],
     constraint: OutputConstraint | None,
-    calls: ToolCallStream | None,
+    chat: ChatPrompt | None,
     prompt_text: str,
     **plan,
 ) -> Response:
-    """Generate, and answer whole or as an NDJSON stream."""
+    """Generate, and answer whole or as an NDJSON stream. `chat`: a prompt
+    rendered through the template, whose output is split into thinking,
+    text and tool calls (None: a raw prompt, all text)."""
     opts = body.sampling_options
-    sampling = replace(opts.sampling(body.logprobs, body.top_logprobs or 0), constraint=constraint)
+    sampling = replace(opts.sampling(body.logprobs, body.top_logprobs or 0), constraint=constraint,
+                       thinking=chat.held if chat is not None else None)  # fmt: skip
     max_tokens, limit_param = _token_limit(opts, engine, served, len(tokens))
     stops = check_stops(opts.stop, "options.stop")
     req = plan_request(served, engine, request.headers, tokens, sampling, max_tokens, limit_param,
@@ -364,10 +373,11 @@ async def _answer(
             text, _, got, finish = await until_disconnect(request, collect(pieces))
         except ClientGone:
             return Response(status_code=499)
-        found = []
-        if calls is not None:
-            text, found = split_output(text, calls.fmt, calls.tools)
-        answer = shape.chunk(text, _tool_calls(found), got if want_lps else None, True)
+        thinking, found = "", []
+        if chat is not None:
+            whole = chat.output_stream()
+            thinking, text, found = _parts(whole.feed(text) + whole.finish())
+        answer = shape.chunk(text, _tool_calls(found), got if want_lps else None, True, thinking)
         return JSONResponse(answer | {"done_reason": _done_reason(finish)} | clock.stats(usage),
                             headers=headers)  # fmt: skip
 
@@ -377,9 +387,7 @@ async def _answer(
     except ClientGone:
         return Response(status_code=499)
 
-    def split(events: list[str | ToolCall], called: int) -> tuple[str, list[dict]]:
-        found = [e for e in events if isinstance(e, ToolCall)]
-        return "".join(e for e in events if isinstance(e, str)), _tool_calls(found, called)
+    output = chat.output_stream() if chat is not None else None
 
     async def lines():
         finish, called = None, 0
@@ -394,17 +402,20 @@ async def _answer(
                 yield _line(shape.chunk(""))
             piece = start.piece()
             while piece is not None:
-                events = calls.feed(piece.text) if calls is not None else [piece.text]
-                text, found = split(events, called)
+                events = (output.feed(piece.text, piece.token_ids) if output is not None
+                          else [piece.text])  # fmt: skip
+                thinking, text, found = _parts(events)
+                if text or found or thinking or (want_lps and piece.logprobs):
+                    yield _line(shape.chunk(text, _tool_calls(found, called),
+                                            piece.logprobs if want_lps else None,
+                                            thinking=thinking))  # fmt: skip
                 called += len(found)
-                if text or found or (want_lps and piece.logprobs):
-                    yield _line(shape.chunk(text, found, piece.logprobs if want_lps else None))
                 finish = piece.finish_reason or finish
                 piece = await anext(pieces, None)
-            if calls is not None:
-                text, found = split(calls.finish(), called)
-                if text or found:
-                    yield _line(shape.chunk(text, found))
+            if output is not None:
+                thinking, text, found = _parts(output.finish())
+                if text or found or thinking:
+                    yield _line(shape.chunk(text, _tool_calls(found, called), thinking=thinking))
             done = shape.chunk("", done=True) | {"done_reason": _done_reason(finish)}
             yield _line(done | clock.stats(usage))
         except APIError as e:
@@ -415,6 +426,13 @@ async def _answer(
     return StreamingResponse(lines(), media_type=NDJSON,
                              headers=headers | {"Cache-Control": "no-cache",
                                                 "X-Accel-Buffering": "no"})  # fmt: skip
+
+
+def _parts(events: list) -> tuple[str, str, list[ToolCall]]:
+    """An output's events as (thinking, text, tool calls)."""
+    thinking = "".join(e.text for e in events if isinstance(e, Thought))
+    text = "".join(e for e in events if isinstance(e, str))
+    return thinking, text, [e for e in events if isinstance(e, ToolCall)]
 
 
 def _loaded(body: ChatRequest | GenerateRequest) -> Response:
@@ -433,13 +451,14 @@ async def chat(body: ChatRequest, request: Request):
     if not body.messages:
         return _loaded(body)
     messages = body.template_messages()
-    prompt = await render_chat(engine, model_id, messages, body.template_tools, bool(body.tools))
+    prompt = await render_chat(engine, model_id, messages, body.template_tools, bool(body.tools),
+                               ask=body.thinking_ask(served.config.thinking),
+                               grammar=body.json_output is not None)  # fmt: skip
     tools = body.template_tools if prompt.tool_format else []
     constraint = await structured.checked_constraint(engine, body.json_output, None, tools,
                                                      prompt.tool_format)  # fmt: skip
     return await _answer(request, body, served, engine, clock, prompt.tokens, constraint,
-                         prompt.tool_stream(), messages[-1]["content"],
-                         boundaries=prompt.boundaries)  # fmt: skip
+                         prompt, messages[-1]["content"], boundaries=prompt.boundaries)
 
 
 @router.post("/api/generate")
@@ -455,11 +474,13 @@ async def generate(body: GenerateRequest, request: Request):
         if body.system and not body.raw:
             raise APIError(400, f"system: model '{model_id}' has no chat template to place a "
                                 "system prompt in", param="system")  # fmt: skip
-        tokens, boundaries = await engine.encode(body.prompt), None
+        tokens, boundaries, prompt = await engine.encode(body.prompt), None, None
     else:
         prompt = await render_chat(engine, model_id, body.template_messages(), [], False,
-                                   messages_param="prompt")  # fmt: skip
+                                   messages_param="prompt",
+                                   ask=body.thinking_ask(served.config.thinking),
+                                   grammar=body.json_output is not None)  # fmt: skip
         tokens, boundaries = prompt.tokens, prompt.boundaries
     constraint = await structured.checked_constraint(engine, body.json_output, None, [], None)
-    return await _answer(request, body, served, engine, clock, tokens, constraint, None,
+    return await _answer(request, body, served, engine, clock, tokens, constraint, prompt,
                          body.prompt, prompt_param="prompt", boundaries=boundaries)  # fmt: skip

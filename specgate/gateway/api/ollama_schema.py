@@ -11,9 +11,9 @@ which a model's Modelfile usually overrides and specgate has no Modelfile.
 Read and honoured: the sampling options, `num_predict` (-1 and -2: up to
 the end of the context), `stop`, `num_ctx` (checked against the model's
 context), `format` ("json" or a JSON schema: the structured-output path),
-`tools`, `logprobs`. Accepted and ignored, with a debug log: `keep_alive`
-(residency is the config's: `idle_ttl_s`, `pin`), `think` (answered
-without thinking, as by a model that cannot think), options that steer
+`tools`, `logprobs`, `think` (true/false or an effort, as the other APIs'
+asks: gateway/api/thinking.py). Accepted and ignored, with a debug log: `keep_alive`
+(residency is the config's: `idle_ttl_s`, `pin`), options that steer
 Ollama's runner (num_gpu, num_thread, use_mmap, ...), and fields and
 options this version does not know (Ollama ignores unknown options too).
 Refused by name when set: images, `suffix`, a per-request `template`, the
@@ -42,6 +42,8 @@ from specgate.engines.base import SamplingParams
 from specgate.gateway.api import openai_schema
 from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import JsonOutput
+from specgate.gateway.api.thinking import ThinkingAsk, from_effort, from_switch
+from specgate.gateway.config import ThinkingConfig
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +162,15 @@ class _Generation(BaseModel):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         _ignored("field", self.model_extra or {})
-        _ignored("field", [k for k in ("keep_alive", "think") if getattr(self, k) is not None])
+        _ignored("field", [k for k in ("keep_alive",) if getattr(self, k) is not None])
         return self
+
+    def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
+        """`think`: true or false, or an effort (gpt-oss's levels), as the
+        other APIs' asks (gateway/api/thinking.py)."""
+        if isinstance(self.think, str):
+            return from_effort(self.think, settings)
+        return from_switch(self.think, settings)
 
     @property
     def sampling_options(self) -> Options:
@@ -209,8 +218,9 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_name: StrictStr | None = None  # a tool message: the tool that answered
     tool_call_id: StrictStr | None = None
-    # An earlier turn's thinking: not given back to the model, as Anthropic
-    # and Ollama's own templates leave it out of the context.
+    # An earlier turn's thinking: given to the template as the turn's
+    # reasoning_content, which Qwen3.x's show only for the turn in progress
+    # (a tool loop's), as the OpenAI route does.
     thinking: StrictStr | None = None
 
     _images = field_validator("images")(_no_images)
@@ -233,6 +243,8 @@ class Message(BaseModel):
         if self.role == "tool":
             msg |= {"tool_call_id": self.tool_call_id} if self.tool_call_id else {}
             msg |= {"name": self.tool_name} if self.tool_name else {}
+        if self.role == "assistant" and self.thinking:
+            msg["reasoning_content"] = self.thinking
         return msg
 
 

@@ -118,10 +118,11 @@ class ChatPrompt:
     tools: list[dict]  # OpenAI-shaped, as the parsers read parameter types
     boundaries: MessageBoundaries = MessageBoundaries()  # for the prefix cache
 
-    def tool_stream(self) -> ToolCallStream | None:
+    def tool_stream(self, freeform: frozenset[str] = frozenset()) -> ToolCallStream | None:
+        """`freeform`: the tools whose one input is text (Responses' custom tools)."""
         if self.tool_format is None:
             return None
-        return ToolCallStream(self.tool_format, self.tools)
+        return ToolCallStream(self.tool_format, self.tools, freeform)
 
 
 async def render_chat(

@@ -286,6 +286,13 @@ def test_images_and_records_in_the_input_do_not_end_the_session(client):
 @pytest.mark.parametrize("tools,param,code", [
     ([shout_tool("start: (", "lark")], "tools.0.format.definition", "invalid_grammar"),
     ([shout_tool("([a-z", "regex")], "tools.0.format.definition", "invalid_grammar"),
+    # Hostile: nested past what a recursive compiler survives (the sandbox's child takes it).
+    ([shout_tool("start: " + "(" * 20000 + '"a"' + ")" * 20000)], "tools.0.format.definition",
+     "invalid_grammar"),
+    ([shout_tool("(" * 20000 + "a" + ")" * 20000, "regex")], "tools.0.format.definition",
+     "invalid_grammar"),
+    ([{"type": "namespace", "name": "ns", "description": "d", "tools": [shout_tool("start: (")]}],
+     "tools.0.tools.0.format.definition", "invalid_grammar"),
     ([{"type": "namespace", "name": "ns", "description": "d", "tools": [
         {"type": "function", "name": "f"}]}, {"type": "function", "name": "ns__f"}], "tools", None),
     ([{"type": "warp_drive"}], "tools.0", None),

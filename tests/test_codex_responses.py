@@ -35,6 +35,7 @@ from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseIncompleteEvent,
 )
+from openai.types.responses.response_output_item import LocalShellCall
 from tool_caller import XML_TEMPLATE, build_tool_caller
 
 from specgate.builders.tiny import build_qwen35_hybrid
@@ -69,12 +70,14 @@ def gateway(tmp_path_factory):
     root = tmp_path_factory.mktemp("codex-models")
     models = {
         "ns": _xml_model(root / "ns", CALL.format("multi_agent_v1__close_agent", "target", "a1")),
+        "shell": _xml_model(root / "shell", CALL.format("local_shell", "command", '["ls", "-a"]')),
         "patch": _xml_model(root / "patch", CALL.format("apply_patch", "input", PATCH)),
         "shout": _xml_model(root / "shout", CALL.format("shout", "input", "hello world")),
     }
     config = {"models": [
         {"id": "ns", "path": str(models["ns"]), "max_context": 32768},
         {"id": "patch", "path": str(models["patch"]), "max_context": 4096},
+        {"id": "shell", "path": str(models["shell"]), "max_context": 4096},
         {"id": "shout", "path": str(models["shout"]), "max_context": 2048,
          "engines": ["mlx_plain", "mlx_ngram"]},
         {"id": "hybrid", "path": str(_hybrid_xml(root / "hybrid")), "max_context": 2048,
@@ -140,7 +143,7 @@ def test_every_captured_request_is_accepted_and_a_namespace_call_routed_back(cli
     later turns)."""
     events = streamed(client, **as_sdk_call(fixture(name), "ns"))
     final = events[-1].response
-    (call,) = [o for o in final.output if o.type == "function_call"]
+    (call,) = final.output
     assert isinstance(call, ResponseFunctionToolCall)
     assert (call.namespace, call.name, json.loads(call.arguments)) == (
         "multi_agent_v1", "close_agent", {"target": "a1"})  # fmt: skip
@@ -153,6 +156,26 @@ def test_every_captured_request_is_accepted_and_a_namespace_call_routed_back(cli
 def codex_tools(*names: str) -> list[dict]:
     """Tools of the capture with these names."""
     return [t for t in fixture("catalog-00")["tools"] if t.get("name") in names]
+
+
+def test_local_shell_calls_come_back_as_local_shell_calls(client):
+    """A local_shell tool's call is a local_shell_call with an exec action;
+    offered no such tool, the same call is a function_call by that name,
+    for the client to refuse."""
+    first = client.responses.create(
+        model="shell", input="List files.", tools=[{"type": "local_shell"}]
+    )
+    (shell,) = first.output
+    assert isinstance(shell, LocalShellCall)
+    assert (shell.action.type, shell.action.command) == ("exec", ["ls", "-a"])
+    # The call and its output sent back: the conversation goes on.
+    again = client.responses.create(model="shell", tools=[{"type": "local_shell"}], input=[
+        {"role": "user", "content": "List files."}, shell.model_dump(exclude_none=True),
+        {"type": "local_shell_call_output", "id": shell.call_id, "output": "a.txt"}])  # fmt: skip
+    assert again.usage.input_tokens > first.usage.input_tokens
+    unoffered = client.responses.create(model="shell", input="List files.", tools=codex_tools(
+        "exec_command"))  # fmt: skip
+    assert [(o.type, o.name) for o in unoffered.output] == [("function_call", "local_shell")]
 
 
 def test_a_custom_tool_call_comes_back_as_codex_sends_it_on(client):

@@ -156,7 +156,7 @@ def test_previous_responses_are_per_key_and_bounded_by_store(client):
     ({"input": []}, "input"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "warp_drive"}]}, "tools"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"background": True}, "background"),

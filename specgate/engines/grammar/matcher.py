@@ -63,11 +63,23 @@ def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
     return OutputConstraint(grammar, json.dumps(body), param)
 
 
-def lark_constraint(lark: str, param: str) -> OutputConstraint:
+def lark_constraint(lark: str, param: str, grammars: dict[str, str] | None = None
+                    ) -> OutputConstraint:  # fmt: skip
     """Output that matches a Lark grammar (llguidance's dialect: `%json{...}`
     embeds a JSON schema, special tokens are written bare, `<|im_end|>`).
-    Not compiled here, as above."""
-    return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(lark), None, param)
+    `grammars`: Lark grammars of their own, by name, that `lark` refers to
+    as `@name` (each with its own rules and `start`, so a client's grammar
+    embeds whole). Not compiled here, as above."""
+    if not grammars:
+        return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(lark), None, param)
+    parts = [{"lark_grammar": lark}] + [{"name": n, "lark_grammar": g} for n, g in grammars.items()]
+    return OutputConstraint(json.dumps({"grammars": parts}), None, param)
+
+
+def regex_as_lark(regex: str) -> str:
+    """A regular expression (Rust `regex` syntax, llguidance's) as a Lark
+    grammar of its own, escaped as llguidance escapes it."""
+    return json.loads(llguidance.LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
 
 
 def first_line(error: str, limit: int = 300) -> str:

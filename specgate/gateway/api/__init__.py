@@ -1,7 +1,8 @@
 """The wire APIs: OpenAI (chat, completions, models), Anthropic (messages)
 and Responses request schemas and route handlers, and what turns a request
 into a prompt and tokens back into a reply: chat templates (chat.py), tool
-calls (tools.py), structured outputs (structured.py).
+calls (tools.py; the Responses tool kinds: responses_tools.py), structured
+outputs (structured.py).
 
 Owns the HTTP shapes and nothing behind them: serving/ runs a generation,
 access/ says who the caller is. May import serving/, access/, the gateway's

@@ -157,14 +157,15 @@ class ChatPrompt:
     thinking: ThinkingBudget | None = None
     held: ThinkingBudget | None = None
 
-    def tool_stream(self) -> ToolCallStream | None:
+    def tool_stream(self, freeform: frozenset[str] = frozenset()) -> ToolCallStream | None:
+        """`freeform`: the tools whose one input is text (Responses' custom tools)."""
         if self.tool_format is None:
             return None
-        return ToolCallStream(self.tool_format, self.tools)
+        return ToolCallStream(self.tool_format, self.tools, freeform)
 
-    def output_stream(self) -> OutputStream:
+    def output_stream(self, freeform: frozenset[str] = frozenset()) -> OutputStream:
         """The output as thinking, answer text and tool calls."""
-        return OutputStream(self.thinking, self.tool_stream())
+        return OutputStream(self.thinking, self.tool_stream(freeform))
 
 
 async def render_chat(

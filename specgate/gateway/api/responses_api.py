@@ -3,10 +3,11 @@ as chat completions (gateway/api/chat.py, gateway/serving/generation.py).
 
 A response's output is a list of items: a reasoning item with a reasoning
 model's thinking (its text in `content`, no summary), a message with the
-text, and a function_call item per tool call, in the order the model wrote
-them.
-Streamed, each item is announced, filled (text or argument deltas) and
-closed, between `response.created` / `response.in_progress` and
+text, and an item per tool call (function_call, custom_tool_call,
+local_shell_call: gateway/api/responses_tools.py), in the order the model
+wrote them.
+Streamed, each item is announced, filled (text, argument or input deltas)
+and closed, between `response.created` / `response.in_progress` and
 `response.completed` (or `response.incomplete` when max_output_tokens cut
 it), each event numbered. `previous_response_id` continues a stored
 response: responses are kept in memory per API key (`store: false` keeps
@@ -38,11 +39,14 @@ from specgate.gateway.api.chat import (
     until_disconnect,
 )
 from specgate.gateway.api.responses_schema import (
+    CustomToolCallItem,
     FunctionCallItem,
+    LocalShellCallItem,
     MessageItem,
     ResponsesRequest,
     template_messages,
 )
+from specgate.gateway.api.responses_tools import ModelTools
 from specgate.gateway.api.thinking import Thought
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
@@ -126,8 +130,9 @@ class _Output:
     """Builds a response's output items from its text as it streams, and the
     events that announce them (`events` collects those not yet sent)."""
 
-    def __init__(self, chat: ChatPrompt):
-        self.stream = chat.output_stream()
+    def __init__(self, chat: ChatPrompt, tools: ModelTools):
+        self.stream = chat.output_stream(tools.freeform)
+        self.tools = tools
         self.items: list[dict] = []
         self.events: list[dict] = []
         self._message: dict | None = None  # the open message item
@@ -215,19 +220,29 @@ class _Output:
         return self._in(self._message)
 
     def _call(self, call: ToolCall) -> None:
-        arguments = json.dumps(call.arguments)
-        item = {"id": new_id("fc"), "type": "function_call", "status": "completed",
-                "call_id": new_id("call"), "name": call.name, "arguments": arguments}
+        item = self.tools.output_item(call)
         self.items.append(item)
         index, where = len(self.items) - 1, {"item_id": item["id"], "output_index": len(self.items) - 1}
+        if item["type"] == "function_call":
+            arguments = item["arguments"]
+            filled = [
+                {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+                {"type": "response.function_call_arguments.done", **where, "arguments": arguments,
+                 "name": item["name"]},
+            ]  # fmt: skip
+            opened = item | {"arguments": "", "status": "in_progress"}
+        elif item["type"] == "custom_tool_call":
+            text = item["input"]
+            filled = [{"type": "response.custom_tool_call_input.delta", **where, "delta": text},
+                      {"type": "response.custom_tool_call_input.done", **where, "input": text}]
+            opened = item | {"input": "", "status": "in_progress"}
+        else:
+            filled, opened = [], item | {"status": "in_progress"}
         self.events += [
-            {"type": "response.output_item.added", "output_index": index,
-             "item": item | {"arguments": "", "status": "in_progress"}},
-            {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
-            {"type": "response.function_call_arguments.done", **where, "arguments": arguments,
-             "name": call.name},
+            {"type": "response.output_item.added", "output_index": index, "item": opened},
+            *filled,
             {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
-        ]  # fmt: skip
+        ]
 
     def as_items(self) -> list:
         """The output as input items, for a later previous_response_id."""
@@ -235,11 +250,15 @@ class _Output:
         for item in self.items:
             if item["type"] == "reasoning":  # not kept: a later turn's context leaves it out
                 continue
+            fields = {k: v for k, v in item.items() if k not in ("id", "status")}
             if item["type"] == "message":
                 out.append(MessageItem(role="assistant", content=item["content"][0]["text"]))
+            elif item["type"] == "function_call":
+                out.append(FunctionCallItem(**fields))
+            elif item["type"] == "custom_tool_call":
+                out.append(CustomToolCallItem(**fields))
             else:
-                out.append(FunctionCallItem(type="function_call", call_id=item["call_id"],
-                                            name=item["name"], arguments=item["arguments"]))
+                out.append(LocalShellCallItem(**fields))
         return out
 
 
@@ -276,15 +295,19 @@ async def create_response(body: ResponsesRequest, request: Request):
                              messages_param="input", ask=body.thinking_ask(served.config.thinking),
                              grammar=body.json_output is not None or body.forced_tools is not None)
     tools = body.template_tools if chat.tool_format else []
+    grammars = body.model_tools.grammars if chat.tool_format else {}
     output = await structured.checked_constraint(engine, body.json_output, body.forced_tools,
-                                                 tools, chat.tool_format)  # fmt: skip
+                                                 tools, chat.tool_format, grammars)  # fmt: skip
+    if output is None and body.forced_tools is None:  # custom tools' inputs, among free text
+        output = await structured.checked_tool_inputs(engine, tools, chat.tool_format, grammars,
+                                                      body.sampling())  # fmt: skip
     req = plan_request(served, engine, request.headers, chat.tokens,
                        replace(body.sampling(), constraint=output, thinking=chat.held),
                        body.max_output_tokens,
                        "max_output_tokens", prompt_param="input",
                        prompt_text=messages[-1]["content"], boundaries=chat.boundaries)  # fmt: skip
     usage = Usage(len(chat.tokens))
-    built = _Output(chat)
+    built = _Output(chat, body.model_tools)
     snapshot = {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
         "status": "in_progress", "model": body.model, "output": [], "error": None,

@@ -1,26 +1,36 @@
 """OpenAI Responses API request bodies (POST /v1/responses), validated with
 pydantic, and their reduction to chat-template messages.
 
-What is served: `input` as a string or as items (messages with text
-content, function calls and their outputs), `instructions`, function
-`tools`, `tool_choice`, `text.format`, `max_output_tokens`, sampling,
-`previous_response_id` (gateway/api/responses_api.py keeps responses per key).
-Known fields specgate cannot honour are refused by name. `reasoning.effort`
-asks a reasoning model to think, or not (gateway/api/thinking.py); its
-thinking comes back as a reasoning item with the text in the clear, so an
-`include` of encrypted reasoning has nothing to add. Reasoning items a
-client sends back are dropped from the context.
+What is served: `input` as a string or as items (messages, function,
+custom-tool and local-shell calls and their outputs), `instructions`,
+`tools` of every kind Codex CLI sends (gateway/api/responses_tools.py:
+function, custom, namespace, local_shell; hosted ones are left out),
+`tool_choice`, `text.format`, `max_output_tokens`, sampling,
+`previous_response_id` (gateway/api/responses_api.py keeps responses per
+key), `store`. Fields that change what an answer means and that specgate
+cannot honour (background, conversation, prompt templates, logprobs) are
+refused by name; hints it has nothing to act on (prompt_cache_key,
+service_tier, text.verbosity, reasoning.summary, client_metadata, ...) are
+read past with a debug log. `reasoning.effort` asks a reasoning model to
+think, or not (gateway/api/thinking.py); its thinking comes back as a
+reasoning item with the text in the clear, so an `include` of encrypted
+reasoning has nothing to add. Reasoning items a client sends back
+(Codex's, with encrypted_content) are dropped from the context, as are the
+records of hosted tools' calls (web_search_call, ...), and an image in the
+input is a line saying it was left out, since the models read text.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     StrictStr,
     field_validator,
@@ -30,9 +40,20 @@ from pydantic import (
 from specgate.engines.base import SamplingParams
 from specgate.gateway.api.openai_schema import FunctionName
 from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
+from specgate.gateway.api.responses_tools import (
+    HOSTED,
+    LOCAL_SHELL,
+    FunctionTool,
+    ModelTools,
+    NamespaceTool,
+    Tool,
+    model_name,
+)
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
 from specgate.gateway.api.thinking import EFFORTS, ThinkingAsk, from_effort
 from specgate.gateway.config import ThinkingConfig
+
+log = logging.getLogger(__name__)
 
 UNSUPPORTED = {
     "background": "background responses are not supported",
@@ -42,7 +63,22 @@ UNSUPPORTED = {
 }
 HARMLESS = {"background": (False, None), "top_logprobs": (0, None), "conversation": (None,),
             "prompt": (None,)}  # fmt: skip
-INCLUDABLE = {"reasoning.encrypted_content"}  # nothing to add: reasoning is in the clear
+# Nothing to include for any of these: reasoning is in the clear, and specgate
+# runs no hosted tool. Logprobs it would have to leave out, so those are refused.
+INCLUDABLE = {
+    "reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources",
+    "file_search_call.results", "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url", "message.input_image.image_url",
+}  # fmt: skip
+# Items that record what a hosted tool or OpenAI's own machinery did:
+# nothing a model here can read, so they are left out of its context.
+RECORDS = (
+    "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+    "image_generation_call", "code_interpreter_call", "tool_search_call", "tool_search_output",
+    "additional_tools", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
+    "mcp_call", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
+    "compaction", "compaction_summary", "compaction_trigger", "program", "program_output",
+)  # fmt: skip
 
 
 class _ItemPart(BaseModel):
@@ -58,14 +94,42 @@ class InputText(_ItemPart):
     text: StrictStr
 
 
-class MessageItem(_ItemPart):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | list[InputText]
+class RefusalPart(_ItemPart):
+    type: Literal["refusal"]
+    refusal: StrictStr
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.refusal
+
+
+class MediaPart(_ItemPart):
+    """An image, file or audio: the models here read text, so the model is
+    told one was left out (a view_image tool's output must not end a
+    session in a 400)."""
+
+    type: Literal["input_image", "input_file", "input_audio"]
+
+    @property
+    def text(self) -> str:
+        return f"[{self.type[len('input_') :]} left out: this model reads text only]"
+
+
+Part = Annotated[InputText | RefusalPart | MediaPart, Field(discriminator="type")]
+
+
+def _joined(content: str | list) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class MessageItem(_ItemPart):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[Part]
+
+    @property
+    def text(self) -> str:
+        return _joined(self.content)
 
 
 class FunctionCallItem(_ItemPart):
@@ -73,6 +137,7 @@ class FunctionCallItem(_ItemPart):
     call_id: StrictStr = Field(min_length=1)
     name: FunctionName
     arguments: StrictStr
+    namespace: FunctionName | None = None
 
     @field_validator("arguments")
     @classmethod
@@ -82,21 +147,53 @@ class FunctionCallItem(_ItemPart):
 
 
 class FunctionCallOutputItem(_ItemPart):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: StrictStr = Field(min_length=1)
-    output: StrictStr | list[InputText]
+    output: StrictStr | list[Part]
 
     @property
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return _joined(self.output)
+
+
+class CustomToolCallItem(_ItemPart):
+    type: Literal["custom_tool_call"]
+    call_id: StrictStr = Field(min_length=1)
+    name: FunctionName
+    input: StrictStr
+    namespace: FunctionName | None = None
+
+
+class LocalShellAction(_ItemPart):
+    type: Literal["exec"]
+    command: list[StrictStr]
+    working_directory: StrictStr | None = None
+    timeout_ms: StrictInt | None = None
+
+
+class LocalShellCallItem(_ItemPart):
+    type: Literal["local_shell_call"]
+    call_id: StrictStr = Field(min_length=1)
+    action: LocalShellAction
+
+
+class LocalShellCallOutputItem(_ItemPart):
+    type: Literal["local_shell_call_output"]
+    id: StrictStr = Field(min_length=1)  # the call's
+    output: StrictStr
 
 
 class ReasoningItem(_ItemPart):
     type: Literal["reasoning"]
 
 
+class RecordItem(_ItemPart):
+    type: Literal[RECORDS]
+
+
 Item = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem
+    | LocalShellCallItem | LocalShellCallOutputItem | ReasoningItem | RecordItem,
     Field(discriminator="type"),
 ]
 
@@ -108,24 +205,15 @@ def _item_with_type(value: Any) -> Any:
     return value
 
 
-class FunctionTool(BaseModel):
-    type: Literal["function"]
-    name: FunctionName
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        fn = {"name": self.name}
-        if self.description:
-            fn["description"] = self.description
-        return {"type": "function", "function": fn | {"parameters": self.parameters or {
-            "type": "object", "properties": {}}}}  # fmt: skip
-
-
 class NamedTool(BaseModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: FunctionName
+
+
+class HostedChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal[HOSTED]
 
 
 class TextFormat(BaseModel):
@@ -162,8 +250,8 @@ class ResponsesRequest(BaseModel):
     model: StrictStr = Field(min_length=1)
     input: StrictStr | list[Annotated[Item, Field()]]
     instructions: StrictStr | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | HostedChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -178,6 +266,8 @@ class ResponsesRequest(BaseModel):
     reasoning: Reasoning | None = None
     truncation: Literal["disabled"] | None = None
     include: list[StrictStr] | None = None
+
+    _tools: ModelTools = PrivateAttr(default_factory=lambda: ModelTools(None))
 
     @model_validator(mode="after")
     def includable(self):
@@ -198,9 +288,16 @@ class ResponsesRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in HARMLESS.get(name, ()):
                 raise ValueError(f"{name}: {UNSUPPORTED[name]}")
-        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+        ignored = sorted(set(self.model_extra or ()) - set(UNSUPPORTED))
+        if ignored:
+            log.debug("/v1/responses: read past %s (nothing here acts on them)", ignored)
+        self._tools = ModelTools(self.tools)
+        if isinstance(self.tool_choice, HostedChoice):
+            raise ValueError(f"tool_choice: '{self.tool_choice.type}' is a tool OpenAI runs on its "
+                             "side; specgate cannot run it")  # fmt: skip
+        if not self._tools.served and self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: the request has no tools to choose from")
-        if any(t.strict for t in self.tools or []) and self.forced_tools is None:
+        if any(t.strict for t in self._functions()) and self.forced_tools is None:
             raise ValueError("tools: strict functions are honoured with a forced call only "
                              '(tool_choice "required" or a named function)')
         return self
@@ -208,19 +305,35 @@ class ResponsesRequest(BaseModel):
     def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
         return from_effort(self.reasoning.effort if self.reasoning else None, settings)
 
+    def _functions(self) -> list[FunctionTool]:
+        out = []
+        for tool in self.tools or []:
+            inner = tool.tools if isinstance(tool, NamespaceTool) else [tool]
+            out += [t for t in inner if isinstance(t, FunctionTool)]
+        return out
+
     @property
     def items(self) -> list:
+        """The input's items a model reads (reasoning and hosted tools'
+        records left out: debug log)."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
-        return [i for i in self.input if not isinstance(i, ReasoningItem)]
+        dropped = [i.type for i in self.input if isinstance(i, ReasoningItem | RecordItem)]
+        if dropped:
+            log.debug("/v1/responses: input items left out of the model's context: %s", dropped)
+        return [i for i in self.input if not isinstance(i, ReasoningItem | RecordItem)]
+
+    @property
+    def model_tools(self) -> ModelTools:
+        return self._tools
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
-        return [t.as_template_input() for t in self.tools or []]
+        return self._tools.template
 
     @property
     def parse_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self._tools.served) and self.tool_choice != "none"
 
     @property
     def forced_tools(self) -> ForcedTools | None:
@@ -246,21 +359,39 @@ class ResponsesRequest(BaseModel):
 
 
 def template_messages(instructions: str | None, items: list) -> list[dict[str, Any]]:
-    """Items as chat-template messages: function calls join the assistant
-    turn they follow, their outputs become tool messages."""
+    """Items as chat-template messages: the instructions and the system or
+    developer messages before any other as one system message, calls
+    joining the assistant turn they follow (under the name the model sees
+    the tool by), their outputs as tool messages."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": item.text})
-        elif isinstance(item, FunctionCallItem):
-            if not out or out[-1]["role"] != "assistant":
-                out.append({"role": "assistant", "content": ""})
-            out[-1].setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function",
-                 "function": {"name": item.name, "arguments": json.loads(item.arguments or "{}")}})
+            if role == "system" and out and all(m["role"] == "system" for m in out):
+                # One system message at the start: Codex sends several
+                # developer messages, and Qwen's templates refuse a system
+                # message anywhere but first.
+                out[0]["content"] += "\n\n" + item.text
+            else:
+                out.append({"role": role, "content": item.text})
+            continue
+        if isinstance(item, FunctionCallItem):
+            name, arguments = model_name(item.namespace, item.name), json.loads(item.arguments or "{}")
+        elif isinstance(item, CustomToolCallItem):
+            name, arguments = model_name(item.namespace, item.name), {"input": item.input}
+        elif isinstance(item, LocalShellCallItem):
+            name = LOCAL_SHELL
+            arguments = item.action.model_dump(exclude={"type"}, exclude_none=True)
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            call_id = item.id if isinstance(item, LocalShellCallOutputItem) else item.call_id
+            text = item.output if isinstance(item, LocalShellCallOutputItem) else item.text
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            continue
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        out[-1].setdefault("tool_calls", []).append(
+            {"id": item.call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}})  # fmt: skip
     return out

@@ -6,7 +6,17 @@ grammar (engines/base.OutputConstraint) every engine masks by.
 - a forced tool call (OpenAI `tool_choice` "required" or a named function,
   Anthropic `any` or `tool`): one or more calls in the model's own format
   (gateway/api/tools.py), each a listed function with arguments of its schema;
-- JSON output with tools left to the model: the JSON value or the calls.
+- JSON output with tools left to the model: the JSON value or the calls;
+- a Responses `custom` tool's input held to its own grammar (Lark or a
+  regular expression, `ToolGrammar`): inside a forced call, and with tools
+  left to the model (`checked_tool_inputs`) as free text or calls, where
+  only a call to that tool is bound, and only its input.
+
+A client's own grammar is embedded whole, as a grammar of its own that the
+call's rules refer to (`@name`: its rules and `%import`s cannot meet ours).
+Only Qwen's XML call format carries a tool's input as raw text; in the JSON
+(hermes) format it is a JSON string, which a Lark grammar cannot describe,
+so there a custom tool's input is not held to its grammar.
 
 Grammars are llguidance's Lark dialect, with the JSON parts inlined as
 `%json{...}` schemas; the JSON layout is the one templates render (", " and
@@ -23,9 +33,10 @@ request is admitted, so every refusal is a 400 before a byte streams.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 
-from specgate.engines.base import Engine, OutputConstraint
+from specgate.engines.base import Engine, OutputConstraint, SamplingParams
 from specgate.engines.cpu import run_cpu
 from specgate.engines.grammar.bounds import LIMITS, check_schema
 from specgate.engines.grammar.matcher import (
@@ -33,9 +44,12 @@ from specgate.engines.grammar.matcher import (
     GrammarError,
     json_constraint,
     lark_constraint,
+    regex_as_lark,
 )
 from specgate.gateway.api.tools import CALL_END, CALL_START, GRAMMAR_FORMATS, ToolFormat
 from specgate.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,20 @@ class JsonOutput:
 
     schema: dict | None
     param: str
+
+
+@dataclass(frozen=True)
+class ToolGrammar:
+    """A custom tool's input held to a grammar, as the client wrote it:
+    `syntax` "lark" (llguidance's Lark dialect) or "regex" (Rust `regex`
+    syntax); `param` names where the request gave it."""
+
+    syntax: str
+    definition: str
+    param: str
+
+    def as_lark(self) -> str:
+        return self.definition if self.syntax == "lark" else regex_as_lark(self.definition)
 
 
 @dataclass(frozen=True)
@@ -62,16 +90,54 @@ async def checked_constraint(
     forced: ForcedTools | None,
     tools: list[dict],
     fmt: ToolFormat | None,
+    grammars: dict[str, ToolGrammar] | None = None,
 ) -> OutputConstraint | None:
     """`constraint()`, built on the CPU workers and compiled in the
-    engine's sandbox: a 400 naming the parameter where it cannot be."""
-    output = await run_cpu(constraint, json_output, forced, tools, fmt)
+    engine's sandbox: a 400 naming the parameter where it cannot be.
+    `grammars`: custom tools' input grammars by tool name, each compiled
+    alone first, so that a bad one is a 400 naming that tool."""
+    for grammar in (grammars or {}).values():
+        await _compiled(engine, lark_constraint(grammar.as_lark(), grammar.param), "invalid_grammar")
+    output = await run_cpu(constraint, json_output, forced, tools, fmt, grammars)
     if output is not None:
-        try:
-            await engine.check_constraint(output)
-        except GrammarError as e:
-            raise APIError(400, str(e), param=output.param, code="invalid_schema") from None
+        await _compiled(engine, output, "invalid_schema")
     return output
+
+
+async def checked_tool_inputs(
+    engine: Engine,
+    tools: list[dict],
+    fmt: ToolFormat | None,
+    grammars: dict[str, ToolGrammar],
+    sampling: SamplingParams,
+) -> OutputConstraint | None:
+    """With tools left to the model and custom tools among them, the output
+    as free text or tool calls, where a call to a custom tool has an input of
+    its grammar (checked_constraint checked each grammar already). None where
+    that cannot be held: no such tool, a call format other than Qwen's XML,
+    an engine that cannot serve the grammar exactly (llama-server samples
+    first); the input is then the model's own, and a debug log says so."""
+    if not grammars or not tools:
+        return None
+    if fmt != "qwen3_xml":
+        log.debug("custom tools %s: inputs not held to their grammars (the model calls tools in "
+                  "%s format, which carries them as JSON strings)", sorted(grammars), fmt)  # fmt: skip
+        return None
+    output = await run_cpu(_tool_inputs, tools, grammars)
+    refusal = engine.refusal(replace(sampling, constraint=output))
+    if refusal is not None:
+        log.debug("custom tools %s: inputs not held to their grammars: %s", sorted(grammars),
+                  refusal.message)  # fmt: skip
+        return None
+    await _compiled(engine, output, "invalid_grammar")
+    return output
+
+
+async def _compiled(engine: Engine, output: OutputConstraint, code: str) -> None:
+    try:
+        await engine.check_constraint(output)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=output.param, code=code) from None
 
 
 def constraint(
@@ -79,10 +145,13 @@ def constraint(
     forced: ForcedTools | None,
     tools: list[dict],
     fmt: ToolFormat | None,
+    grammars: dict[str, ToolGrammar] | None = None,
 ) -> OutputConstraint | None:
     """The request's grammar, or None; a 400 naming the parameter where it
     cannot be built. `tools` and `fmt`: the tools the model may call of its
-    own accord (with JSON output, the output is then the value or calls)."""
+    own accord (with JSON output, the output is then the value or calls);
+    `grammars`: custom tools' input grammars by tool name."""
+    grammars = grammars or {}
     try:
         if forced is not None:
             if json_output is not None:
@@ -94,8 +163,9 @@ def constraint(
                                param=forced.param)  # fmt: skip
             _check_format(fmt, forced.param)
             _check_tools(chosen, forced.param)
-            lark = f"start: {_calls_rule(chosen, fmt, forced.parallel)}\n{_call_rules(chosen, fmt)}"
-            grammar = lark_constraint(lark, forced.param)
+            rules, subgrammars = _call_rules(chosen, fmt, grammars)
+            lark = f"start: {_calls_rule(chosen, fmt, forced.parallel)}\n{rules}"
+            grammar = lark_constraint(lark, forced.param, subgrammars)
             if fmt == "hermes" and not forced.parallel:
                 # One JSON call between fixed tags: also a JSON schema, which
                 # llama-server can take.
@@ -112,11 +182,45 @@ def constraint(
         _check_format(fmt, json_output.param)
         _check_tools(tools, json_output.param)
         value = _inline_json(json_output.schema or {"type": "object"})
-        lark = f"start: {value} | {_calls_rule(tools, fmt, True)}\n{_call_rules(tools, fmt)}"
-        return lark_constraint(lark, json_output.param)
+        rules, subgrammars = _call_rules(tools, fmt, grammars)
+        lark = f"start: {value} | {_calls_rule(tools, fmt, True)}\n{rules}"
+        return lark_constraint(lark, json_output.param, subgrammars)
     except GrammarError as e:
         raise APIError(400, str(e), param=(forced or json_output).param,
                        code="invalid_schema") from None  # fmt: skip
+
+
+def _tool_inputs(tools: list[dict], grammars: dict[str, ToolGrammar]) -> OutputConstraint:
+    """Free text and tool calls in Qwen's XML format, where a call to a tool
+    of `grammars` is that tool's one parameter, `input`, in its grammar.
+
+    Text is lazy up to a call's opening tag, or, last, text that never says
+    it (`&` and `~`: llguidance's intersection and complement of regular
+    expressions), so no call escapes the grammar inside text. A call to any
+    other tool is left as the model writes it, up to its closing tag."""
+    names = [_name(t) for t in tools]
+    bound = [n for n in names if n in grammars]
+    subgrammars = {f"g{i}": grammars[n].as_lark() for i, n in enumerate(bound)}
+    rules = [
+        "start: (text_to_call call)* TEXT",
+        f"text_to_call[lazy]: /(.|\\n)*{_CALL_OPEN_RX}/",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_CALL_START_RX}(.|\\n)*/",
+    ]
+    # Every call opens with the same lexeme, then the name: a bound tool's
+    # name as a literal, any other as OTHER_NAME, both read from one place
+    # (llguidance's lexer is greedy: a literal `<function=NAME>` would hold
+    # on to a longer name that only starts like NAME).
+    calls = [f"bound{i}" for i in range(len(bound))]
+    for i, name in enumerate(bound):
+        rules.append(f"bound{i}: {_FUNCTION_OPEN} {_literal(name)} {_INPUT_HEAD} @g{i} "
+                     f"{_literal(_INPUT_CLOSE)}")  # fmt: skip
+    if len(bound) < len(names):  # the other tools, by any name but those
+        calls.append("other")
+        rules.append(f"other: {_FUNCTION_OPEN} OTHER_NAME {_literal('>')} other_body")
+        rules.append(f"OTHER_NAME: /[^>\\n]+/ & ~/({'|'.join(bound)})/")
+        rules.append(f"other_body[lazy]: /(.|\\n)*\\n{_CALL_END_RX}/")
+    rules.append(f"call: {' | '.join(calls)}")
+    return lark_constraint("\n".join(rules) + "\n", "tools", subgrammars)
 
 
 def _check_tools(tools: list[dict], param: str) -> None:
@@ -166,34 +270,51 @@ def _calls_rule(tools: list[dict], fmt: ToolFormat, parallel: bool) -> str:
     return 'call ("\\n" call)*' if parallel else "call"
 
 
-def _call_rules(tools: list[dict], fmt: ToolFormat) -> str:
+def _call_rules(tools: list[dict], fmt: ToolFormat, grammars: dict[str, ToolGrammar]
+                ) -> tuple[str, dict[str, str]]:  # fmt: skip
+    """The `call` rule and those it uses, and the client grammars they refer
+    to by name (a custom tool's input, in the XML format only)."""
     if fmt == "hermes":
-        return f"call: {_CALL_OPEN} {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}\n"
+        rule = f"call: {_CALL_OPEN} {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}\n"
+        return rule, {}
     # qwen3_xml: <function=NAME>, then its parameters in the schema's order.
     functions = " | ".join(f"fn{i}" for i in range(len(tools)))
     rules = [f"call: {_CALL_OPEN} ({functions}) {_FUNCTION_CLOSE} {_CALL_CLOSE}"]
+    subgrammars = {}
     for i, tool in enumerate(tools):
+        head = _literal(f"<function={_name(tool)}>\n")
+        if _name(tool) in grammars:  # a custom tool: its input, in its own grammar
+            subgrammars[f"g{i}"] = grammars[_name(tool)].as_lark()
+            rules.append(f"fn{i}: {head} {_INPUT_OPEN} @g{i} {_PARAMETER_CLOSE}")
+            continue
         schema = _parameters(tool)
         required = set(schema.get("required") or ())
         parts = []
         for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
             rule, sub = f"fn{i}_p{j}", sub if isinstance(sub, dict) else {}
-            head = _literal(f"<parameter={key}>\n")
+            start = _literal(f"<parameter={key}>\n")
             if sub.get("type") == "string" and "enum" in sub:
                 choices = " | ".join(_literal(str(v)) for v in sub["enum"])
-                rules.append(f"{rule}: {head} ({choices}) {_PARAMETER_CLOSE}")
+                rules.append(f"{rule}: {start} ({choices}) {_PARAMETER_CLOSE}")
             elif sub.get("type") == "string":  # text, up to the closing tag its suffix writes
-                rules.append(f"{rule}: {head} {rule}_text")
+                rules.append(f"{rule}: {start} {rule}_text")
                 rules.append(f"{rule}_text[suffix={_PARAMETER_CLOSE}]: /(.|\\n)*/")
             else:  # JSON text, as the template renders numbers, objects and arrays
-                rules.append(f"{rule}: {head} {_inline_json(sub)} {_PARAMETER_CLOSE}")
+                rules.append(f"{rule}: {start} {_inline_json(sub)} {_PARAMETER_CLOSE}")
             parts.append(rule if key in required else f"{rule}?")
-        head = _literal(f"<function={_name(tool)}>\n")
         rules.append(f"fn{i}: {head} {' '.join(parts)}")
-    return "\n".join(rules) + "\n"
+    return "\n".join(rules) + "\n", subgrammars
 
 
 _CALL_OPEN = _literal(CALL_START + "\n")
 _CALL_CLOSE = _literal("\n" + CALL_END)
 _FUNCTION_CLOSE = _literal("</function>")
 _PARAMETER_CLOSE = _literal("\n</parameter>\n")
+_FUNCTION_OPEN = _literal("<function=")
+_INPUT_HEAD = _literal(">\n<parameter=input>\n")
+_INPUT_OPEN = _literal("<parameter=input>\n")
+_INPUT_CLOSE = "\n</parameter>\n</function>\n" + CALL_END
+# The call tags inside a regular expression (Lark's /.../: `/` escaped).
+_CALL_START_RX = CALL_START.replace("/", "\\/")
+_CALL_OPEN_RX = _CALL_START_RX + "\\n"
+_CALL_END_RX = CALL_END.replace("/", "\\/")

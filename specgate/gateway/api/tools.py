@@ -18,6 +18,12 @@ specgate also writes for forced calls (gateway/api/structured.py):
 
 Others (mistral, glm47, kimi_k2, minimax_m2, gemma4, pythonic, ...) are
 recognised from the template as mlx-lm recognises them.
+
+A freeform tool (a Responses `custom` tool) takes one text, its parameter
+`input`. In the XML format that text is read exactly as the model wrote
+it (mlx-lm's parser reads the text "null" as None and ends a value at the
+first closing tag), and the call ends at its own closing tags, so an input
+that itself says `</tool_call>` is not cut there.
 """
 
 from __future__ import annotations
@@ -83,9 +89,17 @@ def parser(fmt: ToolFormat) -> ModuleType:
     return importlib.import_module(f"mlx_lm.tool_parsers.{_MODULES.get(fmt, fmt)}")
 
 
-def parse_call(body: str, fmt: ToolFormat, tools: list[dict] | None = None) -> list[ToolCall] | None:
+FREEFORM_OPEN = "\n<parameter=input>\n"  # after `<function=NAME>`, a freeform tool's input
+FREEFORM_CLOSE = "\n</parameter>\n</function>\n"  # after it, before CALL_END
+
+
+def parse_call(body: str, fmt: ToolFormat, tools: list[dict] | None = None,
+               freeform: frozenset[str] = frozenset()) -> list[ToolCall] | None:  # fmt: skip
     """The calls in one call's body (the text between its markers), or None
-    when it does not parse. `tools`: OpenAI-shaped, for the parameter types."""
+    when it does not parse. `tools`: OpenAI-shaped, for the parameter types;
+    `freeform`: the tools whose one input is read as written (XML format)."""
+    if fmt == "qwen3_xml" and freeform and (call := _freeform_call(body, freeform)):
+        return [call]
     try:
         parsed = parser(fmt).parse_tool_call(body, tools)
     except Exception:  # mlx-lm's parsers raise what they meet: it is text
@@ -97,6 +111,22 @@ def parse_call(body: str, fmt: ToolFormat, tools: list[dict] | None = None) -> l
             return None
         calls.append(call)
     return calls or None
+
+
+def _freeform_head(body: str, freeform: frozenset[str]) -> str | None:
+    """The freeform tool a call's body opens, if it opens one whole."""
+    if not body.startswith("\n<function="):
+        return None
+    name, sep, _ = body[len("\n<function=") :].partition(">" + FREEFORM_OPEN)
+    return name if sep and name in freeform else None
+
+
+def _freeform_call(body: str, freeform: frozenset[str]) -> ToolCall | None:
+    name = _freeform_head(body, freeform)
+    if name is None or not body.endswith(FREEFORM_CLOSE):
+        return None
+    start = len(f"\n<function={name}>{FREEFORM_OPEN}")
+    return ToolCall(name, {"input": body[start : len(body) - len(FREEFORM_CLOSE)]})
 
 
 def _tool_call(item: object) -> ToolCall | None:
@@ -131,6 +161,7 @@ class ToolCallStream:
 
     fmt: ToolFormat
     tools: list[dict] = field(default_factory=list)  # OpenAI-shaped: parameter types
+    freeform: frozenset[str] = frozenset()  # tools whose one input is text (parse_call)
     calls: int = 0  # complete calls parsed so far
     _buf: str = ""
     _inside: bool = False
@@ -146,8 +177,8 @@ class ToolCallStream:
         self._buf += text
         while True:
             if self._inside:
-                end = self._buf.find(self._end) if self._end else -1
-                if end < 0:
+                end = self._call_end()
+                if end is None:
                     return out
                 raw = self._buf[: end + len(self._end)]
                 self._buf, self._inside = self._buf[end + len(self._end) :], False
@@ -164,6 +195,24 @@ class ToolCallStream:
             self._buf = self._buf[len(self._buf) - keep :]
             return out
 
+    def _call_end(self) -> int | None:
+        """Where the open call's end marker starts in the buffer, once seen.
+        A freeform tool's call ends at its input's closing tags and the end
+        marker together (its input may say the marker alone)."""
+        if not self._end:
+            return None
+        end = self._buf.find(self._end)
+        if end < 0:
+            return None
+        if self.fmt != "qwen3_xml" or not self.freeform:
+            return end
+        # The end marker is in the buffer, so a freeform tool's head, which
+        # comes before it, is there whole if the call opens one.
+        if _freeform_head(self._buf[len(self._start) :], self.freeform) is None:
+            return end
+        end = self._buf.find(FREEFORM_CLOSE + self._end, len(self._start))
+        return None if end < 0 else end + len(FREEFORM_CLOSE)
+
     def finish(self) -> list[str | ToolCall]:
         """The end of the output: a call without an end marker ends here;
         whatever else is held is text (an unclosed call too)."""
@@ -177,7 +226,7 @@ class ToolCallStream:
         return out
 
     def _call(self, raw: str, body: str, out: list) -> None:
-        calls = parse_call(body, self.fmt, self.tools)
+        calls = parse_call(body, self.fmt, self.tools, self.freeform)
         if calls is None:  # malformed: it is text, with the whitespace before it
             self._text(self._ws_before_call + raw, out, last=False)
             return

@@ -1,0 +1,57 @@
+"""Codex CLI (the pinned one of tests/agent_clis.py) completes a turn against
+a real gateway, configured as its docs say for a local server: a model
+provider with `wire_api = "responses"`, its base_url and env_key.
+
+The model is tests/tool_caller.py's XML-format lookup checkpoint (a chat
+template with Qwen's tool-call format) whose greedy answer is a line of
+text, so Codex's first request, with all its tools (function, namespace,
+web_search; with the model catalog entry also apply_patch as a custom Lark
+tool, whose grammar then holds the output), is served and answered.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from agent_clis import agent_env
+from conftest import start_gateway, stop_gateway
+from fixtures.agents.capture import codex_catalog, codex_config
+from tool_caller import XML_TEMPLATE, build_tool_caller
+
+pytestmark = pytest.mark.agents
+
+ANSWER = "Hello from specgate."
+MODEL = "local-coder"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    path = build_tool_caller(tmp_path_factory.mktemp("codex-model"), XML_TEMPLATE, ANSWER)
+    gw = start_gateway({"models": [{"id": MODEL, "path": str(path), "max_context": 32768}]},
+                       tmp_path_factory.mktemp("codex-gateway"))  # fmt: skip
+    yield gw
+    stop_gateway(gw)
+
+
+@pytest.mark.parametrize("catalog", [False, True], ids=["plain", "model-catalog"])
+def test_codex_exec_completes_a_turn(gateway, agent_cli, tmp_path, catalog):
+    codex = agent_cli("codex")
+    args = codex_config(gateway.api, MODEL)
+    if catalog:
+        args += ["-c", f'model_catalog_json="{codex_catalog(tmp_path / "catalog.json", MODEL)}"']
+    (tmp_path / "work").mkdir()
+    log_before = len(gateway.log())
+    done = subprocess.run(
+        [str(codex), "exec", "--skip-git-repo-check", "--ephemeral", *args,
+         "-C", str(tmp_path / "work"), "Say hello."],
+        env=agent_env(tmp_path / "home", SPECGATE_API_KEY="sk-local"),
+        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == ANSWER, (done.stdout, done.stderr[-3000:])
+    log = gateway.log()[log_before:]
+    requests = re.findall(r'"(?:GET|POST) (\S+) HTTP/1.1" (\d{3})', log)
+    assert ("/v1/responses", "200") in requests, log[-3000:]
+    assert not [r for r in requests if r[1].startswith("4")], requests

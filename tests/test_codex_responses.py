@@ -39,6 +39,7 @@ from openai.types.responses.response_output_item import LocalShellCall
 from tool_caller import XML_TEMPLATE, build_tool_caller
 
 from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.gateway.api.chat import late_system_as_user
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents" / "codex-0.171.0"
 CAPTURED = sorted(p.stem for p in FIXTURES.glob("*.json"))
@@ -50,6 +51,13 @@ ASK = "Shout hello world."
 # Bounded, so that a random model's forced input ends within a few tokens.
 SHORT_LARK = 'start: WORD (" " WORD){0,2} "!"\nWORD: /[a-z]{1,8}/\n'
 SHORT_REGEX = "[a-z]{1,8}( [a-z]{1,8}){0,2}!"
+
+
+FIRST_SYSTEM_ONLY = (
+    "{%- for m in messages -%}{%- if m.role == 'system' and not loop.first -%}"
+    "{{- raise_exception('System message must be at the beginning.') -}}"
+    "{%- endif -%}{%- endfor -%}"
+)
 
 
 def _xml_model(root: Path, answer: str) -> Path:
@@ -73,11 +81,14 @@ def gateway(tmp_path_factory):
         "shell": _xml_model(root / "shell", CALL.format("local_shell", "command", '["ls", "-a"]')),
         "patch": _xml_model(root / "patch", CALL.format("apply_patch", "input", PATCH)),
         "shout": _xml_model(root / "shout", CALL.format("shout", "input", "hello world")),
+        # Qwen's templates refuse a system message anywhere but first.
+        "strict": build_tool_caller(root / "strict", FIRST_SYSTEM_ONLY + XML_TEMPLATE, "ok"),
     }
     config = {"models": [
         {"id": "ns", "path": str(models["ns"]), "max_context": 32768},
         {"id": "patch", "path": str(models["patch"]), "max_context": 4096},
         {"id": "shell", "path": str(models["shell"]), "max_context": 4096},
+        {"id": "strict", "path": str(models["strict"]), "max_context": 4096},
         {"id": "shout", "path": str(models["shout"]), "max_context": 2048,
          "engines": ["mlx_plain", "mlx_ngram"]},
         {"id": "hybrid", "path": str(_hybrid_xml(root / "hybrid")), "max_context": 2048,
@@ -272,6 +283,35 @@ def test_a_forced_custom_tool_is_exact_under_speculation(gateway, client, syntax
         assert kind == "custom_tool_call" and re.fullmatch(SHORT_REGEX, text), outs
     assert outs["mtp"] == outs["none"] == outs["ngram"], outs
     assert drafted(gateway, "mtp", "hybrid") > before  # the head drafted under the grammar
+
+
+def test_a_developer_message_mid_session_reaches_a_template_that_refuses_it(client):
+    """Codex sends developer messages later in a session (a changed sandbox,
+    a new working directory); Qwen's templates refuse a system message past
+    the first. The template refused, they are read as the user's: served."""
+    turn = [
+        {"role": "developer", "content": "You are a coding agent."},
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "developer", "content": "The working directory is now /tmp/x."},
+        {"role": "user", "content": "Go on."},
+    ]
+    r = client.responses.create(model="strict", input=turn, max_output_tokens=4)
+    assert r.status == "completed"
+    chat = client.chat.completions.create(
+        model="strict", max_tokens=4,
+        messages=[{"role": "system" if m["role"] == "developer" else m["role"],
+                   "content": m["content"]} for m in turn])  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_late_system_messages_become_the_users_and_nothing_else_moves():
+    first = {"role": "system", "content": "a"}
+    late = {"role": "system", "content": "b"}
+    talk = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "x"}]
+    assert late_system_as_user([first, *talk]) is None
+    assert late_system_as_user([first, first | {"content": "a2"}, *talk]) is None  # leading
+    assert late_system_as_user([first, *talk, late]) == [first, *talk, late | {"role": "user"}]
 
 
 def test_hosted_tools_are_left_out_and_the_request_served(client):

@@ -145,6 +145,22 @@ async def collect(
     return "".join(text), ids, lps, finish
 
 
+def late_system_as_user(messages: list[dict]) -> list[dict] | None:
+    """The messages with each system message after the conversation began
+    given the user role, or None where there is none. Agents send them
+    mid-session (Codex's developer messages: a changed sandbox, a new
+    working directory), and many templates, Qwen's among them, refuse a
+    system message anywhere but first; read as the user's, they still reach
+    the model. Only where the template refused them."""
+    begun, moved, out = False, False, []
+    for m in messages:
+        if m.get("role") == "system" and begun:
+            m, moved = m | {"role": "user"}, True
+        begun = begun or m.get("role") != "system"
+        out.append(m)
+    return out if moved else None
+
+
 @dataclass
 class ChatPrompt:
     tokens: list[int]
@@ -208,7 +224,15 @@ async def render_chat(
     planned = plan_thinking(await engine.thinking_format(), ask, grammar)
     kwargs = planned.template_kwargs
     try:
-        tokens = await engine.render_chat(messages, tools or None, kwargs)
+        try:
+            tokens = await engine.render_chat(messages, tools or None, kwargs)
+        except (EngineOverloaded, EngineError):
+            raise
+        except Exception:
+            if (moved := late_system_as_user(messages)) is None:
+                raise
+            tokens = await engine.render_chat(moved, tools or None, kwargs)
+            messages = moved
     except EngineOverloaded:
         raise
     except EngineError as e:

@@ -6,7 +6,7 @@ parses in the SDK's own types.
 The gateway serves a hand-built tool caller (tests/tool_caller.py) in
 Qwen3.5's XML format, whose answer to any chat is a call of Continue's
 `Read` tool: one layer, so a Continue prompt of ~2.6k tokens prefills in a
-blink (the demo model takes 10-15 s a cold one on a loaded CI machine; it
+blink (the demo model took 9-15 s for a cold one on this loaded 2-core box; it
 meets Continue for real in tests/test_agent_continue.py). Each fixture is
 sent as captured but for its model.
 """

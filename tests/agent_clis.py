@@ -35,6 +35,7 @@ AGENTS: dict[str, AgentCLI] = {
     "claude": AgentCLI("@anthropic-ai/claude-code", "2.1.332", "claude"),
     "opencode": AgentCLI("opencode-ai", "1.18.33", "opencode"),
     "qwen": AgentCLI("@qwen-code/qwen-code", "0.24.4", "qwen"),
+    "continue": AgentCLI("@continuedev/cli", "1.5.47", "cn"),
 }
 
 INSTALL_TIMEOUT_S = 900  # ~20 s on a quiet line here; the registry may be slow
@@ -81,7 +82,7 @@ def install(name: str, home: Path) -> Path:
 # Variables that would point an agent at a real provider or a developer's
 # own settings; the tests set what they mean to.
 _STRIPPED = ("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_", "OPENCODE", "QWEN_", "DASHSCOPE_",
-             "XDG_", "NODE_OPTIONS")  # fmt: skip
+             "CONTINUE_", "XDG_", "NODE_OPTIONS")  # fmt: skip
 
 
 def agent_env(home: Path, **extra: str) -> dict[str, str]:

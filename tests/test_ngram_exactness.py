@@ -200,7 +200,7 @@ def test_mtp_ngram_equals_plain_greedy_and_keeps_the_head_in_step(target, whole_
         heads += sum(1 for r in rounds if r.drafted) - proposer.copied
         # Flush what the head is owed (one more draft of depth 1), then its
         # cache must be the whole sequence fed at once.
-        context = decoder._context()
+        context = decoder._context(None)
         proposer.mtp.propose(context, 1)
         want_cache = head_entries(target, decoder.tokens)
         for c, w in zip(proposer.mtp.cache, want_cache, strict=True):

@@ -10,6 +10,7 @@ responses the model's `default_max_tokens`, never the whole context.
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -121,3 +122,27 @@ def test_what_a_request_without_a_limit_generates(gateway):
     response = post("/responses", {"input": "hi"})
     assert response["usage"]["output_tokens"] == DEFAULT_MAX_TOKENS
     assert response["status"] == "incomplete"
+
+
+def test_a_limit_past_the_context_is_what_the_context_leaves(gateway):
+    """max_tokens is an upper bound, as llama-server and Ollama take it:
+    Claude Code asks for 32000 whatever its prompt, and a 400 ended its turns
+    once a conversation grew past the context less that. Generation stops
+    where the context ends, as `length`; a prompt with no room is still a
+    400, in the words Claude Code compacts on."""
+    ant = anthropic.Anthropic(base_url=gateway.base_url, api_key=gateway.keys["alice"],
+                              max_retries=0)  # fmt: skip
+    prompt = [10 + i % 1000 for i in range(2048 - 5)]  # 5 tokens of room
+    r = httpx.post(gateway.api + "/completions", timeout=120,
+                   headers={"Authorization": f"Bearer {gateway.keys['alice']}"},
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 32000,
+                         "ignore_eos": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    msg = ant.messages.create(model="tiny", max_tokens=32000, timeout=120,
+                              messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        ant.messages.create(model="tiny", max_tokens=10,
+                            messages=[{"role": "user", "content": "hi " * 3000}])  # fmt: skip

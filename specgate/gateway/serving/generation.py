@@ -7,6 +7,7 @@ stop strings and usage are handled once.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -40,6 +41,8 @@ from specgate.gateway.serving.stops import StopMatcher
 from specgate.policies.content import ContentClass, content_class
 from specgate.policies.decide import FixedPlanner, OverrideError, RequestFeatures
 from specgate.policies.model_policy import LivePolicy
+
+log = logging.getLogger(__name__)
 
 METHOD_HEADER = "x-specgate-method"
 DEPTH_HEADER = "x-specgate-depth"
@@ -184,23 +187,26 @@ def plan_request(
         raise APIError(400, "the prompt is empty", param=prompt_param)
     room = engine.max_context - n_prompt
     if room < 1:
+        # "prompt is too long": the words Anthropic's API uses, on which
+        # Claude Code compacts its conversation.
         raise APIError(
             400,
-            f"the prompt is {n_prompt} tokens; model '{served.id}' has a context of "
-            f"{engine.max_context} tokens, which leaves no room to generate",
+            f"prompt is too long: {n_prompt} tokens > {engine.max_context - 1} maximum "
+            f"(model '{served.id}' has a context of {engine.max_context} tokens, which must "
+            "leave room for one generated token)",
             param=prompt_param,
             code="context_length_exceeded",
         )
     if max_tokens is None:  # the API's default, or the model's, never past the context
         max_tokens = min(room, default_max_tokens or served.config.default_max_tokens)
     elif max_tokens > room:
-        raise APIError(
-            400,
-            f"{max_tokens_param}: {max_tokens} tokens requested, but the prompt is {n_prompt} "
-            f"tokens and the context is {engine.max_context}: at most {room} can be generated",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
+        # An upper bound, as llama-server and Ollama take it: what the context
+        # leaves, ending as `length` if reached. Agents ask for their own
+        # ceiling (Claude Code 32000) whatever the prompt; a 400 there ended
+        # every turn once a conversation grew past context - 32000.
+        log.debug("%s: %d tokens asked, %d left by the context of model '%s': at most %d",
+                  max_tokens_param, max_tokens, room, served.id, room)  # fmt: skip
+        max_tokens = room
     if ignore_eos and sampling.constraint is not None:
         raise APIError(400, f"ignore_eos: cannot be combined with {sampling.constraint.param}, "
                             "whose output ends where the grammar does", param="ignore_eos")

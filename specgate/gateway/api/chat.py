@@ -9,6 +9,7 @@ client disconnects and the first piece.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -159,7 +161,7 @@ async def render_chat(
                 code="tools_unsupported",
             )
     try:
-        tokens = await engine.render_chat(messages, tools or None)
+        tokens, messages = await _render(engine, messages, tools)
     except EngineOverloaded:
         raise
     except EngineError as e:
@@ -183,3 +185,26 @@ async def render_chat(
     marks = (await engine.message_boundaries(messages, tools or None, tokens) if boundaries
              else MessageBoundaries())  # fmt: skip
     return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks)
+
+
+async def _render(engine: Engine, messages: list[dict], tools: list[dict]
+                  ) -> tuple[list[int], list[dict]]:  # fmt: skip
+    """The prompt's tokens, and the messages they render. A template that
+    takes a system message only first (Qwen3.5's own: "System message must
+    be at the beginning") is given later ones as user messages, in place:
+    clients send system messages mid-conversation (Claude Code its
+    environment, after the first user turn), and a template that renders
+    them where they are keeps them so."""
+    try:
+        return await engine.render_chat(messages, tools or None), messages
+    except (EngineOverloaded, EngineError):
+        raise
+    except Exception:
+        late = [i for i, m in enumerate(messages) if i > 0 and m["role"] == "system"]
+        if not late:
+            raise
+    moved = [m | {"role": "user"} if i in late else m for i, m in enumerate(messages)]
+    tokens = await engine.render_chat(moved, tools or None)  # a failure here is the answer
+    log.debug("the chat template refused %d system message(s) after the first: sent as user "
+              "messages", len(late))  # fmt: skip
+    return tokens, moved

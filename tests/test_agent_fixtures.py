@@ -216,8 +216,11 @@ def test_a_late_system_message_reaches_a_template_that_refuses_it_as_a_user_turn
     assert client_oa.chat.completions.create(model="strict", messages=late, max_tokens=2).choices
     # A template that refuses something else is still a clear 400.
     with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.create(model="agent", max_tokens=2, messages=[
-            {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x"}]}])
+        client.messages.create(
+            model="agent",
+            max_tokens=2,
+            messages=[{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
+        )
     assert "system message" in err.value.body["error"]["message"]
 
 
@@ -238,8 +241,13 @@ def test_the_demos_replies_end_at_its_reply_stop(gw):
     assert msg.content[0].text == choice.message.content
     # A stop string the request names is still reported as such.
     first_word = choice.message.content.split()[0]
-    named = claude.messages.create(model="demo", messages=ask, max_tokens=400,
-                                   stop_sequences=[first_word], extra_body={"temperature": 0})
+    named = claude.messages.create(
+        model="demo",
+        messages=ask,
+        max_tokens=400,
+        stop_sequences=[first_word],
+        extra_body={"temperature": 0},
+    )
     assert (named.stop_reason, named.stop_sequence) == ("stop_sequence", first_word)
     # /v1/completions is no reply: it runs past blank lines to max_tokens.
     text = "import os\n\n\ndef main():\n    pass\n\n\n"

@@ -55,7 +55,9 @@ def _load(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent-fixtures")
-    agent = build_qwen35_hybrid(root / "agent", seed=3, max_position_embeddings=65536)
+    agent = build_qwen35_hybrid(
+        root / "agent", seed=3, max_position_embeddings=65536, hidden_size=64, intermediate_size=128
+    )
     write_chat_template(agent, DEMO_CHAT_TEMPLATE)
     strict = build_qwen35_hybrid(root / "strict", seed=3)
     write_chat_template(strict, STRICT_TEMPLATE)

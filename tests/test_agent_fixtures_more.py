@@ -1,5 +1,5 @@
 """What Continue CLI and aider send, replayed: every request body captured
-from the real clients (tests/fixtures/agents/capture_chat.py) goes through
+from the real clients (tests/fixtures/agents/capture_cli.py) goes through
 the official openai SDK to a real gateway, is accepted, and its answer
 parses in the SDK's own types.
 

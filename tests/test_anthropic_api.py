@@ -152,7 +152,9 @@ BAD = {
     "temperature below 0": dict(extra_body={"temperature": -0.1}),
     "top_p above 1": dict(extra_body={"top_p": 1.2}),
     "top_k negative": dict(extra_body={"top_k": -1}),
-    "system role in messages": dict(messages=[{"role": "system", "content": "x"}]),
+    # (a system message itself is taken: Claude Code sends one mid-conversation)
+    "system message with a tool result": dict(messages=[*MSG, {"role": "system", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]),
     "unknown block type": dict(messages=[{"role": "user", "content": [{"type": "video"}]}]),
     "image block": dict(messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}]),

@@ -16,6 +16,8 @@ under it ($SPECGATE_HOME, else ~/.specgate):
     prefix-cache/<model>/  the prefix cache's disk tier, per model content
                          (engines/cache/prefix_disk.py)
     peers/               the tests' venvs of other implementations (tests/peers/)
+    launch/              what `specgate launch` keeps: each agent's key (keys/<agent>),
+                         the files an agent reads (<agent>/), a server it started (serve.log)
 
 Each function takes the home to use, for callers that keep their own (tests,
 bench --home); by default the one the environment names, read at each call
@@ -57,6 +59,11 @@ def llama_cpp_dir(home: Path | None = None) -> Path:
 def logs_dir(home: Path | None = None) -> Path:
     """Logs of what specgate builds and runs (llama-server's build, each server)."""
     return (home or specgate_home()) / "logs"
+
+
+def launch_dir(home: Path | None = None) -> Path:
+    """What `specgate launch` writes for the coding agents it starts."""
+    return (home or specgate_home()) / "launch"
 
 
 def kernel_cache_dir(home: Path | None = None) -> Path:

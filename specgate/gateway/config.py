@@ -259,6 +259,15 @@ class _ModelConfig(_Strict):
     # no max_tokens / max_completion_tokens / max_output_tokens (at most
     # what the context leaves); /v1/completions keeps OpenAI's 16.
     default_max_tokens: int = Field(4096, gt=0)
+    # Strings that end a chat reply of this model (chat completions,
+    # messages, responses; not /v1/completions) as its end of turn does, a
+    # natural end, besides a request's own stop strings (Ollama's `PARAMETER
+    # stop`); never where a grammar holds the output (a forced tool call, a
+    # JSON schema). For a model that seldom ends a turn by itself, as the
+    # demo (trained on Python files, never on chats): coding agents take a
+    # reply cut at max_tokens for an error.
+    reply_stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=16)
     max_concurrent: int = Field(8, gt=0, le=256)  # requests decoded together
     max_queue: int = Field(64, ge=0)  # waiting beyond that -> 429
     # Longest wait in the admission queue before 503 + Retry-After.
@@ -487,11 +496,17 @@ class ConfigError(Exception):
     """A config that cannot be used; the message says where and why."""
 
 
+# The demo's replies end at a blank line: it seldom ends a turn by itself
+# (an agent's turn would run to its max_tokens, an error to Claude Code).
+DEMO_REPLY_STOP = ("\n\n",)
+
+
 def default_config() -> Config:
     """What `specgate serve` with no arguments serves."""
     return Config(
         models=[ModelConfig(id=DEFAULT_MODEL_ID, path=BUILTIN_DEMO,
-                            engines=[registry.MLX_PLAIN, registry.MLX_MTP])]  # fmt: skip
+                            engines=[registry.MLX_PLAIN, registry.MLX_MTP],
+                            reply_stop=list(DEMO_REPLY_STOP))]  # fmt: skip
     )
 
 

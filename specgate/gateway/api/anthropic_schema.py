@@ -111,13 +111,17 @@ Block = Annotated[
 
 
 class Message(BaseModel):
-    role: Literal["user", "assistant"]
+    # "system": instructions in the middle of the conversation (Claude Code
+    # 2.1.332 sends its environment so, after the first user turn).
+    role: Literal["user", "assistant", "system"]
     content: StrictStr | list[Block]
 
     @model_validator(mode="after")
     def blocks_in_place(self):
         if isinstance(self.content, list):
             kinds = {b.type for b in self.content}
+            if self.role == "system" and kinds - {"text"}:
+                raise ValueError("a system message carries text blocks only")
             if self.role == "user" and "tool_use" in kinds:
                 raise ValueError("tool_use blocks belong in assistant messages")
             if self.role == "assistant" and "tool_result" in kinds:
@@ -132,6 +136,8 @@ class Message(BaseModel):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        if self.role == "system":
+            return [{"role": "system", "content": text}]
         if self.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             thought = "".join(b.verified() for b in self.content if isinstance(b, ThinkingBlock))

@@ -11,6 +11,7 @@ the first piece and a whole answer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -33,6 +34,7 @@ from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -149,7 +151,8 @@ def late_system_as_user(messages: list[dict]) -> list[dict] | None:
     """The messages with each system message after the conversation began
     given the user role, or None where there is none. Agents send them
     mid-session (Codex's developer messages: a changed sandbox, a new
-    working directory), and many templates, Qwen's among them, refuse a
+    working directory; Claude Code its environment, after the first user
+    turn), and many templates, Qwen3.5's own among them, refuse a
     system message anywhere but first; read as the user's, they still reach
     the model. Only where the template refused them."""
     begun, moved, out = False, False, []
@@ -232,6 +235,8 @@ async def render_chat(
             if (moved := late_system_as_user(messages)) is None:
                 raise
             tokens = await engine.render_chat(moved, tools or None, kwargs)
+            log.debug("the chat template refused a system message after the conversation "
+                      "began: sent as the user's")  # fmt: skip
             messages = moved
     except EngineOverloaded:
         raise

@@ -197,7 +197,11 @@ async def list_models(request: Request):
     """Each model with its load in a `specgate` field, which a front node
     routing to this one reads (gateway/cluster/peers.py). A failed load's
     error is there too: a request for the model gets the same in its 503
-    (an engine's problem is for admins only: /ready, /admin/status)."""
+    (an engine's problem is for admins only: /ready, /admin/status).
+    `context_length` (OpenRouter's name) is its context in tokens, prompt
+    and completion, which `specgate launch` tells an agent: the loaded
+    engine's, else the configured `max_context`, else null (not known
+    before it loads)."""
     registry = request.app.state.registry
     created = request.app.state.started_at
     return {
@@ -206,7 +210,9 @@ async def list_models(request: Request):
             {"id": m.id, "object": "model", "created": created, "owned_by": "specgate",
              "specgate": load_fields(m.gate.running, m.gate.waiting, m.config.max_concurrent,
                                      "shutting_down" if registry.draining else m.state,
-                                     m.error if m.engine is None else None)}
+                                     m.error if m.engine is None else None),
+             "context_length": m.engine.max_context if m.engine is not None
+                               else m.config.max_context}
             for m in registry.models.values()
         ],
     }  # fmt: skip

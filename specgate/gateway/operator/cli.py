@@ -258,6 +258,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return run_cli(args.model, args.target, args.json, builtin=builtin_path)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from specgate.gateway.operator.launch import run_cli
+
+    return run_cli(args)
+
+
 def _demo_model(args: argparse.Namespace) -> int:
     from specgate.builders.demo_training import run_cli
 
@@ -414,7 +420,8 @@ def _write_starter_config(path: Path) -> None:
     demo = default_config().models[0]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({"models": [{"id": demo.id, "path": demo.path,
-                                                "engines": list(demo.engines)}]}))  # fmt: skip
+                                                "engines": list(demo.engines),
+                                                "reply_stop": list(demo.reply_stop)}]}))  # fmt: skip
 
 
 def _version() -> str:
@@ -520,6 +527,25 @@ def main(argv: list[str] | None = None) -> int:
     svc_uninstall = svc_actions.add_parser("uninstall", help="stop the service and remove its file")
     svc_uninstall.add_argument("--no-stop", action="store_true", help="remove the file only")
     svc.set_defaults(run=_service)
+    from specgate.gateway.operator.launch import AGENTS  # (the standard library only)
+
+    launch = sub.add_parser(
+        "launch", help="run a coding agent against this machine's specgate (starting one if none "
+        "runs), configured for it", description="Run a coding agent against this machine's "
+        "specgate: the running one, else one started in the background (left running). The "
+        "agent gets its own configuration (base URL, a key, the model and its context window) "
+        "through its environment and command line; your own agent settings are left alone.",
+        epilog="Arguments after `--` go to the agent: specgate launch claude -- -p 'hi'")
+    launch.add_argument("agent", choices=list(AGENTS), help="the agent to run")
+    launch.add_argument("--model", help="the model it uses (default: the server's first)")
+    launch.add_argument("--config", help="the YAML a server started here serves, and whose "
+                        "host, port and keys file say where to look (default: the embedded demo)")
+    launch.add_argument("--url", help="the server (default: the config's host and port)")
+    launch.add_argument("--key", help="an API key to give the agent (default: none on a server "
+                        "without keys, else one launch makes and keeps per agent)")
+    launch.add_argument("--print-config", action="store_true",
+                        help="print the settings as shell lines to paste, and run nothing")
+    launch.set_defaults(run=_launch)
     inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
     inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")
@@ -540,7 +566,16 @@ def main(argv: list[str] | None = None) -> int:
     llama.add_argument("--force", action="store_true", help="rebuild even if already installed")
     llama.add_argument("--jobs", type=int, help="parallel compile jobs (default: all CPUs)")
     llama.set_defaults(run=_install_llama_server)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `specgate launch AGENT [options] -- AGENT_ARGS`: what follows `--` is
+    # the agent's, split off here (argparse would give it a positional's
+    # place, or take its options for launch's).
+    agent_args = []
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        argv, agent_args = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    args.agent_args = agent_args
     return args.run(args)
 
 

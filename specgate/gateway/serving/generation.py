@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specgate.engines.base import (
     PLAIN,
@@ -233,7 +233,10 @@ def plan_request(
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
         **_cache_hints(served.cache_share, boundaries or MessageBoundaries()),
     )
-    return Planned(request, planner, content, served.policy)
+    # A chat's reply (boundaries are a chat's) also ends at the model's own
+    # reply stops, unless a grammar holds it.
+    reply_stops = list(served.config.reply_stop) if boundaries is not None and not constrained else []
+    return Planned(request, planner, content, served.policy, reply_stops)
 
 
 def _cache_hints(share: str, boundaries: MessageBoundaries) -> dict:
@@ -254,6 +257,7 @@ class Planned:
     planner: Planner
     content: ContentClass  # whose acceptance its rounds teach
     policy: LivePolicy  # what its rounds teach (kept: an unload clears the model's)
+    reply_stops: list[str] = field(default_factory=list)  # the model's: a natural end
 
     @property
     def plan(self) -> Plan:
@@ -348,7 +352,7 @@ async def run(
     keys); an adapter awaiting the first piece sees quota and queue refusals
     as APIError before any byte is sent."""
     request, planner = planned.request, planned.planner
-    matcher = StopMatcher(stops)
+    matcher = StopMatcher(stops + [s for s in planned.reply_stops if s not in stops])
     principal = current_principal()
     key = principal.name
     start, ttft, status = time.perf_counter(), None, "cancelled"
@@ -404,7 +408,9 @@ async def run(
                     text = matcher.feed(event.text)
                     if matcher.stopped:
                         status = "ok"
-                        yield Piece(text, event.token_ids, event.logprobs, "stop", matcher.matched)
+                        # A reply stop of the model's is its end of turn, as EOS is.
+                        matched = matcher.matched if matcher.matched in stops else None
+                        yield Piece(text, event.token_ids, event.logprobs, "stop", matched)
                         return
                     if event.finish_reason is not None:
                         text += matcher.flush()

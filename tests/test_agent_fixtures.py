@@ -44,8 +44,14 @@ STRICT_TEMPLATE = (
 )
 
 
+# The folders capture_chat.py wrote (each entry: method, path, headers,
+# body); Codex's, Continue's and aider's have their own replays
+# (test_codex_responses.py, test_agent_fixtures_more.py).
+AGENTS = ("claude-2.1.332", "opencode-1.18.33", "qwen-0.24.4")
+
+
 def _fixtures() -> list[Path]:
-    return sorted(FIXTURES.glob("*-*/*.json"))
+    return sorted(p for agent in AGENTS for p in (FIXTURES / agent).glob("*.json"))
 
 
 def _load(path: Path) -> dict:
@@ -131,7 +137,7 @@ def _tool_turns() -> list:
     """Each agent's first request with tools, the tool it then called and the
     call's arguments (from the request that carries the call back)."""
     turns = []
-    for folder in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
+    for folder in (FIXTURES / agent for agent in AGENTS):
         entries = [(p, _load(p)) for p in sorted(folder.glob("*.json"))]
         with_tools = [(p, e) for p, e in entries if e["body"] and e["body"].get("tools")]
         first = with_tools[0][0]

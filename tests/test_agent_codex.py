@@ -1,6 +1,9 @@
 """Codex CLI (the pinned one of tests/agent_clis.py) completes a turn against
-a real gateway, configured as its docs say for a local server: a model
-provider with `wire_api = "responses"`, its base_url and env_key.
+a real gateway, configured with exactly what `specgate launch codex
+--print-config` prints (a model provider with `wire_api = "responses"`, its
+base_url and env_key, the model's context window), and once more with a
+model catalog entry (tests/fixtures/agents/capture.py), as the README
+describes for Codex's apply_patch.
 
 The model is tests/tool_caller.py's XML-format lookup checkpoint (a chat
 template with Qwen's tool-call format) whose greedy answer is a line of
@@ -18,6 +21,7 @@ import pytest
 from agent_clis import agent_env
 from conftest import start_gateway, stop_gateway
 from fixtures.agents.capture import codex_catalog, codex_config
+from test_agent_clis import printed_config
 from tool_caller import XML_TEMPLATE, build_tool_caller
 
 pytestmark = pytest.mark.agents
@@ -38,15 +42,21 @@ def gateway(tmp_path_factory):
 @pytest.mark.parametrize("catalog", [False, True], ids=["plain", "model-catalog"])
 def test_codex_exec_completes_a_turn(gateway, agent_cli, tmp_path, catalog):
     codex = agent_cli("codex")
-    args = codex_config(gateway.api, MODEL)
     if catalog:
+        env = {"SPECGATE_API_KEY": "sk-local"}
+        args = codex_config(gateway.api, MODEL)
         args += ["-c", f'model_catalog_json="{codex_catalog(tmp_path / "catalog.json", MODEL)}"']
+    else:
+        env, files, unset, command = printed_config("codex", gateway.base_url,
+                                                    tmp_path / "sg-home")  # fmt: skip
+        assert not files and command[0] == "codex"
+        args = command[1:]
     (tmp_path / "work").mkdir()
     log_before = len(gateway.log())
     done = subprocess.run(
         [str(codex), "exec", "--skip-git-repo-check", "--ephemeral", *args,
          "-C", str(tmp_path / "work"), "Say hello."],
-        env=agent_env(tmp_path / "home", SPECGATE_API_KEY="sk-local"),
+        env=agent_env(tmp_path / "home", **env),
         capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -145,6 +145,8 @@ def test_sampling_parameters_accepted(client):
     assert msg.usage.output_tokens >= 1
 
 
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+
 BAD = {
     "empty messages": dict(messages=[]),
     "max_tokens 0": dict(max_tokens=0),
@@ -167,9 +169,42 @@ BAD = {
     "thinking in a user message": dict(messages=[{"role": "user", "content": [
         {"type": "thinking", "thinking": "hmm", "signature": "x"}]}]),
     "too many stop sequences": dict(stop_sequences=[f"s{i}" for i in range(40)]),
+    "a client tool without a schema": dict(tools=[{"name": "f"}]),
+    "forcing Anthropic's own tool": dict(tools=[WEB_SEARCH], tool_choice={
+        "type": "tool", "name": "web_search"}),
     # (max_tokens past the context is what the context leaves:
     # test_store_and_defaults.py)
 }  # fmt: skip
+
+
+def test_anthropics_own_tools_are_left_out_and_the_request_served(client):
+    """Anthropic's server tools (web_search, ...) and its schema-less client
+    tools (bash, text_editor) cannot run here: left out of what the model
+    sees, not a 400 that ends the session; their records in the history
+    (server_tool_use, web_search_tool_result) are left out of the context."""
+    history = [*MSG, {"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+         "input": {"query": "specgate"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [
+            {"type": "web_search_result", "url": "https://example.com", "title": "x",
+             "encrypted_content": "b3BhcXVl"}]},
+        {"type": "text", "text": "Found it."}]}, {"role": "user", "content": "Thanks."}]  # fmt: skip
+    tools = [WEB_SEARCH, {"type": "bash_20250124", "name": "bash"}]
+    # "tiny"'s template takes no tools: only Anthropic's are given, and left out.
+    msg = client.messages.create(model="tiny", max_tokens=4, messages=history, tools=tools,
+                                 **GREEDY)  # fmt: skip
+    assert msg.usage.output_tokens >= 1 and {b.type for b in msg.content} <= {"text"}
+    counted = client.messages.count_tokens(model="tiny", messages=history, tools=tools)
+    plain = client.messages.count_tokens(model="tiny", messages=[*MSG, {
+        "role": "assistant", "content": "Found it."}, {"role": "user", "content": "Thanks."}])  # fmt: skip
+    assert counted.input_tokens == plain.input_tokens
+    # Beside a client tool, on a model that takes tools: that one is shown.
+    read = {"name": "read_file", "input_schema": {"type": "object", "properties": {
+        "path": {"type": "string"}}}}  # fmt: skip
+    msg = client.messages.create(model="demo", max_tokens=4, messages=MSG,
+                                 tools=[WEB_SEARCH, read], **GREEDY)  # fmt: skip
+    assert msg.usage.input_tokens > client.messages.count_tokens(
+        model="demo", messages=MSG).input_tokens
 
 
 @pytest.mark.parametrize("case", list(BAD))

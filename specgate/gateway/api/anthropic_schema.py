@@ -96,8 +96,19 @@ class ThinkingBlock(_Block):
         return ""
 
 
+class ServerRecordBlock(_Block):
+    """What one of Anthropic's server tools did (a web search and its
+    results, ...), sent back in the history: no tool here ran it and no
+    model here reads it, so it is left out of the context."""
+
+    type: Literal["server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                  "container_upload", "tool_search_tool_result"]  # fmt: skip
+
+
 class UnsupportedBlock(_Block):
-    type: Literal["image", "document", "server_tool_use", "search_result"]
+    type: Literal["image", "document", "search_result"]
 
     @model_validator(mode="after")
     def refuse(self):
@@ -105,7 +116,8 @@ class UnsupportedBlock(_Block):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ServerRecordBlock
+    | UnsupportedBlock,
     Field(discriminator="type"),
 ]
 
@@ -135,6 +147,9 @@ class Message(BaseModel):
         `tool` messages (answering the calls before them), then its text."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
+        records = [b.type for b in self.content if isinstance(b, ServerRecordBlock)]
+        if records:
+            log.debug("left out of the context: server tools' records %s", records)
         text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
         if self.role == "system":
             return [{"role": "system", "content": text}]
@@ -162,12 +177,28 @@ class Message(BaseModel):
 
 
 class Tool(BaseModel):
+    """A client tool (`custom`, or no type), or one of Anthropic's own
+    (`web_search_20250305`, `bash_20250124`, `text_editor_...`, ...): those
+    run on Anthropic's side or have schemas only Anthropic's models are
+    trained on, so they are left out of what the model sees (`hosted`), and
+    the request is served without them."""
+
     model_config = ConfigDict(extra="allow")
 
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
     description: StrictStr | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None  # Anthropic's server tools have other types
+    input_schema: dict[str, Any] | None = None
+    type: StrictStr | None = None
+
+    @property
+    def hosted(self) -> bool:
+        return self.type not in (None, "custom")
+
+    @model_validator(mode="after")
+    def has_a_schema(self):
+        if not self.hosted and self.input_schema is None:
+            raise ValueError("input_schema: a client tool needs one")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         # OpenAI's key order: templates dump the tool as JSON, so order is tokens.
@@ -236,6 +267,16 @@ class _Conversation(BaseModel):
             )
         if self.tool_choice is not None and self.tool_choice.type != "none" and not self.tools:
             raise ValueError("tool_choice: the request has no tools to choose from")
+        hosted = [t.name for t in self.tools or [] if t.hosted]
+        if hosted:
+            log.debug("tools left out (Anthropic's own, not run here): %s", hosted)
+        if (self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+                and len(hosted) == len(self.tools or [])):
+            raise ValueError("tool_choice: the request has no tools specgate can run (only "
+                             "Anthropic's own)")  # fmt: skip
+        if self.tool_choice is not None and self.tool_choice.name in hosted:
+            raise ValueError(f"tool_choice: '{self.tool_choice.name}' is one of Anthropic's own "
+                             "tools, which specgate cannot run")  # fmt: skip
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -253,14 +294,15 @@ class _Conversation(BaseModel):
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
-        return [t.as_template_input() for t in self.tools or []]
+        return [t.as_template_input() for t in self.tools or [] if not t.hosted]
 
     def thinking_ask(self, settings: ThinkingConfig) -> ThinkingAsk:
         return self.thinking.ask(settings) if self.thinking is not None else UNSAID
 
     @property
     def parse_tools(self) -> bool:
-        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
+        return bool(self.template_tools) and (self.tool_choice is None
+                                              or self.tool_choice.type != "none")  # fmt: skip
 
     @property
     def forced_tools(self) -> ForcedTools | None:

@@ -197,6 +197,8 @@ def test_greedy_ngram_equals_llama_server_without_speculation(client, gw):
         client.completions.create(model="demo-gguf", prompt="a", max_tokens=2,
                                   extra_headers={"X-Specgate-Method": "dflash"})
 
+
+def test_same_prompt_tokens_in_both_worlds(client):
     """The demo served by MLX and by llama-server sees the same prompt tokens
     (chat template and tokenizer agree), and starts its answer the same way."""
     msgs = [{"role": "user", "content": "Write a function that sorts a list."}]

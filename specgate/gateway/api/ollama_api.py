@@ -442,12 +442,19 @@ def _loaded(body: ChatRequest | GenerateRequest) -> Response:
     return JSONResponse(answer)
 
 
-@router.post("/api/chat")
-async def chat(body: ChatRequest, request: Request):
+async def _resolve(body: ChatRequest | GenerateRequest, request: Request
+                   ) -> tuple[_Clock, str, ServedModel, Engine]:  # fmt: skip
+    """The request's model, loaded if need be, with the clock that times the load."""
     clock = _Clock(time.perf_counter())
     model_id = _model_id(request, body.model)
     served, engine = await resolve_model(request.app.state.registry, model_id)
     clock.loaded = time.perf_counter()
+    return clock, model_id, served, engine
+
+
+@router.post("/api/chat")
+async def chat(body: ChatRequest, request: Request):
+    clock, model_id, served, engine = await _resolve(body, request)
     if not body.messages:
         return _loaded(body)
     messages = body.template_messages()
@@ -463,10 +470,7 @@ async def chat(body: ChatRequest, request: Request):
 
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request):
-    clock = _Clock(time.perf_counter())
-    model_id = _model_id(request, body.model)
-    served, engine = await resolve_model(request.app.state.registry, model_id)
-    clock.loaded = time.perf_counter()
+    clock, model_id, served, engine = await _resolve(body, request)
     if not body.prompt:
         return _loaded(body)
     if body.raw or await engine.chat_template() is None:

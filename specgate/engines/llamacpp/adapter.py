@@ -26,6 +26,19 @@ from specgate's sampling (engines/sampling.py), and what we do about it:
   resample a token the grammar refuses, which is the masked distribution
   greedy but not above temperature 0: refused there, and for grammars that
   are not one JSON schema (a forced tool call).
+- Determinism: llama.cpp's CPU kernels are not batch-invariant. A token's
+  hidden state depends on how many rows its forward pass had (flash
+  attention tiles 64+ query rows and splits one row's KV over the threads
+  past 512 cells; Q8_0 matmuls go through llamafile's sgemm for several
+  rows, vec_dot for one), so a prompt whose prefix comes from the slot's
+  cache (evaluated in other batches, or token by token as output) yields
+  other logits than the same prompt evaluated cold, and greedy text
+  drifts once two candidates are close (bench/llamacpp_divergence.py). A
+  request that asks for determinism (temperature 0, or a seed) is sent
+  with `cache_prompt: false`: every such request evaluates its whole
+  prompt the same way, so the same request gives the same text whatever
+  the cache held. Speculation (verify batches of k+1 rows) and
+  concurrent requests in other slots (a shared batch) still change it.
 - Thinking budgets: llama-server's own reasoning-budget sampler, which
   counts as engines/grammar/thinking.py does (the budget's tokens after the
   opening marker, then the closing one forced); the opening marker of a
@@ -98,6 +111,23 @@ def refusal(sampling: SamplingParams, speculative: bool) -> Refusal | None:
     return None
 
 
+# What a request that asks for determinism (adapter docstring: Determinism)
+# sends: its whole prompt evaluated cold, as every other such request is.
+DETERMINISTIC_BODY = {"cache_prompt": False}
+
+
+def deterministic(sampling: SamplingParams) -> bool:
+    """Whether a request asks for reproducible text: greedy, or seeded."""
+    return sampling.greedy or sampling.seed is not None
+
+
+def deterministic_flags() -> list[str]:
+    """llama-server flags specgate adds for determinism: none. What would make
+    cold and warm prompts equal (`-ub 1`, every token its own forward pass)
+    costs all prefill its batching; bench/llamacpp_divergence.py measures it."""
+    return []
+
+
 def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -> dict:
     """The streaming /completion body for a request (token-id prompt, all
     samplers explicit); `prefix_tokens`: its constraint's fixed prefix, as
@@ -111,7 +141,7 @@ def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -
         # An event per batch of prompt evaluated: the engine's progress deadline
         # counts a long prefill as progress (engine.py).
         "return_progress": True,
-        "cache_prompt": True,
+        "cache_prompt": True,  # off for a deterministic request, below
         "samplers": list(SAMPLER_ORDER),
         "temperature": s.temperature,
         "top_k": s.top_k,
@@ -133,6 +163,8 @@ def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -
         # the server must not stop at its end-of-generation tokens either.
         "ignore_eos": not request.stop_token_ids,
     }
+    if deterministic(s):
+        body |= DETERMINISTIC_BODY
     if s.logprobs:
         body["n_probs"] = max(1, s.top_logprobs)
     if s.constraint is not None:  # refusal() let only JSON schemas through

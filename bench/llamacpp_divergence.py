@@ -107,16 +107,18 @@ class Settings:
     body: dict = field(default_factory=dict)  # per-request fields over the bench's own
 
 
-def settings_under_test() -> list[Settings]:
+def settings_under_test(small_ubatch: bool = False) -> list[Settings]:
     from specgate.engines.llamacpp.adapter import DETERMINISTIC_BODY, deterministic_flags
 
-    return [
+    both = [
         Settings("llama-server defaults", (), {"cache_prompt": True}),
         Settings("specgate deterministic", tuple(deterministic_flags()), dict(DETERMINISTIC_BODY)),
+    ]
+    return both + [
         # Not specgate's: every forward pass under 64 rows (flash attention's
         # tile), cache on; batch-invariant for a Q4_1 model on one thread.
         Settings("-ub 32, cache on", ("-ub", "32"), {"cache_prompt": True}),
-    ]
+    ] * small_ubatch
 
 
 class Server:
@@ -183,8 +185,10 @@ class Cell:
 
 
 async def one_round(servers: dict, settings: Settings, prompts: list[str], n: int,
-                    cells: dict[str, Cell]) -> None:  # fmt: skip
-    plain = servers[(settings.name, None)]
+                    cells: dict[str, Cell], done: dict) -> None:  # fmt: skip
+    """One pass over the corpus; `done`: the round's speculative texts by
+    (flags, kind), which every settings whose requests there are cold shares."""
+    plain = servers[(settings.flags, None)]
     cold = {"cache_prompt": False}
     refs, resent, second_cold, second_warm = [], [], [], []
     for text in prompts:
@@ -203,9 +207,12 @@ async def one_round(servers: dict, settings: Settings, prompts: list[str], n: in
     cells["resent"].add(list(zip(refs, resent, strict=True)))
     cells["continued"].add(list(zip(second_cold, second_warm, strict=True)))
     for kind in SPECULATION:
-        spec = servers[(settings.name, kind)]
-        outs = [await spec.greedy(await spec.prompt([{"role": "user", "content": t}]), n,
-                                  settings.body | cold) for t in prompts]  # fmt: skip
+        spec = servers[(settings.flags, kind)]
+        key = (settings.flags, kind)
+        if key not in done:  # the same flags, the same cold requests: the same texts
+            done[key] = [await spec.greedy(await spec.prompt([{"role": "user", "content": t}]), n,
+                                           settings.body | cold) for t in prompts]  # fmt: skip
+        outs = done[key]
         cells[kind].add(list(zip(refs, outs, strict=True)))
 
 
@@ -220,13 +227,15 @@ async def divergence(gguf: Path, *, reps: int = 5, tokens: int = 128, threads: i
     try:
         for s in settings:
             for kind in (None, *SPECULATION):
-                flags = [*s.flags, *(SPECULATION[kind] if kind else [])]
-                server = Server(gguf, flags, threads=threads, ctx=ctx)
-                servers[(s.name, kind)] = await server.__aenter__()
+                if (s.flags, kind) not in servers:  # settings with the same flags share processes
+                    flags = [*s.flags, *(SPECULATION[kind] if kind else [])]
+                    server = Server(gguf, flags, threads=threads, ctx=ctx)
+                    servers[(s.flags, kind)] = await server.__aenter__()
         for r in range(reps):
             order = settings if r % 2 == 0 else settings[::-1]
+            done: dict = {}
             for s in order:
-                await one_round(servers, s, prompts, tokens, cells[s.name])
+                await one_round(servers, s, prompts, tokens, cells[s.name], done)
             print(f"  round {r + 1}/{reps} done", file=sys.stderr, flush=True)
     finally:
         for server in servers.values():
@@ -260,12 +269,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=len(CORPUS), help="the corpus's first N")
+    ap.add_argument("--small-ubatch", action="store_true",
+                    help="a third column: -ub 32 with the cache on (batch-invariant here)")
     args = ap.parse_args()
     gguf = args.gguf or default_gguf()
     with tempfile.TemporaryDirectory():
         cells = asyncio.run(divergence(gguf, reps=args.reps, tokens=args.tokens,
                                        threads=args.threads,
-                                       prompts=list(CORPUS[: args.prompts])))  # fmt: skip
+                                       prompts=list(CORPUS[: args.prompts]),
+                                       settings=settings_under_test(args.small_ubatch)))  # fmt: skip
     print(f"greedy divergence rate on {gguf.name}, {args.prompts} prompts x {args.tokens} "
           f"tokens, {args.reps} rounds: median [min, max] (@ median first differing token)")
     print(table(cells))

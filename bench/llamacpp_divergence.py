@@ -19,10 +19,18 @@ before issue 42) and under specgate's determinism settings
 - ngram / ngram-mod: the cold prompt on a server that speculates
   (`ngram-simple` with lookup length 4, `ngram-mod`), against the plain one.
 
+The speculative texts are requested cold under both settings, so the two
+columns share them. `--small-ubatch` adds a column that is not specgate's:
+`-ub 32` with the cache on, every forward pass under flash attention's
+64-row tile, batch-invariant for a Q4_1 model on one thread (adapter.py).
+`--threads` defaults to 1: on a shared 2-core machine llama.cpp's spinning
+barriers make 2 slower, and past 256 tokens of context the thread count is
+itself one of the things that change the text.
+
 `--reps` rounds, interleaved (every condition once per round); each cell is
 the median [min, max] over the rounds, with the median first differing
-position among the texts that differ. `divergence()` is what the main bench
-imports.
+position among the texts that differ. `divergence()` and `table()` are what
+the main bench imports.
 """
 
 from __future__ import annotations

@@ -122,9 +122,12 @@ def deterministic(sampling: SamplingParams) -> bool:
 
 
 def deterministic_flags() -> list[str]:
-    """llama-server flags specgate adds for determinism: none. What would make
-    cold and warm prompts equal (`-ub 1`, every token its own forward pass)
-    costs all prefill its batching; bench/llamacpp_divergence.py measures it."""
+    """llama-server flags specgate adds for determinism: none. Which flags
+    would make cold and warm prompts equal depends on the weights' type
+    (`-ub 32` kept a Q4_1 model batch-invariant; weights llamafile's sgemm
+    takes need `-ub 1`, every token its own forward pass), and they cost
+    every request's prefill; bench/llamacpp_divergence.py --small-ubatch
+    measures one."""
     return []
 
 

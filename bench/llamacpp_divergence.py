@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,15 +117,15 @@ class Settings:
 def settings_under_test(small_ubatch: bool = False) -> list[Settings]:
     from specgate.engines.llamacpp.adapter import DETERMINISTIC_BODY, deterministic_flags
 
-    both = [
+    settings = [
         Settings("llama-server defaults", (), {"cache_prompt": True}),
         Settings("specgate deterministic", tuple(deterministic_flags()), dict(DETERMINISTIC_BODY)),
     ]
-    return both + [
+    if small_ubatch:
         # Not specgate's: every forward pass under 64 rows (flash attention's
-        # tile), cache on; batch-invariant for a Q4_1 model on one thread.
-        Settings("-ub 32, cache on", ("-ub", "32"), {"cache_prompt": True}),
-    ] * small_ubatch
+        # tile), cache on; batch-invariant for a Q4_1 model (adapter.py).
+        settings.append(Settings("-ub 32, cache on", ("-ub", "32"), {"cache_prompt": True}))
+    return settings
 
 
 class Server:
@@ -153,9 +152,10 @@ class Server:
         r = await self.client.post(self.url + "/apply-template", json={"messages": messages})
         r.raise_for_status()
         text = r.json()["prompt"]
-        r = await self.client.post(self.url + "/tokenize", json={"content": text,
-                                                                 "add_special": False,
-                                                                 "parse_special": True})
+        r = await self.client.post(
+            self.url + "/tokenize",
+            json={"content": text, "add_special": False, "parse_special": True},
+        )
         r.raise_for_status()
         return list(r.json()["tokens"])
 
@@ -277,17 +277,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=len(CORPUS), help="the corpus's first N")
-    ap.add_argument("--small-ubatch", action="store_true",
-                    help="a third column: -ub 32 with the cache on (batch-invariant here)")
+    ap.add_argument(
+        "--small-ubatch",
+        action="store_true",
+        help="a third column: -ub 32 with the cache on (batch-invariant here)",
+    )
     args = ap.parse_args()
     gguf = args.gguf or default_gguf()
-    with tempfile.TemporaryDirectory():
-        cells = asyncio.run(divergence(gguf, reps=args.reps, tokens=args.tokens,
-                                       threads=args.threads,
-                                       prompts=list(CORPUS[: args.prompts]),
-                                       settings=settings_under_test(args.small_ubatch)))  # fmt: skip
-    print(f"greedy divergence rate on {gguf.name}, {args.prompts} prompts x {args.tokens} "
-          f"tokens, {args.reps} rounds: median [min, max] (@ median first differing token)")
+    cells = asyncio.run(divergence(gguf, reps=args.reps, tokens=args.tokens,
+                                   threads=args.threads, prompts=list(CORPUS[: args.prompts]),
+                                   settings=settings_under_test(args.small_ubatch)))  # fmt: skip
+    print(
+        f"greedy divergence rate on {gguf.name}, {args.prompts} prompts x {args.tokens} "
+        f"tokens, {args.reps} rounds: median [min, max] (@ median first differing token)"
+    )
     print(table(cells))
 
 

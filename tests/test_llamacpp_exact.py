@@ -41,16 +41,23 @@ def client(smollm2_gguf, llama_server_binary, tmp_path_factory):
              # One thread: see tests/test_llamacpp_gateway.py. --no-repack: this
              # CPU's AMX repack path crashes on Q4_1 (issue 42).
              "llamacpp": {"threads": 1, "extra_args": ["--no-repack"]}}  # fmt: skip
-    gw = start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [model]},
-                       tmp_path_factory.mktemp("gw-exact"))
+    gw = start_gateway(
+        {"llama_server": {"binary": str(llama_server_binary)}, "models": [model]},
+        tmp_path_factory.mktemp("gw-exact"),
+    )
     yield openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=300)
     stop_gateway(gw)
 
 
 def greedy(client, content: str, **extra) -> str:
     r = client.chat.completions.create(
-        model="smol", messages=[{"role": "user", "content": content}], max_tokens=TOKENS,
-        temperature=0, extra_body={"ignore_eos": True}, **extra)
+        model="smol",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **extra,
+    )
     return r.choices[0].message.content
 
 

@@ -39,7 +39,7 @@ from specgate's sampling (engines/sampling.py), and what we do about it:
   prompt the same way, so the same request gives the same text whatever
   the cache held. Speculation (verify batches of k+1 rows) and
   concurrent requests in other slots (a shared batch) can still change it
-  (measured in the bench; README, "GGUF models through llama.cpp").
+  (README, "GGUF models through llama.cpp", says how often).
 - Thinking budgets: llama-server's own reasoning-budget sampler, which
   counts as engines/grammar/thinking.py does (the budget's tokens after the
   opening marker, then the closing one forced); the opening marker of a

@@ -261,6 +261,19 @@ def table(cells: dict[str, dict[str, Cell]]) -> str:
     return "\n".join(lines)
 
 
+def run(gguf: Path, *, repeats: int = 5, home: Path | None = None, say=print,
+        tokens: int = 64, prompts: int = 20) -> dict[str, dict[str, Cell]]:  # fmt: skip
+    """The table, for bench/real_routes.py: `repeats` rounds over the corpus's
+    first `prompts`, `tokens` each. `home` is unused: llama-server is found as
+    specgate finds it (engines/llamacpp/binary.py)."""
+    cells = asyncio.run(divergence(gguf, reps=repeats, tokens=tokens,
+                                   prompts=list(CORPUS[:prompts])))  # fmt: skip
+    say(f"greedy divergence rate, {prompts} prompts x {tokens} tokens, {repeats} rounds: "
+        "median [min, max] (@ median first differing token)")  # fmt: skip
+    say(table(cells))
+    return cells
+
+
 def default_gguf() -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import real_model

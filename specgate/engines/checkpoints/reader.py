@@ -30,6 +30,7 @@ from .info import (
     TensorMeta,
     TokenizerInfo,
 )
+from .sources import is_gguf_file
 
 # MTP heads that conversions write beside the trunk instead of into it.
 SIDECAR_FILES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
@@ -376,7 +377,8 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{root} does not exist")
     ggufs = sorted(root.glob("*.gguf")) if root.is_dir() else []
     gguf_dir = bool(ggufs) and not (root / "config.json").exists()
-    if (root.is_file() and root.suffix == ".gguf") or gguf_dir:
+    # By magic as well as name: Ollama's blobs (sha256-<hex>) have no suffix.
+    if (root.is_file() and (root.suffix == ".gguf" or is_gguf_file(root))) or gguf_dir:
         return read_gguf(root)
     if root.is_file():
         raise CheckpointError(f"{root} is a file; give a checkpoint directory or a .gguf file")

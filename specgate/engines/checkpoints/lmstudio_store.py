@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from .sources import SourceError, is_gguf_file, pick_gguf
+from .gguf_pick import SourceError, is_gguf_file, pick_gguf
 
 ENV = "LMSTUDIO_MODELS"
 _NAME = re.compile(r"^(?P<repo>[^/:]+/[^/:]+)(?:/(?P<file>[^/:]+\.gguf))?(?::(?P<quant>[\w.-]+))?$",

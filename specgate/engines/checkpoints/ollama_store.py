@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from .sources import SourceError, is_gguf_file
+from .gguf_pick import SourceError, is_gguf_file
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .gguf_info import read_gguf
+from .gguf_pick import is_gguf_file
 from .info import (
     CheckpointError,
     CheckpointInfo,
@@ -30,7 +31,6 @@ from .info import (
     TensorMeta,
     TokenizerInfo,
 )
-from .sources import is_gguf_file
 
 # MTP heads that conversions write beside the trunk instead of into it.
 SIDECAR_FILES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")

@@ -33,7 +33,7 @@ class PullError(Exception):
 def _patterns(files: list[str], repo: str, quant: str | None, include: list[str],
               exclude: list[str]) -> tuple[list[str] | None, list[str]]:
     """(allow, ignore) for snapshot_download over the repo's `files`."""
-    from specgate.engines.checkpoints.sources import SourceError, pick_gguf
+    from specgate.engines.checkpoints.gguf_pick import SourceError, pick_gguf
 
     if quant:
         try:
@@ -99,7 +99,7 @@ def pull(spec: str, include: list[str], exclude: list[str]) -> tuple[str, str]:
 
 
 def _quant_label(filename: str) -> str | None:
-    from specgate.engines.checkpoints.sources import quant_of
+    from specgate.engines.checkpoints.gguf_pick import quant_of
 
     return quant_of(filename)
 

@@ -230,7 +230,9 @@ class _ModelConfig(_Strict):
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
-    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones;
+    # or where another tool keeps it: "ollama:NAME[:TAG]", "lmstudio:ORG/REPO[:QUANT]",
+    # a GGUF repo in the hub cache "org/name:QUANT" (engines/checkpoints/sources.py).
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or

@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub (or HF_ENDPOINT) "
                           "into its cache", description="Download a model into the Hugging Face "
                           "cache, resuming what an earlier run left; HF_ENDPOINT (a mirror) and "
-                          "HF_TOKEN are honoured. Nothing else in specgate downloads.")
+                          "HF_TOKEN are honoured.")
     pull.add_argument("repo", metavar="REPO[@REVISION][:QUANT]", help="a hub repo id; :QUANT picks "
                       "one GGUF file of a GGUF repo (org/name-GGUF:Q4_K_M)")
     pull.add_argument("--include", action="append", metavar="PATTERN", help="download only files "

@@ -1,5 +1,5 @@
 """`specgate pull REPO[@REVISION][:QUANT]`: download a model into the
-Hugging Face cache, the one command of specgate's that downloads.
+Hugging Face cache ahead of serving (a store name never downloads at serve).
 
 Everything is huggingface_hub's (snapshot_download): the cache layout,
 resuming an interrupted file, HF_ENDPOINT mirrors, HF_TOKEN. What is ours:

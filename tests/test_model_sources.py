@@ -44,6 +44,7 @@ class Mirror(ThreadingHTTPServer):
         self.repos = repos
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.drop_once: set[str] = set()  # "repo/file" whose first full GET is cut halfway
+        self.down: set[str] = set()  # "repo/file" answered 500 to ranged GETs: a hub gone down
         self.sha256 = {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
                        for files in repos.values() for p in files.values()}
 
@@ -109,6 +110,8 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{self.server.sha256[str(p)]}"',
                    "Accept-Ranges": "bytes"}
         status = 200
+        if key in self.server.down and self.headers.get("Range"):
+            return self._send(500, b"{}")
         if (rng := self.headers.get("Range")) and self.command == "GET":
             start = int(rng.removeprefix("bytes=").split("-")[0])
             headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
@@ -193,6 +196,27 @@ def test_pull_downloads_one_quant_and_resumes_a_dropped_connection(pulled, smoll
     assert 0 < int(gets[1][2].removeprefix("bytes=").rstrip("-")) <= half, gets
     assert 'path: "org/smol:Q4_1", engines: [llamacpp]' in proc.stdout
     assert "100%" in proc.stderr  # plain progress lines: stderr is no TTY here
+
+
+def test_a_failed_pull_says_so_and_leaves_nothing_to_serve(mirror, tmp_path, smollm2_gguf,
+                                                            monkeypatch):
+    """huggingface_hub (2.x) resumes within a run only: a run that gives up
+    discards its partial file (huggingface_hub PR 4228). What must hold: the
+    failure is said, and no half file is ever served."""
+    key = f"org/smol/{SMOL}"
+    mirror.drop_once.add(key)
+    mirror.down.add(key)  # the resume fails too: this run gives up
+    try:
+        failed = _pull(mirror, tmp_path, "org/smol:Q4_1")
+    finally:
+        mirror.down.discard(key)
+    assert failed.returncode == 1 and "download failed" in failed.stderr, failed.stderr
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(SourceError, match="org/smol .* has no Q4_1 GGUF; it has: none"):
+        resolve_source("org/smol:Q4_1")
+    again = _pull(mirror, tmp_path, "org/smol:Q4_1")
+    assert again.returncode == 0, again.stderr
+    assert resolve_source("org/smol:Q4_1").read_bytes() == smollm2_gguf.read_bytes()
 
 
 def test_pull_picks_what_specgate_serves(mirror, tmp_path):

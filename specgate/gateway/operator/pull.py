@@ -2,7 +2,8 @@
 Hugging Face cache ahead of serving (a store name never downloads at serve).
 
 Everything is huggingface_hub's (snapshot_download): the cache layout,
-resuming an interrupted file, HF_ENDPOINT mirrors, HF_TOKEN. What is ours:
+resuming a file whose connection dropped (within the run: huggingface_hub
+2.x discards a failed run's partial file), HF_ENDPOINT mirrors, HF_TOKEN. What is ours:
 which files. By default those specgate can serve (safetensors, configs,
 tokenizer, GGUF), skipping other frameworks' weights and `original/`
 folders; for a GGUF repo `REPO:QUANT` takes only that quantization's file
@@ -90,7 +91,10 @@ def pull(spec: str, include: list[str], exclude: list[str]) -> tuple[str, str]:
     except RevisionNotFoundError:
         raise PullError(f"{repo} has no revision {rev}") from None
     except (HfHubHTTPError, OSError) as e:
-        raise PullError(f"{repo}: download failed: {e} (run it again to resume)") from None
+        # huggingface_hub resumes a dropped connection within the run; a run
+        # that gives up keeps the files it finished, not the partial one.
+        raise PullError(f"{repo}: download failed: {e} (files already complete are kept; "
+                        "run it again for the rest)") from None
     if allow is not None and quant is None and len(allow) and allow[0].lower().endswith(".gguf"):
         quant = _quant_label(allow[0])
     name = f"{repo}:{quant}" if quant else repo

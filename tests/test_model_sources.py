@@ -278,8 +278,9 @@ def test_ollama_names_resolve_to_their_blob(smollm2_gguf, tmp_path, monkeypatch)
     from specgate.gateway.config import parse_config
 
     assert read_checkpoint(blob).format == "gguf"
-    mc = parse_config({"models": [{"id": "s", "path": "ollama:smollm2:135m"}]}).models[0]
-    assert mc.is_gguf and mc.engines == ["llamacpp"]
+    models = parse_config({"models": [{"id": "s", "path": "ollama:smollm2:135m"},
+                                      {"id": "b", "path": str(blob)}]}).models
+    assert [(m.is_gguf, m.engines) for m in models] == [(True, ["llamacpp"])] * 2
 
 
 def test_ollama_errors_say_what_is_there(smollm2_gguf, tmp_path, monkeypatch):

@@ -230,7 +230,9 @@ class _ModelConfig(_Strict):
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
-    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones;
+    # or where another tool keeps it: "ollama:NAME[:TAG]", "lmstudio:ORG/REPO[:QUANT]",
+    # a GGUF repo in the hub cache "org/name:QUANT" (engines/checkpoints/sources.py).
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
@@ -294,7 +296,10 @@ class _ModelConfig(_Strict):
 
     @property
     def is_gguf(self) -> bool:
-        return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
+        # By the file's magic, not its name: Ollama's blobs have no suffix.
+        from specgate.engines.checkpoints.sources import names_gguf
+
+        return self.path == BUILTIN_DEMO_GGUF or names_gguf(self.path)
 
     @property
     def format(self) -> registry.Format:
@@ -402,6 +407,8 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
                                       {"known": " or ".join(builtins)})
         return value
     local = Path(value).expanduser()
+    if not local_only and not local.exists():
+        _store_has(value)
     if (local_only or looks_local(value)) and not local.exists():
         where = ("" if Path(value).is_absolute() else f" (as {local})" if value.startswith("~")
                  else f" (relative to the working directory {Path.cwd()})")
@@ -409,6 +416,18 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
         raise PydanticCustomError("path_missing", "does not exist{where}{also}",
                                   {"where": where, "also": also})
     return value
+
+
+def _store_has(value: str) -> None:
+    """A config error unless a store name (`ollama:`, `lmstudio:`, a GGUF
+    repo's `org/name:QUANT`: engines/checkpoints/sources.py) names a model
+    that is there now; serving never downloads one."""
+    from specgate.engines.checkpoints.sources import SourceError, resolve_source
+
+    try:
+        resolve_source(value)
+    except SourceError as e:
+        raise PydanticCustomError("model_source", "{why}", {"why": str(e)}) from None
 
 
 

@@ -4,8 +4,9 @@
     print(render_text(report))          # or json.dumps(report.to_dict())
 
 It takes what `specgate serve` takes: a builtin name (builtin:demo,
-builtin:demo-gguf, builtin:demo-dflash), a local path, or a Hugging Face
-repo id, looked up only in the local hub cache: inspect never downloads.
+builtin:demo-gguf, builtin:demo-dflash), a local path, a model store's name
+(ollama:, lmstudio:, sources.py), or a Hugging Face repo id, looked up only
+in the local hub cache: inspect never downloads.
 Builtin names are resolved by the caller's `builtin` (the CLI passes
 specgate.engines.checkpoints.builtin.builtin_path): this package only reads.
 """
@@ -22,6 +23,7 @@ from typing import TextIO
 from .info import CheckpointError, CheckpointInfo
 from .locate import BUILTIN_PREFIX, REPO_ID, cached_snapshot, looks_local, not_downloaded
 from .reader import read_checkpoint
+from .sources import SourceError, resolve_source
 from .verdicts import EngineFit, Judgement, Problem, judge_drafter, judge_gguf, judge_target
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -104,6 +106,12 @@ def resolve_local(source: str, builtin: BuiltinResolver | None = None) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         return path
+    try:
+        stored = resolve_source(source)  # ollama:, lmstudio:, a GGUF repo in the hub cache
+    except SourceError as e:
+        raise UsageError(str(e)) from None
+    if stored is not None:
+        return stored
     if looks_local(source) or not REPO_ID.match(source):
         raise UsageError(f"{source}: no such file or directory")
     snapshot = cached_snapshot(source)

@@ -15,7 +15,7 @@ from specgate.engines.base import CacheSettings, Engine, LiveState
 from specgate.gateway.access.admission import ModelGate
 from specgate.gateway.config import Config, LlamaServerConfig, ModelConfig, PrefixCacheConfig
 from specgate.gateway.errors import APIError
-from specgate.gateway.serving.builtins import resolve_builtin
+from specgate.gateway.serving.builtins import resolve_builtin, resolve_model_path
 from specgate.gateway.serving.footprint import Footprint, estimate, gib, measured
 from specgate.gateway.serving.residency import (
     ModelChanges,
@@ -162,7 +162,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
     from specgate.gateway.serving.ranks import distribution
 
     return registry.BuildContext(
-        mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
+        mc.id, resolve_model_path(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
         prefix_cache_size=mc.prefix_cache_size,
         # Proving kernels runs forwards at load, before the ranks follow each other.

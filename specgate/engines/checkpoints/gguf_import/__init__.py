@@ -1,0 +1,1 @@
+"""GGUF files imported into Hugging Face / MLX checkpoint directories."""

@@ -25,6 +25,7 @@ import re
 import shutil
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from specgate.engines.home import imports_dir
 
 from .archs import ARCHS, Arch, Meta, config_json, hf_name
 from .quants import FLOAT_TYPES, Quantized, to_mlx
-from .store import file_digest, locked
+from .store import file_digest, known_digest, locked
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,34 @@ class GGUFImportError(Exception):
     """A GGUF file the MLX engines cannot serve; the message says what and what to do."""
 
 
-def importable(path: str | Path) -> str | None:
-    """Why `path` cannot be imported for the MLX engines, or None if it can.
-    Reads the key/value table and tensor infos only."""
+def importable(path: str | Path, home: Path | None = None) -> str | None:
+    """Why the GGUF file at `path` cannot be imported for the MLX engines,
+    or None if it can. A file imported before (same path, size and mtime)
+    is not read again; else its key/value table and tensor infos are."""
+    path = Path(path).expanduser().resolve()
+    root = imports_dir(home)
+    m = _BLOB.match(path.name)
+    digest = m.group(1) if m else known_digest(path, root / "index.json")
+    if digest is not None and _done(root / digest):
+        return None
     try:
-        _plan(_reader(Path(path)))
+        _check(_facts(_reader(path)))
+    except GGUFImportError as e:
+        return str(e)
+    return None
+
+
+def importable_info(info) -> str | None:
+    """importable() for a GGUF `specgate inspect` has read already
+    (checkpoints/info.CheckpointInfo): its scalar keys and tensor names
+    (the tokenizer is judged when the import runs)."""
+    if info.gguf is None:
+        return "not a GGUF file"
+    if len(info.files) != 1:
+        return "a split GGUF: merge the parts into one file (llama-gguf-split --merge)"
+    try:
+        _check(_Facts(info.gguf.arch, dict(info.gguf.kv), set(info.tensors), info.vocab_size or 0,
+                      None, None))  # fmt: skip
     except GGUFImportError as e:
         return str(e)
     return None
@@ -112,25 +136,52 @@ def _reader(path: Path):
         raise GGUFImportError(f"{path}: unreadable GGUF ({e})") from e
 
 
-def _plan(reader) -> tuple[Arch, Meta, dict[str, str]]:
+@dataclass(frozen=True)
+class _Facts:
+    """What deciding an import reads of a file."""
+
+    arch: str | None
+    kv: dict  # `<arch>.*` keys, the prefix stripped
+    tensor_names: set[str]
+    vocab_size: int
+    tokenizer_model: str | None  # None: not read (inspect's facts)
+    tokenizer_pre: str | None
+
+
+def _facts(reader) -> _Facts:
+    def value(key: str):
+        f = reader.get_field(key)
+        return f.contents() if f is not None else None
+
+    arch = value("general.architecture")
+    kv = {name[len(arch) + 1:]: fld.contents() for name, fld in reader.fields.items()
+          if isinstance(arch, str) and name.startswith(f"{arch}.")}  # fmt: skip
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    vocab = int(kv.get("vocab_size") or (len(tokens.data) if tokens else 0))
+    model = value("tokenizer.ggml.model") if tokens else None
+    return _Facts(arch, kv, {t.name for t in reader.tensors}, vocab, model or "",
+                  value("tokenizer.ggml.pre") or "default")  # fmt: skip
+
+
+def _check(facts: _Facts) -> tuple[Arch, Meta, dict[str, str]]:
     """The file's family, its keys, and each tensor's mlx-lm name; raises
     GGUFImportError for anything the import cannot map faithfully."""
-    f = reader.get_field("general.architecture")
-    arch_name = f.contents() if f is not None else None
+    arch_name, kv, names = facts.arch, facts.kv, facts.tensor_names
     arch = ARCHS.get(arch_name)
     if arch is None:
         raise GGUFImportError(
             f"GGUF architecture {arch_name!r} cannot be imported for the MLX engines (they take "
             f"{', '.join(sorted(ARCHS))}); serve it with llamacpp")
-    kv = {}
-    for name, fld in reader.fields.items():
-        if name.startswith(f"{arch_name}."):
-            kv[name[len(arch_name) + 1:]] = fld.contents()
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    meta = Meta(kv, int(kv.get("vocab_size") or (len(tokens.data) if tokens else 0)), names)
-    if not tokens:
-        raise GGUFImportError("the GGUF has no vocabulary (tokenizer.ggml.tokens); serve it with llamacpp")
+    if facts.tokenizer_model is not None:
+        from .tokenizer import PRE_TOKENIZERS
+
+        if facts.tokenizer_model not in ("gpt2", "llama"):
+            raise GGUFImportError(f"GGUF tokenizer {facts.tokenizer_model or 'missing'!r} cannot be "
+                                  "rebuilt for MLX (gpt2, llama can); serve it with llamacpp")  # fmt: skip
+        if facts.tokenizer_model == "gpt2" and facts.tokenizer_pre not in PRE_TOKENIZERS:
+            raise GGUFImportError(f"GGUF pre-tokenizer {facts.tokenizer_pre!r} cannot be rebuilt "
+                                  "for MLX; serve it with llamacpp")  # fmt: skip
+    meta = Meta(kv, facts.vocab_size, names)
     unmapped = sorted(n for n in names if hf_name(arch, n) is None)
     if unmapped:
         shown = ", ".join(unmapped[:4]) + (f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else "")
@@ -169,7 +220,7 @@ def _write(path: Path, out: Path, progress: Progress | None) -> None:
     from safetensors.numpy import save_file
 
     reader = _reader(path)
-    arch, meta, names = _plan(reader)
+    arch, meta, names = _check(_facts(reader))
     heads = {"attn_q": meta.require("attention.head_count"),
              "attn_k": meta.get("attention.head_count_kv", meta.require("attention.head_count"))}  # fmt: skip
     total = sum(int(t.n_bytes) for t in reader.tensors)
@@ -226,12 +277,16 @@ def _write(path: Path, out: Path, progress: Progress | None) -> None:
         config["quantization"] = {"group_size": common[0], "bits": common[1], **quantized}
         config["quantization_config"] = config["quantization"]
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    from .tokenizer import tokenizer_files
+    from .tokenizer import UnsupportedTokenizer, tokenizer_files
 
-    for filename, content in tokenizer_files(reader).items():
+    try:
+        files = tokenizer_files(reader)
+    except UnsupportedTokenizer as e:
+        raise GGUFImportError(f"{e}; serve it with llamacpp") from None
+    for filename, content in files.items():
         (out / filename).write_text(content)
     log.info("imported %s (%s, %d tensors, %d quantized) into %s", path.name, arch.gguf,
              len(reader.tensors), len(quantized), out)  # fmt: skip
 
 
-__all__ = ["GGUFImportError", "import_gguf", "importable", "FLOAT_TYPES"]
+__all__ = ["FLOAT_TYPES", "GGUFImportError", "import_gguf", "importable", "importable_info"]

@@ -253,10 +253,12 @@ def smol_gw(smollm2_gguf, tmp_path_factory):
 
 
 def _ids(client, prompt: str, method: str, n: int) -> list[int]:
-    r = client.completions.create(model="smol", prompt=prompt, max_tokens=n, temperature=0,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True},
-                                  extra_headers={"X-Specgate-Method": method})  # fmt: skip
-    return r.choices[0].token_ids
+    r = client.completions.with_raw_response.create(
+        model="smol", prompt=prompt, max_tokens=n, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        extra_headers={"X-Specgate-Method": method})  # fmt: skip
+    assert r.headers["x-specgate-plan"].startswith(f"method={method};")
+    return r.parse().choices[0].token_ids
 
 
 def test_served_imported_gguf_answers_as_mlx_lm_does(smol_gw, smollm2_gguf):
@@ -275,4 +277,4 @@ def test_served_imported_gguf_answers_as_mlx_lm_does(smol_gw, smollm2_gguf):
     assert mlx_lm.generate(model, tokenizer, prompt, max_tokens=12) == chat.choices[0].message.content
     # mlx_ngram drafts from the context; greedy, it writes what mlx_plain does.
     copy = "alpha beta gamma delta alpha beta gamma delta alpha beta"
-    assert _ids(client, copy, "mlx_ngram", 12) == _ids(client, copy, "mlx_plain", 12)
+    assert _ids(client, copy, "ngram", 12) == _ids(client, copy, "none", 12)

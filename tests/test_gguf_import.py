@@ -82,11 +82,21 @@ def test_types_without_mlx_layout_are_dequantized_to_float16():
     np.testing.assert_array_equal(got, dequantize(data, T.Q6_K).astype(np.float16))
 
 
-# -- a tiny Llama through llama.cpp's layout ------------------------------------------------
+# -- tiny models through llama.cpp's layout ---------------------------------------------
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=258,
             max_position_embeddings=512, rope_theta=10000.0)  # fmt: skip
+# mlx-lm's own arguments for each family where they go beyond TINY (Gemma-3:
+# llama.cpp scales attention by 1/sqrt(head_dim), as query_pre_attn_scalar
+# = head_dim does; with 2 layers both are local ones, the window longer than
+# the prompt; mlx-lm's needs a whole pattern of layers).
+EXTRA = {"gemma3": dict(query_pre_attn_scalar=16, sliding_window=64, sliding_window_pattern=6,
+                        rope_local_base_freq=10000.0, num_hidden_layers=6)}  # fmt: skip
+
+
+def _args(arch: str) -> dict:
+    return {**TINY, **EXTRA.get(arch, {})}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -101,34 +111,50 @@ def _byte_tokens() -> list[str]:
     return [chr(b if b in keep else next(extra)) for b in range(256)]
 
 
-def _gguf_stem(module: str) -> str:
-    """The GGUF name of an mlx-lm Llama module (the import's mapping, inverted)."""
+def _gguf_name(arch: str, name: str) -> str:
+    """The GGUF name of an mlx-lm parameter (the import's mapping, inverted)."""
+    module, kind = name.rsplit(".", 1)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if module in top:
-        return top[module]
+        return f"{top[module]}.{kind}"
     _, _, i, rest = module.split(".", 3)
-    return f"blk.{i}." + {h: g for g, h in ARCHS["llama"].block_tensors.items()}[rest]
+    return f"blk.{i}.{ {h: g for g, h in ARCHS[arch].block_tensors.items()}[rest]}.{kind}"
 
 
-def _tiny_llama_gguf(out: Path, tied: bool) -> dict[str, np.ndarray]:
-    """A random tiny Llama written as llama.cpp's converter would (Q/K rows
-    permuted; Q8_0 embeddings, the exact legacy types in the blocks, F32
-    norms); returns its weights as the GGUF holds them, dequantized and in
-    Hugging Face order: what the imported model must compute with."""
+def _mlx_lm_model(arch: str, tied: bool):
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{ARCHS[arch].model_type}")
+    return module.Model(module.ModelArgs.from_dict(dict(  # (from_dict: the keys it takes)
+        model_type=ARCHS[arch].model_type, tie_word_embeddings=tied, **_args(arch))))
+
+
+def _tiny_gguf(out: Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
+    """A random tiny model of `arch` written as llama.cpp's converter would
+    (Llama's Q/K rows permuted, Gemma's norms as 1 + w; Q8_0 embeddings, the
+    exact legacy types in the blocks, F32 vectors); returns its weights as
+    the GGUF holds them, dequantized and as mlx-lm names and orders them:
+    what the imported model must compute with."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
-    model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=tied, **TINY))
-    w = GGUFWriter(str(out), "llama")
-    w.add_block_count(TINY["num_hidden_layers"])
+    model = _mlx_lm_model(arch, tied)
+    params = dict(tree_flatten(model.parameters()))
+    if tied:
+        params.pop("lm_head.weight", None)  # (Gemma-3's model always makes one)
+    w = GGUFWriter(str(out), arch)
+    w.add_block_count(_args(arch)["num_hidden_layers"])
     w.add_context_length(TINY["max_position_embeddings"])
     w.add_embedding_length(TINY["hidden_size"])
     w.add_feed_forward_length(TINY["intermediate_size"])
     w.add_head_count(TINY["num_attention_heads"])
     w.add_head_count_kv(TINY["num_key_value_heads"])
+    w.add_key_length(TINY["head_dim"])
+    w.add_value_length(TINY["head_dim"])
     w.add_rope_freq_base(TINY["rope_theta"])
     w.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
     w.add_rope_dimension_count(TINY["head_dim"])
+    if arch == "gemma3":
+        w.add_sliding_window(EXTRA["gemma3"]["sliding_window"])
     tokens = [*_byte_tokens(), "hi", "<|end|>"]  # bytes, one merge, an end of text
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -138,18 +164,22 @@ def _tiny_llama_gguf(out: Path, tied: bool) -> dict[str, np.ndarray]:
     w.add_eos_token_id(257)
     kinds = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
     held = {}
-    for n, (name, value) in enumerate(sorted(tree_flatten(model.parameters()))):
+    for n, (name, value) in enumerate(sorted(params.items())):
         value = np.array(value.astype(mx.float32))
-        stem = _gguf_stem(name.rsplit(".", 1)[0])
         if value.ndim == 1:
-            w.add_tensor(f"{stem}.weight", value)
+            value = value + np.random.default_rng(n).standard_normal(value.shape).astype(np.float32) * 0.1
+        gguf_name = _gguf_name(arch, name)
+        stem = gguf_name.split(".")[-2]
+        if value.ndim == 1:
+            stored = value + 1 if arch == "gemma3" and stem.endswith("norm") else value
+            w.add_tensor(gguf_name, stored)
             held[name] = value
             continue
         stored = value
-        if stem.endswith(("attn_q", "attn_k")):
-            stored = _permute(value, TINY["num_attention_heads" if stem.endswith("q") else "num_key_value_heads"])
+        if arch == "llama" and stem in ("attn_q", "attn_k"):
+            stored = _permute(value, TINY["num_attention_heads" if stem == "attn_q" else "num_key_value_heads"])
         qtype = T.Q8_0 if stem == "token_embd" else kinds[n % len(kinds)]
-        w.add_tensor(f"{stem}.weight", quantize(stored, qtype), raw_dtype=qtype)
+        w.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
         # Blocks run along rows, so permuting rows commutes with quantizing them.
         held[name] = dequantize(quantize(value, qtype), qtype)
     w.write_header_to_file()
@@ -159,22 +189,29 @@ def _tiny_llama_gguf(out: Path, tied: bool) -> dict[str, np.ndarray]:
     return held
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_tiny_llama_logits_survive_the_round_trip(tmp_path, tied):
-    from mlx.utils import tree_unflatten
-    from mlx_lm.models import llama
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True),
+                                            ("qwen3", False), ("gemma3", True)])  # fmt: skip
+def test_tiny_model_logits_survive_the_round_trip(tmp_path, arch, tied):
+    from mlx.utils import tree_map_with_path
     from mlx_lm.utils import load_model
 
-    held = _tiny_llama_gguf(tmp_path / "tiny.gguf", tied)
-    reference = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=tied, **TINY))
-    reference.update(tree_unflatten([(k, mx.array(v)) for k, v in held.items()]))
+    held = _tiny_gguf(tmp_path / "tiny.gguf", arch, tied)
+    reference = _mlx_lm_model(arch, tied)
+    reference.load_weights(list(reference.sanitize({k: mx.array(v) for k, v in held.items()}).items()))
     imported, config = load_model(import_gguf(tmp_path / "tiny.gguf", home=tmp_path / "home"))
-    assert config["tie_word_embeddings"] is tied
+    assert config["model_type"] == ARCHS[arch].model_type
     assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
     tokens = mx.array([[1, 50, 7, 200, 33, 91, 4, 18]])
-    want, got = np.array(reference(tokens)), np.array(imported(tokens))
+    want = np.array(reference(tokens))
     assert np.abs(want).max() > 0.1
-    np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max(), rtol=1e-3)
+    # As stored: the legacy types' float16 scales round s*q + b in float16,
+    # as any MLX model quantized with float16 scales does.
+    np.testing.assert_allclose(np.array(imported(tokens)), want, atol=2e-2 * np.abs(want).max())
+    # With the same scales in float32 the weights are the file's exactly.
+    imported.update(tree_map_with_path(
+        lambda k, v: v.astype(mx.float32) if k.endswith(("scales", "biases")) else v,
+        imported.parameters()))  # fmt: skip
+    np.testing.assert_allclose(np.array(imported(tokens)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_permuted_rows_are_permuted_back():

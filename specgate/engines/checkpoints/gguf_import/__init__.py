@@ -198,7 +198,10 @@ def _check(facts: _Facts) -> tuple[Arch, Meta, dict[str, str]]:
         if rope_dims is not None and int(rope_dims) != meta.head_dim:
             raise GGUFImportError(f"RoPE over {rope_dims} of {meta.head_dim} head dimensions, which "
                                   f"mlx-lm's {arch.model_type} does not do; serve it with llamacpp")  # fmt: skip
-        config_json(arch, meta, tied="output.weight" not in names)
+        config = config_json(arch, meta, tied="output.weight" not in names)
+        if arch.derived_head_dim and config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+            raise GGUFImportError(f"head_dim {config['head_dim']} is not hidden_size / heads, which "
+                                  f"mlx-lm's {arch.model_type} assumes; serve it with llamacpp")  # fmt: skip
     except KeyError as e:
         raise GGUFImportError(f"the GGUF lacks {arch_name}.{e.args[0]}, which the import needs") from None
     except ValueError as e:

@@ -65,6 +65,8 @@ class Arch:
     norm_shift: float = 0.0  # subtracted from every *norm weight (Gemma: 1)
     extra_config: Callable[[Meta], dict] = field(default=lambda m: {})
     default_rope_theta: float = 10000.0
+    # mlx-lm's model derives head_dim as hidden_size / heads (qwen2 takes no head_dim).
+    derived_head_dim: bool = False
 
 
 def _gemma3(m: Meta) -> dict:
@@ -97,7 +99,8 @@ ARCHS = {
     a.gguf: a
     for a in (
         Arch("llama", "llama", {**_ATTN, **_MLP, **_LLAMA_NORMS}, permute_qk=True),
-        Arch("qwen2", "qwen2", {**_ATTN, **_MLP, **_LLAMA_NORMS}, default_rope_theta=1e6),
+        Arch("qwen2", "qwen2", {**_ATTN, **_MLP, **_LLAMA_NORMS}, default_rope_theta=1e6,
+             derived_head_dim=True),
         Arch("qwen3", "qwen3", {**_ATTN, **_MLP, **_LLAMA_NORMS, **_QK_NORMS}, default_rope_theta=1e6),
         Arch("gemma3", "gemma3_text", {**_ATTN, **_MLP, **_GEMMA_NORMS, **_QK_NORMS}, norm_shift=1.0,
              extra_config=_gemma3, default_rope_theta=1e6),

@@ -306,6 +306,7 @@ def test_served_imported_gguf_answers_as_mlx_lm_does(smol_gw, smollm2_gguf):
         model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=12, temperature=0)  # fmt: skip
     assert "Paris" in chat.choices[0].message.content
+    assert f"importing {smollm2_gguf.name} for MLX: 100%" in smol_gw.log()
     # mlx-lm's own greedy generation on the imported directory, the gateway's import.
     imported = next(Path(smol_gw.log_path.parent, "home", "imports").glob("[0-9a-f]*"))
     model, tokenizer = mlx_lm.load(str(imported))

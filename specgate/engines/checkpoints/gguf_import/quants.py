@@ -139,10 +139,18 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Rows of integers in [0, 2**bits) as MLX packs them: a little-endian
-    bit stream in uint32 words."""
+    bit stream in uint32 words. Eight values fill `bits` bytes exactly, so
+    each eight are shifted into one uint64 and its low `bits` bytes kept
+    (in row chunks: the uint64s take 8 bytes a value)."""
     rows, cols = q.shape
-    stream = (q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1  # [rows, cols, bits]
-    return np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little").view("<u4")
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    out = np.empty((rows, cols * bits // 8), np.uint8)
+    step = max(1, (1 << 24) // max(cols, 1))
+    for r in range(0, rows, step):
+        eights = q[r:r + step].reshape(-1, cols // 8, 8).astype(np.uint64) << shifts
+        words = np.bitwise_or.reduce(eights, axis=-1)  # [chunk, cols/8] little-endian
+        out[r:r + step] = words.view(np.uint8).reshape(-1, cols // 8, 8)[..., :bits].reshape(-1, cols * bits // 8)
+    return out.view("<u4")
 
 
 def maps_exactly(qtype: T) -> bool:

@@ -400,7 +400,7 @@ def _gguf_engines_fit(mc: _ModelConfig) -> None:
         raise ValueError(f"the MLX engines serve the demo as {BUILTIN_DEMO}, not {BUILTIN_DEMO_GGUF}")
     heads = [e for e in in_process if registry.record(e).needs == "mtp_head"]
     if heads:
-        raise ValueError(f"{' / '.join(heads)} drafts with the checkpoint's MTP head, which a GGUF "
+        raise ValueError(f"{' / '.join(heads)} drafts with the checkpoint's MTP head, which a GGUF file "
                          "imported to MLX does not carry; use mlx_plain / mlx_ngram, or llamacpp_mtp")  # fmt: skip
     if Path(mc.path).expanduser().is_file():
         from specgate.engines.checkpoints.gguf_import import importable

@@ -121,15 +121,42 @@ def _gguf_name(arch: str, name: str) -> str:
     return f"blk.{i}.{ {h: g for g, h in ARCHS[arch].block_tensors.items()}[rest]}.{kind}"
 
 
-def _mlx_lm_model(arch: str, tied: bool):
+# Llama-3.1's published RoPE scaling, which llama.cpp keeps as rope_freqs.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def _rope_freqs(scaling: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, as written there."""
+    import math
+
+    base, dim = TINY["rope_theta"], TINY["head_dim"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def _mlx_lm_model(arch: str, tied: bool, rope_scaling: dict | None = None):
     import importlib
 
     module = importlib.import_module(f"mlx_lm.models.{ARCHS[arch].model_type}")
     return module.Model(module.ModelArgs.from_dict(dict(  # (from_dict: the keys it takes)
-        model_type=ARCHS[arch].model_type, tie_word_embeddings=tied, **_args(arch))))
+        model_type=ARCHS[arch].model_type, tie_word_embeddings=tied, rope_scaling=rope_scaling,
+        **_args(arch))))
 
 
-def _tiny_gguf(out: Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
+def _tiny_gguf(out: Path, arch: str, tied: bool, rope_scaling: dict | None = None) -> dict[str, np.ndarray]:
     """A random tiny model of `arch` written as llama.cpp's converter would
     (Llama's Q/K rows permuted, Gemma's norms as 1 + w; Q8_0 embeddings, the
     exact legacy types in the blocks, F32 vectors); returns its weights as
@@ -137,7 +164,7 @@ def _tiny_gguf(out: Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
     what the imported model must compute with."""
     from mlx.utils import tree_flatten
 
-    model = _mlx_lm_model(arch, tied)
+    model = _mlx_lm_model(arch, tied, rope_scaling)
     params = dict(tree_flatten(model.parameters()))
     if tied:
         params.pop("lm_head.weight", None)  # (Gemma-3's model always makes one)
@@ -155,6 +182,8 @@ def _tiny_gguf(out: Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
     w.add_rope_dimension_count(TINY["head_dim"])
     if arch == "gemma3":
         w.add_sliding_window(EXTRA["gemma3"]["sliding_window"])
+    if rope_scaling:
+        w.add_tensor("rope_freqs.weight", _rope_freqs(rope_scaling))
     tokens = [*_byte_tokens(), "hi", "<|end|>"]  # bytes, one merge, an end of text
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -189,19 +218,22 @@ def _tiny_gguf(out: Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
     return held
 
 
-@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True),
-                                            ("qwen3", False), ("gemma3", True)])  # fmt: skip
-def test_tiny_model_logits_survive_the_round_trip(tmp_path, arch, tied):
+@pytest.mark.parametrize(("arch", "tied", "rope_scaling"), [
+    ("llama", True, None), ("llama", False, LLAMA3), ("qwen2", True, None), ("qwen3", False, None),
+    ("gemma3", True, None)])  # fmt: skip
+def test_tiny_model_logits_survive_the_round_trip(tmp_path, arch, tied, rope_scaling):
     from mlx.utils import tree_map_with_path
     from mlx_lm.utils import load_model
 
-    held = _tiny_gguf(tmp_path / "tiny.gguf", arch, tied)
-    reference = _mlx_lm_model(arch, tied)
+    held = _tiny_gguf(tmp_path / "tiny.gguf", arch, tied, rope_scaling)
+    reference = _mlx_lm_model(arch, tied, rope_scaling)
     reference.load_weights(list(reference.sanitize({k: mx.array(v) for k, v in held.items()}).items()))
     imported, config = load_model(import_gguf(tmp_path / "tiny.gguf", home=tmp_path / "home"))
     assert config["model_type"] == ARCHS[arch].model_type
     assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
-    tokens = mx.array([[1, 50, 7, 200, 33, 91, 4, 18]])
+    assert config["rope_scaling"] == rope_scaling
+    # Past 2048 positions Llama-3's scaling changes the slow frequencies.
+    tokens = mx.array([[1, 50, 7, 200, 33, 91, 4, 18] * (300 if rope_scaling else 1)])
     want = np.array(reference(tokens))
     assert np.abs(want).max() > 0.1
     # As stored: the legacy types' float16 scales round s*q + b in float16,

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 IMPORT_VERSION = 1
 MARKER = "specgate-import.json"
 SHARD_BYTES = 2 << 30
+ROPE_FREQS = "rope_freqs.weight"
 # Ollama's blobs are named by their content's sha256.
 _BLOB = re.compile(r"^sha256[-:]([0-9a-f]{64})$")
 
@@ -146,6 +147,7 @@ class _Facts:
     vocab_size: int
     tokenizer_model: str | None  # None: not read (inspect's facts)
     tokenizer_pre: str | None
+    rope_freqs: np.ndarray | None = None  # Llama-3's RoPE factors; None: none, or not read
 
 
 def _facts(reader) -> _Facts:
@@ -159,8 +161,9 @@ def _facts(reader) -> _Facts:
     tokens = reader.get_field("tokenizer.ggml.tokens")
     vocab = int(kv.get("vocab_size") or (len(tokens.data) if tokens else 0))
     model = value("tokenizer.ggml.model") if tokens else None
+    freqs = next((np.array(t.data) for t in reader.tensors if t.name == ROPE_FREQS), None)
     return _Facts(arch, kv, {t.name for t in reader.tensors}, vocab, model or "",
-                  value("tokenizer.ggml.pre") or "default")  # fmt: skip
+                  value("tokenizer.ggml.pre") or "default", freqs)  # fmt: skip
 
 
 def _check(facts: _Facts) -> tuple[Arch, Meta, dict[str, str]]:
@@ -181,13 +184,13 @@ def _check(facts: _Facts) -> tuple[Arch, Meta, dict[str, str]]:
         if facts.tokenizer_model == "gpt2" and facts.tokenizer_pre not in PRE_TOKENIZERS:
             raise GGUFImportError(f"GGUF pre-tokenizer {facts.tokenizer_pre!r} cannot be rebuilt "
                                   "for MLX; serve it with llamacpp")  # fmt: skip
-    meta = Meta(kv, facts.vocab_size, names)
-    unmapped = sorted(n for n in names if hf_name(arch, n) is None)
+    meta = Meta(kv, facts.vocab_size, names, facts.rope_freqs)
+    # rope_freqs goes into config.json's rope_scaling (archs.rope_scaling), Llama's only.
+    unmapped = sorted(n for n in names if hf_name(arch, n) is None
+                      and not (n == ROPE_FREQS and arch.gguf == "llama"))  # fmt: skip
     if unmapped:
         shown = ", ".join(unmapped[:4]) + (f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else "")
-        why = (" (Llama-3 RoPE scaling, which the GGUF keeps only as precomputed factors)"
-               if "rope_freqs.weight" in unmapped else "")
-        raise GGUFImportError(f"{arch_name} GGUF tensors the MLX import cannot map: {shown}{why}; "
+        raise GGUFImportError(f"{arch_name} GGUF tensors the MLX import cannot map: {shown}; "
                               "serve it with llamacpp")  # fmt: skip
     for key in ("attention.head_count", "attention.head_count_kv"):
         if isinstance(kv.get(key), list):
@@ -226,7 +229,7 @@ def _write(path: Path, out: Path, progress: Progress | None) -> None:
     arch, meta, names = _check(_facts(reader))
     heads = {"attn_q": meta.require("attention.head_count"),
              "attn_k": meta.get("attention.head_count_kv", meta.require("attention.head_count"))}  # fmt: skip
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    total = sum(int(t.n_bytes) for t in reader.tensors if names[t.name] is not None)
     done = 0
     shard: dict[str, np.ndarray] = {}
     shard_bytes = 0
@@ -242,6 +245,8 @@ def _write(path: Path, out: Path, progress: Progress | None) -> None:
 
     for t in reader.tensors:
         name = names[t.name]
+        if name is None:  # rope_freqs: config.json's rope_scaling says it
+            continue
         qtype = T(t.tensor_type)
         data = t.data
         cols = int(t.shape[0])

@@ -4,14 +4,18 @@ one record per family, its tensor names and its config.json.
 Checked against mlx-lm 0.32.2's models/{llama,qwen2,qwen3,gemma3_text}.py
 (their ModelArgs and module names) and against what llama.cpp's
 convert_hf_to_gguf.py does to each family's tensors, which the import undoes:
-Llama's Q/K rows were permuted for llama.cpp's interleaved RoPE, Gemma's
-norm weights were stored as 1 + w (its RMSNorm multiplies by 1 + w).
+Llama's Q/K rows were permuted for llama.cpp's interleaved RoPE, Llama-3's
+RoPE scaling became a `rope_freqs` tensor of factors (checked against the
+published scaling and written back as it), Gemma's norm weights were stored
+as 1 + w (its RMSNorm multiplies by 1 + w).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # GGUF block tensor -> the mlx-lm module (under model.layers.N.).
 _ATTN = {
@@ -37,8 +41,11 @@ class Meta:
     """The architecture's keys (`<arch>.` stripped) with the few tensor
     facts a config needs."""
 
-    def __init__(self, kv: dict, vocab_size: int, tensor_names: set[str]):
+    def __init__(self, kv: dict, vocab_size: int, tensor_names: set[str], rope_freqs=None):
         self.kv, self.vocab_size, self.tensor_names = kv, vocab_size, tensor_names
+        # Llama-3's RoPE scaling as llama.cpp keeps it: the factors each
+        # frequency's period is multiplied by (None: not read, as inspect's).
+        self.rope_freqs = rope_freqs
 
     def get(self, key: str, default=None):
         v = self.kv.get(key)
@@ -119,7 +126,38 @@ def hf_name(arch: Arch, gguf_name: str) -> str | None:
     return None
 
 
+# Llama-3.x's published RoPE scaling besides its factor (every 3.1/3.2/3.3
+# config has these); llama.cpp's file keeps only the factors they produce.
+_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_factors(base: float, dims: int, factor: float, low_freq_factor: float,
+                   high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:  # fmt: skip
+    """rope_freqs as llama.cpp's converter computes it (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
+    wavelen = 2 * np.pi / freqs
+    old = original_max_position_embeddings
+    smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high_freq_factor, 1.0,
+                    np.where(wavelen > old / low_freq_factor, factor, mid)).astype(np.float32)  # fmt: skip
+
+
+def _llama3_scaling(m: Meta) -> dict:
+    if m.rope_freqs is None:  # not read: judged when the import runs
+        return {"rope_type": "llama3", "factor": 1.0, **_LLAMA3}
+    factors = np.asarray(m.rope_freqs, np.float32)
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3}
+    want = llama3_factors(float(m.get("rope.freq_base", 10000.0)), m.head_dim,
+                          **{k: v for k, v in scaling.items() if k != "rope_type"})  # fmt: skip
+    if want.shape != factors.shape or not np.allclose(want, factors, rtol=1e-5, atol=1e-6):
+        raise ValueError("rope_freqs factors other than Llama-3's scaling (low 1, high 4, 8192 tokens)")
+    return scaling
+
+
 def rope_scaling(m: Meta) -> dict | None:
+    if "rope_freqs.weight" in m.tensor_names:
+        return _llama3_scaling(m)
     kind = m.get("rope.scaling.type")
     if kind in (None, "none"):
         return None

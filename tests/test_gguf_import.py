@@ -289,6 +289,8 @@ def test_config_takes_mlx_engines_for_an_importable_gguf(smollm2_gguf):
         ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_plain", "llamacpp_ngram"])
     with pytest.raises(ValidationError, match="mlx_mtp drafts with the checkpoint's MTP head"):
         ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_mtp"])
+    with pytest.raises(ValidationError, match="serve the demo as builtin:demo"):
+        ModelConfig(id="s", path="builtin:demo-gguf", engines=["mlx_plain"])
 
 
 # -- the real model ---------------------------------------------------------------------

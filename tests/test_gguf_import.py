@@ -246,6 +246,33 @@ def test_tiny_model_logits_survive_the_round_trip(tmp_path, arch, tied, rope_sca
     np.testing.assert_allclose(np.array(imported(tokens)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_one_import_at_a_time_and_a_failed_one_leaves_nothing(tmp_path):
+    import threading
+
+    _tiny_gguf(tmp_path / "tiny.gguf", "llama", True)
+    home = tmp_path / "home"
+
+    def fail(done, total, name):
+        raise KeyboardInterrupt  # a crash mid-import
+
+    with pytest.raises(KeyboardInterrupt):
+        import_gguf(tmp_path / "tiny.gguf", home=home, progress=fail)
+    assert [p.name for p in (home / "imports").iterdir() if not p.name.endswith(".lock")] == ["index.json"]
+    calls, results = [], []
+
+    def run():
+        results.append(import_gguf(tmp_path / "tiny.gguf", home=home,
+                                   progress=lambda d, n, name: calls.append(name)))  # fmt: skip
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # The second waited for the first's lock, then found its import done.
+    assert results[0] == results[1] and len(calls) == len(set(calls))
+
+
 def test_permuted_rows_are_permuted_back():
     from specgate.engines.checkpoints.gguf_import import _unpermute
 

@@ -215,20 +215,18 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _added_tokens(tokens: list[str], types: list[int], *, byte_level: bool) -> list[AddedToken]:
+def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     """CONTROL (and UNKNOWN) tokens are special; USER_DEFINED ones are added
-    but not special. llama.cpp matches both whole in the text, CONTROL ones
-    only with parse_special (tokenizer_st_partition), which is what
-    `encode_special_tokens = False` (the default) does for special ones."""
+    but not special. llama.cpp matches both whole in the raw text, as the
+    vocabulary spells them (tokenizer_st_partition), CONTROL ones only with
+    parse_special, which is what `encode_special_tokens = False` (the
+    default) does for special ones."""
     added = []
     for text, kind in zip(tokens, types, strict=True):
         if kind in (_CONTROL, _UNKNOWN):
             added.append(AddedToken(text, special=True, normalized=False))
         elif kind == _USER_DEFINED:
-            # A SentencePiece vocabulary spells a user token's spaces as ▁
-            # (llama.cpp's escape); the text to match has real spaces.
-            content = text if byte_level else text.replace(_SPM_SPACE, " ")
-            added.append(AddedToken(content, special=False, normalized=False))
+            added.append(AddedToken(text, special=False, normalized=False))
     return added
 
 
@@ -366,7 +364,7 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
         raise UnsupportedTokenizer(
             f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama)"
         )
-    tok.add_tokens(_added_tokens(tokens, types, byte_level=model == "gpt2"))
+    tok.add_tokens(_added_tokens(tokens, types))
 
     def special(key: str) -> str | None:
         i = _field(reader, f"tokenizer.ggml.{key}")

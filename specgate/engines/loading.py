@@ -67,7 +67,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
                    distribution=None) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
 
-    `path` is a local directory or a hub repo id; only a hub repo id that is
+    `path` is a local directory, a hub repo id or a GGUF file (imported to
+    an MLX checkpoint first, engines/checkpoints/gguf_import/); only a hub repo id that is
     not already in the local hub cache downloads anything (never while
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
     path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
@@ -76,8 +77,11 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
     the lockstep as its lock and no prefix cache (whose hits would differ
     between ranks whose entries differ in size, so evictions do too).
     """
-    from specgate.engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
+    # lazily: mlx-lm pulls in transformers
+    from specgate.engines.mlx_load import imported_gguf, load
 
+    if path.lower().endswith(".gguf"):  # served from its MLX import, made on first use
+        path = str(imported_gguf(path))
     key = str(Path(path).resolve()) if Path(path).exists() else path
     with _lock:
         loaded = _loaded.get(key)

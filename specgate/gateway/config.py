@@ -230,7 +230,8 @@ class _ModelConfig(_Strict):
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
-    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones;
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones
+    # (a .gguf file for MLX engines too: imported to MLX when it loads);
     # or where another tool keeps it: "ollama:NAME[:TAG]", "lmstudio:ORG/REPO[:QUANT]",
     # a GGUF repo in the hub cache "org/name:QUANT" (engines/checkpoints/sources.py).
     path: str = Field(min_length=1)
@@ -303,7 +304,15 @@ class _ModelConfig(_Strict):
 
     @property
     def format(self) -> registry.Format:
-        return registry.GGUF if self.is_gguf else registry.MLX
+        """The format its engines read: a GGUF file listed for MLX engines is
+        imported into an MLX checkpoint when it loads (engines/checkpoints/gguf_import/)."""
+        if self.is_gguf and not (self.engines and registry.record(self.engines[0]).format.in_process):
+            return registry.GGUF
+        return registry.MLX
+
+    @property
+    def imports_gguf(self) -> bool:
+        return self.is_gguf and self.format == registry.MLX
 
     @model_validator(mode="before")
     @classmethod
@@ -324,6 +333,8 @@ class _ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engines_fit_the_format(self) -> _ModelConfig:
+        if self.is_gguf and self.engines:
+            _gguf_engines_fit(self)
         fmt = self.format
         if not self.engines:
             self.engines = [r.name for r in registry.records(fmt) if r.default]
@@ -351,7 +362,7 @@ class _ModelConfig(_Strict):
             raise ValueError(f"{' / '.join(e for e in self.engines if e in needs)} needs a `drafter`")
         if self.drafter is not None and not any(e in takes for e in self.engines):
             raise ValueError(f"`drafter` goes with an engine that drafts with it ({' / '.join(takes)})")
-        if self.drafter is not None and self.is_gguf != self.drafter.lower().endswith(".gguf"):
+        if self.drafter is not None and (fmt == registry.GGUF) != self.drafter.lower().endswith(".gguf"):
             raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
                              f"model's a checkpoint directory; got {self.drafter}")
         unused = [n for n in self.model_fields_set if n in _ENGINE_FIELDS and n not in self.engines]
@@ -376,6 +387,32 @@ ModelConfig = create_model(
     **{name: (cls, Field(default_factory=cls, description=cls.__doc__))
        for name, cls in _ENGINE_FIELDS.items()},
 )  # fmt: skip
+
+
+def _gguf_engines_fit(mc: _ModelConfig) -> None:
+    """A GGUF file's engines: llama.cpp's, or MLX ones that serve it imported
+    (engines/checkpoints/gguf_import/), never both (each would hold its own
+    copy of the weights; list two models with one path instead)."""
+    in_process = [e for e in mc.engines if registry.record(e).format.in_process]
+    if not in_process:
+        return
+    other = [e for e in mc.engines if e not in in_process]
+    if other:
+        raise ValueError(f"a GGUF model's engines are llama.cpp's ({' / '.join(other)}) or MLX ones "
+                         f"({' / '.join(in_process)}, serving it imported), not both: list the "
+                         "file under two model ids, one for each")  # fmt: skip
+    if mc.path == BUILTIN_DEMO_GGUF:
+        raise ValueError(f"the MLX engines serve the demo as {BUILTIN_DEMO}, not {BUILTIN_DEMO_GGUF}")
+    heads = [e for e in in_process if registry.record(e).needs == "mtp_head"]
+    if heads:
+        raise ValueError(f"{' / '.join(heads)} drafts with the checkpoint's MTP head, which a GGUF file "
+                         "imported to MLX does not carry; use mlx_plain / mlx_ngram, or llamacpp_mtp")  # fmt: skip
+    if Path(mc.path).expanduser().is_file():
+        from specgate.engines.checkpoints.gguf_import import importable
+
+        why = importable(Path(mc.path).expanduser())
+        if why:
+            raise ValueError(f"{' / '.join(in_process)} cannot serve {mc.path}: {why}")
 
 
 def _distribution_fits(mc: _ModelConfig) -> None:

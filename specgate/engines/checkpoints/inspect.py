@@ -212,7 +212,15 @@ def _unreadable(source: str, path: Path, err: CheckpointError, kind: str = "targ
 
 
 def _judge(info: CheckpointInfo) -> Judgement:
-    return judge_gguf(info) if info.format == "gguf" else judge_target(info)
+    if info.format != "gguf":
+        return judge_target(info)
+    j = judge_gguf(info)
+    from .gguf_import import importable_info  # the MLX engines serve it imported
+
+    if j.verdict != "incompatible" and importable_info(info) is None:
+        j.engines += [EngineFit(e, [m], "(imported to MLX)") for e, m in (("mlx_plain", "none"),
+                                                                          ("mlx_ngram", "ngram"))]
+    return j
 
 
 def inspect_checkpoint(path_or_repo: str, *, target: str | None = None,

@@ -60,7 +60,7 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         except UsageError:
             pass
     per_1k = memory.kv_cache_bytes_per_1k_tokens or 0
-    if mc.is_gguf:
+    if mc.format == registry.GGUF:  # (a GGUF imported for MLX engines is held in process)
         from specgate.engines.llamacpp.build import DEFAULT_SLOT_CONTEXT
 
         # llama-server allocates its whole context at start, in every process.

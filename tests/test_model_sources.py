@@ -388,6 +388,9 @@ def test_pulled_and_ollama_models_serve(pulled, smollm2_gguf, llama_server_binar
     config = {"llama_server": {"binary": str(llama_server_binary)}, "models": [
         {"id": id_, "path": path, "max_context": 1024, "max_concurrent": 1, "llamacpp": llamacpp}
         for id_, path in (("pulled", "org/smol:Q4_1"), ("ollama", "ollama:smollm2:135m"))]}
+    # The Ollama blob (no .gguf suffix) under an MLX engine: imported by its magic.
+    config["models"].append({"id": "ollama-mlx", "path": "ollama:smollm2:135m",
+                             "engines": ["mlx_plain"], "max_context": 1024})
     gw = start_gateway(config, tmp_path, timeout=300)
     try:
         texts = []
@@ -400,7 +403,12 @@ def test_pulled_and_ollama_models_serve(pulled, smollm2_gguf, llama_server_binar
         # One GGUF reached two ways: the same greedy reply (whether it says
         # Paris is the llama.cpp route's business, not the resolver's).
         assert texts[0] and texts[0] == texts[1], texts
+        r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=300, json={
+            "model": "ollama-mlx", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
         listed = httpx.get(gw.base_url + "/v1/models", timeout=10).json()["data"]
-        assert sorted(m["id"] for m in listed) == ["ollama", "pulled"]
+        assert sorted(m["id"] for m in listed) == ["ollama", "ollama-mlx", "pulled"]
     finally:
         stop_gateway(gw)

@@ -78,9 +78,12 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
     between ranks whose entries differ in size, so evictions do too).
     """
     # lazily: mlx-lm pulls in transformers
+    from specgate.engines.checkpoints.gguf_pick import is_gguf_file
     from specgate.engines.mlx_load import imported_gguf, load
 
-    if path.lower().endswith(".gguf"):  # served from its MLX import, made on first use
+    # A GGUF (by its magic: an Ollama blob has no suffix) is served from its
+    # MLX import, made on first use.
+    if Path(path).expanduser().is_file() and is_gguf_file(Path(path).expanduser()):
         path = str(imported_gguf(path))
     key = str(Path(path).resolve()) if Path(path).exists() else path
     with _lock:

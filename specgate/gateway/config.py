@@ -407,10 +407,13 @@ def _gguf_engines_fit(mc: _ModelConfig) -> None:
     if heads:
         raise ValueError(f"{' / '.join(heads)} drafts with the checkpoint's MTP head, which a GGUF file "
                          "imported to MLX does not carry; use mlx_plain / mlx_ngram, or llamacpp_mtp")  # fmt: skip
-    if Path(mc.path).expanduser().is_file():
+    from specgate.engines.checkpoints.sources import resolve_source
+
+    file = resolve_source(mc.path) or Path(mc.path).expanduser()  # ollama:, org/name:QUANT too
+    if file.is_file():
         from specgate.engines.checkpoints.gguf_import import importable
 
-        why = importable(Path(mc.path).expanduser())
+        why = importable(file)
         if why:
             raise ValueError(f"{' / '.join(in_process)} cannot serve {mc.path}: {why}")
 

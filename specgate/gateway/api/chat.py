@@ -28,8 +28,14 @@ from specgate.engines.base import (
     ThinkingBudget,
     TokenLogprob,
 )
+from specgate.gateway.api import tool_prompt as prompted_tools
 from specgate.gateway.api.thinking import UNSAID, OutputStream, ThinkingAsk, plan_thinking
-from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
+from specgate.gateway.api.tools import (
+    ToolCallStream,
+    ToolFormat,
+    template_mentions_tools,
+    tool_format,
+)
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
 
@@ -164,6 +170,24 @@ def late_system_as_user(messages: list[dict]) -> list[dict] | None:
     return out if moved else None
 
 
+async def _rendered(engine: Engine, messages: list[dict], tools: list[dict],
+                    kwargs: dict | None) -> tuple[list[int], list[dict]]:  # fmt: skip
+    """The template's tokens for the messages, and the messages it took:
+    those given, or, where it refused a system message after the
+    conversation began, those with it as the user's (late_system_as_user)."""
+    try:
+        return await engine.render_chat(messages, tools or None, kwargs), messages
+    except (EngineOverloaded, EngineError):
+        raise
+    except Exception:
+        if (moved := late_system_as_user(messages)) is None:
+            raise
+        tokens = await engine.render_chat(moved, tools or None, kwargs)
+        log.debug("the chat template refused a system message after the conversation "
+                  "began: sent as the user's")  # fmt: skip
+        return tokens, moved
+
+
 @dataclass
 class ChatPrompt:
     tokens: list[int]
@@ -175,6 +199,10 @@ class ChatPrompt:
     # output to (SamplingParams.thinking: a budget, a grammar after thinking).
     thinking: ThinkingBudget | None = None
     held: ThinkingBudget | None = None
+    # The tools reach the model through specgate's tool-use prompt
+    # (gateway/api/tool_prompt.py), not its template: with tools left to the
+    # model, its output is then held to text and calls (structured.py).
+    prompted: bool = False
 
     def tool_stream(self, freeform: frozenset[str] = frozenset()) -> ToolCallStream | None:
         """`freeform`: the tools whose one input is text (Responses' custom tools)."""
@@ -198,16 +226,33 @@ async def render_chat(
     boundaries: bool = True,
     ask: ThinkingAsk = UNSAID,
     grammar: bool = False,
+    tool_prompt: str | None = None,
 ) -> ChatPrompt:
     """Render through the model's chat template; with tools, check first that
     the template takes them and that its call format is one we can parse.
     `boundaries`: where its messages end, for the prefix cache (not needed
     to count tokens). `ask`: the request's thinking; `grammar`: its answer
-    is held to a grammar (which then starts after the thinking)."""
-    fmt = None
-    if tools:
-        template = await engine.chat_template()
-        if template is None or "tools" not in template:
+    is held to a grammar (which then starts after the thinking).
+    `tool_prompt`: the model's config key; "default" on a template without
+    tools renders tools, calls and results as text (tool_prompt.py), where
+    tools are listed only if the output is parsed for calls (not with
+    tool_choice "none")."""
+    fmt, listed = None, tools
+    candidates = [messages]  # what to render, in order, until a template takes one
+    template = await engine.chat_template() if tools or tool_prompt else None
+    prompted = (tool_prompt is not None and template is not None
+                and not template_mentions_tools(template))  # fmt: skip
+    if prompted:
+        listed = tools if parse_tools else []
+        # A template with no system turn (none that says "system") gets the
+        # prompt in the first user message; one that refuses a system
+        # message (Gemma 2's raises) does too, on the second try.
+        candidates = [prompted_tools.as_text(messages, listed, system_turn=False)]
+        if "system" in template and listed:
+            candidates.insert(0, prompted_tools.as_text(messages, listed))
+        tools, fmt = [], prompted_tools.TOOL_FORMAT
+    elif tools:
+        if template is None or not template_mentions_tools(template):
             raise APIError(
                 400,
                 f"tools: the chat template of model '{model_id}' does not support tools",
@@ -227,17 +272,17 @@ async def render_chat(
     planned = plan_thinking(await engine.thinking_format(), ask, grammar)
     kwargs = planned.template_kwargs
     try:
-        try:
-            tokens = await engine.render_chat(messages, tools or None, kwargs)
-        except (EngineOverloaded, EngineError):
-            raise
-        except Exception:
-            if (moved := late_system_as_user(messages)) is None:
+        for i, messages in enumerate(candidates):
+            try:
+                tokens, messages = await _rendered(engine, messages, tools, kwargs)
+                break
+            except (EngineOverloaded, EngineError):
                 raise
-            tokens = await engine.render_chat(moved, tools or None, kwargs)
-            log.debug("the chat template refused a system message after the conversation "
-                      "began: sent as the user's")  # fmt: skip
-            messages = moved
+            except Exception:
+                if i == len(candidates) - 1:
+                    raise
+                log.debug("the chat template refused the tool-use prompt in a system message: "
+                          "sent before the first user message")  # fmt: skip
     except EngineOverloaded:
         raise
     except EngineError as e:
@@ -261,5 +306,5 @@ async def render_chat(
     marks = (await engine.message_boundaries(messages, tools or None, tokens, kwargs) if boundaries
              else MessageBoundaries())  # fmt: skip
     counting = planned.counting(tokens)
-    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks, counting,
-                      planned.held(counting))
+    return ChatPrompt(tokens, fmt if parse_tools else None, listed, marks, counting,
+                      planned.held(counting), prompted and parse_tools)

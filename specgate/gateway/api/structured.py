@@ -133,6 +133,53 @@ async def checked_tool_inputs(
     return output
 
 
+async def checked_prompted_calls(
+    engine: Engine, tools: list[dict], parallel: bool, sampling: SamplingParams
+) -> OutputConstraint | None:
+    """With tools left to the model through specgate's tool-use prompt
+    (gateway/api/tool_prompt.py), the output as text, or text then calls
+    whose arguments follow each tool's schema (`_text_then_calls`), so a
+    call the model starts always parses. None where the engine cannot hold
+    it exactly (llama-server above temperature 0, or any Lark grammar: it
+    takes one JSON schema); the calls are then the model's own, parsed as
+    written, and a debug log says so, as for custom tools' inputs."""
+    if not tools:
+        return None
+    output = await run_cpu(_prompted_calls, tools, parallel)
+    refusal = engine.refusal(replace(sampling, constraint=output))
+    if refusal is not None:
+        log.debug("tools through the tool-use prompt: calls not held to the tools' schemas: %s",
+                  refusal.message)  # fmt: skip
+        return None
+    await _compiled(engine, output, "invalid_schema")
+    return output
+
+
+def _prompted_calls(tools: list[dict], parallel: bool) -> OutputConstraint:
+    try:
+        _check_tools(tools, "tools")
+        return _text_then_calls(tools, parallel)
+    except GrammarError as e:
+        raise APIError(400, str(e), param="tools", code="invalid_schema") from None
+
+
+def _text_then_calls(tools: list[dict], parallel: bool) -> OutputConstraint:
+    """Free text, or text up to a call's opening tag and then hermes calls,
+    one (or, `parallel`, more, a newline apart) to end the output.
+
+    As in `_tool_inputs`: the text is lazy up to the opening tag, or text
+    that never says it, so every call is held by the grammar."""
+    calls = '("\\n" call)*' if parallel else ""
+    rules = [
+        f"start: TEXT | text_to_call call_body {calls}",
+        f"text_to_call[lazy]: /(.|\\n)*{_CALL_OPEN_RX}/",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_CALL_START_RX}(.|\\n)*/",
+        f"call: {_CALL_OPEN} call_body",
+        f"call_body: {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}",
+    ]
+    return lark_constraint("\n".join(rules) + "\n", "tools")
+
+
 async def _compiled(engine: Engine, output: OutputConstraint, code: str) -> None:
     try:
         await engine.check_constraint(output)

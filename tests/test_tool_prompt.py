@@ -23,7 +23,9 @@ import openai
 import pytest
 from conftest import start_gateway, stop_gateway
 from mlx_lm.tokenizer_utils import load
+from tool_caller import build_tool_caller
 
+from specgate.builders.tokenizer import CHAT_TEMPLATE
 from specgate.gateway.api import tool_prompt
 from specgate.gateway.api.structured import _text_then_calls
 from specgate.gateway.api.tools import split_output
@@ -182,14 +184,77 @@ def test_the_config_key():
 # -- end to end ----------------------------------------------------------------------
 
 
+# Answers of two hand-built checkpoints (tests/tool_caller.py) on the same
+# plain ChatML template: a call that follows the schema, and one that does
+# not (`days` a string, `unit` missing), as a small model may write one.
+GOOD_CALL = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Paris", "unit": "c", "days": 2}}\n</tool_call>')  # fmt: skip
+SLOPPY_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris", "days": "two"}}\n</tool_call>')  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def prompt_gateway(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool-prompt-models")
+    good = build_tool_caller(root / "good", CHAT_TEMPLATE, GOOD_CALL)
+    sloppy = build_tool_caller(root / "sloppy", CHAT_TEMPLATE, SLOPPY_CALL)
     gw = start_gateway({"models": [
         {"id": "prompted", "path": str(tiny_model), "max_context": 2048, "tool_prompt": "default"},
         {"id": "plain", "path": str(tiny_model), "max_context": 2048},
+        {"id": "good", "path": str(good), "max_context": 2048, "tool_prompt": "default"},
+        {"id": "sloppy", "path": str(sloppy), "max_context": 2048, "tool_prompt": "default"},
     ]}, tmp_path_factory.mktemp("tool-prompt"))  # fmt: skip
     yield gw
     stop_gateway(gw)
+
+
+def test_a_call_left_to_the_model_comes_back_as_a_call(prompt_gateway):
+    client = openai.OpenAI(base_url=prompt_gateway.api, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="good", messages=ASK, tools=TOOLS, max_tokens=64,
+                                       temperature=0)  # fmt: skip
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c", "days": 2}
+    claude = anthropic.Anthropic(base_url=prompt_gateway.base_url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in TOOLS]  # fmt: skip
+    m = claude.messages.create(model="good", max_tokens=64, messages=ASK, tools=tools)
+    assert m.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "text", None) or getattr(b, "input", None)) for b in m.content] == [
+        ("text", "Let me check."), ("tool_use", {"city": "Paris", "unit": "c", "days": 2})]
+    ollama = httpx.post(prompt_gateway.base_url + "/api/chat", timeout=60, json={
+        "model": "good", "messages": ASK, "tools": TOOLS, "stream": False,
+        "options": {"temperature": 0}}).json()  # fmt: skip
+    assert [c["function"] for c in ollama["message"]["tool_calls"]] == [
+        {"index": 0, "name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 2}}]
+
+
+def test_the_grammar_holds_a_call_the_model_gets_wrong(prompt_gateway):
+    """Left to itself the model writes a call that breaks the schema; under
+    the grammar the call it starts follows the schema, so it parses."""
+    (sloppy,) = split_output(SLOPPY_CALL, "hermes", TOOLS)[1]
+    assert not valid_arguments(sloppy.name, sloppy.arguments)
+    client = openai.OpenAI(base_url=prompt_gateway.api, api_key="unused", max_retries=0)
+    for stream in (False, True):
+        r = client.chat.completions.create(model="sloppy", messages=ASK, tools=TOOLS,
+                                           max_tokens=96, temperature=0, stream=stream)  # fmt: skip
+        if stream:
+            parts = {}
+            for chunk in r:
+                for c in chunk.choices[0].delta.tool_calls or []:
+                    parts.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments
+            calls = [(n, json.loads(a)) for n, a in parts.values()]
+        else:
+            calls = [(c.function.name, json.loads(c.function.arguments))
+                     for c in r.choices[0].message.tool_calls or []]  # fmt: skip
+        assert len(calls) == 1 and calls[0][0] == "get_weather", calls
+        assert valid_arguments(*calls[0]) and calls[0][1]["city"] == "Paris", calls
+    # tool_choice "none": no grammar, nothing parsed: the model's own text.
+    r = client.chat.completions.create(model="sloppy", messages=ASK, tools=TOOLS, max_tokens=96,
+                                       temperature=0, tool_choice="none")  # fmt: skip
+    assert r.choices[0].message.content == SLOPPY_CALL and not r.choices[0].message.tool_calls
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

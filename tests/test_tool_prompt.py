@@ -25,6 +25,7 @@ from conftest import start_gateway, stop_gateway
 from mlx_lm.tokenizer_utils import load
 from tool_caller import build_tool_caller
 
+from specgate.builders.gguf_export import export_gguf
 from specgate.builders.tokenizer import CHAT_TEMPLATE
 from specgate.gateway.api import tool_prompt
 from specgate.gateway.api.structured import _text_then_calls
@@ -57,8 +58,10 @@ CLOCK = {
 TOOLS = [WEATHER, CLOCK]
 
 
-def valid_arguments(name: str, args: dict) -> bool:
-    """The arguments follow the tool's schema (its keywords used above)."""
+def valid_arguments(name: str, args: dict, lengths: bool = True) -> bool:
+    """The arguments follow the tool's schema (its keywords used above).
+    `lengths`: check maxLength too (not under llama-server, whose grammar
+    lets byte-fragment tokens through that decode to more characters)."""
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
     props = schema["properties"]
     if not set(schema["required"]) <= set(args) or not set(args) <= set(props):
@@ -66,7 +69,7 @@ def valid_arguments(name: str, args: dict) -> bool:
     for key, value in args.items():
         sub = props[key]
         if sub["type"] == "string" and not (isinstance(value, str)
-                                            and len(value) <= sub.get("maxLength", 1 << 30)):
+                                            and (not lengths or len(value) <= sub.get("maxLength", 1 << 30))):
             return False
         if "enum" in sub and value not in sub["enum"]:
             return False
@@ -437,3 +440,43 @@ def test_history_renders_as_text_through_every_api(prompt_gateway):
                                 tools=resp_tools, tool_choice="none", max_output_tokens=8,
                                 temperature=0)  # fmt: skip
     assert r.usage.input_tokens == count
+
+
+# -- llama.cpp: a grammar there is one JSON schema, at temperature 0 -------------------
+
+
+@pytest.fixture(scope="module")
+def llamacpp_gateway(tiny_model, llama_server_binary, tmp_path_factory):
+    """The tiny checkpoint as a GGUF (its plain ChatML template in the
+    metadata) under llama-server, with the opt-in."""
+    gguf = export_gguf(tiny_model, tmp_path_factory.mktemp("gguf") / "tiny.gguf", include_mtp=False)
+    gw = start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [
+        {"id": "prompted-gguf", "path": str(gguf), "engines": ["llamacpp"], "max_concurrent": 1,
+         "max_context": 1024, "llamacpp": {"threads": 1}, "tool_prompt": "default"},
+    ]}, tmp_path_factory.mktemp("tool-prompt-llamacpp"))  # fmt: skip
+    yield gw
+    stop_gateway(gw)
+
+
+@pytest.mark.timeout(600)
+def test_llamacpp_forced_call_at_temperature_0(llamacpp_gateway):
+    """A forced single call is one JSON schema between the call tags, which
+    llama-server takes at temperature 0; tools left to the model get no
+    grammar there (a Lark grammar it cannot take), so it answers freely;
+    a grammar above temperature 0 is refused, as for any forced call."""
+    client = openai.OpenAI(base_url=llamacpp_gateway.api, api_key="unused", max_retries=0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="prompted-gguf", messages=ASK, tools=TOOLS,
+                                           tool_choice=choice, parallel_tool_calls=False,
+                                           max_tokens=96, temperature=0)  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert valid_arguments(call.function.name, args, lengths=False), args
+    r = client.chat.completions.create(model="prompted-gguf", messages=ASK, tools=TOOLS,
+                                       max_tokens=8, temperature=0.7)  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="temperature 0"):
+        client.chat.completions.create(model="prompted-gguf", messages=ASK, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=8, temperature=0.7)  # fmt: skip

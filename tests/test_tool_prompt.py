@@ -373,6 +373,18 @@ def _prompt_tokens_and_greedy(gw, prompt: str) -> tuple[int, list[int]]:
     return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["token_ids"]
 
 
+def _relative(lps: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    top = max(lp for _, lp in lps)
+    return sorted((t, round(lp - top, 3)) for t, lp in lps)
+
+
+def _first_logprobs(gw, prompt: str) -> list[tuple[str, float]]:
+    r = httpx.post(gw.api + "/completions", timeout=60, json={
+        "model": "prompted", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "logprobs": 5})  # fmt: skip
+    return _relative(list(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].items()))
+
+
 def test_history_renders_as_text_through_every_api(prompt_gateway):
     """The prompt specgate builds for a tool history equals the text written
     out by hand above (rendered by ChatML): same prompt token count as that
@@ -398,10 +410,21 @@ def test_history_renders_as_text_through_every_api(prompt_gateway):
     assert r.choices[0].model_extra["token_ids"] == greedy
     # With the tools offered, the prompt lists them in the system message.
     listed = [expected[0] | {"content": "Be brief.\n\n" + tool_prompt.system_prompt(TOOLS)}]
-    listed_count, _ = _prompt_tokens_and_greedy(prompt_gateway, _chatml(listed + expected[1:]))
+    listed_count, listed_greedy = _prompt_tokens_and_greedy(prompt_gateway,
+                                                            _chatml(listed + expected[1:]))
+    # Held to text or calls, where text is anything but a call's tag, but
+    # valid UTF-8: the grammar masks some tokens, so the first token's
+    # logprobs are compared relative to the top one's (a mask renormalises).
     r = client.chat.completions.create(model="prompted", messages=openai_history, tools=TOOLS,
-                                       max_tokens=1, temperature=0)  # fmt: skip
+                                       max_tokens=1, temperature=0, logprobs=True,
+                                       top_logprobs=5)  # fmt: skip
     assert r.usage.prompt_tokens == listed_count
+    chat_lps = [(t.token, t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]
+    assert _relative(chat_lps) == _first_logprobs(prompt_gateway, _chatml(listed + expected[1:]))
+    # ... which tell apart the same text with the tool-use prompt in the user's message.
+    in_user = [expected[0], expected[1] | {
+        "content": tool_prompt.system_prompt(TOOLS) + "\n\n" + expected[1]["content"]}]
+    assert _relative(chat_lps) != _first_logprobs(prompt_gateway, _chatml(in_user + expected[2:]))
     # Anthropic's tool_use / tool_result blocks: the same prompt.
     claude = anthropic.Anthropic(base_url=prompt_gateway.base_url, api_key="unused", max_retries=0)
     anthropic_history = [

@@ -188,6 +188,30 @@ async def _rendered(engine: Engine, messages: list[dict], tools: list[dict],
         return tokens, moved
 
 
+_SYSTEM_TURNS: dict[str, bool] = {}  # chat template -> whether it renders a system message
+
+
+async def _renders_system(engine: Engine, template: str) -> bool:
+    """Whether a chat template renders a system message: the prompt grows
+    by it. Read by rendering, since a template may say no "system" and
+    render every role (plain ChatML), or say it and drop or refuse it."""
+    if (known := _SYSTEM_TURNS.get(template)) is not None:
+        return known
+    user = [{"role": "user", "content": "x"}]
+    try:
+        alone = await engine.render_chat(user, None, None)
+        with_system = await engine.render_chat([{"role": "system", "content": "y " * 8}] + user,
+                                               None, None)  # fmt: skip
+        known = len(with_system) > len(alone)
+    except (EngineOverloaded, EngineError):
+        raise
+    except Exception:  # the template refuses a system message (Gemma 2's raises)
+        known = False
+    if len(_SYSTEM_TURNS) < 64:  # a process serves few templates; never unbounded
+        _SYSTEM_TURNS[template] = known
+    return known
+
+
 @dataclass
 class ChatPrompt:
     tokens: list[int]
@@ -244,11 +268,11 @@ async def render_chat(
                 and not template_mentions_tools(template))  # fmt: skip
     if prompted:
         listed = tools if parse_tools else []
-        # A template with no system turn (none that says "system") gets the
-        # prompt in the first user message; one that refuses a system
-        # message (Gemma 2's raises) does too, on the second try.
+        # A template that renders no system turn gets the prompt in the first
+        # user message; one that refuses a system message where this
+        # conversation has it does too, on the second try.
         candidates = [prompted_tools.as_text(messages, listed, system_turn=False)]
-        if "system" in template and listed:
+        if listed and await _renders_system(engine, template):
             candidates.insert(0, prompted_tools.as_text(messages, listed))
         tools, fmt = [], prompted_tools.TOOL_FORMAT
     elif tools:

@@ -1,5 +1,5 @@
 """Tools on a chat template without tool support, through specgate's
-tool-use prompt (gateway/api/tool_prompt.py), as a model opts in with
+tool-use prompt (gateway/api/tools.py, its end), as a model opts in with
 `tool_prompt: default`.
 
 The tiny checkpoint's template is plain ChatML with no tools
@@ -27,9 +27,13 @@ from tool_caller import build_tool_caller
 
 from specgate.builders.gguf_export import export_gguf
 from specgate.builders.tokenizer import CHAT_TEMPLATE
-from specgate.gateway.api import tool_prompt
 from specgate.gateway.api.structured import _text_then_calls
-from specgate.gateway.api.tools import split_output
+from specgate.gateway.api.tools import (
+    PROMPT_TOOL_FORMAT,
+    split_output,
+    tool_use_prompt,
+    tools_as_text,
+)
 from specgate.gateway.config import parse_config
 
 WEATHER = {
@@ -105,8 +109,8 @@ RESULTS_TEXT = (
 
 
 def test_history_as_text():
-    rendered = tool_prompt.as_text(HISTORY, TOOLS)
-    prompt = tool_prompt.system_prompt(TOOLS)
+    rendered = tools_as_text(HISTORY, TOOLS)
+    prompt = tool_use_prompt(TOOLS)
     assert rendered == [
         {"role": "system", "content": "Be brief.\n\n" + prompt},
         {"role": "user", "content": "Weather in Paris and the time?"},
@@ -116,12 +120,12 @@ def test_history_as_text():
     # Each tool's schema is in the prompt, one JSON line each.
     assert json.dumps(WEATHER) in prompt.splitlines() and json.dumps(CLOCK) in prompt.splitlines()
     # An earlier call reads as the model writes one: it parses back.
-    text, calls = split_output(CALLS_TEXT, tool_prompt.TOOL_FORMAT, TOOLS)
+    text, calls = split_output(CALLS_TEXT, PROMPT_TOOL_FORMAT, TOOLS)
     assert text == "Checking." and [c.name for c in calls] == ["get_weather", "get_time"]
     # No system turn: the prompt opens the first user message; no tools: no prompt.
-    no_system = tool_prompt.as_text(HISTORY[1:], TOOLS, system_turn=False)
+    no_system = tools_as_text(HISTORY[1:], TOOLS, system_turn=False)
     assert no_system[0] == {"role": "user", "content": prompt + "\n\nWeather in Paris and the time?"}
-    assert tool_prompt.as_text(HISTORY, [])[0] == HISTORY[0]
+    assert tools_as_text(HISTORY, [])[0] == HISTORY[0]
 
 
 def test_anthropic_results_with_text_share_one_user_turn():
@@ -132,7 +136,7 @@ def test_anthropic_results_with_text_share_one_user_turn():
                 {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
             {"role": "tool", "tool_call_id": "a", "content": "noon"},
             {"role": "user", "content": "ok"}]  # fmt: skip
-    out = tool_prompt.as_text(msgs, [])
+    out = tools_as_text(msgs, [])
     assert [m["role"] for m in out] == ["user", "assistant", "user"]
     assert out[1]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert out[2]["content"] == "<tool_response>\nnoon\n</tool_response>\nok"
@@ -409,7 +413,7 @@ def test_history_renders_as_text_through_every_api(prompt_gateway):
     assert r.usage.prompt_tokens == count
     assert r.choices[0].model_extra["token_ids"] == greedy
     # With the tools offered, the prompt lists them in the system message.
-    listed = [expected[0] | {"content": "Be brief.\n\n" + tool_prompt.system_prompt(TOOLS)}]
+    listed = [expected[0] | {"content": "Be brief.\n\n" + tool_use_prompt(TOOLS)}]
     listed_count, listed_greedy = _prompt_tokens_and_greedy(prompt_gateway,
                                                             _chatml(listed + expected[1:]))
     # Held to text or calls, where text is anything but a call's tag, but
@@ -423,7 +427,7 @@ def test_history_renders_as_text_through_every_api(prompt_gateway):
     assert _relative(chat_lps) == _first_logprobs(prompt_gateway, _chatml(listed + expected[1:]))
     # ... which tell apart the same text with the tool-use prompt in the user's message.
     in_user = [expected[0], expected[1] | {
-        "content": tool_prompt.system_prompt(TOOLS) + "\n\n" + expected[1]["content"]}]
+        "content": tool_use_prompt(TOOLS) + "\n\n" + expected[1]["content"]}]
     assert _relative(chat_lps) != _first_logprobs(prompt_gateway, _chatml(in_user + expected[2:]))
     # Anthropic's tool_use / tool_result blocks: the same prompt.
     claude = anthropic.Anthropic(base_url=prompt_gateway.base_url, api_key="unused", max_retries=0)

@@ -296,7 +296,7 @@ class _ModelConfig(_Strict):
     # the tools in its own tool-use system prompt, renders earlier calls and
     # their results as text in the same syntax, and holds the output to
     # text and calls whose arguments follow each tool's schema
-    # (gateway/api/tool_prompt.py), as LM Studio answers such requests.
+    # (gateway/api/tools.py, tools_as_text), as LM Studio answers such requests.
     tool_prompt: Literal["default"] | None = Field(
         None, description="Tools on a chat template without tool support: null (a 400) or "
         "\"default\" (specgate's tool-use prompt and a grammar for the calls)")

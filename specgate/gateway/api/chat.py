@@ -28,13 +28,14 @@ from specgate.engines.base import (
     ThinkingBudget,
     TokenLogprob,
 )
-from specgate.gateway.api import tool_prompt as prompted_tools
 from specgate.gateway.api.thinking import UNSAID, OutputStream, ThinkingAsk, plan_thinking
 from specgate.gateway.api.tools import (
+    PROMPT_TOOL_FORMAT,
     ToolCallStream,
     ToolFormat,
     template_mentions_tools,
     tool_format,
+    tools_as_text,
 )
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
@@ -224,7 +225,7 @@ class ChatPrompt:
     thinking: ThinkingBudget | None = None
     held: ThinkingBudget | None = None
     # The tools reach the model through specgate's tool-use prompt
-    # (gateway/api/tool_prompt.py), not its template: with tools left to the
+    # (tools.tools_as_text), not its template: with tools left to the
     # model, its output is then held to text and calls (structured.py).
     prompted: bool = False
 
@@ -258,7 +259,7 @@ async def render_chat(
     to count tokens). `ask`: the request's thinking; `grammar`: its answer
     is held to a grammar (which then starts after the thinking).
     `tool_prompt`: the model's config key; "default" on a template without
-    tools renders tools, calls and results as text (tool_prompt.py), where
+    tools renders tools, calls and results as text (tools.tools_as_text), where
     tools are listed only if the output is parsed for calls (not with
     tool_choice "none")."""
     fmt, listed = None, tools
@@ -271,10 +272,10 @@ async def render_chat(
         # A template that renders no system turn gets the prompt in the first
         # user message; one that refuses a system message where this
         # conversation has it does too, on the second try.
-        candidates = [prompted_tools.as_text(messages, listed, system_turn=False)]
+        candidates = [tools_as_text(messages, listed, system_turn=False)]
         if listed and await _renders_system(engine, template):
-            candidates.insert(0, prompted_tools.as_text(messages, listed))
-        tools, fmt = [], prompted_tools.TOOL_FORMAT
+            candidates.insert(0, tools_as_text(messages, listed))
+        tools, fmt = [], PROMPT_TOOL_FORMAT
     elif tools:
         if template is None or not template_mentions_tools(template):
             raise APIError(

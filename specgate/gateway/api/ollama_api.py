@@ -192,7 +192,7 @@ async def show(body: ShowRequest, request: Request):
     if context:
         info[f"{family}.context_length"] = context
     # A template without tools takes them through specgate's tool-use prompt
-    # where the model opts in (tool_prompt.py).
+    # where the model opts in (tools.tools_as_text).
     takes_tools = tool_format(template) or (served.config.tool_prompt and template
                                             and not template_mentions_tools(template))
     capabilities = ["completion"] + (["tools"] if takes_tools else [])

@@ -7,6 +7,9 @@ grammar (engines/base.OutputConstraint) every engine masks by.
   Anthropic `any` or `tool`): one or more calls in the model's own format
   (gateway/api/tools.py), each a listed function with arguments of its schema;
 - JSON output with tools left to the model: the JSON value or the calls;
+- tools left to the model through specgate's tool-use prompt (a template
+  without tools, `tool_prompt: default`): text, or text then hermes calls
+  (`checked_prompted_calls`);
 - a Responses `custom` tool's input held to its own grammar (Lark or a
   regular expression, `ToolGrammar`): inside a forced call, and with tools
   left to the model (`checked_tool_inputs`) as free text or calls, where
@@ -137,7 +140,7 @@ async def checked_prompted_calls(
     engine: Engine, tools: list[dict], parallel: bool, sampling: SamplingParams
 ) -> OutputConstraint | None:
     """With tools left to the model through specgate's tool-use prompt
-    (gateway/api/tool_prompt.py), the output as text, or text then calls
+    (tools.tools_as_text), the output as text, or text then calls
     whose arguments follow each tool's schema (`_text_then_calls`), so a
     call the model starts always parses. None where the engine cannot hold
     it exactly (llama-server above temperature 0, or any Lark grammar: it

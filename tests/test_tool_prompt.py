@@ -13,6 +13,7 @@ library in the venv), through the real SDKs.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import anthropic
@@ -26,7 +27,7 @@ from mlx_lm.tokenizer_utils import load
 from tool_caller import build_tool_caller
 
 from specgate.builders.gguf_export import export_gguf
-from specgate.builders.tokenizer import CHAT_TEMPLATE
+from specgate.builders.tokenizer import CHAT_TEMPLATE, write_chat_template
 from specgate.gateway.api.structured import _text_then_calls
 from specgate.gateway.api.tools import (
     PROMPT_TOOL_FORMAT,
@@ -200,17 +201,30 @@ SLOPPY_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": '
                '{"city": "Paris", "days": "two"}}\n</tool_call>')  # fmt: skip
 
 
+# ChatML that renders no system turn: one drops it, one refuses it (as
+# Gemma 2's and early Mistral templates raise on it).
+DROPS_SYSTEM = CHAT_TEMPLATE.replace("{%- for message in messages -%}",
+                                     "{%- for message in messages if message['role'] != 'system' -%}")
+REFUSES_SYSTEM = ("{%- for message in messages if message['role'] == 'system' -%}"
+                  "{{- raise_exception('System role not supported') -}}{%- endfor -%}" + CHAT_TEMPLATE)
+
+
 @pytest.fixture(scope="module")
 def prompt_gateway(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tool-prompt-models")
     good = build_tool_caller(root / "good", CHAT_TEMPLATE, GOOD_CALL)
     sloppy = build_tool_caller(root / "sloppy", CHAT_TEMPLATE, SLOPPY_CALL)
+    no_system = {}
+    for name, template in (("drops", DROPS_SYSTEM), ("refuses", REFUSES_SYSTEM)):
+        no_system[name] = shutil.copytree(tiny_model, root / name)
+        write_chat_template(no_system[name], template)
     gw = start_gateway({"models": [
         {"id": "prompted", "path": str(tiny_model), "max_context": 2048, "tool_prompt": "default"},
         {"id": "plain", "path": str(tiny_model), "max_context": 2048},
         {"id": "good", "path": str(good), "max_context": 2048, "tool_prompt": "default"},
         {"id": "sloppy", "path": str(sloppy), "max_context": 2048, "tool_prompt": "default"},
-    ]}, tmp_path_factory.mktemp("tool-prompt"))  # fmt: skip
+    ] + [{"id": name, "path": str(path), "max_context": 2048, "tool_prompt": "default"}
+         for name, path in no_system.items()]}, tmp_path_factory.mktemp("tool-prompt"))  # fmt: skip
     yield gw
     stop_gateway(gw)
 
@@ -378,13 +392,16 @@ def _prompt_tokens_and_greedy(gw, prompt: str) -> tuple[int, list[int]]:
 
 
 def _relative(lps: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Logprobs less the top one's, by token text; as a dict, as
+    /v1/completions gives them (byte tokens that each decode to U+FFFD
+    share one entry there: the last)."""
     top = max(lp for _, lp in lps)
-    return sorted((t, round(lp - top, 3)) for t, lp in lps)
+    return sorted((t, round(lp - top, 3)) for t, lp in dict(lps).items())
 
 
-def _first_logprobs(gw, prompt: str) -> list[tuple[str, float]]:
+def _first_logprobs(gw, prompt: str, model: str = "prompted") -> list[tuple[str, float]]:
     r = httpx.post(gw.api + "/completions", timeout=60, json={
-        "model": "prompted", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "logprobs": 5})  # fmt: skip
     return _relative(list(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].items()))
 
@@ -507,3 +524,17 @@ def test_llamacpp_forced_call_at_temperature_0(llamacpp_gateway):
         client.chat.completions.create(model="prompted-gguf", messages=ASK, tools=TOOLS,
                                        tool_choice="required", parallel_tool_calls=False,
                                        max_tokens=8, temperature=0.7)  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["drops", "refuses"])
+def test_a_template_without_a_system_turn_gets_the_prompt_in_the_user_message(
+        prompt_gateway, model):  # fmt: skip
+    client = openai.OpenAI(base_url=prompt_gateway.api, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1,
+                                       temperature=0, logprobs=True, top_logprobs=5)  # fmt: skip
+    in_user = [{"role": "user", "content": tool_use_prompt(TOOLS) + "\n\n" + ASK[0]["content"]}]
+    count = httpx.post(prompt_gateway.api + "/completions", json={
+        "model": model, "prompt": _chatml(in_user), "max_tokens": 1}).json()["usage"]  # fmt: skip
+    assert r.usage.prompt_tokens == count["prompt_tokens"]
+    chat_lps = [(t.token, t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]
+    assert _relative(chat_lps) == _first_logprobs(prompt_gateway, _chatml(in_user), model)

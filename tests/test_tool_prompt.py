@@ -250,6 +250,13 @@ def test_a_call_left_to_the_model_comes_back_as_a_call(prompt_gateway):
         "options": {"temperature": 0}}).json()  # fmt: skip
     assert [c["function"] for c in ollama["message"]["tool_calls"]] == [
         {"index": 0, "name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 2}}]
+    resp_tools = [{"type": "function", "name": t["function"]["name"],
+                   "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]  # fmt: skip
+    r = client.responses.create(model="good", input=ASK[0]["content"], tools=resp_tools,
+                                max_output_tokens=64, temperature=0)  # fmt: skip
+    assert [(i.type, getattr(i, "name", None)) for i in r.output] == [
+        ("message", None), ("function_call", "get_weather")]
+    assert json.loads(r.output[1].arguments) == {"city": "Paris", "unit": "c", "days": 2}
 
 
 def test_the_grammar_holds_a_call_the_model_gets_wrong(prompt_gateway):
@@ -484,6 +491,15 @@ def test_history_renders_as_text_through_every_api(prompt_gateway):
                                 tools=resp_tools, tool_choice="none", max_output_tokens=8,
                                 temperature=0)  # fmt: skip
     assert r.usage.input_tokens == count
+    # Ollama: tool_calls with arguments as an object, tool messages.
+    ollama_history = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in openai_history]
+    for m in ollama_history:
+        for c in m.get("tool_calls", []):
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    r = httpx.post(prompt_gateway.base_url + "/api/chat", timeout=60, json={
+        "model": "prompted", "messages": ollama_history, "stream": False,
+        "options": {"num_predict": 1}}).json()  # fmt: skip
+    assert r["prompt_eval_count"] == count
 
 
 # -- llama.cpp: a grammar there is one JSON schema, at temperature 0 -------------------

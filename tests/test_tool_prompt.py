@@ -172,6 +172,9 @@ def test_text_then_calls_grammar(tokenizer):
     assert accepts(tokenizer, grammar, "Let me check.\n" + CALLS_TEXT[len("Checking.\n") :])
     assert accepts(tokenizer, grammar, call)
     assert not accepts(tokenizer, grammar, call + "\nmore text after the calls")
+    # The tag in text is a call's start to the parser: only where a call opens.
+    assert not accepts(tokenizer, grammar, "say <tool_call> once. " + call)
+    assert accepts(tokenizer, grammar, "almost <tool_call, then " + call)
     assert not accepts(tokenizer, grammar, call.replace('"utc"', '"mars"'))  # not in the enum
     assert not accepts(tokenizer, grammar, call.replace("get_time", "get_date"))  # no such tool
     missing = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -209,10 +212,20 @@ REFUSES_SYSTEM = ("{%- for message in messages if message['role'] == 'system' -%
                   "{{- raise_exception('System role not supported') -}}{%- endfor -%}" + CHAT_TEMPLATE)
 
 
+# A reasoning model without tools: ChatML whose generation prompt opens
+# `<think>`; its thought names the call tag, which only the answer may use.
+THINKING_CHATML = CHAT_TEMPLATE.replace("'<|im_start|>assistant\\n'",
+                                        "'<|im_start|>assistant\\n<think>\\n'")
+THOUGHT = "Call <tool_call> for it? Yes."
+
+
 @pytest.fixture(scope="module")
 def prompt_gateway(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tool-prompt-models")
     good = build_tool_caller(root / "good", CHAT_TEMPLATE, GOOD_CALL)
+    thinker = build_tool_caller(root / "thinker", THINKING_CHATML,
+                                f"{THOUGHT}\n</think>\n\n{GOOD_CALL}", thinking=True,
+                                tail="<|im_end|>\n<|im_start|>assistant\n<think>\n")  # fmt: skip
     sloppy = build_tool_caller(root / "sloppy", CHAT_TEMPLATE, SLOPPY_CALL)
     no_system = {}
     for name, template in (("drops", DROPS_SYSTEM), ("refuses", REFUSES_SYSTEM)):
@@ -223,6 +236,7 @@ def prompt_gateway(tiny_model, tmp_path_factory):
         {"id": "plain", "path": str(tiny_model), "max_context": 2048},
         {"id": "good", "path": str(good), "max_context": 2048, "tool_prompt": "default"},
         {"id": "sloppy", "path": str(sloppy), "max_context": 2048, "tool_prompt": "default"},
+        {"id": "thinker", "path": str(thinker), "max_context": 2048, "tool_prompt": "default"},
     ] + [{"id": name, "path": str(path), "max_context": 2048, "tool_prompt": "default"}
          for name, path in no_system.items()]}, tmp_path_factory.mktemp("tool-prompt"))  # fmt: skip
     yield gw
@@ -554,3 +568,16 @@ def test_a_template_without_a_system_turn_gets_the_prompt_in_the_user_message(
     assert r.usage.prompt_tokens == count["prompt_tokens"]
     chat_lps = [(t.token, t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]
     assert _relative(chat_lps) == _first_logprobs(prompt_gateway, _chatml(in_user), model)
+
+
+def test_a_thought_is_not_held_to_calls(prompt_gateway):
+    """The grammar starts after the thinking: a thought may say the call tag."""
+    assert "tools" not in THINKING_CHATML and "<think>" in THINKING_CHATML
+    client = openai.OpenAI(base_url=prompt_gateway.api, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="thinker", messages=ASK, tools=TOOLS, max_tokens=96,
+                                       temperature=0)  # fmt: skip
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == THOUGHT
+    assert msg.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+    (call,) = msg.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c", "days": 2}

@@ -294,7 +294,13 @@ async def render_chat(
                 param="tools",
                 code="tools_unsupported",
             )
-    planned = plan_thinking(await engine.thinking_format(), ask, grammar)
+    form = await engine.thinking_format()
+    # Tools left to the model through the prompt are held to a grammar too
+    # (structured.checked_prompted_calls), after the thinking where the
+    # engine can start it there; llama-server cannot take that grammar, so
+    # there its thinking stays as asked.
+    held_to_calls = prompted and parse_tools and form is not None and form.grammar_after_thinking
+    planned = plan_thinking(form, ask, grammar or held_to_calls)
     kwargs = planned.template_kwargs
     try:
         for i, messages in enumerate(candidates):

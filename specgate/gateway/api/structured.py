@@ -170,12 +170,15 @@ def _text_then_calls(tools: list[dict], parallel: bool) -> OutputConstraint:
     """Free text, or text up to a call's opening tag and then hermes calls,
     one (or, `parallel`, more, a newline apart) to end the output.
 
-    As in `_tool_inputs`: the text is lazy up to the opening tag, or text
-    that never says it, so every call is held by the grammar."""
+    The text never says the opening tag but where a call opens (else the
+    tool-call parser would take that for a call's start, and the call after
+    it for that call's body): TEXT is text without it (llguidance's `&` and
+    `~` on regular expressions), and TEXT_TO_CALL such text then the tag,
+    one lexeme, so the lexer need not guess where the text ends."""
     calls = '("\\n" call)*' if parallel else ""
     rules = [
-        f"start: TEXT | text_to_call call_body {calls}",
-        f"text_to_call[lazy]: /(.|\\n)*{_CALL_OPEN_RX}/",
+        f"start: TEXT | TEXT_TO_CALL call_body {calls}",
+        f"TEXT_TO_CALL: TEXT {_CALL_OPEN}",
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_CALL_START_RX}(.|\\n)*/",
         f"call: {_CALL_OPEN} call_body",
         f"call_body: {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}",

@@ -294,6 +294,15 @@ class _ModelConfig(_Strict):
     llamacpp: LlamaServerSettings = Field(default_factory=LlamaServerSettings)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     thinking: ThinkingConfig = Field(default_factory=ThinkingConfig, description=ThinkingConfig.__doc__)
+    # Tools for a model whose chat template has no tool support. null (the
+    # default): a request with `tools` is a 400. "default": specgate lists
+    # the tools in its own tool-use system prompt, renders earlier calls and
+    # their results as text in the same syntax, and holds the output to
+    # text and calls whose arguments follow each tool's schema
+    # (gateway/api/tools.py, tools_as_text), as LM Studio answers such requests.
+    tool_prompt: Literal["default"] | None = Field(
+        None, description="Tools on a chat template without tool support: null (a 400) or "
+        "\"default\" (specgate's tool-use prompt and a grammar for the calls)")
 
     @property
     def is_gguf(self) -> bool:

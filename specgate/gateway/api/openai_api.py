@@ -240,14 +240,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     json_output = body.response_format.json_output() if body.response_format else None
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              ask=body.thinking_ask(served.config.thinking),
-                             grammar=json_output is not None or body.forced_tools is not None)
+                             grammar=json_output is not None or body.forced_tools is not None,
+                             tool_prompt=served.config.tool_prompt)  # fmt: skip
     prompt = chat.tokens
     limit, limit_param = body.token_limit
     tools = body.template_tools if chat.tool_format else []
     output = await structured.checked_constraint(engine, json_output, body.forced_tools, tools,
                                                  chat.tool_format)  # fmt: skip
-    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output,
-                       thinking=chat.held)  # fmt: skip
+    sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
+    if output is None and chat.prompted:  # tools left to the model, through specgate's prompt
+        output = await structured.checked_prompted_calls(
+            engine, tools, body.parallel_tool_calls is not False, sampling)
+    sampling = replace(sampling, constraint=output, thinking=chat.held)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
                        body.ignore_eos, prompt_text=messages[-1]["content"],

@@ -1,6 +1,6 @@
 """A real pretrained model through every route specgate has, side by side in one run.
 
-    uv run python bench/real_model.py [--pairs 5] [--max-tokens 128] [--gguf PATH]
+    uv run python bench/real_routes.py [--pairs 5] [--max-tokens 128] [--gguf PATH]
         [--only mlx,llamacpp,policy,divergence]
 
 The model: SmolLM2-135M-Instruct Q4_1 (llama architecture, Apache-2.0), the
@@ -362,7 +362,9 @@ def main() -> None:
     mlx_dir = import_gguf(args.gguf, args.home)
     say(f"{args.gguf.name}: imported for MLX at {mlx_dir} ({time.perf_counter() - t0:.1f} s)")
     count = Counter(mlx_dir)
-    work = Path(tempfile.mkdtemp(prefix="real-model-"))
+    work = Path(tempfile.mkdtemp(prefix="real-routes-"))
+    for part in ("mlx", "llamacpp", "policy"):
+        (work / part).mkdir()
     parts = set(args.only.split(","))
     if "mlx" in parts:
         run_mlx(args, args.gguf, mlx_dir, count, work)

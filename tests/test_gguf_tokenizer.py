@@ -29,6 +29,8 @@ from specgate.engines.checkpoints.gguf_import.tokenizer import (
     PRE_TOKENIZERS,
     UnsupportedTokenizer,
     tokenizer_files,
+    tokenizer_files_from_metadata,
+    tokenizer_metadata,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,7 +221,11 @@ def mismatches(tok: Tokenizer, texts: list[str], want: list[list[int]]) -> list[
 
 def _gpt2_byte_chars() -> dict[int, str]:
     """GPT-2's byte -> character table (the alphabet of byte-level vocabularies)."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    keep = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     shifted = iter(range(256, 512))
     return {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
 
@@ -336,10 +342,10 @@ def write_tiny_llama(path: Path, tokenizer_kv: dict[str, object], n_vocab: int) 
 
 
 def smollm2_tokenizer_kv(path: Path) -> dict[str, object]:
-    reader = gguf.GGUFReader(path)
+    meta = tokenizer_metadata(gguf.GGUFReader(path))
     keys = ("model", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
             "unknown_token_id", "padding_token_id", "add_bos_token")  # fmt: skip
-    return {f"tokenizer.ggml.{k}": reader.fields[f"tokenizer.ggml.{k}"].contents() for k in keys}
+    return {f"tokenizer.ggml.{k}": meta[f"tokenizer.ggml.{k}"] for k in keys}
 
 
 # Pre types whose regexes are checked against llama.cpp here (each costs a
@@ -352,18 +358,44 @@ CHECKED_PRES = (
 )  # fmt: skip
 
 
+# Where this llama.cpp build splits otherwise than the tokenizer.json regex
+# it names (which tokenizer.py keeps: it is how the model was trained), and
+# which strings show it; those strings are left out for that pre.
+# - deepseek-llm/-coder: llama.cpp runs their non-category regexes through
+#   std::wregex on text whose non-ASCII whitespace it first turned into \x0b
+#   (unicode.cpp), so U+2009, U+3000... miss the CJK ranges that hold them.
+# - youtu, tiny_aya: llama.cpp collapses \p{Lu} and \p{Ll} into one LETTER
+#   class, so it does not split camelCase where the regex does; and for
+#   tiny_aya it replaces the digit-grouping regex with AFMoE's splitter (a
+#   TODO in unicode.cpp), which glues the text before a number to its first
+#   group.
+_NON_ASCII_SPACE = re.compile(r"[^\x00-\x7f](?<=\s)")
+_CAMEL_CASE = re.compile(r"[a-z\u00e0-\u00ff][A-Z\u00c0-\u00de]")
+KNOWN_DEVIATIONS = {
+    "deepseek-llm": _NON_ASCII_SPACE,
+    "deepseek-coder": _NON_ASCII_SPACE,
+    "youtu": _CAMEL_CASE,
+    "tiny_aya": re.compile(rf"\d|{_CAMEL_CASE.pattern}"),
+}
+
+
 @pytest.mark.timeout(1800)
 def test_pre_types_split_as_llama_cpp(smollm2_gguf, llama_server_binary, tmp_path):
     assert set(CHECKED_PRES) <= set(PRE_TOKENIZERS)
     kv = smollm2_tokenizer_kv(smollm2_gguf)
     n_vocab = len(kv["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
-    texts = corpus(n_mixed=250, n_code=60, seed=7)
+    every = corpus(n_mixed=150, n_code=40, seed=7)
     failures = {}
     for pre in CHECKED_PRES:
+        skip = KNOWN_DEVIATIONS.get(pre)
+        texts = [t for t in every if skip is None or not skip.search(t)]
+        assert len(texts) >= 120, pre
         model = write_tiny_llama(
             tmp_path / f"{pre}.gguf", {**kv, "tokenizer.ggml.pre": pre}, n_vocab
         )
-        tok = Tokenizer.from_str(tokenizer_files(gguf.GGUFReader(model))["tokenizer.json"])
+        # The same metadata the file got, without reading the file back.
+        meta = {**kv, "tokenizer.ggml.pre": pre}
+        tok = Tokenizer.from_str(tokenizer_files_from_metadata(meta)["tokenizer.json"])
         with llama_server(llama_server_binary, model, tmp_path / f"{pre}.log") as client:
             want = server_ids(client, texts, parse_special=True)
         if bad := mismatches(tok, texts, want):
@@ -422,7 +454,8 @@ def test_sentencepiece_gguf_tokenizes_as_llama_server(spm_model, llama_server_bi
     model = write_tiny_llama(tmp_path / "spm.gguf", kv, len(tokens))  # type: ignore[arg-type]
     out = rebuilt(model, tmp_path)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    texts = [t for t in corpus(n_mixed=300, n_code=100, seed=3) if "\x0b" not in t]
+    own = ["a<think>b", "x <ctrl> y", "<ctrl>", "<think> <think>", "<s>hi</s>", " <|im_start|> "]
+    texts = corpus(n_mixed=300, n_code=100, seed=3) + own
     with llama_server(llama_server_binary, model, tmp_path / "spm.log") as client:
         want = server_ids(client, texts, parse_special=True)
         with_bos = client.post(
@@ -432,10 +465,15 @@ def test_sentencepiece_gguf_tokenizes_as_llama_server(spm_model, llama_server_bi
     # add_bos_token: the post-processor prepends BOS as llama.cpp does.
     assert tok.encode("hi there").ids == with_bos["tokens"]
     assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
-    # Decoding gives back the text (byte fallback covers what the vocabulary lacks).
-    plain = [t for t in texts if "<ctrl>" not in t]
-    decoded = [tok.decode(tok.encode(t, add_special_tokens=False).ids) for t in plain]
-    assert decoded == plain
+    # Decoding gives text without added tokens back (byte fallback covers
+    # what the vocabulary lacks; after an added token both tokenizers put
+    # the SentencePiece space prefix). Not compared with llama-server's
+    # /detokenize: that joins pieces and keeps the prefix's leading space.
+    decoded = [tok.decode(ids, skip_special_tokens=False) for ids in want]
+    added = ("<|im_start|>", "<think>", "<ctrl>", "<s>", "</s>")
+    plain = [(t, d) for t, d in zip(texts, decoded, strict=True) if not any(a in t for a in added)]
+    assert len(plain) >= 300
+    assert [d for _, d in plain] == [t for t, _ in plain]
 
 
 # --- what it refuses -------------------------------------------------------------

@@ -27,6 +27,7 @@ Two tokenizer models are rebuilt:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,9 +211,9 @@ class UnsupportedTokenizer(ValueError):
     """The GGUF describes a tokenizer this module cannot rebuild faithfully."""
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = meta.get(key)
+    return default if value is None else value
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
@@ -235,8 +236,8 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return {text: i for i, text in enumerate(tokens)}
 
 
-def _merges(reader: Any) -> list[tuple[str, str]]:
-    raw = _field(reader, "tokenizer.ggml.merges")
+def _merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+    raw = _field(meta, "tokenizer.ggml.merges")
     if raw is None:
         raise UnsupportedTokenizer("byte-level BPE GGUF without tokenizer.ggml.merges")
     pairs = []
@@ -267,8 +268,10 @@ def _bos_eos_processor(
     )
 
 
-def _byte_level(reader: Any, tokens: list[str], types: list[int]) -> tuple[Tokenizer, _Pre]:
-    pre_name = _field(reader, "tokenizer.ggml.pre") or "default"
+def _byte_level(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, _Pre]:
+    pre_name = _field(meta, "tokenizer.ggml.pre") or "default"
     pre = PRE_TOKENIZERS.get(pre_name)
     if pre is None:
         raise UnsupportedTokenizer(
@@ -278,7 +281,7 @@ def _byte_level(reader: Any, tokens: list[str], types: list[int]) -> tuple[Token
     tok = Tokenizer(
         models.BPE(
             vocab=_vocab(tokens),
-            merges=_merges(reader),
+            merges=_merges(meta),
             ignore_merges=pre.ignore_merges,
             fuse_unk=False,
         )
@@ -310,11 +313,13 @@ def _generate_merges(
     return [(left, right) for *_, left, right in found]
 
 
-def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[Tokenizer, bool]:
-    scores = _field(reader, "tokenizer.ggml.scores")
+def _sentencepiece(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, bool]:
+    scores = _field(meta, "tokenizer.ggml.scores")
     if scores is None:
         raise UnsupportedTokenizer("SentencePiece GGUF without tokenizer.ggml.scores")
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = _field(meta, "tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(
         models.BPE(
@@ -330,7 +335,7 @@ def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[To
     # before every run of text that starts the input or follows a special
     # token; the `tokenizers` normalizer runs once per such run, so Prepend
     # does the same.
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(_field(meta, "tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend(_SPM_SPACE)] if prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
     parts = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -340,25 +345,47 @@ def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[To
     return tok, prefix
 
 
+def tokenizer_metadata(reader: Any) -> dict[str, Any]:
+    """What tokenizer_files reads from a `gguf.GGUFReader`: every
+    `tokenizer.*` key, the architecture and its context length, as values."""
+    arch = (
+        reader.fields["general.architecture"].contents()
+        if "general.architecture" in reader.fields
+        else None
+    )
+    wanted = {"general.architecture", f"{arch}.context_length"}
+    return {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if k.startswith("tokenizer.") or k in wanted
+    }
+
+
 def tokenizer_files(reader: Any) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json
     (filename -> text) for the tokenizer a `gguf.GGUFReader` describes.
 
     Raises UnsupportedTokenizer for a tokenizer model or pre-tokenizer it
     cannot rebuild the way llama.cpp tokenizes."""
-    model = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return tokenizer_files_from_metadata(tokenizer_metadata(reader))
+
+
+def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
+    """tokenizer_files from GGUF metadata already read (key -> value, as
+    tokenizer_metadata gives it)."""
+    model = _field(meta, "tokenizer.ggml.model")
+    tokens = _field(meta, "tokenizer.ggml.tokens")
     if model is None or tokens is None:
         raise UnsupportedTokenizer("the GGUF has no tokenizer (tokenizer.ggml.model / tokens)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    types = _field(meta, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise UnsupportedTokenizer(f"{len(tokens)} tokens but {len(types)} token types")
 
     if model == "gpt2":
-        tok, pre = _byte_level(reader, tokens, types)
+        tok, pre = _byte_level(meta, tokens, types)
         add_bos_default, clean_spaces = pre.add_bos, pre.clean_spaces
     elif model == "llama":
-        tok, _ = _sentencepiece(reader, tokens, types)
+        tok, _ = _sentencepiece(meta, tokens, types)
         add_bos_default, clean_spaces = True, False
     else:
         raise UnsupportedTokenizer(
@@ -367,13 +394,13 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
     tok.add_tokens(_added_tokens(tokens, types))
 
     def special(key: str) -> str | None:
-        i = _field(reader, f"tokenizer.ggml.{key}")
+        i = _field(meta, f"tokenizer.ggml.{key}")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     bos, eos = special("bos_token_id"), special("eos_token_id")
     unk, pad = special("unknown_token_id"), special("padding_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(_field(meta, "tokenizer.ggml.add_eos_token", False))
     ids = _vocab(tokens)
     if (post := _bos_eos_processor(bos, eos, ids, add_bos=add_bos, add_eos=add_eos)) is not None:
         tok.post_processor = post
@@ -382,7 +409,7 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
 
     specials = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
     specials = {k: v for k, v in specials.items() if v is not None}
-    arch = _field(reader, "general.architecture")
+    arch = _field(meta, "general.architecture")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
@@ -390,9 +417,9 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": clean_spaces,
     }
-    if (ctx := _field(reader, f"{arch}.context_length")) is not None:
+    if (ctx := _field(meta, f"{arch}.context_length")) is not None:
         config["model_max_length"] = int(ctx)
-    if (template := _chat_template(reader)) is not None:
+    if (template := _chat_template(meta)) is not None:
         config["chat_template"] = template
     return {
         "tokenizer.json": tok.to_str(pretty=False),
@@ -401,14 +428,14 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
     }
 
 
-def _chat_template(reader: Any) -> str | list[dict[str, str]] | None:
+def _chat_template(meta: Mapping[str, Any]) -> str | list[dict[str, str]] | None:
     """The default template, or HF's list form when the file also carries
     named ones (`tokenizer.chat_template.<name>`, e.g. tool_use)."""
-    default = _field(reader, "tokenizer.chat_template")
+    default = _field(meta, "tokenizer.chat_template")
     prefix = "tokenizer.chat_template."
     named = [
-        {"name": k[len(prefix) :], "template": _field(reader, k)}
-        for k in reader.fields
+        {"name": k[len(prefix) :], "template": _field(meta, k)}
+        for k in meta
         if k.startswith(prefix)
     ]
     if not named:

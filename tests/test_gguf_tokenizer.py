@@ -476,6 +476,52 @@ def test_sentencepiece_gguf_tokenizes_as_llama_server(spm_model, llama_server_bi
     assert [d for _, d in plain] == [t for t, _ in plain]
 
 
+def gemma4_tokenizer_kv(model_file: Path) -> dict[str, object]:
+    """The SentencePiece vocabulary as a `gemma4` tokenizer: BPE with merges
+    listed (best score first), newline runs as tokens, as Gemma 4 files have."""
+    kv = spm_tokenizer_kv(model_file)
+    tokens = [*kv["tokenizer.ggml.tokens"], "\n", "\n\n", "\n\n\n", "\n\n\n\n"]  # type: ignore[misc]
+    types = [*kv["tokenizer.ggml.token_type"], 1, 1, 1, 1]  # type: ignore[misc]
+    scores = [*kv["tokenizer.ggml.scores"], 0.0, 0.0, 0.0, 0.0]  # type: ignore[misc]
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == 1 and "\n" not in t}
+    merges = sorted(
+        (-scores[i], left, t[len(left) :])
+        for t, i in normal.items()
+        for left in (t[:cut] for cut in range(1, len(t)))
+        if left in normal and t[len(left) :] in normal
+    )
+    return {
+        **kv,
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.merges": [f"{a} {b}" for _, a, b in merges],
+    }
+
+
+@pytest.mark.timeout(1800)
+def test_gemma4_gguf_tokenizes_as_llama_server(spm_model, llama_server_binary, tmp_path):
+    kv = gemma4_tokenizer_kv(spm_model)
+    model = write_tiny_llama(tmp_path / "g4.gguf", kv, len(kv["tokenizer.ggml.tokens"]))  # type: ignore[arg-type]
+    out = rebuilt(model, tmp_path)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    own = ["a\n\nb", "\n\n\n\n", " \n \n", "x<think>\n\ny", "tabs\t\n\n\n"]
+    # A run of newlines longer than the vocabulary's longest goes to BPE
+    # merges in llama.cpp but splits longest-first here (tokenizer.py).
+    texts = [t for t in corpus(n_mixed=300, n_code=100, seed=5) + own if "\n" * 5 not in t]
+    assert len(texts) >= 350
+    with llama_server(llama_server_binary, model, tmp_path / "g4.log") as client:
+        want = server_ids(client, texts, parse_special=True)
+    assert mismatches(tok, texts, want) == []
+    # No BOS of its own: Gemma's chat template writes it (see tokenizer.py).
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
+    decoded = [tok.decode(ids, skip_special_tokens=False) for ids in want]
+    added = ("<|im_start|>", "<think>", "<ctrl>", "<s>", "</s>")
+    plain = [(t, d) for t, d in zip(texts, decoded, strict=True) if not any(a in t for a in added)]
+    assert [d for _, d in plain] == [t for t, _ in plain]
+
+
 # --- what it refuses -------------------------------------------------------------
 
 

@@ -239,7 +239,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 def _merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
     raw = _field(meta, "tokenizer.ggml.merges")
     if raw is None:
-        raise UnsupportedTokenizer("byte-level BPE GGUF without tokenizer.ggml.merges")
+        raise UnsupportedTokenizer("BPE GGUF without tokenizer.ggml.merges")
     pairs = []
     for merge in raw:
         # llama.cpp splits at the first space after the first character, so
@@ -292,6 +292,28 @@ def _byte_level(
     )
     tok.decoder = decoders.ByteLevel()
     return tok, pre
+
+
+def _gemma4(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+    """Gemma 4's BPE: merges over raw UTF-8 (not GPT-2's byte alphabet), spaces
+    written as ▁, byte tokens `<0xXX>` for what the vocabulary lacks.
+
+    llama.cpp (pre type GEMMA4) escapes spaces, splits the text only into
+    runs of newlines and runs of anything else, and takes a whole newline run
+    as one token when the vocabulary has it (ggml-org/llama.cpp#21343). The
+    newline-run tokens are therefore added tokens here: matched whole, longest
+    first, before the BPE runs."""
+    tok = Tokenizer(
+        models.BPE(vocab=_vocab(tokens), merges=_merges(meta), fuse_unk=False, byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    newline_runs = [t for t in tokens if t and not t.strip("\n")]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in newline_runs])
+    return tok
 
 
 def _generate_merges(
@@ -387,9 +409,12 @@ def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
     elif model == "llama":
         tok, _ = _sentencepiece(meta, tokens, types)
         add_bos_default, clean_spaces = True, False
+    elif model == "gemma4":
+        tok = _gemma4(meta, tokens)
+        add_bos_default, clean_spaces = False, True
     else:
         raise UnsupportedTokenizer(
-            f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama)"
+            f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama, gemma4)"
         )
     tok.add_tokens(_added_tokens(tokens, types))
 
@@ -400,6 +425,11 @@ def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
     bos, eos = special("bos_token_id"), special("eos_token_id")
     unk, pad = special("unknown_token_id"), special("padding_token_id")
     add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
+    if model == "gemma4":
+        # Gemma 4 files set the flag, and llama.cpp forces it on (#21500),
+        # but the reference tokenizer adds no BOS: the chat template writes
+        # `<bos>` itself (transformers' GGUF loader follows the reference).
+        add_bos = False
     add_eos = bool(_field(meta, "tokenizer.ggml.add_eos_token", False))
     ids = _vocab(tokens)
     if (post := _bos_eos_processor(bos, eos, ids, add_bos=add_bos, add_eos=add_eos)) is not None:

@@ -13,7 +13,7 @@ its reader imports torch, and it picks the split regex only for a handful of
 pre names; every other byte-level file (SmolLM2's `smollm` among them) falls
 back to GPT-2's regex without the digit split, so ids differ from llama.cpp.
 
-Two tokenizer models are rebuilt:
+Three tokenizer models are rebuilt:
 - `gpt2`: byte-level BPE. llama.cpp applies the pre's regexes one after the
   other, each splitting every piece the previous ones left, keeping matches
   and the text between them (unicode.cpp `unicode_regex_split`); that is a
@@ -22,6 +22,15 @@ Two tokenizer models are rebuilt:
   over the vocabulary as written, merges recovered from the scores (as
   transformers' `generate_merges` does, and as llama.cpp's SPM tokenizer
   merges: best-scoring adjacent pair first), spaces as `▁`.
+- `gemma4`: BPE over raw UTF-8 with the file's merges, spaces as `▁`.
+
+Where llama.cpp's regex engine departs from the tokenizer.json regex it
+names, the regex wins (it is what the model was trained with): deepseek-llm
+and deepseek-coder on non-ASCII whitespace (llama.cpp turns it into a vertical
+tab before its std::wregex runs, so U+3000 misses the CJK ranges), youtu and
+tiny_aya on camelCase (llama.cpp collapses the Lu and Ll classes into one),
+tiny_aya on digits (llama.cpp runs AFMoE's digit splitter instead). Every
+other pre tested gives llama-server's ids (tests/test_gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -200,7 +209,8 @@ def _pres() -> dict[str, _Pre]:
 # `tokenizer.ggml.pre` -> how llama.cpp splits text before BPE. Names it
 # knows but that are left out: kimi-k2 and afmoe (hand-written splitters in
 # unicode.cpp), chameleon (image/sentinel patterns), superbpe (a zero-width
-# split), whitespace / gemma4 / sarvam-moe (not byte-level), jina-v1-en /
+# split), whitespace / gemma4 / sarvam-moe (not byte-level: the `gemma4`
+# tokenizer model is rebuilt on its own, below), jina-v1-en /
 # jina-v2-code / roberta-bpe (embedding models that add SEP).
 PRE_TOKENIZERS: dict[str, _Pre] = _pres()
 

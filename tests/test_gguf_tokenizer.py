@@ -565,3 +565,42 @@ def test_export_and_import_agree_on_pre_regexes():
 
     for name, regex in exported.items():
         assert PRE_TOKENIZERS[name].regexes == (regex,), name
+
+
+def test_tokenizer_config_from_metadata():
+    """Named chat templates become transformers' list form; a pre's BOS
+    default (llama-bpe adds one) holds when the file has no flag; the
+    context length becomes model_max_length."""
+    meta = {
+        "general.architecture": "llama",
+        "llama.context_length": 4096,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe",
+        "tokenizer.ggml.tokens": ["a", "b", "ab", "<|begin_of_text|>", "<|eot_id|>"],
+        "tokenizer.ggml.token_type": [1, 1, 1, 3, 3],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 3,
+        "tokenizer.ggml.eos_token_id": 4,
+        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
+        "tokenizer.chat_template.tool_use": "{{ tools }}",
+    }
+    files = tokenizer_files_from_metadata(meta)
+    config = json.loads(files["tokenizer_config.json"])
+    assert config["chat_template"] == [
+        {"name": "default", "template": "{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "{{ tools }}"},
+    ]
+    assert config["add_bos_token"] is True and config["model_max_length"] == 4096
+    assert json.loads(files["special_tokens_map.json"]) == {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+    }
+    tok = Tokenizer.from_str(files["tokenizer.json"])
+    assert tok.encode("ab<|eot_id|>").ids == [3, 2, 4]
+    assert tok.encode("ab", add_special_tokens=False).ids == [2]
+    config_off = json.loads(
+        tokenizer_files_from_metadata({**meta, "tokenizer.ggml.add_bos_token": False})[
+            "tokenizer_config.json"
+        ]
+    )
+    assert config_off["add_bos_token"] is False

@@ -458,10 +458,17 @@ def test_sentencepiece_gguf_tokenizes_as_llama_server(spm_model, llama_server_bi
     texts = corpus(n_mixed=300, n_code=100, seed=3) + own
     with llama_server(llama_server_binary, model, tmp_path / "spm.log") as client:
         want = server_ids(client, texts, parse_special=True)
+        want_plain = server_ids(client, own, parse_special=False)
         with_bos = client.post(
             "/tokenize", json={"content": "hi there", "add_special": True}
         ).json()
     assert mismatches(tok, texts, want) == []
+    # parse_special false: control tokens (<ctrl>, <s>) are text, user-defined
+    # ones (<think>, <|im_start|>) still match whole, in both.
+    tok.encode_special_tokens = True
+    assert mismatches(tok, own, want_plain) == []
+    assert want_plain != want[-len(own) :]
+    tok.encode_special_tokens = False
     # add_bos_token: the post-processor prepends BOS as llama.cpp does.
     assert tok.encode("hi there").ids == with_bos["tokens"]
     assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"

@@ -236,17 +236,39 @@ GPT2_BYTE_CHARS = _gpt2_byte_chars()
 # --- the real model ----------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def smollm2_meta(smollm2_gguf) -> dict:
+    """SmolLM2's tokenizer metadata, read once (gguf's reader takes seconds
+    over 49k tokens and merges)."""
+    return tokenizer_metadata(gguf.GGUFReader(smollm2_gguf))
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_meta, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smollm2-tok")
+    for name, text in tokenizer_files_from_metadata(smollm2_meta).items():
+        (out / name).write_text(text, encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_gguf, llama_server_binary, tmp_path_factory):
+    log = tmp_path_factory.mktemp("smollm2-server") / "server.log"
+    with llama_server(llama_server_binary, smollm2_gguf, log) as client:
+        yield client
+
+
 @pytest.mark.timeout(1800)  # the first use on a machine builds llama-server
-def test_smollm2_ids_equal_llama_servers(smollm2_gguf, llama_server_binary, tmp_path):
+def test_smollm2_ids_equal_llama_servers(smollm2_dir, smollm2_server):
     texts = corpus()
     assert len(texts) >= 1000
     with_specials = [t for t in texts if any(s in t for s in SPECIALS)]
     assert len(with_specials) >= 50
-    tok = Tokenizer.from_file(str(rebuilt(smollm2_gguf, tmp_path) / "tokenizer.json"))
-    with llama_server(llama_server_binary, smollm2_gguf, tmp_path / "server.log") as client:
-        want = server_ids(client, texts, parse_special=True)
-        want_plain = server_ids(client, with_specials, parse_special=False)
-        detok = [client.post("/detokenize", json={"tokens": ids}).json()["content"] for ids in want]
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    client = smollm2_server
+    want = server_ids(client, texts, parse_special=True)
+    want_plain = server_ids(client, with_specials, parse_special=False)
+    detok = [client.post("/detokenize", json={"tokens": ids}).json()["content"] for ids in want]
     assert mismatches(tok, texts, want) == []
     # parse_special false: control tokens are text like any other.
     tok.encode_special_tokens = True
@@ -265,12 +287,10 @@ def test_smollm2_ids_equal_llama_servers(smollm2_gguf, llama_server_binary, tmp_
 
 
 @pytest.mark.timeout(1800)
-def test_smollm2_chat_template_renders_as_llama_servers(
-    smollm2_gguf, llama_server_binary, tmp_path
-):
+def test_smollm2_chat_template_renders_as_llama_servers(smollm2_dir, smollm2_server):
     from transformers import AutoTokenizer
 
-    out = rebuilt(smollm2_gguf, tmp_path)
+    out = smollm2_dir
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|im_end|>" and config["add_bos_token"] is False
     hf = AutoTokenizer.from_pretrained(str(out))
@@ -279,22 +299,18 @@ def test_smollm2_chat_template_renders_as_llama_servers(
         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi\n there"},
          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "日本語 🚀"}],
     ]  # fmt: skip
-    with llama_server(llama_server_binary, smollm2_gguf, tmp_path / "server.log") as client:
-        for messages in conversations:
-            resp = client.post("/apply-template", json={"messages": messages})
-            assert resp.status_code == 200, resp.text
-            want = resp.json()["prompt"]
-            got = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            assert got == want
-            assert (
-                "You are a helpful AI assistant named SmolLM" in want
-                or messages[0]["role"] == "system"
-            )
-            # ... and the rendered prompt's ids agree too (specials parsed).
-            assert (
-                hf(got, add_special_tokens=False)["input_ids"]
-                == server_ids(client, [want], parse_special=True)[0]
-            )
+    client = smollm2_server
+    for messages in conversations:
+        resp = client.post("/apply-template", json={"messages": messages})
+        assert resp.status_code == 200, resp.text
+        want = resp.json()["prompt"]
+        got = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert got == want
+        default_system = "You are a helpful AI assistant named SmolLM"
+        assert default_system in want or messages[0]["role"] == "system"
+        # ... and the rendered prompt's ids agree too (specials parsed).
+        ids = server_ids(client, [want], parse_special=True)[0]
+        assert hf(got, add_special_tokens=False)["input_ids"] == ids
 
 
 # --- other pre types, on tiny llama GGUFs with SmolLM2's vocabulary ------------
@@ -341,8 +357,7 @@ def write_tiny_llama(path: Path, tokenizer_kv: dict[str, object], n_vocab: int) 
     return path
 
 
-def smollm2_tokenizer_kv(path: Path) -> dict[str, object]:
-    meta = tokenizer_metadata(gguf.GGUFReader(path))
+def smollm2_tokenizer_kv(meta: dict) -> dict[str, object]:
     keys = ("model", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
             "unknown_token_id", "padding_token_id", "add_bos_token")  # fmt: skip
     return {f"tokenizer.ggml.{k}": meta[f"tokenizer.ggml.{k}"] for k in keys}
@@ -380,9 +395,9 @@ KNOWN_DEVIATIONS = {
 
 
 @pytest.mark.timeout(1800)
-def test_pre_types_split_as_llama_cpp(smollm2_gguf, llama_server_binary, tmp_path):
+def test_pre_types_split_as_llama_cpp(smollm2_meta, llama_server_binary, tmp_path):
     assert set(CHECKED_PRES) <= set(PRE_TOKENIZERS)
-    kv = smollm2_tokenizer_kv(smollm2_gguf)
+    kv = smollm2_tokenizer_kv(smollm2_meta)
     n_vocab = len(kv["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
     every = corpus(n_mixed=150, n_code=40, seed=7)
     failures = {}

@@ -144,7 +144,6 @@ class _Pre:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a whole word found in the vocab is one token
     add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
-    clean_spaces: bool = True
 
 
 def _pres() -> dict[str, _Pre]:
@@ -154,53 +153,46 @@ def _pres() -> dict[str, _Pre]:
     llama3 = _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)
     gpt2 = _Pre((_GPT2,))
     digits_gpt2 = (r"\p{N}", _GPT2)
-    qwen2 = _Pre((_QWEN2,), clean_spaces=False)
+    qwen2 = _Pre((_QWEN2,))
     deepseek_v3 = _Pre(
-        (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_MAIN),
-        clean_spaces=False,
+        (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_MAIN)
     )
-    gpt4o = _Pre((_GPT4O,), clean_spaces=False)
+    gpt4o = _Pre((_GPT4O,))
     return {
         "default": _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
         **same(llama3, "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                "midm-2.0", "lfm2", "jina-v5-nano"),
         "jais-2": _Pre((_JAIS2,)),
-        **same(_Pre((_LLAMA3,)), "dbrx", "smaug-bpe"),
-        "deepseek-llm": _Pre(_DEEPSEEK_LLM, clean_spaces=False),
+        **same(_Pre((_LLAMA3,)), "dbrx", "smaug-bpe", "chatglm-bpe"),
+        "deepseek-llm": _Pre(_DEEPSEEK_LLM),
         "deepseek-coder": _Pre(
-            (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"), clean_spaces=False
+            (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}")
         ),
         **same(deepseek_v3, "deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"),
         "spark2_5": _Pre(
-            (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _SPARK2_5_MAIN, r"\p{N}"), clean_spaces=False
+            (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _SPARK2_5_MAIN, r"\p{N}")
         ),
-        "youtu": _Pre(_YOUTU, ignore_merges=True, clean_spaces=False),
+        "youtu": _Pre(_YOUTU, ignore_merges=True),
         "falcon": _Pre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
         **same(_Pre(digits_gpt2), "starcoder", "refact", "codeshell", "exaone", "minerva-7b",
-               "mellum2"),
-        **same(_Pre(digits_gpt2, clean_spaces=False), "smollm", "command-r"),
+               "mellum2", "smollm", "command-r"),
         **same(gpt2, "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais",
-               "exaone4"),
-        **same(_Pre((_GPT2,), clean_spaces=False), "trillion", "granite-docling"),
+               "exaone4", "trillion", "granite-docling"),
         **same(qwen2, "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open",
-               "grok-2"),
-        **same(_Pre((_QWEN2,)), "stablelm2", "megrez"),
-        "qwen35": _Pre((_QWEN35,), clean_spaces=False),
-        "poro-chat": _Pre((_BLOOM,), clean_spaces=False),
-        **same(_Pre((_BLOOM,)), "bloom", "gpt3-finnish"),
-        "chatglm-bpe": _Pre((_LLAMA3,)),
+               "grok-2", "stablelm2", "megrez"),
+        "qwen35": _Pre((_QWEN35,)),
+        **same(_Pre((_BLOOM,)), "poro-chat", "bloom", "gpt3-finnish"),
         **same(_Pre((_LLAMA3,), ignore_merges=True), "glm4", "glm5"),
-        "viking": _Pre((_BLOOM, r"\p{N}"), clean_spaces=False),
-        "tekken": _Pre((_TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False),
+        "viking": _Pre((_BLOOM, r"\p{N}")),
+        "tekken": _Pre((_TEKKEN,), ignore_merges=True, add_bos=True),
         **same(gpt4o, "gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
-        "granite-embed-multi-97m": _Pre((_GRANITE_EMB_MULTI,), ignore_merges=True, clean_spaces=False),
-        **same(_Pre((r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O),
-                    clean_spaces=False), "tiny_aya", "cohere2moe"),
-        **same(_Pre((_BAILINGMOE,), clean_spaces=False), "bailingmoe", "bailingmoe2", "llada-moe"),
-        "seed-coder": _Pre((_SEED_CODER,), clean_spaces=False),
-        "ufakzeka": _Pre((_UFAKZEKA,), clean_spaces=False),
-        "laguna": _Pre((r"[^\n]+|[\n]+", _QWEN2), clean_spaces=False),
+        "granite-embed-multi-97m": _Pre((_GRANITE_EMB_MULTI,), ignore_merges=True),
+        **same(_Pre((r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O)), "tiny_aya", "cohere2moe"),
+        **same(_Pre((_BAILINGMOE,)), "bailingmoe", "bailingmoe2", "llada-moe"),
+        "seed-coder": _Pre((_SEED_CODER,)),
+        "ufakzeka": _Pre((_UFAKZEKA,)),
+        "laguna": _Pre((r"[^\n]+|[\n]+", _QWEN2)),
         "exaone-moe": _Pre((_EXAONE_MOE,)),
         "minicpm5": _Pre((r"\p{N}{1,3}", _MINICPM5_MAIN), ignore_merges=True),
     }  # fmt: skip
@@ -415,13 +407,13 @@ def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
 
     if model == "gpt2":
         tok, pre = _byte_level(meta, tokens, types)
-        add_bos_default, clean_spaces = pre.add_bos, pre.clean_spaces
+        add_bos_default = pre.add_bos
     elif model == "llama":
         tok, _ = _sentencepiece(meta, tokens, types)
-        add_bos_default, clean_spaces = True, False
+        add_bos_default = True
     elif model == "gemma4":
         tok = _gemma4(meta, tokens)
-        add_bos_default, clean_spaces = False, True
+        add_bos_default = False
     else:
         raise UnsupportedTokenizer(
             f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama, gemma4)"
@@ -455,7 +447,9 @@ def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
         **specials,
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": clean_spaces,
+        # llama.cpp's clean_spaces touches only llama_detokenize, not the
+        # pieces llama-server streams; transformers ignores it for BPE anyway.
+        "clean_up_tokenization_spaces": False,
     }
     if (ctx := _field(meta, f"{arch}.context_length")) is not None:
         config["model_max_length"] = int(ctx)

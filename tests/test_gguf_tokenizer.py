@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from specgate.engines.checkpoints.gguf_import.tokenizer import (
     PRE_TOKENIZERS,
     UnsupportedTokenizer,
+    eog_token_ids,
     tokenizer_files,
     tokenizer_files_from_metadata,
     tokenizer_metadata,
@@ -417,6 +418,31 @@ def test_pre_types_split_as_llama_cpp(smollm2_meta, llama_server_binary, tmp_pat
             failures[pre] = (len(bad), bad[:3])
         model.unlink()
     assert failures == {}
+
+
+@pytest.mark.timeout(1800)
+def test_eog_looking_tokens_are_control_as_in_llama_cpp(
+    smollm2_meta, llama_server_binary, tmp_path
+):
+    """A file that types <|im_end|> and <|im_start|> NORMAL: llama.cpp makes
+    the end-of-generation one CONTROL anyway (so it is matched whole), not
+    the other; the rebuilt tokenizer does the same, and eog_token_ids names
+    the ids llama.cpp stops on."""
+    kv = smollm2_tokenizer_kv(smollm2_meta)
+    types = list(kv["tokenizer.ggml.token_type"])  # type: ignore[call-overload]
+    types[1] = types[2] = 1  # <|im_start|>, <|im_end|>
+    kv["tokenizer.ggml.token_type"] = types
+    n_vocab = len(kv["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
+    model = write_tiny_llama(tmp_path / "eog.gguf", {**kv, "tokenizer.ggml.pre": "smollm"}, n_vocab)
+    texts = ["<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|im_start|>c", "<|im_end|>"]
+    tok = Tokenizer.from_str(tokenizer_files(gguf.GGUFReader(model))["tokenizer.json"])
+    with llama_server(llama_server_binary, model, tmp_path / "eog.log") as client:
+        want = server_ids(client, texts, parse_special=True)
+    assert mismatches(tok, texts, want) == []
+    assert 2 in want[2] and 1 not in want[0]
+    assert eog_token_ids(smollm2_meta) == [0, 2]  # <|endoftext|>, <|im_end|>
+    harmony = {"tokenizer.ggml.tokens": ["<|end|>", "<|return|>", "<|call|>", "x"]}
+    assert eog_token_ids(harmony) == [1, 2]
 
 
 # --- SentencePiece -------------------------------------------------------------

@@ -218,6 +218,31 @@ def _field(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+# Tokens llama.cpp ends generation on by their text, and makes CONTROL
+# whatever type the file gave them (llama_vocab::impl::load; it warns that
+# such a file is "probably a bug in the model").
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+))  # fmt: skip
+# gpt-oss's channel markers, which llama.cpp always renders (USER_DEFINED).
+_ALWAYS_USER_DEFINED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+
+
+def _effective_types(tokens: list[str], types: list[int]) -> list[int]:
+    """The token types llama.cpp acts on: the file's, with its two overrides."""
+    out = []
+    for text, kind in zip(tokens, types, strict=True):
+        if text in _ALWAYS_USER_DEFINED:
+            kind = _USER_DEFINED
+        elif text in _EOG_TEXTS and kind != _CONTROL:
+            kind = _CONTROL
+        out.append(kind)
+    return out
+
+
 def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     """CONTROL (and UNKNOWN) tokens are special; USER_DEFINED ones are added
     but not special. llama.cpp matches both whole in the raw text, as the
@@ -225,12 +250,31 @@ def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     parse_special, which is what `encode_special_tokens = False` (the
     default) does for special ones."""
     added = []
-    for text, kind in zip(tokens, types, strict=True):
+    for text, kind in zip(tokens, _effective_types(tokens, types), strict=True):
         if kind in (_CONTROL, _UNKNOWN):
             added.append(AddedToken(text, special=True, normalized=False))
         elif kind == _USER_DEFINED:
             added.append(AddedToken(text, special=False, normalized=False))
     return added
+
+
+def eog_token_ids(meta: Mapping[str, Any]) -> list[int]:
+    """The ids llama.cpp ends generation on (its special_eog_ids, less the
+    FIM ones): eos, eot and eom ids, and the tokens named by _EOG_TEXTS.
+    For config.json's eos_token_id, which mlx-lm stops on."""
+    tokens = _field(meta, "tokenizer.ggml.tokens") or []
+    ids = {
+        i
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (i := _field(meta, f"tokenizer.ggml.{key}")) is not None
+    }
+    ids |= {i for i, text in enumerate(tokens) if text in _EOG_TEXTS}
+    # llama.cpp's workaround for o200k_harmony and solar-open: there `<|end|>`
+    # closes a message, not the turn.
+    present = set(tokens)
+    if {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present:
+        ids -= {i for i, text in enumerate(tokens) if text == "<|end|>"}
+    return sorted(ids)
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:

@@ -13,7 +13,7 @@ its reader imports torch, and it picks the split regex only for a handful of
 pre names; every other byte-level file (SmolLM2's `smollm` among them) falls
 back to GPT-2's regex without the digit split, so ids differ from llama.cpp.
 
-Two tokenizer models are rebuilt:
+Three tokenizer models are rebuilt:
 - `gpt2`: byte-level BPE. llama.cpp applies the pre's regexes one after the
   other, each splitting every piece the previous ones left, keeping matches
   and the text between them (unicode.cpp `unicode_regex_split`); that is a
@@ -22,11 +22,21 @@ Two tokenizer models are rebuilt:
   over the vocabulary as written, merges recovered from the scores (as
   transformers' `generate_merges` does, and as llama.cpp's SPM tokenizer
   merges: best-scoring adjacent pair first), spaces as `▁`.
+- `gemma4`: BPE over raw UTF-8 with the file's merges, spaces as `▁`.
+
+Where llama.cpp's regex engine departs from the tokenizer.json regex it
+names, the regex wins (it is what the model was trained with): deepseek-llm
+and deepseek-coder on non-ASCII whitespace (llama.cpp turns it into a vertical
+tab before its std::wregex runs, so U+3000 misses the CJK ranges), youtu and
+tiny_aya on camelCase (llama.cpp collapses the Lu and Ll classes into one),
+tiny_aya on digits (llama.cpp runs AFMoE's digit splitter instead). Every
+other pre tested gives llama-server's ids (tests/test_gguf_tokenizer.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +144,6 @@ class _Pre:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a whole word found in the vocab is one token
     add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
-    clean_spaces: bool = True
 
 
 def _pres() -> dict[str, _Pre]:
@@ -144,53 +153,46 @@ def _pres() -> dict[str, _Pre]:
     llama3 = _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)
     gpt2 = _Pre((_GPT2,))
     digits_gpt2 = (r"\p{N}", _GPT2)
-    qwen2 = _Pre((_QWEN2,), clean_spaces=False)
+    qwen2 = _Pre((_QWEN2,))
     deepseek_v3 = _Pre(
-        (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_MAIN),
-        clean_spaces=False,
+        (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_MAIN)
     )
-    gpt4o = _Pre((_GPT4O,), clean_spaces=False)
+    gpt4o = _Pre((_GPT4O,))
     return {
         "default": _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
         **same(llama3, "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                "midm-2.0", "lfm2", "jina-v5-nano"),
         "jais-2": _Pre((_JAIS2,)),
-        **same(_Pre((_LLAMA3,)), "dbrx", "smaug-bpe"),
-        "deepseek-llm": _Pre(_DEEPSEEK_LLM, clean_spaces=False),
+        **same(_Pre((_LLAMA3,)), "dbrx", "smaug-bpe", "chatglm-bpe"),
+        "deepseek-llm": _Pre(_DEEPSEEK_LLM),
         "deepseek-coder": _Pre(
-            (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"), clean_spaces=False
+            (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}")
         ),
         **same(deepseek_v3, "deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"),
         "spark2_5": _Pre(
-            (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _SPARK2_5_MAIN, r"\p{N}"), clean_spaces=False
+            (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _SPARK2_5_MAIN, r"\p{N}")
         ),
-        "youtu": _Pre(_YOUTU, ignore_merges=True, clean_spaces=False),
+        "youtu": _Pre(_YOUTU, ignore_merges=True),
         "falcon": _Pre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
         **same(_Pre(digits_gpt2), "starcoder", "refact", "codeshell", "exaone", "minerva-7b",
-               "mellum2"),
-        **same(_Pre(digits_gpt2, clean_spaces=False), "smollm", "command-r"),
+               "mellum2", "smollm", "command-r"),
         **same(gpt2, "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais",
-               "exaone4"),
-        **same(_Pre((_GPT2,), clean_spaces=False), "trillion", "granite-docling"),
+               "exaone4", "trillion", "granite-docling"),
         **same(qwen2, "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open",
-               "grok-2"),
-        **same(_Pre((_QWEN2,)), "stablelm2", "megrez"),
-        "qwen35": _Pre((_QWEN35,), clean_spaces=False),
-        "poro-chat": _Pre((_BLOOM,), clean_spaces=False),
-        **same(_Pre((_BLOOM,)), "bloom", "gpt3-finnish"),
-        "chatglm-bpe": _Pre((_LLAMA3,)),
+               "grok-2", "stablelm2", "megrez"),
+        "qwen35": _Pre((_QWEN35,)),
+        **same(_Pre((_BLOOM,)), "poro-chat", "bloom", "gpt3-finnish"),
         **same(_Pre((_LLAMA3,), ignore_merges=True), "glm4", "glm5"),
-        "viking": _Pre((_BLOOM, r"\p{N}"), clean_spaces=False),
-        "tekken": _Pre((_TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False),
+        "viking": _Pre((_BLOOM, r"\p{N}")),
+        "tekken": _Pre((_TEKKEN,), ignore_merges=True, add_bos=True),
         **same(gpt4o, "gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
-        "granite-embed-multi-97m": _Pre((_GRANITE_EMB_MULTI,), ignore_merges=True, clean_spaces=False),
-        **same(_Pre((r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O),
-                    clean_spaces=False), "tiny_aya", "cohere2moe"),
-        **same(_Pre((_BAILINGMOE,), clean_spaces=False), "bailingmoe", "bailingmoe2", "llada-moe"),
-        "seed-coder": _Pre((_SEED_CODER,), clean_spaces=False),
-        "ufakzeka": _Pre((_UFAKZEKA,), clean_spaces=False),
-        "laguna": _Pre((r"[^\n]+|[\n]+", _QWEN2), clean_spaces=False),
+        "granite-embed-multi-97m": _Pre((_GRANITE_EMB_MULTI,), ignore_merges=True),
+        **same(_Pre((r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O)), "tiny_aya", "cohere2moe"),
+        **same(_Pre((_BAILINGMOE,)), "bailingmoe", "bailingmoe2", "llada-moe"),
+        "seed-coder": _Pre((_SEED_CODER,)),
+        "ufakzeka": _Pre((_UFAKZEKA,)),
+        "laguna": _Pre((r"[^\n]+|[\n]+", _QWEN2)),
         "exaone-moe": _Pre((_EXAONE_MOE,)),
         "minicpm5": _Pre((r"\p{N}{1,3}", _MINICPM5_MAIN), ignore_merges=True),
     }  # fmt: skip
@@ -199,7 +201,8 @@ def _pres() -> dict[str, _Pre]:
 # `tokenizer.ggml.pre` -> how llama.cpp splits text before BPE. Names it
 # knows but that are left out: kimi-k2 and afmoe (hand-written splitters in
 # unicode.cpp), chameleon (image/sentinel patterns), superbpe (a zero-width
-# split), whitespace / gemma4 / sarvam-moe (not byte-level), jina-v1-en /
+# split), whitespace / gemma4 / sarvam-moe (not byte-level: the `gemma4`
+# tokenizer model is rebuilt on its own, below), jina-v1-en /
 # jina-v2-code / roberta-bpe (embedding models that add SEP).
 PRE_TOKENIZERS: dict[str, _Pre] = _pres()
 
@@ -210,9 +213,34 @@ class UnsupportedTokenizer(ValueError):
     """The GGUF describes a tokenizer this module cannot rebuild faithfully."""
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = meta.get(key)
+    return default if value is None else value
+
+
+# Tokens llama.cpp ends generation on by their text, and makes CONTROL
+# whatever type the file gave them (llama_vocab::impl::load; it warns that
+# such a file is "probably a bug in the model").
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+))  # fmt: skip
+# gpt-oss's channel markers, which llama.cpp always renders (USER_DEFINED).
+_ALWAYS_USER_DEFINED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+
+
+def _effective_types(tokens: list[str], types: list[int]) -> list[int]:
+    """The token types llama.cpp acts on: the file's, with its two overrides."""
+    out = []
+    for text, kind in zip(tokens, types, strict=True):
+        if text in _ALWAYS_USER_DEFINED:
+            kind = _USER_DEFINED
+        elif text in _EOG_TEXTS and kind != _CONTROL:
+            kind = _CONTROL
+        out.append(kind)
+    return out
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
@@ -222,7 +250,7 @@ def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     parse_special, which is what `encode_special_tokens = False` (the
     default) does for special ones."""
     added = []
-    for text, kind in zip(tokens, types, strict=True):
+    for text, kind in zip(tokens, _effective_types(tokens, types), strict=True):
         if kind in (_CONTROL, _UNKNOWN):
             added.append(AddedToken(text, special=True, normalized=False))
         elif kind == _USER_DEFINED:
@@ -230,15 +258,34 @@ def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     return added
 
 
+def eog_token_ids(meta: Mapping[str, Any]) -> list[int]:
+    """The ids llama.cpp ends generation on (its special_eog_ids, less the
+    FIM ones): eos, eot and eom ids, and the tokens named by _EOG_TEXTS.
+    For config.json's eos_token_id, which mlx-lm stops on."""
+    tokens = _field(meta, "tokenizer.ggml.tokens") or []
+    ids = {
+        i
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (i := _field(meta, f"tokenizer.ggml.{key}")) is not None
+    }
+    ids |= {i for i, text in enumerate(tokens) if text in _EOG_TEXTS}
+    # llama.cpp's workaround for o200k_harmony and solar-open: there `<|end|>`
+    # closes a message, not the turn.
+    present = set(tokens)
+    if {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present:
+        ids -= {i for i, text in enumerate(tokens) if text == "<|end|>"}
+    return sorted(ids)
+
+
 def _vocab(tokens: list[str]) -> dict[str, int]:
     # Later duplicates win, as in llama.cpp's token_to_id map.
     return {text: i for i, text in enumerate(tokens)}
 
 
-def _merges(reader: Any) -> list[tuple[str, str]]:
-    raw = _field(reader, "tokenizer.ggml.merges")
+def _merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+    raw = _field(meta, "tokenizer.ggml.merges")
     if raw is None:
-        raise UnsupportedTokenizer("byte-level BPE GGUF without tokenizer.ggml.merges")
+        raise UnsupportedTokenizer("BPE GGUF without tokenizer.ggml.merges")
     pairs = []
     for merge in raw:
         # llama.cpp splits at the first space after the first character, so
@@ -267,8 +314,10 @@ def _bos_eos_processor(
     )
 
 
-def _byte_level(reader: Any, tokens: list[str], types: list[int]) -> tuple[Tokenizer, _Pre]:
-    pre_name = _field(reader, "tokenizer.ggml.pre") or "default"
+def _byte_level(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, _Pre]:
+    pre_name = _field(meta, "tokenizer.ggml.pre") or "default"
     pre = PRE_TOKENIZERS.get(pre_name)
     if pre is None:
         raise UnsupportedTokenizer(
@@ -278,7 +327,7 @@ def _byte_level(reader: Any, tokens: list[str], types: list[int]) -> tuple[Token
     tok = Tokenizer(
         models.BPE(
             vocab=_vocab(tokens),
-            merges=_merges(reader),
+            merges=_merges(meta),
             ignore_merges=pre.ignore_merges,
             fuse_unk=False,
         )
@@ -289,6 +338,28 @@ def _byte_level(reader: Any, tokens: list[str], types: list[int]) -> tuple[Token
     )
     tok.decoder = decoders.ByteLevel()
     return tok, pre
+
+
+def _gemma4(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+    """Gemma 4's BPE: merges over raw UTF-8 (not GPT-2's byte alphabet), spaces
+    written as ▁, byte tokens `<0xXX>` for what the vocabulary lacks.
+
+    llama.cpp (pre type GEMMA4) escapes spaces, splits the text only into
+    runs of newlines and runs of anything else, and takes a whole newline run
+    as one token when the vocabulary has it (ggml-org/llama.cpp#21343). The
+    newline-run tokens are therefore added tokens here: matched whole, longest
+    first, before the BPE runs."""
+    tok = Tokenizer(
+        models.BPE(vocab=_vocab(tokens), merges=_merges(meta), fuse_unk=False, byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    newline_runs = [t for t in tokens if t and not t.strip("\n")]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in newline_runs])
+    return tok
 
 
 def _generate_merges(
@@ -310,11 +381,13 @@ def _generate_merges(
     return [(left, right) for *_, left, right in found]
 
 
-def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[Tokenizer, bool]:
-    scores = _field(reader, "tokenizer.ggml.scores")
+def _sentencepiece(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, bool]:
+    scores = _field(meta, "tokenizer.ggml.scores")
     if scores is None:
         raise UnsupportedTokenizer("SentencePiece GGUF without tokenizer.ggml.scores")
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = _field(meta, "tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(
         models.BPE(
@@ -330,7 +403,7 @@ def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[To
     # before every run of text that starts the input or follows a special
     # token; the `tokenizers` normalizer runs once per such run, so Prepend
     # does the same.
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(_field(meta, "tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend(_SPM_SPACE)] if prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
     parts = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -340,40 +413,70 @@ def _sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> tuple[To
     return tok, prefix
 
 
+def tokenizer_metadata(reader: Any) -> dict[str, Any]:
+    """What tokenizer_files reads from a `gguf.GGUFReader`: every
+    `tokenizer.*` key, the architecture and its context length, as values."""
+    arch = (
+        reader.fields["general.architecture"].contents()
+        if "general.architecture" in reader.fields
+        else None
+    )
+    wanted = {"general.architecture", f"{arch}.context_length"}
+    return {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if k.startswith("tokenizer.") or k in wanted
+    }
+
+
 def tokenizer_files(reader: Any) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json
     (filename -> text) for the tokenizer a `gguf.GGUFReader` describes.
 
     Raises UnsupportedTokenizer for a tokenizer model or pre-tokenizer it
     cannot rebuild the way llama.cpp tokenizes."""
-    model = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    return tokenizer_files_from_metadata(tokenizer_metadata(reader))
+
+
+def tokenizer_files_from_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
+    """tokenizer_files from GGUF metadata already read (key -> value, as
+    tokenizer_metadata gives it)."""
+    model = _field(meta, "tokenizer.ggml.model")
+    tokens = _field(meta, "tokenizer.ggml.tokens")
     if model is None or tokens is None:
         raise UnsupportedTokenizer("the GGUF has no tokenizer (tokenizer.ggml.model / tokens)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    types = _field(meta, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise UnsupportedTokenizer(f"{len(tokens)} tokens but {len(types)} token types")
 
     if model == "gpt2":
-        tok, pre = _byte_level(reader, tokens, types)
-        add_bos_default, clean_spaces = pre.add_bos, pre.clean_spaces
+        tok, pre = _byte_level(meta, tokens, types)
+        add_bos_default = pre.add_bos
     elif model == "llama":
-        tok, _ = _sentencepiece(reader, tokens, types)
-        add_bos_default, clean_spaces = True, False
+        tok, _ = _sentencepiece(meta, tokens, types)
+        add_bos_default = True
+    elif model == "gemma4":
+        tok = _gemma4(meta, tokens)
+        add_bos_default = False
     else:
         raise UnsupportedTokenizer(
-            f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama)"
+            f"GGUF tokenizer model {model!r} is not one specgate can rebuild (gpt2, llama, gemma4)"
         )
     tok.add_tokens(_added_tokens(tokens, types))
 
     def special(key: str) -> str | None:
-        i = _field(reader, f"tokenizer.ggml.{key}")
+        i = _field(meta, f"tokenizer.ggml.{key}")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     bos, eos = special("bos_token_id"), special("eos_token_id")
     unk, pad = special("unknown_token_id"), special("padding_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
+    if model == "gemma4":
+        # Gemma 4 files set the flag, and llama.cpp forces it on (#21500),
+        # but the reference tokenizer adds no BOS: the chat template writes
+        # `<bos>` itself (transformers' GGUF loader follows the reference).
+        add_bos = False
+    add_eos = bool(_field(meta, "tokenizer.ggml.add_eos_token", False))
     ids = _vocab(tokens)
     if (post := _bos_eos_processor(bos, eos, ids, add_bos=add_bos, add_eos=add_eos)) is not None:
         tok.post_processor = post
@@ -382,17 +485,19 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
 
     specials = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
     specials = {k: v for k, v in specials.items() if v is not None}
-    arch = _field(reader, "general.architecture")
+    arch = _field(meta, "general.architecture")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": clean_spaces,
+        # llama.cpp's clean_spaces touches only llama_detokenize, not the
+        # pieces llama-server streams; transformers ignores it for BPE anyway.
+        "clean_up_tokenization_spaces": False,
     }
-    if (ctx := _field(reader, f"{arch}.context_length")) is not None:
+    if (ctx := _field(meta, f"{arch}.context_length")) is not None:
         config["model_max_length"] = int(ctx)
-    if (template := _chat_template(reader)) is not None:
+    if (template := _chat_template(meta)) is not None:
         config["chat_template"] = template
     return {
         "tokenizer.json": tok.to_str(pretty=False),
@@ -401,14 +506,14 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
     }
 
 
-def _chat_template(reader: Any) -> str | list[dict[str, str]] | None:
+def _chat_template(meta: Mapping[str, Any]) -> str | list[dict[str, str]] | None:
     """The default template, or HF's list form when the file also carries
     named ones (`tokenizer.chat_template.<name>`, e.g. tool_use)."""
-    default = _field(reader, "tokenizer.chat_template")
+    default = _field(meta, "tokenizer.chat_template")
     prefix = "tokenizer.chat_template."
     named = [
-        {"name": k[len(prefix) :], "template": _field(reader, k)}
-        for k in reader.fields
+        {"name": k[len(prefix) :], "template": _field(meta, k)}
+        for k in meta
         if k.startswith(prefix)
     ]
     if not named:

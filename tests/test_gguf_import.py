@@ -5,6 +5,7 @@ permutation, and the real SmolLM2 GGUF served by mlx_plain / mlx_ngram."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -335,6 +336,9 @@ def test_real_gguf_imports_once(smollm2_gguf, tmp_path):
     t2 = time.perf_counter()
     assert again == first and {p: p.stat().st_mtime_ns for p in again.iterdir()} == written
     assert importable(smollm2_gguf, home=home) is None
+    # mlx-lm stops where llama.cpp does: on <|endoftext|> (0) and <|im_end|> (2),
+    # not only the file's eos_token_id (2).
+    assert json.loads((first / "config.json").read_text())["eos_token_id"] == [0, 2]
     print(f"import {t1 - t0:.2f} s, cached {(t2 - t1) * 1000:.1f} ms")
     # Under its content's sha256; the index spares a second start the hashing.
     assert len(first.name) == 64 and (home / "imports" / "index.json").exists()

@@ -39,7 +39,7 @@ from .store import file_digest, known_digest, locked
 log = logging.getLogger(__name__)
 
 # Bumped when what an import writes changes: older imports are redone.
-IMPORT_VERSION = 1
+IMPORT_VERSION = 2  # 2: eos_token_id holds every end-of-generation id
 MARKER = "specgate-import.json"
 SHARD_BYTES = 2 << 30
 ROPE_FREQS = "rope_freqs.weight"
@@ -284,13 +284,23 @@ def _write(path: Path, out: Path, progress: Progress | None) -> None:
         # and group size), then the defaults; a module without scales stays float.
         config["quantization"] = {"group_size": common[0], "bits": common[1], **quantized}
         config["quantization_config"] = config["quantization"]
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    from .tokenizer import UnsupportedTokenizer, tokenizer_files
+    from .tokenizer import (
+        UnsupportedTokenizer,
+        eog_token_ids,
+        tokenizer_files_from_metadata,
+        tokenizer_metadata,
+    )
 
     try:
-        files = tokenizer_files(reader)
+        tok_meta = tokenizer_metadata(reader)
+        files = tokenizer_files_from_metadata(tok_meta)
+        # Every id llama.cpp ends a generation on (SmolLM2: <|endoftext|> and
+        # <|im_end|>), where mlx-lm stops: config.json's eos_token_id.
+        if eog := eog_token_ids(tok_meta):
+            config["eos_token_id"] = eog if len(eog) > 1 else eog[0]
     except UnsupportedTokenizer as e:
         raise GGUFImportError(f"{e}; serve it with llamacpp") from None
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     for filename, content in files.items():
         (out / filename).write_text(content)
     log.info("imported %s (%s, %d tensors, %d quantized) into %s", path.name, arch.gguf,

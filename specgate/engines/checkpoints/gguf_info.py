@@ -47,12 +47,14 @@ def _gguf_files(root: Path) -> list[Path]:
 
 
 def read_gguf(path: Path) -> CheckpointInfo:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
+
+    from .gguf_file import open_gguf
 
     files = _gguf_files(path)
     try:
-        readers = [GGUFReader(f) for f in files]
-    except Exception as e:  # a corrupt file fails anywhere in gguf's parser
+        readers = [open_gguf(f) for f in files]
+    except Exception as e:  # a corrupt file (GGUFFormatError), an unknown type, ...
         raise CheckpointError(f"{path}: unreadable GGUF ({e})") from e
 
     def value(key: str):

@@ -39,14 +39,13 @@ class GgufFacts:
 
 
 def read_gguf_facts(path: Path) -> GgufFacts:
-    from gguf import GGUFReader
-
+    from specgate.engines.checkpoints.gguf_file import open_gguf
     from specgate.engines.checkpoints.gguf_info import read_gguf
     from specgate.engines.checkpoints.verdicts import judge_gguf
 
     info = read_gguf(path)
     judgement = judge_gguf(info)
-    reader = GGUFReader(info.files[0])
+    reader = open_gguf(info.files[0])
 
     def scalar(key: str):
         f = reader.get_field(key)

@@ -126,14 +126,14 @@ def _done(dest: Path) -> bool:
 
 
 def _reader(path: Path):
-    from gguf import GGUFReader
+    from specgate.engines.checkpoints.gguf_file import open_gguf
 
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", path.name):
         raise GGUFImportError(f"{path.name} is one part of a split GGUF: merge the parts into one "
                               "file (llama-gguf-split --merge), or serve it with llamacpp")  # fmt: skip
     try:
-        return GGUFReader(path)
-    except Exception as e:  # a corrupt file fails anywhere in gguf's parser
+        return open_gguf(path)
+    except Exception as e:  # a corrupt file (GGUFFormatError), an unknown type, ...
         raise GGUFImportError(f"{path}: unreadable GGUF ({e})") from e
 
 

@@ -158,7 +158,7 @@ def maps_exactly(qtype: T) -> bool:
 
 
 def to_mlx(data: np.ndarray, qtype: T, rows: int, cols: int) -> Quantized | np.ndarray:
-    """A tensor's data as GGUFReader gives it (`rows` rows of `cols`
+    """A tensor's data as GGUFReader (and gguf_file.GGUFFile) gives it (`rows` rows of `cols`
     elements): MLX's quantized arrays where the type maps exactly, else a
     float array [rows, cols]."""
     if qtype in FLOAT_TYPES:

@@ -414,7 +414,7 @@ def _sentencepiece(
 
 
 def tokenizer_metadata(reader: Any) -> dict[str, Any]:
-    """What tokenizer_files reads from a `gguf.GGUFReader`: every
+    """What tokenizer_files reads from a GGUF reader (gguf_file.GGUFFile, or gguf.GGUFReader): every
     `tokenizer.*` key, the architecture and its context length, as values."""
     arch = (
         reader.fields["general.architecture"].contents()
@@ -431,7 +431,7 @@ def tokenizer_metadata(reader: Any) -> dict[str, Any]:
 
 def tokenizer_files(reader: Any) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json
-    (filename -> text) for the tokenizer a `gguf.GGUFReader` describes.
+    (filename -> text) for the tokenizer a GGUF reader (gguf_file.GGUFFile) describes.
 
     Raises UnsupportedTokenizer for a tokenizer model or pre-tokenizer it
     cannot rebuild the way llama.cpp tokenizes."""

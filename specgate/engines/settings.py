@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # llama-server's n-gram --spec-types (engines/llamacpp/process.py's
 # NGRAM_TYPES, which a test holds equal to this).
 NgramType = Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"]
+# The lookup length llamacpp_ngram matches when its settings name none.
+NGRAM_LOOKUP_DEFAULT = 4
 
 
 class EngineSettings(BaseModel):
@@ -67,8 +69,18 @@ class LlamaCppNgramSettings(NgramSettings):
     """llama-server drafting from the context."""
 
     type: NgramType = Field("ngram-simple", description="llama-server's --spec-type (its "
-                            "other knobs keep llama.cpp's defaults; set them in "
-                            "llamacpp.extra_args)")  # fmt: skip
+                            "other knobs but the lookup length keep llama.cpp's defaults; set "
+                            "them in llamacpp.extra_args)")  # fmt: skip
+    # llama.cpp's own lookup lengths (12 tokens; ngram-mod's 24) are rarely
+    # matched in a short context: on a prompt asking SmolLM2-135M to reprint
+    # 65 lines of code, ngram-simple drafted nothing at 12.
+    lookup: int | None = Field(None, ge=1, le=64, description="tokens of context matched before "
+                               "a copy is drafted (--spec-ngram-*-size-n, ngram-mod's "
+                               "--spec-ngram-mod-n-match); default: NGRAM_LOOKUP_DEFAULT")  # fmt: skip
+
+    @property
+    def lookup_length(self) -> int:
+        return self.lookup or NGRAM_LOOKUP_DEFAULT
 
 
 class LlamaServerSettings(BaseModel):

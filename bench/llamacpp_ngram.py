@@ -40,7 +40,7 @@ CONFIGS: dict[str, dict | None] = {
 
 async def run_once(client: httpx.AsyncClient, server: LlamaServer, prompt: str, tokens: int) -> dict:
     r = await client.post(server.base_url + "/completion", json={
-        "prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False})
+        "prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": True})
     r.raise_for_status()
     t = r.json()["timings"]
     return {"tok_s": t["predicted_per_second"], "n": t["predicted_n"],

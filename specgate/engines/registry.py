@@ -108,10 +108,8 @@ class BuildContext:
         if self.loaded is None:
             from specgate.engines.loading import load_mlx_model
 
-            self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution)
-            if self.chat_template is not None:
-                # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
-                self.loaded.tokenizer.chat_template = self.chat_template
+            self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution,
+                                         self.chat_template)  # fmt: skip
         return self.loaded
 
     def settings_of(self, name: str) -> EngineSettings:

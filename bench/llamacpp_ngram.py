@@ -6,7 +6,7 @@ runs), asks each in turn, repeats interleaved, and prints per configuration
 the median [min, max] decode tok/s and the drafts / accepted tokens from
 llama-server's own timings (`draft_n`, `draft_n_accepted`).
 
-    python bench/llamacpp_ngram.py MODEL.gguf [--repeats 5] [--tokens 700] [--threads 2]
+    PYTHONPATH=. python bench/llamacpp_ngram.py MODEL.gguf [--repeats 5] [--tokens 200] [--threads 1]
 """
 
 from __future__ import annotations
@@ -22,9 +22,17 @@ from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
 
 # 65 lines of code the model is asked to reprint: a copy is all a draft from
 # the context can be right about, so this is n-gram drafting's best case.
-CODE = "\n".join(Path(__file__).resolve().parents[1].joinpath(
-    "specgate/engines/llamacpp/lifeline.py").read_text().splitlines()[11:76])
-PROMPT = f"Reprint this Python code exactly as it is, with no changes:\n\n```python\n{CODE}\n```"
+# Each repeat reprints other lines (one window of process.py per repeat, the
+# same for every configuration): the n-gram types that keep a pool across
+# requests (ngram-mod, ngram-map-*) would otherwise copy their own last answer.
+SOURCE = Path(__file__).resolve().parents[1].joinpath(
+    "specgate/engines/llamacpp/process.py").read_text().splitlines()
+
+
+def prompt_for(repeat: int) -> str:
+    code = "\n".join(SOURCE[200 + 65 * repeat: 265 + 65 * repeat])
+    return f"Reprint this Python code exactly as it is, with no changes:\n\n```python\n{code}\n```"
+
 
 CONFIGS: dict[str, dict | None] = {
     "plain": None,
@@ -51,33 +59,38 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", type=Path)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=700)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--binary")
+    ap.add_argument("--only", nargs="*", help="configurations whose names start so (plain always)")
     args = ap.parse_args()
+    configs = {name: spec for name, spec in CONFIGS.items()
+               if not args.only or name == "plain" or any(name.startswith(o) for o in args.only)}
     servers = {name: LlamaServer(ServerSpec(args.model, ctx_size=4096, threads=args.threads,
                                             spec=spec, extra_args=["--no-repack"]),
                                  binary=args.binary)  # fmt: skip
-               for name, spec in CONFIGS.items()}
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+               for name, spec in configs.items()}
+    results: dict[str, list[dict]] = {name: [] for name in configs}
     try:
         for s in servers.values():
             await s.start()
         async with httpx.AsyncClient(trust_env=False, timeout=600) as client:
-            r = await client.post(servers["plain"].base_url + "/apply-template",
-                                  json={"messages": [{"role": "user", "content": PROMPT}]})
-            prompt = r.json()["prompt"]
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
+                r = await client.post(servers["plain"].base_url + "/apply-template", json={
+                    "messages": [{"role": "user", "content": prompt_for(repeat)}]})
+                prompt = r.json()["prompt"]
                 for name, s in servers.items():
                     results[name].append(await run_once(client, s, prompt, args.tokens))
     finally:
         for s in servers.values():
             await s.stop()
-    print(f"{len(CODE.splitlines())} lines of code, {args.tokens} tokens, {args.repeats} repeats")
+    print(f"65 lines of code, {args.tokens} tokens, {args.repeats} repeats, -t {args.threads}")
     for name, rs in results.items():
         speeds = [r["tok_s"] for r in rs]
-        print(f"{name:42s} {statistics.median(speeds):7.1f} [{min(speeds):.1f}, {max(speeds):.1f}] "
-              f"tok/s; drafts {rs[0]['drafts']} accepted {rs[0]['accepted']} (of {rs[0]['n']} tokens)")
+        drafted, accepted = sum(r["drafts"] for r in rs), sum(r["accepted"] for r in rs)
+        rate = f"{accepted / drafted:.0%}" if drafted else "-"
+        print(f"{name:42s} {statistics.median(speeds):6.1f} [{min(speeds):.1f}, {max(speeds):.1f}] "
+              f"tok/s; drafted {drafted}, accepted {accepted} ({rate}) over {sum(r['n'] for r in rs)} tokens")
 
 
 if __name__ == "__main__":

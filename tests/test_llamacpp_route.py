@@ -76,8 +76,8 @@ def test_ngram_lookup_length_is_passed(smollm2_gguf):
     args = built["llamacpp_ngram"].server.spec.args(0)
     kind = flag(args, "--spec-type")
     assert kind == LlamaCppNgramSettings().type
-    lookup = {"ngram-simple": "--spec-ngram-simple-size-n", "ngram-mod": "--spec-ngram-mod-n-match",
-              "ngram-map-k": "--spec-ngram-map-k-size-n"}[kind]
+    assert kind == "ngram-map-k4v"  # the measured winner (engines/settings.py)
+    lookup = "--spec-ngram-map-k4v-size-n"
     # llama.cpp's own (12; ngram-mod's 24) drafted nothing on a code copy (issue 42).
     assert flag(args, lookup) == str(NGRAM_LOOKUP_DEFAULT) and NGRAM_LOOKUP_DEFAULT < 12
     assert "--spec-type" not in built["llamacpp"].server.spec.args(0)

@@ -131,6 +131,7 @@ PER_TOKEN_LAYER = 2 * 2 * 16 * 2  # K and V x 2 heads x 16 dims x f16
     ("gemma3", {"pattern": 3}, 4),  # the file's period: layers 2 and 5 attend fully
     ("gemma3", {"pattern": [True, False, True, True, False, True]}, 4),  # the file's bools
     ("gemma3", {"window": None}, 0),  # gemma3 without a window attends fully
+    ("gemma4", {"pattern": [True, True, False, True, True, False]}, 4),
     ("llama", {}, 0),  # not a sliding-window family
 ])  # fmt: skip
 def test_sliding_window_layers_hold_only_their_window(tmp_path, arch, kw, windowed):
@@ -141,6 +142,10 @@ def test_sliding_window_layers_hold_only_their_window(tmp_path, arch, kw, window
     assert r.memory.kv_cache_bytes_per_1k_tokens == full * PER_TOKEN_LAYER * 1024
     window = 4096 if kw.get("window", 512) is None else 512
     assert (r.memory.sliding_kv_bytes or 0) == windowed * PER_TOKEN_LAYER * window
+    if arch == "gemma4":  # no window in the file: counted nowhere, and said so, not a crash
+        r = inspect_checkpoint(str(write_swa_gguf(tmp_path / "w.gguf", arch, window=None, **kw)))
+        assert r.memory.sliding_kv_bytes is None
+        assert any("not counted" in a for a in r.memory.assumptions)
 
 
 def test_smollm2_kv_estimate(smollm2_gguf, tmp_path):

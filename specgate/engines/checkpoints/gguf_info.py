@@ -27,9 +27,10 @@ _NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
 # the layer pattern its loader assumes when the GGUF has no
 # `<arch>.attention.sliding_window_pattern` (every n-th layer full, the rest
 # windowed), and the window it assumes when the file names none. gemma3 and
-# llama4 attend fully unless the file names a window.
-_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2,
-                "exaone4": 4, "llama4": 4}
+# llama4 attend fully unless the file names a window; gemma4's files always
+# carry the per-layer array (its loader requires it), the 6 is never used.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4,
+                "gpt-oss": 2, "exaone4": 4, "llama4": 4}
 _SWA_DEFAULT_WINDOW = {"gemma2": 4096, "exaone4": 4096, "llama4": 8192}
 _SWA_NEEDS_KEY = ("gemma3", "llama4")
 # Split GGUFs: name-00001-of-00003.gguf; the first shard holds the keys.
@@ -121,7 +122,8 @@ def read_gguf(path: Path) -> CheckpointInfo:
             full = info.num_hidden_layers // interval
             info.layer_types = {"linear_attention": info.num_hidden_layers - full, "full_attention": full}
         elif windowed:
-            info.sliding_window = int(kv.get("attention.sliding_window") or _SWA_DEFAULT_WINDOW[arch])
+            window = kv.get("attention.sliding_window") or _SWA_DEFAULT_WINDOW.get(arch)
+            info.sliding_window = int(window) if window else None  # None: llama.cpp refuses it
             info.layer_types = {"sliding_attention": windowed,
                                 "full_attention": info.num_hidden_layers - windowed}
         else:

@@ -292,6 +292,11 @@ class _ModelConfig(_Strict):
     pin: bool = False
     distributed: DistributedConfig | None = None
     llamacpp: LlamaServerSettings = Field(default_factory=LlamaServerSettings)
+    # The chat template to render chats with instead of the checkpoint's: a
+    # Jinja file's path, or the template itself (text with `{{` or `{%`).
+    # For a base model that has none (chat APIs answer 400 until it has one);
+    # MLX engines and llama-server (--chat-template-file) both use it.
+    chat_template: str | None = Field(None, min_length=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     thinking: ThinkingConfig = Field(default_factory=ThinkingConfig, description=ThinkingConfig.__doc__)
     # Tools for a model whose chat template has no tool support. null (the
@@ -333,6 +338,23 @@ class _ModelConfig(_Strict):
     def _path_is_there(cls, v: str) -> str:
         # A hub repo id ("org/name") is looked up when the model loads.
         return _checked_location(v, (BUILTIN_DEMO, BUILTIN_DEMO_GGUF))
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, value: str | None) -> str | None:
+        if value is not None and not _inline_template(value):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise ValueError(f"chat_template: {value} is neither a file nor a Jinja template "
+                                 "(inline text with {{ or {%)")
+        return value
+
+    def chat_template_text(self) -> str | None:
+        """The configured chat template's text (read from its file), or None."""
+        value = self.chat_template
+        if value is None or _inline_template(value):
+            return value
+        return Path(value).expanduser().read_text(encoding="utf-8")
 
     @field_validator("drafter")
     @classmethod
@@ -442,6 +464,10 @@ def _distribution_fits(mc: _ModelConfig) -> None:
         raise ValueError("distributed: the model loads at start and stays (no `load: on_demand`, "
                          "no `idle_ttl_s`)")
     mc.pin = True  # never evicted: its other ranks hold their shards until specgate stops
+
+
+def _inline_template(value: str) -> bool:
+    return "{{" in value or "{%" in value
 
 
 def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool = False) -> str:

@@ -324,8 +324,10 @@ async def render_chat(
         if await engine.chat_template() is None:  # not the messages: no template at all
             raise APIError(
                 400,
-                f"{messages_param}: model '{model_id}' has no chat template, so it cannot take "
-                "chat messages; send a plain prompt to /v1/completions instead",
+                f"{messages_param}: model '{model_id}' has no chat template (a base model), so "
+                "it cannot take chat messages; send a plain prompt to /v1/completions, or "
+                "give the model a template: `chat_template:` in its config (a Jinja file's "
+                "path or the template itself)",
                 param=messages_param,
                 code="chat_template_missing",
             ) from None

@@ -367,18 +367,37 @@ def _admin(args: argparse.Namespace) -> int:
 
 
 def _model_table(models: list[dict]) -> str:
-    head = ("MODEL", "STATE", "MEMORY", "ENGINES", "IN FLIGHT", "IDLE", "POLICY")
+    head = ("MODEL", "STATE", "MEMORY", "RESIDENT", "ENGINES", "IN FLIGHT", "IDLE", "POLICY")
     rows = [head]
     for m in models:
-        memory = sum(m["memory"].values())
         policy = "pinned" if m["pin"] else (f"ttl {m['idle_ttl_s']:g}s" if m["idle_ttl_s"] else "-")
-        rows.append((m["id"], m["state"], f"{memory / (1 << 30):.2f} GiB" if memory else "-",
+        rss = m.get("resident")
+        rows.append((m["id"], m["state"], _memory_cell(m["memory"]),
+                     _bytes(rss) if rss else "-",
                      ",".join(m["engines"]), str(m["in_flight"]), f"{m['idle_s']:g}s",
                      f"{m['load']}, {policy}"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     errors = [f"  {m['id']}: {m['error']}" for m in models if m["error"]]
-    return "\n".join(lines + (["", "errors:", *errors] if errors else []))
+    notes = [f"  {m['id']}: {n}" for m in models for n in m.get("notes") or []]
+    return "\n".join(lines + (["", "errors:", *errors] if errors else [])
+                     + (["", "notes:", *notes] if notes else []))  # fmt: skip
+
+
+_MEMORY_KINDS = {"weights": "weights", "drafter": "drafter", "kv_reserve": "KV"}
+
+
+def _bytes(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _memory_cell(memory: dict) -> str:
+    """Its total and, apart, each kind: `0.27 GiB (weights 92 MiB, KV 180 MiB)`."""
+    total = sum(memory.values())
+    if not total:
+        return "-"
+    parts = [f"{_MEMORY_KINDS.get(k, k)} {_bytes(n)}" for k, n in memory.items() if n]
+    return f"{_bytes(total)} ({', '.join(parts)})"
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -81,8 +81,8 @@ def test_qwen35_hybrid_with_mtp_is_verified(hybrid):
     assert r.verdict == "verified" and r.problems == []
     assert r.layout == "hf" and r.layer_types == {"linear_attention": 3, "full_attention": 1}
     assert r.mtp["declared"] == r.mtp["present"] == 1 and r.mtp["prefix"] == "mtp."
-    assert engines(r) == {"mlx_plain": ["none"], "mlx_mtp": ["mtp"],
-                          "mlx_dflash": ["dflash"], "mlx_dspark": ["dspark"]}
+    assert engines(r) == {"mlx_plain": ["none"], "mlx_mtp": ["mtp"], "mlx_dflash": ["dflash"],
+                          "mlx_dspark": ["dspark"], "mlx_ngram": ["ngram"]}
     # 1 full-attention layer x 2 kv heads x head_dim 32 x (K, V) x float32, per 1024 tokens.
     assert r.memory.kv_cache_bytes_per_1k_tokens == 1 * 2 * 32 * 2 * 4 * 1024
     assert r.memory.mtp_kv_cache_bytes_per_1k_tokens == r.memory.kv_cache_bytes_per_1k_tokens
@@ -155,7 +155,8 @@ def test_qwen3_dense_is_ar_only(dense):
     r = inspect_checkpoint(str(dense))
     assert r.verdict == "ar-only" and r.exit_code == 0 and r.problems == []
     assert r.mtp["declared"] == r.mtp["present"] == 0
-    assert engines(r) == {"mlx_plain": ["none"], "mlx_dflash": ["dflash"], "mlx_dspark": ["dspark"]}
+    assert engines(r) == {"mlx_plain": ["none"], "mlx_dflash": ["dflash"], "mlx_dspark": ["dspark"],
+                          "mlx_ngram": ["ngram"]}  # n-gram drafting needs nothing but the model
     assert r.memory.kv_cache_bytes_per_1k_tokens == 4 * 2 * 32 * 2 * 4 * 1024
     assert r.memory.recurrent_state_bytes is None
 
@@ -409,7 +410,7 @@ def test_gguf_with_nextn_head_is_verified(tmp_path):
     assert r.gguf["arch"] == "qwen35" and r.gguf["nextn_blocks"] == [4]
     assert r.gguf["file_type"] == "ALL_F32" and r.num_hidden_layers == 4
     assert r.mtp["present"] == 1 and r.mtp["tensors"] == 4
-    assert engines(r) == {"llamacpp": ["none", "llamacpp_mtp"]}
+    assert engines(r) == {"llamacpp": ["none", "llamacpp_mtp"], "llamacpp_ngram": ["llamacpp_ngram"]}
 
 
 def test_gguf_traps(tmp_path):
@@ -425,7 +426,8 @@ def test_gguf_traps(tmp_path):
     for name, (kw, verdict, problems) in cases.items():
         r = inspect_checkpoint(str(write_gguf(tmp_path / f"{name}.gguf", **kw)))
         assert (r.verdict, codes(r)) == (verdict, problems), name
-    assert engines(inspect_checkpoint(str(tmp_path / "stripped.gguf"))) == {"llamacpp": ["none"]}
+    assert engines(inspect_checkpoint(str(tmp_path / "stripped.gguf"))) == {
+        "llamacpp": ["none"], "llamacpp_ngram": ["llamacpp_ngram"]}  # any GGUF drafts n-grams
 
 
 # ---------------------------------------------------------------- JSON and CLI

@@ -154,7 +154,7 @@ def test_guard_failed_kernel_falls_back(tmp_path, caplog):
                                   metal_candidate()])  # fmt: skip
     x = mx.random.normal((1, 4, 256))
     wq, s, b = quantized(64, 256, mx.float32, 4, 64)
-    with caplog.at_level(logging.WARNING, logger="specgate.kernels"):
+    with caplog.at_level(logging.INFO, logger="specgate.kernels"):
         y = qmm.verify_qmm(x, wq, s, b, 64, 4, guard=guard)
         qmm.verify_qmm(x * 2, wq, s, b, 64, 4, guard=guard)  # known shape: no new check, no log
     assert mx.array_equal(y, qmm.reference_qmm(x, wq, s, b, 64, 4))
@@ -166,7 +166,9 @@ def test_guard_failed_kernel_falls_back(tmp_path, caplog):
     assert any("No CUDA" in v.detail for v in vs.values())
     assert any("No Metal" in v.detail for v in vs.values())
     lines = [r for r in caplog.records if r.name == "specgate.kernels"]
-    assert len(lines) == 3 and all("stock quantized_matmul instead" in r.message for r in lines)
+    assert all("stock quantized_matmul instead" in r.message for r in lines)
+    # The broken build is a warning; the backends this CPU lacks are said at info.
+    assert [r.levelno for r in lines] == [logging.WARNING, logging.INFO, logging.INFO]
 
 
 def test_guard_refuses_a_correct_but_slower_kernel(tmp_path):

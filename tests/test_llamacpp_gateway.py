@@ -61,8 +61,6 @@ def gguf_models(ar_gguf: Path) -> list[dict]:
 def gw(ar_gguf, llama_server_binary, tmp_path_factory):
     models = gguf_models(ar_gguf)
     models[0]["engines"] = ["llamacpp", "llamacpp_mtp", "llamacpp_ngram"]
-    # ngram-simple's default key is 12 tokens; 4 finds the demo's loops sooner.
-    models[0]["llamacpp"]["extra_args"] = ["--spec-ngram-simple-size-n", "4"]
     # The trunk-only GGUF takes tools, through a hermes template of our own.
     template = tmp_path_factory.mktemp("template") / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
@@ -183,7 +181,7 @@ def test_greedy_ngram_equals_llama_server_without_speculation(client, gw):
         return after.get(key, 0) - before.get(key, 0)
 
     drafted, accepted = grew("num_draft_tokens"), grew("num_accepted_tokens")
-    print(f"\nngram-simple over 3 prompts: {accepted:.0f}/{drafted:.0f} drafts accepted")
+    print(f"\nllamacpp_ngram over 3 prompts: {accepted:.0f}/{drafted:.0f} drafts accepted")
     assert grew("num_drafts") > 0 and 0 < accepted <= drafted
     # A client need not know the backend: "ngram" (and "mtp") name llama-server's own.
     for asked, method in (("ngram", "llamacpp_ngram"), ("mtp", "llamacpp_mtp")):

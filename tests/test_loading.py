@@ -120,6 +120,8 @@ def layouts(tiny_model, tmp_path_factory, request):
         gw = start_gateway({"models": [
             {"id": "tiny", "path": str(tiny_model)}, {"id": "flat", "path": str(flat)},
             {"id": "hub", "path": "acme/tiny"}, {"id": "no-template", "path": str(bare_chat)},
+            # The same directory with a template from the config (issue 42).
+            {"id": "config-template", "path": str(bare_chat), "chat_template": CONFIG_TEMPLATE},
         ]}, root)
     finally:
         mp.undo()
@@ -135,6 +137,10 @@ def test_every_layout_serves_the_same_greedy_text(layouts):
     assert texts["tiny"] and set(texts.values()) == {texts["tiny"]}, texts
 
 
+CONFIG_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def test_chat_without_a_chat_template_is_a_clear_400(layouts):
     client = openai.OpenAI(base_url=layouts.api, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
@@ -143,6 +149,14 @@ def test_chat_without_a_chat_template_is_a_clear_400(layouts):
     body = err.value.body
     assert "no chat template" in body["message"] and "/v1/completions" in body["message"]
     assert body["param"] == "messages" and body["code"] == "chat_template_missing"
+    assert "chat_template:" in body["message"]  # the fix, named
+    # The config's template renders chats for the same checkpoint, and only for that model.
+    reply = client.chat.completions.create(model="config-template", max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="no-template", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
     # The same request to a model with a template works, and the server kept serving.
     assert client.chat.completions.create(model="tiny", max_tokens=4, messages=[
         {"role": "user", "content": "hi"}]).choices[0].message.content is not None

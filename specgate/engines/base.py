@@ -208,7 +208,9 @@ class CacheSettings:
 class HeldMemory:
     """Memory an engine holds, measured: `holder` names what holds it, so
     weights several engines share (one model's in-process engines) count
-    once. kind: "weights" (the target's) or "drafter" (a head or drafter)."""
+    once. kind: "weights" (the target's) or "drafter" (a head or drafter);
+    a child process (llama-server) adds "kv" (its KV cache) and "resident"
+    (its measured resident size: the same memory again, as the OS counts it)."""
 
     holder: str
     kind: str

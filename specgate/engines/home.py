@@ -15,6 +15,9 @@ under it ($SPECGATE_HOME, else ~/.specgate):
                          lays them out under the home it is given)
     prefix-cache/<model>/  the prefix cache's disk tier, per model content
                          (engines/cache/prefix_disk.py)
+    imports/<sha256>/    GGUF files imported as MLX checkpoints, by content, and
+                         index.json (their digests by path, size, mtime)
+                         (engines/checkpoints/gguf_import/)
     peers/               the tests' venvs of other implementations (tests/peers/)
     launch/              what `specgate launch` keeps: each agent's key (keys/<agent>),
                          the files an agent reads (<agent>/), a server it started (serve.log)
@@ -79,3 +82,8 @@ def prefix_cache_dir(home: Path | None = None) -> Path:
 def peers_dir(home: Path | None = None) -> Path:
     """Environments of the peer implementations the tests compare against."""
     return (home or specgate_home()) / "peers"
+
+
+def imports_dir(home: Path | None = None) -> Path:
+    """GGUF files imported for the MLX engines (engines/checkpoints/gguf_import/ adds <sha256>/)."""
+    return (home or specgate_home()) / "imports"

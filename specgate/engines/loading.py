@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import weakref
@@ -64,10 +65,11 @@ _lock = threading.Lock()
 
 
 def load_mlx_model(path: str, cache: CacheSettings | None = None,
-                   distribution=None) -> LoadedModel:  # fmt: skip
+                   distribution=None, chat_template: str | None = None) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
 
-    `path` is a local directory or a hub repo id; only a hub repo id that is
+    `path` is a local directory, a hub repo id or a GGUF file (imported to
+    an MLX checkpoint first, engines/checkpoints/gguf_import/); only a hub repo id that is
     not already in the local hub cache downloads anything (never while
     HF_HUB_OFFLINE is set). CheckpointLoadError says what is missing: the
     path, the download, the tokenizer (engines/mlx_load.py). `cache`: the
@@ -75,25 +77,40 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None,
     `distribution` (engines/distributed/lockstep.Distribution): this rank's shard, with
     the lockstep as its lock and no prefix cache (whose hits would differ
     between ranks whose entries differ in size, so evictions do too).
+    `chat_template`: the model config's, set on this load's tokenizer; a
+    load with another template (or none) of the same path is another load,
+    so one model's template never reaches another's.
     """
-    from specgate.engines.mlx_load import load  # lazily: mlx-lm pulls in transformers
+    # lazily: mlx-lm pulls in transformers
+    from specgate.engines.checkpoints.gguf_pick import is_gguf_file
+    from specgate.engines.mlx_load import imported_gguf, load
 
+    # A GGUF (by its magic: an Ollama blob has no suffix) is served from its
+    # MLX import, made on first use.
+    if Path(path).expanduser().is_file() and is_gguf_file(Path(path).expanduser()):
+        path = str(imported_gguf(path))
     key = str(Path(path).resolve()) if Path(path).exists() else path
+    memo = key
+    if chat_template is not None:
+        memo += "#chat_template:" + hashlib.sha256(chat_template.encode()).hexdigest()[:16]
     with _lock:
-        loaded = _loaded.get(key)
+        loaded = _loaded.get(memo)
         if loaded is None:
             model, tokenizer, config = load(path, distribution)
+            if chat_template is not None:
+                # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
+                tokenizer.chat_template = chat_template
             if distribution is None:
                 prefix = _prefix_cache(key, model, cache or CacheSettings())
-                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix)
+                loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix)
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
 
                 prefix = _prefix_cache(key, model, CacheSettings(disk_bytes=0))
                 prefix.resize(0)
                 lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
-                loaded = _loaded[key] = LoadedModel(key, model, tokenizer, config, prefix,
-                                                    lock=lockstep, lockstep=lockstep)  # fmt: skip
+                loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
+                                                     lock=lockstep, lockstep=lockstep)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends
                 weakref.finalize(loaded, prefix.disk.close)
             weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS

@@ -1,5 +1,8 @@
 """mlx-lm's load, with what it refuses wrongly or lets through wrongly made clear.
 
+- A GGUF file is imported into an MLX checkpoint directory first
+  (engines/checkpoints/gguf_import/), once per file content.
+
 - A hub repo id while HF_HUB_OFFLINE is set is looked up in the local cache
   only; one that is not there is "not downloaded", in those words.
 - A checkpoint without a tokenizer is refused: transformers would build an
@@ -19,12 +22,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from specgate.engines.checkpoints.families import TEXT_ONLY_MODEL_TYPES, mlx_lm_module
 from specgate.engines.checkpoints.locate import hub_offline, looks_local, not_downloaded
 from specgate.engines.checkpoints.reader import read_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointLoadError(Exception):
@@ -54,6 +60,28 @@ def load(path: str, distribution=None) -> tuple[Any, Any, dict]:
         raise CheckpointLoadError(f"{root}: its tokenizer encodes text to no tokens; "
                                   "copy the original model's tokenizer files into it")
     return model, tokenizer, config
+
+
+def imported_gguf(path: str) -> Path:
+    """The MLX checkpoint directory of the GGUF file at `path`, imported now
+    if it was not before (blocking: every weight is read and written once),
+    with a log line every tenth of the way."""
+    from specgate.engines.checkpoints.gguf_import import GGUFImportError, import_gguf
+
+    logged = [0]
+
+    def progress(done: int, total: int, tensor: str) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > logged[0]:
+            logged[0] = tenth
+            log.info("importing %s for MLX: %d%% (%s)", Path(path).name, tenth * 10, tensor)
+
+    if not Path(path).expanduser().is_file():
+        raise CheckpointLoadError(f"{path} does not exist")
+    try:
+        return import_gguf(path, progress=progress)
+    except GGUFImportError as e:
+        raise CheckpointLoadError(f"{path}: {e}") from None
 
 
 def local_checkpoint(path: str) -> Path:

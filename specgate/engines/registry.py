@@ -100,6 +100,7 @@ class BuildContext:
     drafter: str | None = None  # a local directory (builtins resolved)
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
     llama_server_binary: str | None = None  # None: PATH, then `specgate install-llama-server`'s
+    chat_template: str | None = None  # the config's template text, instead of the checkpoint's
     distribution: Any = None  # engines/distributed/lockstep.Distribution: this rank's shard of the model
     loaded: LoadedModel | None = None
 
@@ -107,7 +108,8 @@ class BuildContext:
         if self.loaded is None:
             from specgate.engines.loading import load_mlx_model
 
-            self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution)
+            self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution,
+                                         self.chat_template)  # fmt: skip
         return self.loaded
 
     def settings_of(self, name: str) -> EngineSettings:
@@ -214,7 +216,7 @@ def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
         settings={name: ctx.settings_of(name) for name in names}, server=ctx.llama_server,
         binary=ctx.llama_server_binary, max_context=ctx.max_context,
         max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
-        drafter=Path(ctx.drafter) if ctx.drafter else None,
+        drafter=Path(ctx.drafter) if ctx.drafter else None, chat_template=ctx.chat_template,
     )
 
 

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # llama-server's n-gram --spec-types (engines/llamacpp/process.py's
 # NGRAM_TYPES, which a test holds equal to this).
 NgramType = Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"]
+# The lookup length llamacpp_ngram matches when its settings name none.
+NGRAM_LOOKUP_DEFAULT = 4
 
 
 class EngineSettings(BaseModel):
@@ -66,9 +68,34 @@ class MTPNgramSettings(NgramSettings):
 class LlamaCppNgramSettings(NgramSettings):
     """llama-server drafting from the context."""
 
-    type: NgramType = Field("ngram-simple", description="llama-server's --spec-type (its "
-                            "other knobs keep llama.cpp's defaults; set them in "
-                            "llamacpp.extra_args)")  # fmt: skip
+    # Measured (bench/llamacpp_ngram.py; SmolLM2-135M Q4_1, this 2-core CPU
+    # shared with other work, -t 1, reprinting 65 lines of code, 200 tokens,
+    # 5 interleaved repeats, median [min, max] decode tok/s; drafted/accepted
+    # over the 1,000 tokens), two runs:
+    #   plain                      30.1 [25.1, 50.0] | 26.4 [21.6, 37.5]
+    #   ngram-simple n=12 (llama.cpp's own)  30.5 [24.6, 51.9], 0 drafted
+    #   ngram-simple n=4           34.8 [22.5, 37.9] | 27.5 [21.8, 40.3]  546/770 (71 %)
+    #   ngram-simple n=3           29.6 [19.1, 41.9]                      572/946 (60 %)
+    #   ngram-mod n-match=4        29.0 [20.3, 42.1]                      549/933 (59 %)
+    #   ngram-mod n-match=24       31.7 [27.2, 48.1] | 34.6 [30.2, 49.4]  270/281 (96 %)
+    #   ngram-map-k n=4            28.3 [25.2, 36.9] | 35.8 [22.5, 67.0]  522/647 (81 %)
+    #   ngram-map-k4v n=4          35.3 [30.1, 45.6] | 35.5 [26.0, 46.9]  534/649 (82 %)
+    # ngram-map-k4v at 4 was fastest in both runs (1.17x and 1.34x plain) and
+    # wastes the fewest drafts of those that copy most; the spread is wide on
+    # a shared CPU, so the margins over map-k and mod are not certain.
+    type: NgramType = Field("ngram-map-k4v", description="llama-server's --spec-type (its "
+                            "other knobs but the lookup length keep llama.cpp's defaults; set "
+                            "them in llamacpp.extra_args)")  # fmt: skip
+    # llama.cpp's own lookup lengths (12 tokens; ngram-mod's 24) are rarely
+    # matched in a short context: on a prompt asking SmolLM2-135M to reprint
+    # 65 lines of code, ngram-simple drafted nothing at 12.
+    lookup: int | None = Field(None, ge=1, le=64, description="tokens of context matched before "
+                               "a copy is drafted (--spec-ngram-*-size-n, ngram-mod's "
+                               "--spec-ngram-mod-n-match); default: NGRAM_LOOKUP_DEFAULT")  # fmt: skip
+
+    @property
+    def lookup_length(self) -> int:
+        return self.lookup or NGRAM_LOOKUP_DEFAULT
 
 
 class LlamaServerSettings(BaseModel):

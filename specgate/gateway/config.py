@@ -230,7 +230,10 @@ class _ModelConfig(_Strict):
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     # "builtin:demo", a local model directory or a hub repo id ("org/name") for
-    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones.
+    # the MLX engines; a .gguf file or "builtin:demo-gguf" for the llamacpp ones
+    # (a .gguf file for MLX engines too: imported to MLX when it loads);
+    # or where another tool keeps it: "ollama:NAME[:TAG]", "lmstudio:ORG/REPO[:QUANT]",
+    # a GGUF repo in the hub cache "org/name:QUANT" (engines/checkpoints/sources.py).
     path: str = Field(min_length=1)
     # MLX: mlx_plain (batched plain decoding) is always there; mlx_mtp adds MTP
     # speculative decoding with the checkpoint's own head, mlx_dflash (or
@@ -289,16 +292,41 @@ class _ModelConfig(_Strict):
     pin: bool = False
     distributed: DistributedConfig | None = None
     llamacpp: LlamaServerSettings = Field(default_factory=LlamaServerSettings)
+    # The chat template to render chats with instead of the checkpoint's: a
+    # Jinja file's path, or the template itself (text with `{{` or `{%`).
+    # For a base model that has none (chat APIs answer 400 until it has one);
+    # MLX engines and llama-server (--chat-template-file) both use it.
+    chat_template: str | None = Field(None, min_length=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     thinking: ThinkingConfig = Field(default_factory=ThinkingConfig, description=ThinkingConfig.__doc__)
+    # Tools for a model whose chat template has no tool support. null (the
+    # default): a request with `tools` is a 400. "default": specgate lists
+    # the tools in its own tool-use system prompt, renders earlier calls and
+    # their results as text in the same syntax, and holds the output to
+    # text and calls whose arguments follow each tool's schema
+    # (gateway/api/tools.py, tools_as_text), as LM Studio answers such requests.
+    tool_prompt: Literal["default"] | None = Field(
+        None, description="Tools on a chat template without tool support: null (a 400) or "
+        "\"default\" (specgate's tool-use prompt and a grammar for the calls)")
 
     @property
     def is_gguf(self) -> bool:
-        return self.path == BUILTIN_DEMO_GGUF or self.path.lower().endswith(".gguf")
+        # By the file's magic, not its name: Ollama's blobs have no suffix.
+        from specgate.engines.checkpoints.sources import names_gguf
+
+        return self.path == BUILTIN_DEMO_GGUF or names_gguf(self.path)
 
     @property
     def format(self) -> registry.Format:
-        return registry.GGUF if self.is_gguf else registry.MLX
+        """The format its engines read: a GGUF file listed for MLX engines is
+        imported into an MLX checkpoint when it loads (engines/checkpoints/gguf_import/)."""
+        if self.is_gguf and not (self.engines and registry.record(self.engines[0]).format.in_process):
+            return registry.GGUF
+        return registry.MLX
+
+    @property
+    def imports_gguf(self) -> bool:
+        return self.is_gguf and self.format == registry.MLX
 
     @model_validator(mode="before")
     @classmethod
@@ -311,6 +339,23 @@ class _ModelConfig(_Strict):
         # A hub repo id ("org/name") is looked up when the model loads.
         return _checked_location(v, (BUILTIN_DEMO, BUILTIN_DEMO_GGUF))
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, value: str | None) -> str | None:
+        if value is not None and not _inline_template(value):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise ValueError(f"chat_template: {value} is neither a file nor a Jinja template "
+                                 "(inline text with {{ or {%)")
+        return value
+
+    def chat_template_text(self) -> str | None:
+        """The configured chat template's text (read from its file), or None."""
+        value = self.chat_template
+        if value is None or _inline_template(value):
+            return value
+        return Path(value).expanduser().read_text(encoding="utf-8")
+
     @field_validator("drafter")
     @classmethod
     def _drafter_is_there(cls, v: str | None) -> str | None:
@@ -319,6 +364,8 @@ class _ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engines_fit_the_format(self) -> _ModelConfig:
+        if self.is_gguf and self.engines:
+            _gguf_engines_fit(self)
         fmt = self.format
         if not self.engines:
             self.engines = [r.name for r in registry.records(fmt) if r.default]
@@ -346,7 +393,7 @@ class _ModelConfig(_Strict):
             raise ValueError(f"{' / '.join(e for e in self.engines if e in needs)} needs a `drafter`")
         if self.drafter is not None and not any(e in takes for e in self.engines):
             raise ValueError(f"`drafter` goes with an engine that drafts with it ({' / '.join(takes)})")
-        if self.drafter is not None and self.is_gguf != self.drafter.lower().endswith(".gguf"):
+        if self.drafter is not None and (fmt == registry.GGUF) != self.drafter.lower().endswith(".gguf"):
             raise ValueError(f"a GGUF model's drafter is a .gguf file (llama-server -md), an MLX "
                              f"model's a checkpoint directory; got {self.drafter}")
         unused = [n for n in self.model_fields_set if n in _ENGINE_FIELDS and n not in self.engines]
@@ -373,6 +420,35 @@ ModelConfig = create_model(
 )  # fmt: skip
 
 
+def _gguf_engines_fit(mc: _ModelConfig) -> None:
+    """A GGUF file's engines: llama.cpp's, or MLX ones that serve it imported
+    (engines/checkpoints/gguf_import/), never both (each would hold its own
+    copy of the weights; list two models with one path instead)."""
+    in_process = [e for e in mc.engines if registry.record(e).format.in_process]
+    if not in_process:
+        return
+    other = [e for e in mc.engines if e not in in_process]
+    if other:
+        raise ValueError(f"a GGUF model's engines are llama.cpp's ({' / '.join(other)}) or MLX ones "
+                         f"({' / '.join(in_process)}, serving it imported), not both: list the "
+                         "file under two model ids, one for each")  # fmt: skip
+    if mc.path == BUILTIN_DEMO_GGUF:
+        raise ValueError(f"the MLX engines serve the demo as {BUILTIN_DEMO}, not {BUILTIN_DEMO_GGUF}")
+    heads = [e for e in in_process if registry.record(e).needs == "mtp_head"]
+    if heads:
+        raise ValueError(f"{' / '.join(heads)} drafts with the checkpoint's MTP head, which a GGUF file "
+                         "imported to MLX does not carry; use mlx_plain / mlx_ngram, or llamacpp_mtp")  # fmt: skip
+    from specgate.engines.checkpoints.sources import resolve_source
+
+    file = resolve_source(mc.path) or Path(mc.path).expanduser()  # ollama:, org/name:QUANT too
+    if file.is_file():
+        from specgate.engines.checkpoints.gguf_import import importable
+
+        why = importable(file)
+        if why:
+            raise ValueError(f"{' / '.join(in_process)} cannot serve {mc.path}: {why}")
+
+
 def _distribution_fits(mc: _ModelConfig) -> None:
     """What a model over several ranks may be, for now: its engines those
     tested in lockstep (the registry's `distributed`), loaded at start and
@@ -390,6 +466,10 @@ def _distribution_fits(mc: _ModelConfig) -> None:
     mc.pin = True  # never evicted: its other ranks hold their shards until specgate stops
 
 
+def _inline_template(value: str) -> bool:
+    return "{{" in value or "{%" in value
+
+
 def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool = False) -> str:
     """`value` if it is one of `builtins`, a path that exists, or (unless
     `local_only`) what can only be a hub repo id; else a config error that
@@ -402,6 +482,8 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
                                       {"known": " or ".join(builtins)})
         return value
     local = Path(value).expanduser()
+    if not local_only and not local.exists():
+        _store_has(value)
     if (local_only or looks_local(value)) and not local.exists():
         where = ("" if Path(value).is_absolute() else f" (as {local})" if value.startswith("~")
                  else f" (relative to the working directory {Path.cwd()})")
@@ -409,6 +491,18 @@ def _checked_location(value: str, builtins: tuple[str, ...], *, local_only: bool
         raise PydanticCustomError("path_missing", "does not exist{where}{also}",
                                   {"where": where, "also": also})
     return value
+
+
+def _store_has(value: str) -> None:
+    """A config error unless a store name (`ollama:`, `lmstudio:`, a GGUF
+    repo's `org/name:QUANT`: engines/checkpoints/sources.py) names a model
+    that is there now; serving never downloads one."""
+    from specgate.engines.checkpoints.sources import SourceError, resolve_source
+
+    try:
+        resolve_source(value)
+    except SourceError as e:
+        raise PydanticCustomError("model_source", "{why}", {"why": str(e)}) from None
 
 
 

@@ -23,6 +23,16 @@ from .info import (
 )
 
 _NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
+# Sliding-window families as llama.cpp loads them (src/models/<arch>.cpp):
+# the layer pattern its loader assumes when the GGUF has no
+# `<arch>.attention.sliding_window_pattern` (every n-th layer full, the rest
+# windowed), and the window it assumes when the file names none. gemma3 and
+# llama4 attend fully unless the file names a window; gemma4's files always
+# carry the per-layer array (its loader requires it), the 6 is never used.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4,
+                "gpt-oss": 2, "exaone4": 4, "llama4": 4}
+_SWA_DEFAULT_WINDOW = {"gemma2": 4096, "exaone4": 4096, "llama4": 8192}
+_SWA_NEEDS_KEY = ("gemma3", "llama4")
 # Split GGUFs: name-00001-of-00003.gguf; the first shard holds the keys.
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
@@ -47,12 +57,14 @@ def _gguf_files(root: Path) -> list[Path]:
 
 
 def read_gguf(path: Path) -> CheckpointInfo:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
+
+    from .gguf_file import open_gguf
 
     files = _gguf_files(path)
     try:
-        readers = [GGUFReader(f) for f in files]
-    except Exception as e:  # a corrupt file fails anywhere in gguf's parser
+        readers = [open_gguf(f) for f in files]
+    except Exception as e:  # a corrupt file (GGUFFormatError), an unknown type, ...
         raise CheckpointError(f"{path}: unreadable GGUF ({e})") from e
 
     def value(key: str):
@@ -101,12 +113,21 @@ def read_gguf(path: Path) -> CheckpointInfo:
         info.num_hidden_layers = block_count - nextn
     info.num_attention_heads = kv.get("attention.head_count")
     info.num_key_value_heads = kv.get("attention.head_count_kv")
-    info.head_dim = kv.get("attention.key_length")
+    # llama.cpp's default head size when the file has no key_length: n_embd / n_head.
+    heads = info.num_attention_heads
+    info.head_dim = kv.get("attention.key_length") or (
+        info.hidden_size // heads if isinstance(heads, int) and heads and info.hidden_size else None)
     if info.num_hidden_layers:
         interval = kv.get("full_attention_interval")
+        windowed = _sliding_layers(arch, kv, readers[0], info.num_hidden_layers)
         if interval:
             full = info.num_hidden_layers // interval
             info.layer_types = {"linear_attention": info.num_hidden_layers - full, "full_attention": full}
+        elif windowed:
+            window = kv.get("attention.sliding_window") or _SWA_DEFAULT_WINDOW.get(arch)
+            info.sliding_window = int(window) if window else None  # None: llama.cpp refuses it
+            info.layer_types = {"sliding_attention": windowed,
+                                "full_attention": info.num_hidden_layers - windowed}
         else:
             info.layer_types = {"full_attention": info.num_hidden_layers}
 
@@ -124,6 +145,23 @@ def read_gguf(path: Path) -> CheckpointInfo:
         tensor_names=sorted(heads), nbytes=sum(info.tensors[k].nbytes for k in heads),
     )
     return info
+
+
+def _sliding_layers(arch: str, kv: dict, reader, layers: int) -> int:
+    """How many of the layers attend to a sliding window, as llama.cpp's
+    loader decides it (llama_hparams::set_swa_pattern): the file's
+    `<arch>.attention.sliding_window_pattern` (a bool per layer, or a period
+    n: layer i is windowed unless i % n == n - 1), else the family's period."""
+    if arch not in _SWA_PATTERN:
+        return 0
+    window = kv.get("attention.sliding_window")
+    if arch in _SWA_NEEDS_KEY and not window:
+        return 0
+    field = reader.get_field(f"{arch}.attention.sliding_window_pattern")
+    if field is not None and len(field.types) > 1:  # an array: one bool per layer
+        return sum(1 for v in field.contents()[:layers] if v)
+    n = int(field.contents()) if field is not None else _SWA_PATTERN[arch]
+    return layers if n == 0 else sum(1 for i in range(layers) if i % n < n - 1)
 
 
 def _vocab_from_tokens(reader) -> int | None:

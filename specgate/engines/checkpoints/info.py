@@ -124,6 +124,7 @@ class CheckpointInfo:
     head_dim: int | None = None
     dtype: str | None = None  # the config's compute dtype
     layer_types: dict[str, int] = field(default_factory=dict)
+    sliding_window: int | None = None  # tokens a sliding_attention layer keeps (GGUF; else config's)
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     params: int = 0
     params_by_dtype: dict[str, int] = field(default_factory=dict)

@@ -4,8 +4,9 @@
     print(render_text(report))          # or json.dumps(report.to_dict())
 
 It takes what `specgate serve` takes: a builtin name (builtin:demo,
-builtin:demo-gguf, builtin:demo-dflash), a local path, or a Hugging Face
-repo id, looked up only in the local hub cache: inspect never downloads.
+builtin:demo-gguf, builtin:demo-dflash), a local path, a model store's name
+(ollama:, lmstudio:, sources.py), or a Hugging Face repo id, looked up only
+in the local hub cache: inspect never downloads.
 Builtin names are resolved by the caller's `builtin` (the CLI passes
 specgate.engines.checkpoints.builtin.builtin_path): this package only reads.
 """
@@ -22,6 +23,7 @@ from typing import TextIO
 from .info import CheckpointError, CheckpointInfo
 from .locate import BUILTIN_PREFIX, REPO_ID, cached_snapshot, looks_local, not_downloaded
 from .reader import read_checkpoint
+from .sources import SourceError, resolve_source
 from .verdicts import EngineFit, Judgement, Problem, judge_drafter, judge_gguf, judge_target
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -41,6 +43,8 @@ class Memory:
     kv_cache_bytes_per_1k_tokens: int | None
     mtp_kv_cache_bytes_per_1k_tokens: int | None
     recurrent_state_bytes: int | None  # per sequence, constant in length
+    # Per sequence: the sliding-window layers' KV, bounded by the window, not the context.
+    sliding_kv_bytes: int | None = None
     assumptions: list[str] = field(default_factory=list)
 
 
@@ -104,6 +108,12 @@ def resolve_local(source: str, builtin: BuiltinResolver | None = None) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         return path
+    try:
+        stored = resolve_source(source)  # ollama:, lmstudio:, a GGUF repo in the hub cache
+    except SourceError as e:
+        raise UsageError(str(e)) from None
+    if stored is not None:
+        return stored
     if looks_local(source) or not REPO_ID.match(source):
         raise UsageError(f"{source}: no such file or directory")
     snapshot = cached_snapshot(source)
@@ -156,10 +166,15 @@ def _memory(info: CheckpointInfo, j: Judgement) -> Memory:
         return mem
     full = info.layer_types.get("full_attention", 0)
     mem.kv_cache_bytes_per_1k_tokens = full * per_layer * act * 1024
-    if info.layer_types.get("sliding_attention"):
-        mem.assumptions.append(
-            f"{info.layer_types['sliding_attention']} sliding-window layers not counted "
-            f"(bounded by sliding_window {tc.get('sliding_window')})")
+    if swa := info.layer_types.get("sliding_attention"):
+        window = info.sliding_window or tc.get("sliding_window")
+        if window:
+            kv = info.gguf.kv if info.gguf else {}
+            swa_dim = kv.get("attention.key_length_swa") or info.head_dim
+            mem.sliding_kv_bytes = swa * 2 * info.num_key_value_heads * swa_dim * act * int(window)
+            mem.assumptions.append(f"{swa} sliding-window layers hold {window} tokens each")
+        else:
+            mem.assumptions.append(f"{swa} sliding-window layers not counted (no sliding_window)")
     if j.mtp_usable and info.mtp.present:
         mem.mtp_kv_cache_bytes_per_1k_tokens = info.mtp.present * per_layer * act * 1024
     gdn = info.layer_types.get("linear_attention", 0)
@@ -171,6 +186,13 @@ def _memory(info: CheckpointInfo, j: Judgement) -> Memory:
             mem.recurrent_state_bytes = gdn * per_gdn
             mem.assumptions.append("GDN: conv window in activation dtype, recurrent state float32")
     return mem
+
+
+def kv_memory(info: CheckpointInfo, j: Judgement) -> tuple[int, int]:
+    """(KV bytes per 1k tokens of context, KV bytes per sequence its
+    sliding-window layers hold): 0 where not known."""
+    mem = _memory(info, j)
+    return mem.kv_cache_bytes_per_1k_tokens or 0, mem.sliding_kv_bytes or 0
 
 
 # ---------------------------------------------------------------- the report
@@ -190,7 +212,8 @@ def _summary(info: CheckpointInfo, j: Judgement, source: str) -> Report:
         | {"tensors": len(info.mtp.tensor_names)},
         drafter=asdict(info.drafter) if info.drafter else None,
         norms=asdict(info.norms) if info.norms else None,
-        gguf=({k: v for k, v in asdict(info.gguf).items() if k != "kv"} if info.gguf else None),
+        gguf=({k: v for k, v in asdict(info.gguf).items() if k != "kv"}
+              | {"context_length": info.gguf.kv.get("context_length")} if info.gguf else None),
         memory=_memory(info, j), engines=j.engines, problems=j.problems, notes=j.notes,
     )
 
@@ -204,7 +227,15 @@ def _unreadable(source: str, path: Path, err: CheckpointError, kind: str = "targ
 
 
 def _judge(info: CheckpointInfo) -> Judgement:
-    return judge_gguf(info) if info.format == "gguf" else judge_target(info)
+    if info.format != "gguf":
+        return judge_target(info)
+    j = judge_gguf(info)
+    from .gguf_import import importable_info  # the MLX engines serve it imported
+
+    if j.verdict != "incompatible" and importable_info(info) is None:
+        j.engines += [EngineFit(e, [m], "(imported to MLX)") for e, m in (("mlx_plain", "none"),
+                                                                          ("mlx_ngram", "ngram"))]
+    return j
 
 
 def inspect_checkpoint(path_or_repo: str, *, target: str | None = None,
@@ -314,6 +345,8 @@ def render_text(r: Report) -> str:
         if m.mtp_head_bytes:
             mem += f" (MTP head {_size(m.mtp_head_bytes)})"
         mem += f"; KV cache {_size(m.kv_cache_bytes_per_1k_tokens)} per 1k tokens"
+        if m.sliding_kv_bytes:
+            mem += f" + {_size(m.sliding_kv_bytes)} per sequence (sliding window)"
         if m.mtp_kv_cache_bytes_per_1k_tokens:
             mem += f" (+{_size(m.mtp_kv_cache_bytes_per_1k_tokens)} MTP)"
         if m.recurrent_state_bytes:

@@ -1,7 +1,9 @@
 """Where a model that a config or a command names lives.
 
 A name is a builtin ("builtin:demo", engines/checkpoints/builtin.py), a
-local path, or a Hugging Face repo id ("org/name"). Reading one never
+local path, a Hugging Face repo id ("org/name"), or a model another tool
+keeps ("ollama:NAME[:TAG]", "lmstudio:PUBLISHER/REPO", a GGUF repo's
+"org/name:QUANT": sources.py). Reading one never
 downloads: a repo id is looked up in the local hub cache only. What a name looks like decides which
 error makes sense when nothing is there: a path that "does not exist", or a
 repo that "is not downloaded".
@@ -19,13 +21,19 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a config or a command may name instead of a path (the names and their
 # paths: engines/checkpoints/builtin.py, which builds some on first use).
 BUILTIN_PREFIX = "builtin:"
+# Models other tools keep (sources.py), and llama.cpp's `-hf org/name:QUANT`.
+STORE_PREFIXES = ("ollama:", "lmstudio:")
+REPO_QUANT = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+):(?P<quant>[\w.-]+)$")
 _TRUE = {"1", "ON", "YES", "TRUE"}  # how huggingface_hub reads its boolean variables
 
 
 def looks_local(name: str) -> bool:
     """Whether `name` can only mean a local file or directory: absolute,
     ./ ../ ~, more than the one slash of `org/name`, not a valid repo id
-    although it has a slash, or a .gguf file (never a repo)."""
+    although it has a slash, or a .gguf file (never a repo); never a store
+    name (sources.py)."""
+    if name.startswith(STORE_PREFIXES) or REPO_QUANT.match(name):
+        return False
     if name in (".", "..") or name.startswith(("./", "../", "~")) or os.path.isabs(name):
         return True
     if os.sep != "/" and os.sep in name:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .gguf_info import read_gguf
+from .gguf_pick import is_gguf_file
 from .info import (
     CheckpointError,
     CheckpointInfo,
@@ -376,7 +377,8 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{root} does not exist")
     ggufs = sorted(root.glob("*.gguf")) if root.is_dir() else []
     gguf_dir = bool(ggufs) and not (root / "config.json").exists()
-    if (root.is_file() and root.suffix == ".gguf") or gguf_dir:
+    # By magic as well as name: Ollama's blobs (sha256-<hex>) have no suffix.
+    if (root.is_file() and (root.suffix == ".gguf" or is_gguf_file(root))) or gguf_dir:
         return read_gguf(root)
     if root.is_file():
         raise CheckpointError(f"{root} is a file; give a checkpoint directory or a .gguf file")

@@ -299,6 +299,8 @@ def judge_target(info: CheckpointInfo) -> Judgement:
                                    "with a DFlash drafter trained for this target"))
         j.engines.append(EngineFit("mlx_dspark", ["dspark"],
                                    "with a DSpark drafter trained for this target"))
+        # Drafts copied from the context: nothing but the model itself.
+        j.engines.append(EngineFit("mlx_ngram", ["ngram"], "drafts copied from the context"))
     return j
 
 
@@ -478,4 +480,7 @@ def judge_gguf(info: CheckpointInfo) -> Judgement:
                                        "llamacpp_mtp with the -assistant GGUF as `drafter:`"))
         else:
             j.engines.append(EngineFit("llamacpp", ["none"] + (["llamacpp_mtp"] if j.mtp_usable else [])))
+        if g.arch not in GGUF_ASSISTANT_ARCHS:  # a drafter alone decodes nothing
+            j.engines.append(EngineFit("llamacpp_ngram", ["llamacpp_ngram"],
+                                       "drafts copied from the context"))
     return j

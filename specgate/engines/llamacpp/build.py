@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,23 @@ _EOG_TEXTS = frozenset({
 # llama-server allocates its KV cache up front; when neither the config nor a
 # smaller trained context says otherwise, a slot gets this many tokens.
 DEFAULT_SLOT_CONTEXT = 8192
+# llama.cpp rounds each slot's context up to a multiple of this
+# (llama_context's constructor pads n_ctx and n_ctx_seq with GGML_PAD 256).
+CTX_PAD = 256
+# llama-server keeps a little room (drafts, its context-shift guard) beyond
+# what one request may fill.
+SLOT_HEADROOM = 16
+
+
+def slot_context(max_context: int, trained: int | None) -> tuple[int, int]:
+    """(each slot's context as llama-server will size it, the tokens a request
+    may hold in it). A slot never exceeds the model's trained context: past
+    it the positions are ones the model never saw (llama-server only warns);
+    so a config that asks for more serves a little less than trained."""
+    slot = -(-(max_context + SLOT_HEADROOM) // CTX_PAD) * CTX_PAD
+    if trained:
+        slot = min(slot, trained // CTX_PAD * CTX_PAD or trained)
+    return slot, min(max_context, slot - SLOT_HEADROOM)
 
 
 @dataclass(frozen=True)
@@ -36,17 +54,20 @@ class GgufFacts:
     mtp_usable: bool
     mtp_problem: str | None  # why draft-mtp cannot run, when it cannot
     embedding_length: int | None = None
+    weights_bytes: int = 0  # the tensors' bytes (what the weights take, mapped once)
+    kv_bytes_per_token: int = 0  # full-attention layers' f16 K and V for one token
+    sliding_kv_bytes: int = 0  # per sequence: the sliding-window layers' f16 K and V
+    has_chat_template: bool = True  # tokenizer.chat_template in the file
 
 
 def read_gguf_facts(path: Path) -> GgufFacts:
-    from gguf import GGUFReader
-
+    from specgate.engines.checkpoints.gguf_file import open_gguf
     from specgate.engines.checkpoints.gguf_info import read_gguf
     from specgate.engines.checkpoints.verdicts import judge_gguf
 
     info = read_gguf(path)
     judgement = judge_gguf(info)
-    reader = GGUFReader(info.files[0])
+    reader = open_gguf(info.files[0])
 
     def scalar(key: str):
         f = reader.get_field(key)
@@ -61,9 +82,13 @@ def read_gguf_facts(path: Path) -> GgufFacts:
         problem = f"`specgate inspect` says {judgement.verdict}: {found}"
     kv = info.gguf.kv
     ctx, width = kv.get("context_length"), kv.get("embedding_length")
+    from specgate.engines.checkpoints.inspect import kv_memory
+
+    kv_per_1k, sliding = kv_memory(info, judgement)
     return GgufFacts(info.gguf.arch, int(info.vocab_size or len(tokens)), frozenset(eos),
                      int(ctx) if ctx else None, judgement.verdict, judgement.mtp_usable, problem,
-                     int(width) if width else None)
+                     int(width) if width else None, info.weights_bytes, kv_per_1k // 1024, sliding,
+                     bool(scalar("tokenizer.chat_template")))
 
 
 def check_assistant_gguf(drafter: Path, target: GgufFacts) -> None:
@@ -103,6 +128,7 @@ def build_llamacpp_engines(
     max_concurrent: int,
     max_queue: int,
     drafter: Path | None = None,
+    chat_template: str | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
     """The model's engines by name, and the engines refused with why: one
     process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp,
@@ -114,19 +140,26 @@ def build_llamacpp_engines(
     With a `drafter` (a separate drafter GGUF: Gemma-4's assistant) it
     drafts with that instead (`-md`), checked against the model first.
     The engines tokenize through each other's processes when their own hangs.
+    `chat_template`: the model config's (Jinja), instead of the GGUF's.
     """
     speculation = {}
     if "llamacpp_mtp" in engines:
         speculation["llamacpp_mtp"] = {"type": "draft-mtp", "n_max": settings["llamacpp_mtp"].depth}
     if "llamacpp_ngram" in engines:
         ngram = settings["llamacpp_ngram"]
-        speculation["llamacpp_ngram"] = {"type": ngram.type, "n_max": ngram.depth}
+        speculation["llamacpp_ngram"] = {"type": ngram.type, "n_max": ngram.depth,
+                                         "lookup": ngram.lookup_length}  # fmt: skip
     facts = read_gguf_facts(gguf)
     if facts.verdict == "incompatible":
         raise ValueError(f"{gguf}: llama.cpp cannot serve this GGUF: {facts.mtp_problem}")
     if drafter is not None:
         check_assistant_gguf(drafter, facts)
-    ctx = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
+    asked = max_context or min(facts.context_length or DEFAULT_SLOT_CONTEXT, DEFAULT_SLOT_CONTEXT)
+    slot, ctx = slot_context(asked, facts.context_length)
+    if ctx < asked:
+        log.info("model %s: %d tokens of context per request, not %d: a slot holds at most the "
+                 "model's trained %d", model_id, ctx, asked, facts.context_length)
+    template_file = chat_template_file(chat_template) if chat_template else None
     built: dict[str, LlamaCppEngine] = {}
     refused: dict[str, str] = {}
     for name in engines:
@@ -136,13 +169,12 @@ def build_llamacpp_engines(
             continue
         spec = ServerSpec(
             gguf,
-            # +16: llama-server keeps a little headroom (drafts, context-shift
-            # guard) beyond what one request may fill.
-            ctx_size=(ctx + 16) * max_concurrent,
+            ctx_size=slot * max_concurrent,
             parallel=max_concurrent,
             spec=speculation.get(name),
             extra_args=list(server.extra_args),
             draft_model=drafter if name == "llamacpp_mtp" else None,
+            chat_template_file=template_file,
             **({"threads": server.threads} if server.threads else {}),
         )
         process = LlamaServer(spec, binary=binary, ttl=server.idle_ttl_s,
@@ -154,12 +186,31 @@ def build_llamacpp_engines(
             max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
             max_queue=max_queue, start_at_boot=server.start == "boot",
             read_timeout=server.read_timeout_s, progress_timeout=server.progress_timeout_s,
+            weights_bytes=facts.weights_bytes,
+            kv_bytes=(facts.kv_bytes_per_token * slot + facts.sliding_kv_bytes) * max_concurrent,
+            has_chat_template=facts.has_chat_template or template_file is not None,
         )
     if not built:
         raise ValueError(f"model {model_id}: no engine left to serve it: {'; '.join(refused.values())}")
     for engine in built.values():
         engine.tokenize_with([e.server for e in built.values()])
     return built, refused
+
+
+def chat_template_file(template: str) -> Path:
+    """A file holding the template, for --chat-template-file: named by its
+    digest under specgate's home, so each process of each load reads the same."""
+    import hashlib
+
+    from specgate.engines.home import specgate_home
+
+    path = specgate_home() / "chat-templates" / f"{hashlib.sha256(template.encode()).hexdigest()[:16]}.jinja"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(template, encoding="utf-8")
+        tmp.replace(path)
+    return path
 
 
 def _no_mtp(facts: GgufFacts) -> str:

@@ -100,6 +100,9 @@ class LlamaCppEngine:
         start_at_boot: bool = True,
         read_timeout: float = 600.0,
         progress_timeout: float = 60.0,
+        weights_bytes: int = 0,
+        kv_bytes: int = 0,
+        has_chat_template: bool = True,
     ):
         self.name = name
         self.method: Method = method
@@ -122,6 +125,12 @@ class LlamaCppEngine:
         self._counters = SpecCounters()
         self._counters_start = 0  # which server start self._counters were read from
         self._counters_lock = asyncio.Lock()
+        self._weights_bytes = weights_bytes  # the GGUF's tensors
+        self._kv_bytes = kv_bytes  # its process's KV cache, allocated whole at start
+        # False: neither the GGUF nor the config has a chat template, and
+        # llama-server would render chats with its chatml fallback, which a
+        # base model answers with garbage.
+        self._has_chat_template = has_chat_template
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -157,12 +166,26 @@ class LlamaCppEngine:
         return LiveState(active, self._in_flight - active, 0)
 
     def memory(self) -> list[HeldMemory]:
+        """While its process runs: the weights (the GGUF's tensor bytes, held
+        by the file: every process of the model maps the same pages), its KV
+        cache (estimated from the GGUF's shape and its context: llama-server
+        allocates it whole at start) and, apart, its resident size as
+        measured (weights pages touched, KV, compute buffers)."""
         from specgate.engines.memory import process_rss
 
-        # Its process's resident size: weights (mmapped pages it has touched), KV, buffers.
         pid = self.server.pid if self.server.alive else None
-        rss = process_rss(pid) if pid is not None else None
-        return [] if rss is None else [HeldMemory(f"pid:{pid}", "weights", rss)]
+        if pid is None:
+            return []
+        held = [HeldMemory(f"gguf:{self.server.spec.model}", "weights", self._weights_bytes),
+                HeldMemory(f"pid:{pid}:kv", "kv", self._kv_bytes)]
+        if (rss := process_rss(pid)) is not None:
+            held.append(HeldMemory(f"pid:{pid}", "resident", rss))
+        return held
+
+    def notes(self) -> list[str]:
+        """What the operator should know that is not a problem: how its
+        process had to be started (process.py's fallback)."""
+        return [self.server.fallback] if self.server.fallback else []
 
     # -- the server's tokenizer ----------------------------------------------------
 
@@ -215,6 +238,8 @@ class LlamaCppEngine:
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                           template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
+        if not self._has_chat_template:  # chat.py answers 400 chat_template_missing
+            raise ValueError(f"model '{self.model_id}' has no chat template")
         # llama-server renders with the GGUF's Jinja template (--jinja is its
         # default), tools and template variables included.
         body: dict = {"messages": messages}
@@ -260,6 +285,8 @@ class LlamaCppEngine:
         await SANDBOX.check(constraint.grammar, constraint.param, None)
 
     async def chat_template(self) -> str | None:
+        if not self._has_chat_template:  # /props would show llama-server's chatml fallback
+            return None
         r = await self._ask("GET", "/props")
         if r.status_code != 200:
             return None

@@ -62,12 +62,34 @@ _POLL_S = 0.2
 class LlamaServerError(RuntimeError):
     """llama-server could not be started (the message carries its log tail)."""
 
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code  # the process's returncode when it exited (< 0: a signal)
+
+
+# A crash while loading (a signal, not an error exit) is most often one of
+# ggml's CPU "extra buffer" paths: it repacks quantized weights into layouts
+# for the CPU's own kernels (AMX, AVX-512 VNNI, ARM's i8mm) at load and warm-up,
+# and on some CPUs that path segfaults for some types (Q4_1 on AMX machines).
+# --no-repack keeps the weights as the file has them: the plain kernels, a
+# little slower prompt processing, the same outputs.
+SAFE_FLAG = "--no-repack"
+_SAFE_FLAG_SPELLINGS = ("--no-repack", "-nr", "--repack")  # the user already chose
+SAFE_FLAG_WHY = ("which keeps the weights in the file's layout instead of repacking them for "
+                 "this CPU's kernels (ggml's repack path crashes on some CPUs, e.g. Q4_1 on AMX); "
+                 "prompt processing may be a little slower")  # fmt: skip
+# The models (GGUF paths) whose llama-server crashed while loading and then
+# started with SAFE_FLAG, with why: their later starts, the model's other
+# processes and a reload in this gateway get SAFE_FLAG from the first try.
+_NEEDS_SAFE_FLAG: dict[Path, str] = {}
+
 
 # The speculation types specgate runs llama-server with, and the flags that
 # set the most tokens a round drafts (each type has its own; ngram-mod's
-# least draft is set to 1 so that it proposes what it has). The n-gram types'
-# other knobs (the lookup key's size, min hits) keep llama.cpp's defaults and
-# can be set through extra_args.
+# least draft is set to 1 so that it proposes what it has). The lookup key's
+# length of the n-gram types is SPEC_LOOKUP_FLAGS's (ServerSpec.spec's
+# "lookup"); their other knobs (min hits) keep llama.cpp's defaults and can be
+# set through extra_args.
 SPEC_TYPES: dict[str, tuple[str, ...]] = {
     "draft-mtp": ("--spec-draft-n-max",),
     "ngram-simple": ("--spec-ngram-simple-size-m",),
@@ -76,6 +98,15 @@ SPEC_TYPES: dict[str, tuple[str, ...]] = {
     "ngram-mod": ("--spec-ngram-mod-n-max", "--spec-ngram-mod-n-min"),
 }
 NGRAM_TYPES = tuple(t for t in SPEC_TYPES if t.startswith("ngram"))
+# The flag that sets how many tokens of context an n-gram type matches before
+# it copies what followed (llama.cpp's defaults: 12 for the -size-n ones, 24
+# for ngram-mod's n-match: long keys that rarely match in a short context).
+SPEC_LOOKUP_FLAGS: dict[str, str] = {
+    "ngram-simple": "--spec-ngram-simple-size-n",
+    "ngram-map-k": "--spec-ngram-map-k-size-n",
+    "ngram-map-k4v": "--spec-ngram-map-k4v-size-n",
+    "ngram-mod": "--spec-ngram-mod-n-match",
+}
 
 # What llama-server logs (at info) once it listens and its model is loaded:
 # the port it bound to --port 0.
@@ -95,9 +126,12 @@ class ServerSpec:
     ctx_size: int = 4096
     parallel: int = 1  # slots (-np)
     threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
-    spec: dict | None = None  # None or {"type": one of SPEC_TYPES, "n_max": int}
+    # None or {"type": one of SPEC_TYPES, "n_max": int, "lookup": int (n-gram types, optional)}
+    spec: dict | None = None
     extra_args: list[str] = field(default_factory=list)
     draft_model: Path | None = None  # draft-mtp's separate drafter GGUF (-md): Gemma-4's assistant
+    chat_template_file: Path | None = None  # --chat-template-file: the model config's chat_template
+    no_repack: bool = False  # SAFE_FLAG: set after a crash while loading (LlamaServer)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -128,9 +162,20 @@ class ServerSpec:
             argv += ["--spec-type", kind]
             for flag in SPEC_TYPES[kind]:
                 argv += [flag, "1" if flag.endswith("-n-min") else n_max]
+            if self.spec.get("lookup") and kind in SPEC_LOOKUP_FLAGS:
+                argv += [SPEC_LOOKUP_FLAGS[kind], str(int(self.spec["lookup"]))]
         if self.draft_model is not None:
             argv += ["-md", str(self.draft_model)]
+        if self.chat_template_file is not None:
+            argv += ["--chat-template-file", str(self.chat_template_file)]
+        if self.no_repack and not self.chose_repack:
+            argv.append(SAFE_FLAG)
         return argv + list(self.extra_args)
+
+    @property
+    def chose_repack(self) -> bool:
+        """extra_args already say whether to repack: specgate leaves that alone."""
+        return any(a in _SAFE_FLAG_SPELLINGS for a in self.extra_args)
 
 
 def _verbose(value: str | None) -> bool:
@@ -223,6 +268,10 @@ class LlamaServer:
         self.restarts = 0
         self.starts = 0
         self.last_exit_code: int | None = None  # returncode of the last unexpected exit
+        # Why it runs with SAFE_FLAG, once a crash while loading made it (None: it does not).
+        self.fallback: str | None = _NEEDS_SAFE_FLAG.get(self._model_key())
+        if self.fallback is not None:
+            spec.no_repack = True
         # When a quick request (a tokenization) last went unanswered, as its
         # caller saw it: it asks other processes first for a while (engine.py).
         self.unanswered_at: float | None = None
@@ -242,6 +291,9 @@ class LlamaServer:
         self._lock = asyncio.Lock()
 
     # --- state --------------------------------------------------------------
+
+    def _model_key(self) -> Path:
+        return self.spec.model.resolve()
 
     @property
     def base_url(self) -> str:
@@ -413,8 +465,10 @@ class LlamaServer:
         self.starts += 1
         try:
             await self._wait_healthy(this_start)
-        except LlamaServerError:
+        except LlamaServerError as e:
             await self._stop_locked()
+            if self._retry_safely(e):
+                return await self._start_locked()  # once: SAFE_FLAG is set now
             self._failures += 1
             delay = self.backoff_initial * 2 ** (self._failures - 1)
             self._retry_at = time.monotonic() + min(self.backoff_max, delay)
@@ -433,6 +487,24 @@ class LlamaServer:
         log.info("llama-server for %s ready at %s (pid %d, log %s)", self.spec.model,
                  self.base_url, self._proc.pid, self.log_path)
 
+    def _retry_safely(self, e: LlamaServerError) -> bool:
+        """After a crash (a signal) while loading, start again at once with
+        SAFE_FLAG, and keep it for this model's later starts: True when that
+        is to be tried (once: never when it is set already, or when the
+        config's extra_args chose repacking or not)."""
+        if e.exit_code is None or e.exit_code >= 0 or self.spec.no_repack or self.spec.chose_repack:
+            return False
+        try:
+            name = signal.Signals(-e.exit_code).name
+        except ValueError:
+            name = f"signal {-e.exit_code}"
+        self.fallback = (f"llama-server crashed while loading ({name}); retried with {SAFE_FLAG}, "
+                         f"{SAFE_FLAG_WHY}")  # fmt: skip
+        self.spec.no_repack = True
+        _NEEDS_SAFE_FLAG[self._model_key()] = self.fallback
+        log.warning("model file %s: %s; log %s", self.spec.model, self.fallback, self.log_path)
+        return True
+
     async def _wait_healthy(self, log_from: int) -> None:
         """Until the process says where it listens (its log, from `log_from`:
         it binds before loading the model, says so after) and answers /health
@@ -447,7 +519,7 @@ class LlamaServer:
                 if code is not None:
                     raise LlamaServerError(
                         f"llama-server for {self.spec.model} exited with code {code} while "
-                        f"starting; log {self.log_path}:\n{self.log_tail()}"
+                        f"starting; log {self.log_path}:\n{self.log_tail()}", exit_code=code
                     )
                 if port is None:
                     port = self._listening_port(log_from)

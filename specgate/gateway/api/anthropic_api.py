@@ -178,7 +178,8 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     chat = await render_chat(engine, body.model, body.template_messages(), body.template_tools,
                              body.parse_tools, boundaries=False,
-                             ask=body.thinking_ask(served.config.thinking))  # fmt: skip
+                             ask=body.thinking_ask(served.config.thinking),
+                             tool_prompt=served.config.tool_prompt)  # fmt: skip
     return {"input_tokens": len(chat.tokens)}
 
 
@@ -188,10 +189,14 @@ async def messages(body: MessagesRequest, request: Request):
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              ask=body.thinking_ask(served.config.thinking),
-                             grammar=body.forced_tools is not None)  # fmt: skip
+                             grammar=body.forced_tools is not None,
+                             tool_prompt=served.config.tool_prompt)  # fmt: skip
     stops = check_stops(body.stop_sequences, "stop_sequences")
     output = await structured.checked_constraint(engine, None, body.forced_tools, [],
                                                  chat.tool_format)  # fmt: skip
+    if output is None and chat.prompted:  # tools left to the model, through specgate's prompt
+        output = await structured.checked_prompted_calls(
+            engine, chat.tools, body.parallel_tool_use, body.sampling())
     req = plan_request(
         served, engine, request.headers, chat.tokens,
         replace(body.sampling(), constraint=output, thinking=chat.held),

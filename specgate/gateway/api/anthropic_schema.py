@@ -305,6 +305,11 @@ class _Conversation(BaseModel):
                                               or self.tool_choice.type != "none")  # fmt: skip
 
     @property
+    def parallel_tool_use(self) -> bool:
+        """More than one call in a turn (tool_choice's disable_parallel_tool_use)."""
+        return self.tool_choice is None or not self.tool_choice.disable_parallel_tool_use
+
+    @property
     def forced_tools(self) -> ForcedTools | None:
         choice = self.tool_choice
         if choice is None or choice.type not in ("any", "tool"):

@@ -29,7 +29,14 @@ from specgate.engines.base import (
     TokenLogprob,
 )
 from specgate.gateway.api.thinking import UNSAID, OutputStream, ThinkingAsk, plan_thinking
-from specgate.gateway.api.tools import ToolCallStream, ToolFormat, tool_format
+from specgate.gateway.api.tools import (
+    PROMPT_TOOL_FORMAT,
+    ToolCallStream,
+    ToolFormat,
+    template_mentions_tools,
+    tool_format,
+    tools_as_text,
+)
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import Piece, Usage
 
@@ -164,6 +171,48 @@ def late_system_as_user(messages: list[dict]) -> list[dict] | None:
     return out if moved else None
 
 
+async def _rendered(engine: Engine, messages: list[dict], tools: list[dict],
+                    kwargs: dict | None) -> tuple[list[int], list[dict]]:  # fmt: skip
+    """The template's tokens for the messages, and the messages it took:
+    those given, or, where it refused a system message after the
+    conversation began, those with it as the user's (late_system_as_user)."""
+    try:
+        return await engine.render_chat(messages, tools or None, kwargs), messages
+    except (EngineOverloaded, EngineError):
+        raise
+    except Exception:
+        if (moved := late_system_as_user(messages)) is None:
+            raise
+        tokens = await engine.render_chat(moved, tools or None, kwargs)
+        log.debug("the chat template refused a system message after the conversation "
+                  "began: sent as the user's")  # fmt: skip
+        return tokens, moved
+
+
+_SYSTEM_TURNS: dict[str, bool] = {}  # chat template -> whether it renders a system message
+
+
+async def _renders_system(engine: Engine, template: str) -> bool:
+    """Whether a chat template renders a system message: the prompt grows
+    by it. Read by rendering, since a template may say no "system" and
+    render every role (plain ChatML), or say it and drop or refuse it."""
+    if (known := _SYSTEM_TURNS.get(template)) is not None:
+        return known
+    user = [{"role": "user", "content": "x"}]
+    try:
+        alone = await engine.render_chat(user, None, None)
+        with_system = await engine.render_chat([{"role": "system", "content": "y " * 8}] + user,
+                                               None, None)  # fmt: skip
+        known = len(with_system) > len(alone)
+    except (EngineOverloaded, EngineError):
+        raise
+    except Exception:  # the template refuses a system message (Gemma 2's raises)
+        known = False
+    if len(_SYSTEM_TURNS) < 64:  # a process serves few templates; never unbounded
+        _SYSTEM_TURNS[template] = known
+    return known
+
+
 @dataclass
 class ChatPrompt:
     tokens: list[int]
@@ -175,6 +224,10 @@ class ChatPrompt:
     # output to (SamplingParams.thinking: a budget, a grammar after thinking).
     thinking: ThinkingBudget | None = None
     held: ThinkingBudget | None = None
+    # The tools reach the model through specgate's tool-use prompt
+    # (tools.tools_as_text), not its template: with tools left to the
+    # model, its output is then held to text and calls (structured.py).
+    prompted: bool = False
 
     def tool_stream(self, freeform: frozenset[str] = frozenset()) -> ToolCallStream | None:
         """`freeform`: the tools whose one input is text (Responses' custom tools)."""
@@ -198,16 +251,33 @@ async def render_chat(
     boundaries: bool = True,
     ask: ThinkingAsk = UNSAID,
     grammar: bool = False,
+    tool_prompt: str | None = None,
 ) -> ChatPrompt:
     """Render through the model's chat template; with tools, check first that
     the template takes them and that its call format is one we can parse.
     `boundaries`: where its messages end, for the prefix cache (not needed
     to count tokens). `ask`: the request's thinking; `grammar`: its answer
-    is held to a grammar (which then starts after the thinking)."""
-    fmt = None
-    if tools:
-        template = await engine.chat_template()
-        if template is None or "tools" not in template:
+    is held to a grammar (which then starts after the thinking).
+    `tool_prompt`: the model's config key; "default" on a template without
+    tools renders tools, calls and results as text (tools.tools_as_text), where
+    tools are listed only if the output is parsed for calls (not with
+    tool_choice "none")."""
+    fmt, listed = None, tools
+    candidates = [messages]  # what to render, in order, until a template takes one
+    template = await engine.chat_template() if tools or tool_prompt else None
+    prompted = (tool_prompt is not None and template is not None
+                and not template_mentions_tools(template))  # fmt: skip
+    if prompted:
+        listed = tools if parse_tools else []
+        # A template that renders no system turn gets the prompt in the first
+        # user message; one that refuses a system message where this
+        # conversation has it does too, on the second try.
+        candidates = [tools_as_text(messages, listed, system_turn=False)]
+        if listed and await _renders_system(engine, template):
+            candidates.insert(0, tools_as_text(messages, listed))
+        tools, fmt = [], PROMPT_TOOL_FORMAT
+    elif tools:
+        if template is None or not template_mentions_tools(template):
             raise APIError(
                 400,
                 f"tools: the chat template of model '{model_id}' does not support tools",
@@ -224,20 +294,26 @@ async def render_chat(
                 param="tools",
                 code="tools_unsupported",
             )
-    planned = plan_thinking(await engine.thinking_format(), ask, grammar)
+    form = await engine.thinking_format()
+    # Tools left to the model through the prompt are held to a grammar too
+    # (structured.checked_prompted_calls), after the thinking where the
+    # engine can start it there; llama-server cannot take that grammar, so
+    # there its thinking stays as asked.
+    held_to_calls = prompted and parse_tools and form is not None and form.grammar_after_thinking
+    planned = plan_thinking(form, ask, grammar or held_to_calls)
     kwargs = planned.template_kwargs
     try:
-        try:
-            tokens = await engine.render_chat(messages, tools or None, kwargs)
-        except (EngineOverloaded, EngineError):
-            raise
-        except Exception:
-            if (moved := late_system_as_user(messages)) is None:
+        for i, messages in enumerate(candidates):
+            try:
+                tokens, messages = await _rendered(engine, messages, tools, kwargs)
+                break
+            except (EngineOverloaded, EngineError):
                 raise
-            tokens = await engine.render_chat(moved, tools or None, kwargs)
-            log.debug("the chat template refused a system message after the conversation "
-                      "began: sent as the user's")  # fmt: skip
-            messages = moved
+            except Exception:
+                if i == len(candidates) - 1:
+                    raise
+                log.debug("the chat template refused the tool-use prompt in a system message: "
+                          "sent before the first user message")  # fmt: skip
     except EngineOverloaded:
         raise
     except EngineError as e:
@@ -248,8 +324,10 @@ async def render_chat(
         if await engine.chat_template() is None:  # not the messages: no template at all
             raise APIError(
                 400,
-                f"{messages_param}: model '{model_id}' has no chat template, so it cannot take "
-                "chat messages; send a plain prompt to /v1/completions instead",
+                f"{messages_param}: model '{model_id}' has no chat template (a base model), so "
+                "it cannot take chat messages; send a plain prompt to /v1/completions, or "
+                "give the model a template: `chat_template:` in its config (a Jinja file's "
+                "path or the template itself)",
                 param=messages_param,
                 code="chat_template_missing",
             ) from None
@@ -261,5 +339,5 @@ async def render_chat(
     marks = (await engine.message_boundaries(messages, tools or None, tokens, kwargs) if boundaries
              else MessageBoundaries())  # fmt: skip
     counting = planned.counting(tokens)
-    return ChatPrompt(tokens, fmt if parse_tools else None, tools, marks, counting,
-                      planned.held(counting))
+    return ChatPrompt(tokens, fmt if parse_tools else None, listed, marks, counting,
+                      planned.held(counting), prompted and parse_tools)

@@ -47,7 +47,7 @@ from specgate.gateway.api.chat import (
 )
 from specgate.gateway.api.ollama_schema import ChatRequest, GenerateRequest, Options, ShowRequest
 from specgate.gateway.api.thinking import Thought
-from specgate.gateway.api.tools import ToolCall, tool_format
+from specgate.gateway.api.tools import ToolCall, template_mentions_tools, tool_format
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import (
     Piece,
@@ -191,7 +191,11 @@ async def show(body: ShowRequest, request: Request):
         info["general.parameter_count"] = card.parameters
     if context:
         info[f"{family}.context_length"] = context
-    capabilities = ["completion"] + (["tools"] if tool_format(template) else [])
+    # A template without tools takes them through specgate's tool-use prompt
+    # where the model opts in (tools.tools_as_text).
+    takes_tools = tool_format(template) or (served.config.tool_prompt and template
+                                            and not template_mentions_tools(template))
+    capabilities = ["completion"] + (["tools"] if takes_tools else [])
     parameters = f"num_ctx {context}" if context else ""
     modelfile = (f"# {served.id} is served from specgate's config\nFROM {served.id}\n"
                  + (f"PARAMETER {parameters}\n" if parameters else ""))  # fmt: skip
@@ -460,10 +464,14 @@ async def chat(body: ChatRequest, request: Request):
     messages = body.template_messages()
     prompt = await render_chat(engine, model_id, messages, body.template_tools, bool(body.tools),
                                ask=body.thinking_ask(served.config.thinking),
-                               grammar=body.json_output is not None)  # fmt: skip
+                               grammar=body.json_output is not None,
+                               tool_prompt=served.config.tool_prompt)  # fmt: skip
     tools = body.template_tools if prompt.tool_format else []
     constraint = await structured.checked_constraint(engine, body.json_output, None, tools,
                                                      prompt.tool_format)  # fmt: skip
+    if constraint is None and prompt.prompted:  # tools left to the model, through specgate's prompt
+        sampling = body.sampling_options.sampling(body.logprobs, body.top_logprobs or 0)
+        constraint = await structured.checked_prompted_calls(engine, tools, True, sampling)
     return await _answer(request, body, served, engine, clock, prompt.tokens, constraint,
                          prompt, messages[-1]["content"], boundaries=prompt.boundaries)
 

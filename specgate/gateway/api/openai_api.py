@@ -44,10 +44,17 @@ COMPLETIONS_MAX_TOKENS = 16
 
 
 def load_fields(running: int, waiting: int, capacity: int, state: str,
-                error: str | None = None) -> dict:  # fmt: skip
+                error: str | None = None, memory: dict | None = None,
+                notes: list[str] | None = None) -> dict:  # fmt: skip
     """The `specgate` field of a /v1/models entry (what a front node reads),
-    with why the model's last load failed while it did."""
+    with why the model's last load failed while it did, what it holds in
+    memory (bytes by kind, and `resident`: its processes' measured size, the
+    same memory again) and what it had to do to serve (`notes`)."""
     fields = {"running": running, "waiting": waiting, "max_concurrent": capacity, "state": state}
+    if memory:
+        fields["memory"] = memory
+    if notes:
+        fields["notes"] = notes
     return fields | {"error": error} if error else fields
 
 
@@ -210,12 +217,20 @@ async def list_models(request: Request):
             {"id": m.id, "object": "model", "created": created, "owned_by": "specgate",
              "specgate": load_fields(m.gate.running, m.gate.waiting, m.config.max_concurrent,
                                      "shutting_down" if registry.draining else m.state,
-                                     m.error if m.engine is None else None),
+                                     m.error if m.engine is None else None,
+                                     _memory_fields(m), m.notes()),
              "context_length": m.engine.max_context if m.engine is not None
                                else m.config.max_context}
             for m in registry.models.values()
         ],
     }  # fmt: skip
+
+
+def _memory_fields(m) -> dict:
+    memory = m.memory()
+    if memory and (rss := m.resident()) is not None:
+        memory = memory | {"resident": rss}
+    return memory
 
 
 def _tool_calls(calls: list[ToolCall], first_index: int = 0, stream: bool = False) -> list[dict]:
@@ -240,14 +255,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     json_output = body.response_format.json_output() if body.response_format else None
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              ask=body.thinking_ask(served.config.thinking),
-                             grammar=json_output is not None or body.forced_tools is not None)
+                             grammar=json_output is not None or body.forced_tools is not None,
+                             tool_prompt=served.config.tool_prompt)  # fmt: skip
     prompt = chat.tokens
     limit, limit_param = body.token_limit
     tools = body.template_tools if chat.tool_format else []
     output = await structured.checked_constraint(engine, json_output, body.forced_tools, tools,
                                                  chat.tool_format)  # fmt: skip
-    sampling = replace(body.sampling(body.logprobs, body.top_logprobs or 0), constraint=output,
-                       thinking=chat.held)  # fmt: skip
+    sampling = body.sampling(body.logprobs, body.top_logprobs or 0)
+    if output is None and chat.prompted:  # tools left to the model, through specgate's prompt
+        output = await structured.checked_prompted_calls(
+            engine, tools, body.parallel_tool_calls is not False, sampling)
+    sampling = replace(sampling, constraint=output, thinking=chat.held)
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
                        body.ignore_eos, prompt_text=messages[-1]["content"],

@@ -293,7 +293,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise APIError(400, "input: nothing to respond to", param="input")
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              messages_param="input", ask=body.thinking_ask(served.config.thinking),
-                             grammar=body.json_output is not None or body.forced_tools is not None)
+                             grammar=body.json_output is not None or body.forced_tools is not None,
+                             tool_prompt=served.config.tool_prompt)  # fmt: skip
     tools = body.template_tools if chat.tool_format else []
     grammars = body.model_tools.grammars if chat.tool_format else {}
     output = await structured.checked_constraint(engine, body.json_output, body.forced_tools,
@@ -301,6 +302,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     if output is None and body.forced_tools is None:  # custom tools' inputs, among free text
         output = await structured.checked_tool_inputs(engine, tools, chat.tool_format, grammars,
                                                       body.sampling())  # fmt: skip
+    if output is None and chat.prompted:  # tools left to the model, through specgate's prompt
+        output = await structured.checked_prompted_calls(
+            engine, tools, body.parallel_tool_calls is not False, body.sampling())
     req = plan_request(served, engine, request.headers, chat.tokens,
                        replace(body.sampling(), constraint=output, thinking=chat.held),
                        body.max_output_tokens,

@@ -7,6 +7,9 @@ grammar (engines/base.OutputConstraint) every engine masks by.
   Anthropic `any` or `tool`): one or more calls in the model's own format
   (gateway/api/tools.py), each a listed function with arguments of its schema;
 - JSON output with tools left to the model: the JSON value or the calls;
+- tools left to the model through specgate's tool-use prompt (a template
+  without tools, `tool_prompt: default`): text, or text then hermes calls
+  (`checked_prompted_calls`);
 - a Responses `custom` tool's input held to its own grammar (Lark or a
   regular expression, `ToolGrammar`): inside a forced call, and with tools
   left to the model (`checked_tool_inputs`) as free text or calls, where
@@ -131,6 +134,56 @@ async def checked_tool_inputs(
         return None
     await _compiled(engine, output, "invalid_grammar")
     return output
+
+
+async def checked_prompted_calls(
+    engine: Engine, tools: list[dict], parallel: bool, sampling: SamplingParams
+) -> OutputConstraint | None:
+    """With tools left to the model through specgate's tool-use prompt
+    (tools.tools_as_text), the output as text, or text then calls
+    whose arguments follow each tool's schema (`_text_then_calls`), so a
+    call the model starts always parses. None where the engine cannot hold
+    it exactly (llama-server above temperature 0, or any Lark grammar: it
+    takes one JSON schema); the calls are then the model's own, parsed as
+    written, and a debug log says so, as for custom tools' inputs."""
+    if not tools:
+        return None
+    output = await run_cpu(_prompted_calls, tools, parallel)
+    refusal = engine.refusal(replace(sampling, constraint=output))
+    if refusal is not None:
+        log.debug("tools through the tool-use prompt: calls not held to the tools' schemas: %s",
+                  refusal.message)  # fmt: skip
+        return None
+    await _compiled(engine, output, "invalid_schema")
+    return output
+
+
+def _prompted_calls(tools: list[dict], parallel: bool) -> OutputConstraint:
+    try:
+        _check_tools(tools, "tools")
+        return _text_then_calls(tools, parallel)
+    except GrammarError as e:
+        raise APIError(400, str(e), param="tools", code="invalid_schema") from None
+
+
+def _text_then_calls(tools: list[dict], parallel: bool) -> OutputConstraint:
+    """Free text, or text up to a call's opening tag and then hermes calls,
+    one (or, `parallel`, more, a newline apart) to end the output.
+
+    The text never says the opening tag but where a call opens (else the
+    tool-call parser would take that for a call's start, and the call after
+    it for that call's body): TEXT is text without it (llguidance's `&` and
+    `~` on regular expressions), and TEXT_TO_CALL such text then the tag,
+    one lexeme, so the lexer need not guess where the text ends."""
+    calls = '("\\n" call)*' if parallel else ""
+    rules = [
+        f"start: TEXT | TEXT_TO_CALL call_body {calls}",
+        f"TEXT_TO_CALL: TEXT {_CALL_OPEN}",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_CALL_START_RX}(.|\\n)*/",
+        f"call: {_CALL_OPEN} call_body",
+        f"call_body: {_inline_json({'anyOf': _hermes_calls(tools)})} {_CALL_CLOSE}",
+    ]
+    return lark_constraint("\n".join(rules) + "\n", "tools")
 
 
 async def _compiled(engine: Engine, output: OutputConstraint, code: str) -> None:

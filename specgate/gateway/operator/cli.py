@@ -258,6 +258,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return run_cli(args.model, args.target, args.json, builtin=builtin_path)
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from specgate.gateway.operator.pull import run_cli
+
+    return run_cli(args)
+
+
 def _launch(args: argparse.Namespace) -> int:
     from specgate.gateway.operator.launch import run_cli
 
@@ -361,18 +367,37 @@ def _admin(args: argparse.Namespace) -> int:
 
 
 def _model_table(models: list[dict]) -> str:
-    head = ("MODEL", "STATE", "MEMORY", "ENGINES", "IN FLIGHT", "IDLE", "POLICY")
+    head = ("MODEL", "STATE", "MEMORY", "RESIDENT", "ENGINES", "IN FLIGHT", "IDLE", "POLICY")
     rows = [head]
     for m in models:
-        memory = sum(m["memory"].values())
         policy = "pinned" if m["pin"] else (f"ttl {m['idle_ttl_s']:g}s" if m["idle_ttl_s"] else "-")
-        rows.append((m["id"], m["state"], f"{memory / (1 << 30):.2f} GiB" if memory else "-",
+        rss = m.get("resident")
+        rows.append((m["id"], m["state"], _memory_cell(m["memory"]),
+                     _bytes(rss) if rss else "-",
                      ",".join(m["engines"]), str(m["in_flight"]), f"{m['idle_s']:g}s",
                      f"{m['load']}, {policy}"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     errors = [f"  {m['id']}: {m['error']}" for m in models if m["error"]]
-    return "\n".join(lines + (["", "errors:", *errors] if errors else []))
+    notes = [f"  {m['id']}: {n}" for m in models for n in m.get("notes") or []]
+    return "\n".join(lines + (["", "errors:", *errors] if errors else [])
+                     + (["", "notes:", *notes] if notes else []))  # fmt: skip
+
+
+_MEMORY_KINDS = {"weights": "weights", "drafter": "drafter", "kv_reserve": "KV"}
+
+
+def _bytes(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _memory_cell(memory: dict) -> str:
+    """Its total and, apart, each kind: `0.27 GiB (weights 92 MiB, KV 180 MiB)`."""
+    total = sum(memory.values())
+    if not total:
+        return "-"
+    parts = [f"{_MEMORY_KINDS.get(k, k)} {_bytes(n)}" for k, n in memory.items() if n]
+    return f"{_bytes(total)} ({', '.join(parts)})"
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -547,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the settings as shell lines to paste, and run nothing")
     launch.set_defaults(run=_launch)
     inspect = sub.add_parser("inspect", help="say what a checkpoint can do, before anything loads")
-    inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, or hub repo id")
+    inspect.add_argument("model", metavar="PATH_OR_REPO", help="checkpoint directory, .gguf, hub repo id, ollama:NAME, lmstudio:ORG/REPO")
     inspect.add_argument("--target", metavar="PATH", help="the target model a drafter will pair with")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(run=_inspect)
@@ -562,6 +587,17 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--drafter", help="a DFlash/DSpark drafter to time too (dir or builtin:demo-dflash)")
     tune.add_argument("--reps", type=int, default=5, help="timed repetitions per shape")
     tune.set_defaults(run=_tune)
+    pull = sub.add_parser("pull", help="download a model from the Hugging Face hub (or HF_ENDPOINT) "
+                          "into its cache", description="Download a model into the Hugging Face "
+                          "cache, resuming what an earlier run left; HF_ENDPOINT (a mirror) and "
+                          "HF_TOKEN are honoured.")
+    pull.add_argument("repo", metavar="REPO[@REVISION][:QUANT]", help="a hub repo id; :QUANT picks "
+                      "one GGUF file of a GGUF repo (org/name-GGUF:Q4_K_M)")
+    pull.add_argument("--include", action="append", metavar="PATTERN", help="download only files "
+                      "matching (repeatable; replaces the default choice of files specgate can serve)")
+    pull.add_argument("--exclude", action="append", metavar="PATTERN", help="also skip files matching "
+                      "(repeatable)")
+    pull.set_defaults(run=_pull)
     llama = sub.add_parser("install-llama-server", help="build llama.cpp's llama-server")
     llama.add_argument("--force", action="store_true", help="rebuild even if already installed")
     llama.add_argument("--jobs", type=int, help="parallel compile jobs (default: all CPUs)")

@@ -23,3 +23,13 @@ def builtin_path(name: str) -> Path:
 
 def resolve_builtin(path: str) -> str:
     return builtin.resolve_builtin(path, export_gguf)
+
+
+def resolve_model_path(path: str) -> str:
+    """A model's `path` as its engines load it: a builtin's local path, the
+    file or folder a store name stands for now (ollama:, lmstudio:, a GGUF
+    repo in the hub cache: engines/checkpoints/sources.py), else as given."""
+    from specgate.engines.checkpoints.sources import resolve_source
+
+    stored = None if path.startswith(builtin.BUILTIN_PREFIX) else resolve_source(path)
+    return str(stored) if stored is not None else resolve_builtin(path)

@@ -60,14 +60,19 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         except UsageError:
             pass
     per_1k = memory.kv_cache_bytes_per_1k_tokens or 0
-    if mc.is_gguf:
-        from specgate.engines.llamacpp.build import DEFAULT_SLOT_CONTEXT
+    if mc.format == registry.GGUF:  # (a GGUF imported for MLX engines is held in process)
+        from specgate.engines.llamacpp.build import DEFAULT_SLOT_CONTEXT, slot_context
 
-        # llama-server allocates its whole context at start, in every process.
-        ctx = mc.max_context or DEFAULT_SLOT_CONTEXT
-        tokens = (ctx + 16) * mc.max_concurrent
+        # llama-server allocates its whole context at start, in every
+        # process, each slot capped at the trained context (build.py).
+        trained = (report.gguf or {}).get("context_length")
+        trained = int(trained) if trained else None
+        slot, _ = slot_context(mc.max_context or min(trained or DEFAULT_SLOT_CONTEXT,
+                                                     DEFAULT_SLOT_CONTEXT), trained)  # fmt: skip
+        tokens = slot * mc.max_concurrent
         processes = len(mc.engines)
-        kv = per_1k * tokens // 1024 + (memory.recurrent_state_bytes or 0) * mc.max_concurrent
+        per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
+        kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
         notes.append(f"{processes} llama-server process(es), each with the weights and "
                      f"{tokens} tokens of KV")  # fmt: skip
         return Footprint(memory.weights_bytes * processes, 0, kv * processes, tuple(notes))
@@ -79,13 +84,15 @@ def estimate(mc: ModelConfig) -> Footprint | None:
                      "max_context x max_concurrent)")  # fmt: skip
     uses_head = any(registry.record(e).needs == "mtp_head" for e in mc.engines)
     per_1k += (memory.mtp_kv_cache_bytes_per_1k_tokens or 0) if uses_head else 0
-    kv = per_1k * tokens // 1024 + (memory.recurrent_state_bytes or 0) * mc.max_concurrent
+    per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
+    kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
     return Footprint(memory.weights_bytes, drafter, kv, tuple(notes))
 
 
 def measured(engines) -> dict[str, int]:
-    """After loading: bytes held by kind ("weights", "drafter"), each
-    holder once (engines/base.HeldMemory); empty when nothing is measured."""
+    """After loading: bytes held by kind ("weights", "drafter", and for
+    child processes "kv" and "resident"), each holder once
+    (engines/base.HeldMemory); empty when nothing is measured."""
     held = {h.holder: h for engine in engines for h in engine.memory()}
     by_kind: dict[str, int] = {}
     for h in held.values():

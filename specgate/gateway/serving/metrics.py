@@ -345,9 +345,15 @@ class Metrics:
                                   "1 for the state each model is in now", labels=[m, "state"])
         memory = GaugeMetricFamily(
             "specgate_model_memory_bytes",
-            "Memory a model holds by kind: weights and drafter as measured once loaded "
-            "(llama-server: its processes' resident size), kv_reserve as budgeted",
+            "Memory a model holds by kind: weights and drafter once loaded (llama-server: the "
+            "GGUF's tensors), kv_reserve (llama-server: its processes' KV caches; else as "
+            "budgeted); the kinds add up",
             labels=[m, "kind"])  # fmt: skip
+        resident_of = GaugeMetricFamily(
+            "specgate_model_resident_memory_bytes",
+            "A model's child processes' resident size as measured (llama-server: weights pages "
+            "touched, KV, buffers; the same memory specgate_model_memory_bytes counts)",
+            labels=[m])  # fmt: skip
         loads = CounterMetricFamily("specgate_model_loads", "Model loads, by result",
                                     labels=[m, "result"])
         unloads = CounterMetricFamily("specgate_model_unloads",
@@ -370,6 +376,8 @@ class Metrics:
                 state.add_metric([served.id, name], float(name == now))
             for kind, n in served.memory().items():
                 memory.add_metric([served.id, kind], n)
+            if (rss := served.resident()) is not None:
+                resident_of.add_metric([served.id], rss)
             c = served.counts
             loads.add_metric([served.id, "ok"], c.loads)
             loads.add_metric([served.id, "failed"], c.load_failures)
@@ -383,7 +391,7 @@ class Metrics:
             "process_resident_memory_bytes is missing)")  # fmt: skip
         if (rss := process_rss(os.getpid())) is not None:
             resident.add_metric([], rss)
-        yield from (state, memory, loads, unloads, load_time, failing, budget, resident)
+        yield from (state, memory, resident_of, loads, unloads, load_time, failing, budget, resident)
 
     def _connections(self):
         """The process's file descriptors (on macOS too, where the standard

@@ -15,7 +15,7 @@ from specgate.engines.base import CacheSettings, Engine, LiveState
 from specgate.gateway.access.admission import ModelGate
 from specgate.gateway.config import Config, LlamaServerConfig, ModelConfig, PrefixCacheConfig
 from specgate.gateway.errors import APIError
-from specgate.gateway.serving.builtins import resolve_builtin
+from specgate.gateway.serving.builtins import resolve_builtin, resolve_model_path
 from specgate.gateway.serving.footprint import Footprint, estimate, gib, measured
 from specgate.gateway.serving.residency import (
     ModelChanges,
@@ -117,8 +117,24 @@ class ServedModel:
         held = measured(self.engines.values())
         if not held and est is not None:
             held = {"weights": est.weights, "drafter": est.drafter}
+        # An engine that knows its KV (a llama-server allocates it whole) says it.
+        kv = held.get("kv", est.kv_reserve if est else 0)
         return {"weights": held.get("weights", 0), "drafter": held.get("drafter", 0),
-                "kv_reserve": est.kv_reserve if est else 0}  # fmt: skip
+                "kv_reserve": kv}  # fmt: skip
+
+    def resident(self) -> int | None:
+        """Its child processes' resident size as measured (weights pages
+        touched, KV, buffers: the same memory as memory()'s, counted by
+        the OS), None where nothing runs apart (an in-process model)."""
+        return measured(self.engines.values()).get("resident")
+
+    def notes(self) -> list[str]:
+        """What its engines had to do to serve (e.g. a llama-server retried
+        with safer flags), for /v1/models, /admin/models and the status page."""
+        # notes() is optional (the Engine protocol does not ask for it): the
+        # llama.cpp engines have it, in-process engines have nothing to say.
+        found = [n for e in self.engines.values() for n in getattr(e, "notes", list)()]
+        return list(dict.fromkeys(found))  # processes sharing a cause say it once
 
     @property
     def problem(self) -> str | None:
@@ -162,7 +178,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
     from specgate.gateway.serving.ranks import distribution
 
     return registry.BuildContext(
-        mc.id, resolve_builtin(mc.path), mc.format, tuple(mc.engines),
+        mc.id, resolve_model_path(mc.path), mc.format, tuple(mc.engines),
         max_context=mc.max_context, max_concurrent=mc.max_concurrent, max_queue=mc.max_queue,
         prefix_cache_size=mc.prefix_cache_size,
         # Proving kernels runs forwards at load, before the ranks follow each other.
@@ -172,6 +188,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
                                    pc.snapshot_interval),
         llama_server=mc.llamacpp, llama_server_binary=llama_server.binary,
+        chat_template=mc.chat_template_text(),
     )
 
 
@@ -577,6 +594,7 @@ def model_status(served: ServedModel) -> dict:
     return {
         "id": served.id, "state": served.state, "engines": list(served.engines) or mc.engines,
         "memory": served.memory(), "estimate": est.total if est else None,
+        "resident": served.resident(), "notes": served.notes(),
         "in_flight": served.in_use, "idle_s": round(time.monotonic() - served.last_used, 1),
         "load": mc.load, "pin": mc.pin, "idle_ttl_s": mc.idle_ttl_s,
         "error": served.error, "loads": served.counts.loads, "failures": served.failures,

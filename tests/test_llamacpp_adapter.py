@@ -43,6 +43,9 @@ def test_only_requests_that_ask_for_determinism_skip_the_prompt_cache():
     assert completion_body(request(GREEDY))["cache_prompt"] is False
     assert completion_body(request(SamplingParams(temperature=0.7, seed=1)))["cache_prompt"] is False
     assert completion_body(request(SamplingParams(temperature=0.7)))["cache_prompt"] is True
+    # A model's `llamacpp: {reproducible: false}` keeps the cache for them (aider
+    # sends temperature 0 every turn: a re-sent prefix stays cached).
+    assert completion_body(request(GREEDY), reproducible=False)["cache_prompt"] is True
 
 
 def test_body_neutralises_llama_server_defaults():

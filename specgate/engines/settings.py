@@ -123,3 +123,11 @@ class LlamaServerSettings(BaseModel):
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failures: int = Field(3, ge=1)
+    # llama.cpp's CPU kernels are not batch-invariant: a prompt whose prefix
+    # came from the slot's cache can decode another greedy text than the
+    # same prompt evaluated cold (engines/llamacpp/adapter.py, Determinism).
+    reproducible: bool = Field(True, description="temperature-0 and seeded requests skip "
+                               "llama-server's prompt cache, so what it held never changes their "
+                               "text; false keeps the cache for them too (a re-sent prefix is not "
+                               "evaluated again: much faster for agents that send temperature 0, "
+                               "such as aider, but a warm cache may change greedy text)")  # fmt: skip

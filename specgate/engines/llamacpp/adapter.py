@@ -132,7 +132,8 @@ def deterministic_flags() -> list[str]:
     return []
 
 
-def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -> dict:
+def completion_body(request: GenerationRequest, prefix_tokens: list[int] = (),
+                    reproducible: bool = True) -> dict:
     """The streaming /completion body for a request (token-id prompt, all
     samplers explicit); `prefix_tokens`: its constraint's fixed prefix, as
     prompt (the schema covers what follows)."""
@@ -167,7 +168,7 @@ def completion_body(request: GenerationRequest, prefix_tokens: list[int] = ()) -
         # the server must not stop at its end-of-generation tokens either.
         "ignore_eos": not request.stop_token_ids,
     }
-    if deterministic(s):
+    if reproducible and deterministic(s):  # (the model's llamacpp.reproducible)
         body |= DETERMINISTIC_BODY
     if s.logprobs:
         body["n_probs"] = max(1, s.top_logprobs)

@@ -186,6 +186,7 @@ def build_llamacpp_engines(
             max_context=ctx, vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids,
             max_queue=max_queue, start_at_boot=server.start == "boot",
             read_timeout=server.read_timeout_s, progress_timeout=server.progress_timeout_s,
+            reproducible=server.reproducible,
             weights_bytes=facts.weights_bytes,
             kv_bytes=(facts.kv_bytes_per_token * slot + facts.sliding_kv_bytes) * max_concurrent,
             has_chat_template=facts.has_chat_template or template_file is not None,

@@ -103,6 +103,7 @@ class LlamaCppEngine:
         weights_bytes: int = 0,
         kv_bytes: int = 0,
         has_chat_template: bool = True,
+        reproducible: bool = True,
     ):
         self.name = name
         self.method: Method = method
@@ -115,6 +116,7 @@ class LlamaCppEngine:
         self._max_in_flight = self.slots + max_queue
         self._start_at_boot = start_at_boot
         self._timeout = httpx.Timeout(read_timeout, connect=10.0)
+        self._reproducible = reproducible  # (adapter.completion_body: Determinism)
         self.progress_timeout = progress_timeout
         self._siblings: list[LlamaServer] = []  # the model's other processes, for tokenizing
         # Read once (the GGUF's template and vocabulary do not change): (the format,)
@@ -337,7 +339,8 @@ class LlamaCppEngine:
                 # llama-server, and text of the output to the client.
                 prefix_tokens = await self._tokenized(prefix) if prefix else []
                 req = self._client.build_request("POST", url + "/completion",
-                                                 json=completion_body(request, prefix_tokens))
+                                                 json=completion_body(request, prefix_tokens,
+                                                                      self._reproducible))
                 # llama-server sends the headers once a slot takes the request.
                 resp = await self._progress(self._client.send(req, stream=True))
                 try:

@@ -336,7 +336,8 @@ def run_divergence(args, gguf: Path, work: Path) -> None:
         say("\n4. divergence: bench/llamacpp_divergence.py is not here")
         return
     say("\n4. llama.cpp's greedy divergence")
-    llamacpp_divergence.run(gguf, repeats=args.pairs, home=args.home, say=say)
+    llamacpp_divergence.run(gguf, repeats=args.pairs, home=args.home, say=say,
+                            prompts=args.divergence_prompts)
 
 
 def main() -> None:
@@ -344,6 +345,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--policy-tokens", type=int, default=128)
+    ap.add_argument("--divergence-prompts", type=int, default=10,
+                    help="the divergence corpus's first N (llamacpp_divergence.py: 22)")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--only", default="mlx,llamacpp,policy,divergence")
     ap.add_argument("--out", type=Path, default=None)

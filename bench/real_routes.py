@@ -207,20 +207,29 @@ def run_mlx(args, gguf: Path, mlx_dir: Path, count: Counter, work: Path) -> None
 
 
 def llama_server_commands(gateway_pid: int) -> list[list[str]]:
-    """The command lines of the llama-servers specgate started (its process group)."""
-    out = []
+    """The command lines of the llama-servers specgate started (its
+    descendants: each runs in a session of its own, beside a lifeline)."""
+    parent: dict[int, int] = {}
+    argv: dict[int, list[str]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc.name)) != gateway_pid:
-                continue
-            argv = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
-        except (OSError, ProcessLookupError):
+            stat = (proc / "stat").read_text()
+            parent[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            argv[int(proc.name)] = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
+        except (OSError, ValueError, IndexError):
             continue
-        if argv and argv[0].endswith(b"llama-server"):
-            out.append([a.decode() for a in argv])
-    return out
+
+    def under_gateway(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == gateway_pid:
+                return True
+        return False
+
+    return [a for pid, a in argv.items()
+            if a and a[0].endswith("llama-server") and under_gateway(pid)]  # fmt: skip
 
 
 def direct_llama_server(command: list[str], work: Path):

@@ -371,7 +371,8 @@ def test_inspect_names_the_pair(ggufs):
 
     target, assistant = (inspect_checkpoint(str(p)) for p in ggufs)
     assert target.verdict == "ar-only" and not target.problems
-    assert {e.engine: e.methods for e in target.engines} == {"llamacpp": ["none", "llamacpp_mtp"]}
+    assert {e.engine: e.methods for e in target.engines} == {
+        "llamacpp": ["none", "llamacpp_mtp"], "llamacpp_ngram": ["llamacpp_ngram"]}  # any GGUF drafts n-grams
     assert any("-assistant GGUF" in n and "`drafter:`" in n for n in target.notes)
     assert assistant.verdict == "verified" and not assistant.problems
     assert any("`drafter:` of the gemma4 GGUF" in n for n in assistant.notes)

@@ -7,6 +7,7 @@ checked for its shape and its key."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -101,7 +102,9 @@ def test_the_page_in_a_headless_browser(served):
     models = {row[0]: row for row in page.tables["models"]}
     assert set(models) == {"tiny", "demo", "later"}
     assert models["demo"][1] == "ready" and models["later"][1] == "unloaded"
-    assert models["demo"][2].endswith("GiB") and "mlx_mtp" in models["demo"][3]
+    # the memory column: its total, then weights and KV apart
+    assert re.match(r"[\d.]+ GiB \(weights [\d.]+ GiB, KV [\d.]+ GiB\)$", models["demo"][2]), models
+    assert "mlx_mtp" in models["demo"][3]
     assert "on_demand" in models["later"][6]
     plans = {(row[0], row[1]) for row in page.tables["plans"]}
     assert ("tiny", "none") in plans

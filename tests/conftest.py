@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,14 +380,6 @@ EACH_TEST_ALONE = ("tests/test_exactness_sampled.py",)
 PARAMS_ALONE = {"tests/test_agent_clis.py": ("[opencode]", "[qwen]")}
 
 
-def work_unit(nodeid: str) -> str:
-    """What xdist hands a worker as one piece: a module, or a test alone."""
-    path, _, test = nodeid.partition("::")
-    if path in EACH_TEST_ALONE or test.endswith(PARAMS_ALONE.get(path, ())):
-        return nodeid
-    return path
-
-
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
@@ -396,8 +387,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            unit = work_unit(nodeid)
-            return unit if unit == nodeid else super()._split_scope(nodeid)
+            path, _, test = nodeid.partition("::")
+            if path in EACH_TEST_ALONE or test.endswith(PARAMS_ALONE.get(path, ())):
+                return nodeid
+            return super()._split_scope(nodeid)
 
     return Scheduling(config, log)
 
@@ -458,12 +451,7 @@ def pytest_collection_modifyitems(config, items):
     alone at the end of .ci/run while the other workers sat idle."""
     later = {item.path for item in items if _needs_llama_server(item)}
     first = {item.path for item in items if item.get_closest_marker("agents")} - later
-    # Within those groups, the work units with the most tests first (what
-    # xdist's own reordering did; pyproject.toml turns it off, since it also
-    # undid this order: it sorted by size alone).
-    size = Counter(work_unit(item.nodeid) for item in items)
-    items[:] = sorted(items, key=lambda item: (item.path not in first, item.path in later,
-                                               -size[work_unit(item.nodeid)]))  # fmt: skip
+    items[:] = sorted(items, key=lambda item: (item.path not in first, item.path in later))
     if not later:
         return
     for item in items:

@@ -374,10 +374,6 @@ def pytest_xdist_auto_num_workers(config):
 # beside the rest instead of one after another on one worker. Every other
 # module keeps its tests on one worker, with its module fixtures (loadscope).
 EACH_TEST_ALONE = ("tests/test_exactness_sampled.py",)
-# Parametrized tests that are work units of their own, apart from the rest of
-# their module: the agents whose first turn alone holds a worker for minutes
-# (Claude Code stays with the launch tests, which reuse its prefill).
-PARAMS_ALONE = {"tests/test_agent_clis.py": ("[opencode]", "[qwen]")}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -387,8 +383,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path, _, test = nodeid.partition("::")
-            if path in EACH_TEST_ALONE or test.endswith(PARAMS_ALONE.get(path, ())):
+            if nodeid.split("::", 1)[0] in EACH_TEST_ALONE:
                 return nodeid
             return super()._split_scope(nodeid)
 
@@ -445,15 +440,11 @@ def _needs_llama_server(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Modules with a test that needs llama-server go last (whole modules, so
-    their module fixtures stay together), and the build starts now. The
-    agents tier's modules go first: each holds a worker for minutes (a real
-    agent's first turn prefills 10-20k tokens), and started last they ran
-    alone at the end of .ci/run while the other workers sat idle."""
+    their module fixtures stay together), and the build starts now."""
     later = {item.path for item in items if _needs_llama_server(item)}
-    first = {item.path for item in items if item.get_closest_marker("agents")} - later
-    items[:] = sorted(items, key=lambda item: (item.path not in first, item.path in later))
     if not later:
         return
+    items[:] = sorted(items, key=lambda item: item.path in later)  # stable: order kept otherwise
     for item in items:
         if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)

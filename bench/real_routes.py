@@ -158,18 +158,23 @@ def mlx_lm_server(mlx_dir: Path, work: Path):
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir),
                              "--host", "127.0.0.1", "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    return proc, ready(proc, f"http://127.0.0.1:{port}", "/v1/models", work / "mlx_lm_server.log")
+
+
+def ready(proc: subprocess.Popen, url: str, probe: str, log: Path, timeout: float = 300) -> str:
+    """`url` once GET `probe` answers 200; exits the bench with the log if the
+    server dies or is not ready in time."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"mlx_lm server exited:\n{(work / 'mlx_lm_server.log').read_text()[-2000:]}")
+            sys.exit(f"{proc.args[0]} exited:\n{log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                return proc, url
+            if httpx.get(url + probe, timeout=2, trust_env=False).status_code == 200:
+                return url
         except httpx.TransportError:
             pass
         time.sleep(0.5)
-    sys.exit("mlx_lm server not ready in 300 s")
+    sys.exit(f"{proc.args[0]} not ready in {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -237,18 +242,7 @@ def direct_llama_server(command: list[str], work: Path):
     argv[argv.index("--port") + 1] = str(port := free_port())
     log = open(work / "llama_server_direct.log", "wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"llama-server exited:\n{(work / 'llama_server_direct.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    sys.exit("llama-server not ready in 300 s")
+    return proc, ready(proc, f"http://127.0.0.1:{port}", "/health", work / "llama_server_direct.log")
 
 
 def drafts(url: str, model: str) -> float:

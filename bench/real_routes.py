@@ -14,14 +14,18 @@ as the median of the pairs with [min, max], and the ratio likewise.
 
 1. mlx: specgate serving the GGUF on its MLX engines (imported once, cached)
    vs mlx-lm's own server on the same imported weights; mlx_ngram vs
-   mlx_plain on the code-copy prompt; whether the greedy texts are equal.
+   mlx_plain on the code-copy prompt, on the stored (quantized) weights and
+   on a `dequantize: true` load of them; whether the greedy texts are equal.
 2. llamacpp: specgate's llama.cpp route vs llama-server run directly with
    the very command line specgate gave its own (read from the process);
    llamacpp_ngram vs llamacpp on the code-copy prompt, with its drafts.
 3. policy: the copy-heavy agent transcripts (bench/agent_transcripts.json)
    on the MLX route, plain and n-gram forced and the policy choosing
    (bench/agent_workloads.py's client), against the goals of issue 42:
-   >= 1.3x plain, and >= 95 % of the best single method.
+   >= 1.3x plain, and >= 95 % of the best single method. On MLX's CPU
+   backend the model is served with `dequantize: true` (--policy-weights):
+   there a quantized forward over k tokens costs k single-token ones, so no
+   drafting method can win on quantized weights.
 4. divergence: llama.cpp's greedy divergence rate, prompt cache on/off and
    speculation on/off (bench/llamacpp_divergence.py).
 """
@@ -188,10 +192,11 @@ def stop(proc: subprocess.Popen) -> None:
 def run_mlx(args, gguf: Path, mlx_dir: Path, count: Counter, work: Path) -> None:
     model = {"id": "smol", "path": str(gguf), "engines": ["mlx_plain", "mlx_ngram"],
              "prefix_cache_size": 0}  # fmt: skip
+    dense = {**model, "id": "smol-dense", "dequantize": True}
     header(f"1. MLX route ({args.pairs} interleaved pairs, {args.max_tokens} tokens, greedy)")
     proc, mlx_url = mlx_lm_server(mlx_dir, work)
     try:
-        with serving([model], work / "mlx", home=args.home) as (url, _):
+        with serving([model, dense], work / "mlx", home=args.home) as (url, _):
             for msgs, what in ((CHAT, "story"), (copy_prompt(), "code copy")):
                 stream(url, "smol", msgs, 8, count, "none")  # warm both: first-call compiles
                 stream(mlx_url, str(mlx_dir), msgs, 8, count)
@@ -200,10 +205,12 @@ def run_mlx(args, gguf: Path, mlx_dir: Path, count: Counter, work: Path) -> None
                                        lambda m=msgs: stream(mlx_url, str(mlx_dir), m, args.max_tokens, count))  # fmt: skip
                 row(f"specgate mlx_plain vs mlx-lm server ({what})", ta, tb, xa, xb, "mlx-lm")
             msgs = copy_prompt()
-            ta, tb, xa, xb = pairs(args.pairs,
-                                   lambda: stream(url, "smol", msgs, args.max_tokens, count, "ngram"),
-                                   lambda: stream(url, "smol", msgs, args.max_tokens, count, "none"))  # fmt: skip
-            row("specgate mlx_ngram vs mlx_plain (code copy)", ta, tb, xa, xb, "specgate plain")
+            for served, what in (("smol", ""), ("smol-dense", ", dequantized")):
+                stream(url, served, msgs, 8, count, "ngram")
+                ta, tb, xa, xb = pairs(args.pairs,
+                                       lambda s=served: stream(url, s, msgs, args.max_tokens, count, "ngram"),
+                                       lambda s=served: stream(url, s, msgs, args.max_tokens, count, "none"))  # fmt: skip
+                row(f"specgate mlx_ngram vs mlx_plain (code copy{what})", ta, tb, xa, xb, "specgate plain")
     finally:
         stop(proc)
 
@@ -291,12 +298,12 @@ def run_policy(args, gguf: Path, work: Path) -> None:
 
     variants = ("none", "ngram", "policy")
     common = {"path": str(gguf), "engines": ["mlx_plain", "mlx_ngram"], "prefix_cache_size": 0,
-              "max_context": 8192}  # fmt: skip
+              "max_context": 8192, "dequantize": args.policy_weights == "dense"}  # fmt: skip
     models = [{"id": "agent" + twin, **common} for twin in ("", aw.FORCED)]
     transcripts = [t for t in aw.load_transcripts() if t.get("copy") is not None]
     rows: dict = {}
     say(f"\n3. the policy on copy-heavy agent transcripts ({args.pairs} passes, MLX route, "
-        f"{args.policy_tokens} tokens)")  # fmt: skip
+        f"{args.policy_weights} weights, up to {args.policy_tokens} tokens)")  # fmt: skip
     with serving(models, work / "policy", home=args.home) as (url, _):
         for t in transcripts:
             for v in variants[:-1]:
@@ -306,7 +313,7 @@ def run_policy(args, gguf: Path, work: Path) -> None:
             for t in transcripts:
                 for v in order:
                     rows.setdefault((t["name"], v), []).append(
-                        aw.via_gateway(url, t, v, t.get("max_tokens", args.policy_tokens)))
+                        aw.via_gateway(url, t, v, min(t.get("max_tokens", 1 << 20), args.policy_tokens)))
     say(f"| transcript | {' | '.join(f'{v} tok/s' for v in variants)} | ngram/none | policy/none "
         "| policy/best | policy's tokens by method |")  # fmt: skip
     say("|" + "---|" * 8)
@@ -350,11 +357,18 @@ def main() -> None:
     ap.add_argument("--policy-tokens", type=int, default=128)
     ap.add_argument("--divergence-prompts", type=int, default=10,
                     help="the divergence corpus's first N (llamacpp_divergence.py: 22)")
+    ap.add_argument("--policy-weights", choices=("stored", "dense"), default=None,
+                    help="section 3's weights: as stored (quantized) or `dequantize: true`; "
+                    "default: dense on MLX's CPU backend, stored on a GPU")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--only", default="mlx,llamacpp,policy,divergence")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     args.home = specgate_home()
+    if args.policy_weights is None:
+        import mlx.core as mx
+
+        args.policy_weights = "dense" if mx.default_device() == mx.cpu else "stored"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         OUT.append(args.out.open("w"))

@@ -347,16 +347,16 @@ def test_real_gguf_imports_once(smollm2_gguf, tmp_path):
 
 @pytest.fixture(scope="module")
 def smol_gw(smollm2_gguf, tmp_path_factory):
-    g = start_gateway({"models": [{"id": "smol", "path": str(smollm2_gguf),
-                                   "engines": ["mlx_plain", "mlx_ngram"], "max_context": 1024}]},
+    smol = {"path": str(smollm2_gguf), "engines": ["mlx_plain", "mlx_ngram"], "max_context": 1024}
+    g = start_gateway({"models": [{"id": "smol", **smol}, {"id": "smol-dense", "dequantize": True, **smol}]},
                       tmp_path_factory.mktemp("gw-gguf-import"), timeout=300)  # fmt: skip
     yield g
     stop_gateway(g)
 
 
-def _ids(client, prompt: str, method: str, n: int) -> list[int]:
+def _ids(client, prompt: str, method: str, n: int, model: str = "smol") -> list[int]:
     r = client.completions.with_raw_response.create(
-        model="smol", prompt=prompt, max_tokens=n, temperature=0,
+        model=model, prompt=prompt, max_tokens=n, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
         extra_headers={"X-Specgate-Method": method})  # fmt: skip
     assert r.headers["x-specgate-plan"].startswith(f"method={method};")
@@ -381,3 +381,32 @@ def test_served_imported_gguf_answers_as_mlx_lm_does(smol_gw, smollm2_gguf):
     # mlx_ngram drafts from the context; greedy, it writes what mlx_plain does.
     copy = "alpha beta gamma delta alpha beta gamma delta alpha beta"
     assert _ids(client, copy, "ngram", 12) == _ids(client, copy, "none", 12)
+
+
+def test_dequantized_load_is_dense_and_drafting_stays_exact(smol_gw):
+    """`dequantize: true` (MLX's CPU backend verifies dense weights cheaper):
+    the model's quantized layers load as bfloat16 ones, and n-gram drafting
+    on them still writes what plain decoding does."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from specgate.engines.loading import load_mlx_model
+
+    imported = next(Path(smol_gw.log_path.parent, "home", "imports").glob("[0-9a-f]*"))
+    stored, dense = load_mlx_model(str(imported)), load_mlx_model(str(imported), dense=True)
+    assert dense is not stored and dense.prefix_cache is not stored.prefix_cache
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in stored.model.named_modules())
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in dense.model.named_modules())  # fmt: skip
+    assert {v.dtype for _, v in tree_flatten(dense.model.parameters())} == {mx.bfloat16}
+    client = openai.OpenAI(base_url=smol_gw.api, api_key="none", max_retries=0, timeout=300)
+    copy = "alpha beta gamma delta alpha beta gamma delta alpha beta"
+    plain = _ids(client, copy, "none", 12, model="smol-dense")
+    assert _ids(client, copy, "ngram", 12, model="smol-dense") == plain
+
+
+def test_dequantize_is_for_mlx_engines(smollm2_gguf):
+    assert ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_plain"], dequantize=True).dequantize
+    with pytest.raises(ValidationError, match="dequantize: for MLX engines; llamacpp run llama.cpp"):
+        ModelConfig(id="s", path=str(smollm2_gguf), engines=["llamacpp"], dequantize=True)

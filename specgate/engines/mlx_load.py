@@ -17,6 +17,9 @@
   evaluates the parameters only; the rest stays a lazy graph on the loading
   thread's stream, and the engine thread that first runs the model fails
   with "There is no Stream(cpu, 0) in current thread".
+- `dense`: the quantized layers are dequantized (mlx-lm's own
+  dequantize_model) and every floating weight cast to bfloat16, for the
+  model setting `dequantize` (gateway/config.py says when it pays).
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ class CheckpointLoadError(Exception):
     """A checkpoint that cannot be loaded; the message says why and what to do."""
 
 
-def load(path: str, distribution=None) -> tuple[Any, Any, dict]:
+def load(path: str, distribution=None, dense: bool = False) -> tuple[Any, Any, dict]:
     """(model, TokenizerWrapper, config) as mlx_lm.load returns them; with
-    a `distribution` (engines/distributed/lockstep.py), this rank's shard of the model."""
+    a `distribution` (engines/distributed/lockstep.py), this rank's shard of
+    the model; `dense`: its quantized layers as bfloat16 ones."""
     import mlx.core as mx
     import mlx_lm  # lazily: it pulls in transformers
 
@@ -54,6 +58,14 @@ def load(path: str, distribution=None) -> tuple[Any, Any, dict]:
             shard_model(model, distribution)
         except ValueError as e:
             raise CheckpointLoadError(f"{root}: {e}") from None
+        mx.eval(model.parameters())
+    if dense:
+        from mlx_lm.utils import dequantize_model
+
+        # bfloat16, not the float16 the scales dequantize to: MLX's CPU
+        # matmul is 2-3x slower in float16 (measured on x86; Metal is even).
+        model = dequantize_model(model)
+        model.set_dtype(mx.bfloat16)
         mx.eval(model.parameters())
     evaluate_buffers(model)
     if not tokenizer.encode("Hello, world"):

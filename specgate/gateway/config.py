@@ -282,6 +282,15 @@ class _ModelConfig(_Strict):
     # speculative verify forwards through the kernels this machine proved
     # correct and faster per shape (kernels/guard.py); "off": stock MLX always.
     kernels: Literal["auto", "off"] = "auto"
+    # MLX engines: load a quantized checkpoint's layers as dense bfloat16.
+    # For MLX's CPU backend (mlx[cpu] on Linux), where a quantized forward
+    # over k tokens costs k single-token forwards, so verifying drafts saves
+    # nothing; dense ones verify 8 tokens for about 3.6 (measured: SmolLM2
+    # 135M on 2 x86 cores). Those layers take 4x the memory. Off: on Metal,
+    # quantized weights are the faster ones.
+    dequantize: bool = Field(False, description="MLX engines: quantized layers loaded as dense "
+                             "bfloat16 (for MLX's CPU backend, where a quantized verify costs "
+                             "one forward per token)")
     # When the model loads: at start ("boot"), or at its first request
     # ("on_demand"; the request waits, as in the admission queue).
     load: Literal["boot", "on_demand"] = "boot"
@@ -383,6 +392,9 @@ class _ModelConfig(_Strict):
                           if e == name or (e in registry.excludes(name) and e in self.engines)]
                 raise ValueError(f"one {registry.record(name).exclusive} per model: "
                                  f"{' or '.join(listed)}, not {'both' if len(listed) == 2 else 'several'}")
+        if self.dequantize and not fmt.in_process:
+            raise ValueError(f"dequantize: for MLX engines; {' / '.join(self.engines)} run "
+                             "llama.cpp, which reads the GGUF's own types")
         if self.distributed is not None:
             _distribution_fits(self)
         if self.pin and self.idle_ttl_s is not None:
@@ -460,6 +472,8 @@ def _distribution_fits(mc: _ModelConfig) -> None:
     if other:
         raise ValueError(f"distributed: engines {other} do not run over several ranks yet; "
                          f"use {' / '.join(spread)}")
+    if mc.dequantize:  # its shards' layer types are not mlx-lm's dequantize's
+        raise ValueError("distributed: not with `dequantize`")
     if mc.load != "boot" or mc.idle_ttl_s is not None:
         raise ValueError("distributed: the model loads at start and stays (no `load: on_demand`, "
                          "no `idle_ttl_s`)")

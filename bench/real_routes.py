@@ -299,7 +299,8 @@ def run_policy(args, gguf: Path, work: Path) -> None:
 
     variants = ("none", "ngram", "policy")
     # The prefix cache spares each pass its prefill; decode is what is timed.
-    common = {"path": str(gguf), "engines": ["mlx_plain", "mlx_ngram"], "max_context": 8192, "dequantize": args.policy_weights == "dense"}  # fmt: skip
+    common = {"path": str(gguf), "engines": ["mlx_plain", "mlx_ngram"], "max_context": 8192,
+              "dequantize": args.policy_weights == "dense"}  # fmt: skip
     models = [{"id": "agent" + twin, **common} for twin in ("", aw.FORCED)]
     transcripts = [t for t in aw.load_transcripts() if t.get("copy") is not None]
     rows: dict = {}

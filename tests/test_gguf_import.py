@@ -407,6 +407,12 @@ def test_dequantized_load_is_dense_and_drafting_stays_exact(smol_gw):
 
 
 def test_dequantize_is_for_mlx_engines(smollm2_gguf):
-    assert ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_plain"], dequantize=True).dequantize
+    from specgate.gateway.serving.footprint import estimate
+
+    stored = ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_plain"], max_context=1024)
+    dense = ModelConfig(id="s", path=str(smollm2_gguf), engines=["mlx_plain"], max_context=1024,
+                        dequantize=True)  # fmt: skip
+    # The memory budget counts what the dense load holds: 2 bytes a parameter.
+    assert estimate(stored).weights < 100 << 20 < 250 << 20 < estimate(dense).weights < 265 << 20
     with pytest.raises(ValidationError, match="dequantize: for MLX engines; llamacpp run llama.cpp"):
         ModelConfig(id="s", path=str(smollm2_gguf), engines=["llamacpp"], dequantize=True)

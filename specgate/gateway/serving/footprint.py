@@ -86,7 +86,11 @@ def estimate(mc: ModelConfig) -> Footprint | None:
     per_1k += (memory.mtp_kv_cache_bytes_per_1k_tokens or 0) if uses_head else 0
     per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
     kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
-    return Footprint(memory.weights_bytes, drafter, kv, tuple(notes))
+    weights = memory.weights_bytes
+    if mc.dequantize:  # every parameter in bfloat16 (inspect counts packed weights unpacked)
+        weights = 2 * report.params
+        notes.append("weights dequantized to bfloat16 (`dequantize`)")
+    return Footprint(weights, drafter, kv, tuple(notes))
 
 
 def measured(engines) -> dict[str, int]:

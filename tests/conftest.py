@@ -159,9 +159,14 @@ def listening_port(log: bytes) -> int | None:
 
 def listening_ports(pid: int) -> set[int]:
     """The IPv4 TCP ports process `pid` listens on (Linux: /proc)."""
-    fds = Path(f"/proc/{pid}/fd")
-    links = [os.readlink(fd) for fd in fds.iterdir()]
-    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except FileNotFoundError:  # closed since the listing (the process runs on)
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
     ports = set()
     for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
         local, state, inode = (line.split()[i] for i in (1, 3, 9))

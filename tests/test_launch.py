@@ -135,3 +135,36 @@ def test_launch_says_what_is_wrong(gw, tmp_path):
                      path=os.path.dirname(sys.executable))  # fmt: skip
     assert missing.returncode == 2
     assert "npm install -g opencode-ai" in missing.stderr and "1.18.33" in missing.stderr
+
+
+def test_a_busy_gateway_is_up_when_it_answers_late():
+    """Failure injection: a stand-in for a gateway whose /health answers after
+    4 s (a shared box busy with agents' turns). launch waits for it instead of
+    saying that nothing answers."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from specgate.gateway.operator.launch import is_up
+
+    class Late(BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(4)
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Late)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert is_up(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not is_up("http://127.0.0.1:9")  # refused: nobody there, at once

@@ -189,11 +189,14 @@ def _client() -> httpx.Client:
 
 
 def is_up(url: str) -> bool:
+    """Whether a specgate answers at `url`. Reaching it may take 3 s (a
+    host on the LAN that is off), its answer 15 s: a shared box busy with
+    other requests answers late, and is not "not running"."""
     import httpx
 
     try:
         with _client() as c:
-            r = c.get(f"{url}/health", timeout=3)
+            r = c.get(f"{url}/health", timeout=httpx.Timeout(15, connect=3))
         return r.status_code == 200 and r.json().get("status") == "ok"
     except (httpx.HTTPError, ValueError):
         return False

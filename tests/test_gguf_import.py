@@ -394,7 +394,7 @@ def test_dequantized_load_is_dense_and_drafting_stays_exact(smol_gw):
     from specgate.engines.loading import load_mlx_model
 
     imported = next(Path(smol_gw.log_path.parent, "home", "imports").glob("[0-9a-f]*"))
-    stored, dense = load_mlx_model(str(imported)), load_mlx_model(str(imported), dense=True)
+    stored, dense = load_mlx_model(str(imported)), load_mlx_model(str(imported), dequantize=True)
     assert dense is not stored and dense.prefix_cache is not stored.prefix_cache
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in stored.model.named_modules())
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))

@@ -65,7 +65,7 @@ _lock = threading.Lock()
 
 
 def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=None,
-                   chat_template: str | None = None, dense: bool = False) -> LoadedModel:  # fmt: skip
+                   chat_template: str | None = None, dequantize: bool = False) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
 
     `path` is a local directory, a hub repo id or a GGUF file (imported to
@@ -79,8 +79,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
     between ranks whose entries differ in size, so evictions do too).
     `chat_template`: the model config's, set on this load's tokenizer; a
     load with another template (or none) of the same path is another load,
-    so one model's template never reaches another's. `dense`: the model
-    setting `dequantize` (engines/mlx_load.py): another load of the path,
+    so one model's template never reaches another's. `dequantize`: the model
+    setting (engines/mlx_load.py): another load of the path,
     with prefix-cache files of its own (its KV differs).
     """
     # lazily: mlx-lm pulls in transformers
@@ -95,17 +95,17 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
     memo = key
     if chat_template is not None:
         memo += "#chat_template:" + hashlib.sha256(chat_template.encode()).hexdigest()[:16]
-    if dense:
-        memo += "#dense"
+    if dequantize:
+        memo += "#dequantized"
     with _lock:
         loaded = _loaded.get(memo)
         if loaded is None:
-            model, tokenizer, config = load(path, distribution, dense)
+            model, tokenizer, config = load(path, distribution, dequantize)
             if chat_template is not None:
                 # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
                 tokenizer.chat_template = chat_template
             if distribution is None:
-                prefix = _prefix_cache(key, model, cache or CacheSettings(), dense)
+                prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix)
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
@@ -122,7 +122,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
 
 
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
-                  dense: bool = False) -> PrefixCache:  # fmt: skip
+                  dequantize: bool = False) -> PrefixCache:  # fmt: skip
     from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
     from specgate.engines.mlx_load import downloaded_checkpoint
@@ -139,8 +139,8 @@ def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
 
         try:
             digest = prefix_digest(root)
-            if dense:  # other weights, other states: never each other's files
-                digest = hashlib.sha256(f"{digest}#dense".encode()).hexdigest()[:16]
+            if dequantize:  # other weights, other states: never each other's files
+                digest = hashlib.sha256(f"{digest}#dequantized".encode()).hexdigest()[:16]
             disk = DiskTier(prefix_cache_dir(), digest, settings.disk_bytes,
                             settings.disk_min_tokens)  # fmt: skip
         except OSError as e:  # an unreadable checkpoint file or cache directory

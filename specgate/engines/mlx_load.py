@@ -17,7 +17,7 @@
   evaluates the parameters only; the rest stays a lazy graph on the loading
   thread's stream, and the engine thread that first runs the model fails
   with "There is no Stream(cpu, 0) in current thread".
-- `dense`: the quantized layers are dequantized (mlx-lm's own
+- `dequantize`: the quantized layers are dequantized (mlx-lm's own
   dequantize_model) and every floating weight cast to bfloat16, for the
   model setting `dequantize` (gateway/config.py says when it pays).
 """
@@ -40,10 +40,10 @@ class CheckpointLoadError(Exception):
     """A checkpoint that cannot be loaded; the message says why and what to do."""
 
 
-def load(path: str, distribution=None, dense: bool = False) -> tuple[Any, Any, dict]:
+def load(path: str, distribution=None, dequantize: bool = False) -> tuple[Any, Any, dict]:
     """(model, TokenizerWrapper, config) as mlx_lm.load returns them; with
     a `distribution` (engines/distributed/lockstep.py), this rank's shard of
-    the model; `dense`: its quantized layers as bfloat16 ones."""
+    the model; `dequantize`: its quantized layers as bfloat16 ones."""
     import mlx.core as mx
     import mlx_lm  # lazily: it pulls in transformers
 
@@ -59,7 +59,7 @@ def load(path: str, distribution=None, dense: bool = False) -> tuple[Any, Any, d
         except ValueError as e:
             raise CheckpointLoadError(f"{root}: {e}") from None
         mx.eval(model.parameters())
-    if dense:
+    if dequantize:
         from mlx_lm.utils import dequantize_model
 
         # bfloat16, not the float16 the scales dequantize to: MLX's CPU

@@ -94,7 +94,7 @@ class BuildContext:
     prefix_cache_size: int = 64
     prefix_cache: CacheSettings = field(default_factory=CacheSettings)
     kernels: str = "auto"  # "auto" | "off" (kernels/wiring.py)
-    dense: bool = False  # the model's `dequantize`: quantized layers loaded as bfloat16 (mlx_load.py)
+    dequantize: bool = False  # quantized layers loaded as bfloat16 (engines/mlx_load.py)
     # Engine name -> its settings (its record's `settings` class); an engine
     # not named gets its record's defaults (settings_of).
     settings: Mapping[str, EngineSettings] = field(default_factory=dict)
@@ -110,7 +110,7 @@ class BuildContext:
             from specgate.engines.loading import load_mlx_model
 
             self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution,
-                                         self.chat_template, self.dense)  # fmt: skip
+                                         self.chat_template, self.dequantize)  # fmt: skip
         return self.loaded
 
     def settings_of(self, name: str) -> EngineSettings:

@@ -183,7 +183,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
         prefix_cache_size=mc.prefix_cache_size,
         # Proving kernels runs forwards at load, before the ranks follow each other.
         kernels="off" if mc.distributed else mc.kernels, distribution=distribution(mc),
-        dense=mc.dequantize,
+        dequantize=mc.dequantize,
         settings=mc.engine_settings(),
         drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
@@ -210,7 +210,7 @@ def _policy(served: ServedModel, context: registry.BuildContext) -> LivePolicy:
     path = Path(context.path)
     # A hub id: tune measures local directories; and it measures the stored
     # weights, not a `dequantize`d load of them.
-    if context.format.in_process and path.is_dir() and not context.dense:
+    if context.format.in_process and path.is_dir() and not context.dequantize:
         from specgate.gateway.serving.tuning import TuneFile
 
         # Read at every decision (one stat): a tune run while serving counts at once.

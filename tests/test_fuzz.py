@@ -39,7 +39,7 @@ def fuzz_gateway(tiny_model, tmp_path_factory):
 # fixed, so they are the proof tier's first ones too); the proof tier: more.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("examples,seconds", [
-    (8, 45), pytest.param(40, 150, marks=pytest.mark.proof)])  # fmt: skip
+    (8, 30), pytest.param(40, 150, marks=pytest.mark.proof)])  # fmt: skip
 def test_schemathesis_finds_no_5xx_and_no_hang(fuzz_gateway, tmp_path, examples, seconds):
     cli = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert cli, "schemathesis is a dev dependency"

@@ -173,6 +173,7 @@ def test_shipped_drafter_accepts_where_a_random_one_does_not(demo, tmp_path):
                                        mask_token_id=a.mask_token_id, dtype="bfloat16",
                                        tokenizer=False)  # fmt: skip
     got = tokens_per_round(trunk, trained, prompts)
-    baseline = tokens_per_round(trunk, load_dflash(random_path), prompts)
+    # A random drafter accepts nothing anywhere: two short prompts show it.
+    baseline = tokens_per_round(trunk, load_dflash(random_path), prompts[:2], new_tokens=24)
     assert got > 1.15, got
     assert got > baseline + 0.1, (got, baseline)

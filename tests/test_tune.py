@@ -20,7 +20,7 @@ from tests.conftest import REPO
 def test_tune_measures_saves_and_the_gateway_reads_it(tiny_model, tmp_path):
     env = os.environ | {"SPECGATE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "specgate", "tune", str(tiny_model),
-                           "--reps", "2"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--reps", "1"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verify at context 4096" in done.stdout and "plain decoding step" in done.stdout

@@ -401,40 +401,92 @@ def _memory_cell(memory: dict) -> str:
 
 
 def _service(args: argparse.Namespace) -> int:
+    import grp
+    import os
+    import shlex
+
     from specgate.engines.home import specgate_home
     from specgate.gateway.config import ConfigError, load_config
     from specgate.gateway.operator import service
 
     system = service.current_system()
+    scope = "system" if args.system else "user"
+    account = service.service_account(scope)
+    # A system service runs as `account`: its home, not root's (sudo's $HOME).
+    home = (specgate_home() if scope == "user" or os.environ.get("SPECGATE_HOME")
+            else Path(account.pw_dir) / ".specgate").resolve()  # fmt: skip
+    if args.action == "status":
+        return _service_status(service, system, scope, home)
     if args.action == "uninstall":
-        path = service.uninstall(system, stop=not args.no_stop)
-        print(f"removed {path}" if path else f"no service installed ({service.service_path(system)})")
+        try:
+            service.check_root(system, scope, ["service", "uninstall", "--system"])
+        except service.ServiceError as e:
+            print(e, file=sys.stderr)
+            return 1
+        removed = service.uninstall(system, scope, stop=not args.no_stop)
+        if removed is None:
+            print(f"no service installed ({service.service_path(system, scope)})")
+            return 0
+        path, argv = removed
+        config, log_file = service.option(argv, "--config"), service.option(argv, "--log-file")
+        kept = f" ({config}, {Path(log_file).parent})" if config and log_file else ""
+        print(f"removed {path}; its config and logs{kept} are left in place")
         return 0
-    home = specgate_home().resolve()
     config = Path(args.config).expanduser().resolve() if args.config else home / "specgate.yaml"
-    if not config.exists():
-        if args.config:
-            print(f"specgate service: {config}: no such file", file=sys.stderr)
-            return 2
-        _write_starter_config(config)
-        print(f"wrote {config} (the demo model; edit it, then `specgate service install` again)")
-    try:
-        load_config(config)  # a service that cannot start would only restart forever
-    except ConfigError as e:
-        print(f"specgate service: bad config, nothing installed\n{e}", file=sys.stderr)
+    if args.config and not config.exists():
+        print(f"specgate service: {config}: no such file", file=sys.stderr)
         return 2
-    spec = service.ServiceSpec(service.this_specgate(), config, home, Path.cwd())
+    made = service.Made()
     try:
-        path, commands = service.install(spec, system, start=not args.no_start)
-    except OSError as e:
-        print(f"specgate service: {e}", file=sys.stderr)
+        service.preflight(system, scope, not args.no_start, ["--config", str(config)] if args.config else [])
+        wrote_config = not config.exists()
+        if wrote_config:
+            made.mkdir(config.parent)
+            made.new_file(config)
+            _write_starter_config(config)
+        try:
+            load_config(config)  # a service that cannot start would only restart forever
+        except ConfigError as e:
+            print(f"specgate service: bad config, nothing installed\n{e}", file=sys.stderr)
+            made.undo()
+            return 2
+        spec = service.ServiceSpec(service.this_specgate(), config, home, Path.cwd(),
+                                   *((account.pw_name, grp.getgrgid(account.pw_gid).gr_name)
+                                     if scope == "system" else ()))  # fmt: skip
+        path, commands = service.install(spec, system, scope, not args.no_start, made)
+    except (service.ServiceError, OSError) as e:
+        made.undo()
+        print(e if isinstance(e, service.ServiceError) else f"specgate service: {e}; nothing installed",
+              file=sys.stderr)  # fmt: skip
         return 1
+    if wrote_config:
+        print(f"wrote {config} (the demo model; edit it, then `specgate reload`)")
     print(f"wrote {path}; logs in {spec.log_file}")
     if args.no_start:
-        print("start it with:\n" + "\n".join("  " + " ".join(c) for c in commands[-1:]))
+        print("start it with:\n" + "\n".join("  " + shlex.join(c) for c in commands[-1 if system == "darwin" else 0:]))
     else:
-        print("started; it starts again at login and after any exit")
+        print(f"started; it starts again at {'boot' if scope == 'system' else 'login'} and after any exit")
+    if system == "linux" and scope == "user" and service.lingering_off(account.pw_name):
+        print(f"note: a user service stops when you log out; to keep it running: "
+              f"sudo loginctl enable-linger {account.pw_name}")  # fmt: skip
     return 0
+
+
+def _service_status(service, system: str, scope: str, home: Path) -> int:
+    """Installed or not, the service manager's state, and where it logs;
+    0 when it runs (as `systemctl is-active`), 3 when not."""
+    path = service.service_path(system, scope)
+    argv = service.installed_argv(path, system) if path.exists() else []
+    print(f"installed: {path}" if path.exists() else f"not installed (no {path})")
+    state = service.state(system, scope)
+    print(f"state: {state}")
+    log_file = Path(service.option(argv, "--log-file") or home / "logs" / "specgate.log")
+    if system == "darwin":
+        before = f"{log_file.parent / 'launchd.out.log'}, {log_file.parent / 'launchd.err.log'}"
+    else:
+        before = f"journalctl {'--user ' if scope == 'user' else ''}-u {service.UNIT}"
+    print(f"logs: {log_file} (what it prints before logging starts: {before})")
+    return 0 if state in ("active", "running") else 3
 
 
 def _write_starter_config(path: Path) -> None:
@@ -543,14 +595,24 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(verb, parents=[server], help=what)
         p.add_argument("model")
         p.set_defaults(run=_admin)
-    svc = sub.add_parser("service", help="run specgate as a per-user service (launchd, systemd)")
+    svc = sub.add_parser("service", help="run specgate as a service (launchd, systemd): per user, "
+                         "or with --system at boot as the user who ran sudo")
     svc_actions = svc.add_subparsers(dest="action", required=True)
     svc_install = svc_actions.add_parser("install", help="write the service file and start it")
     svc_install.add_argument("--config", help="the YAML it serves (default: $SPECGATE_HOME/specgate.yaml, "
                              "written with the demo model if missing)")
     svc_install.add_argument("--no-start", action="store_true", help="write the file only")
-    svc_uninstall = svc_actions.add_parser("uninstall", help="stop the service and remove its file")
+    svc_uninstall = svc_actions.add_parser("uninstall", help="stop the service and remove its file "
+                                           "(the config and logs stay)")
     svc_uninstall.add_argument("--no-stop", action="store_true", help="remove the file only")
+    svc_status = svc_actions.add_parser("status", help="installed or not, its state, where it logs "
+                                        "(exit status 3 when not running)")
+    for p in (svc_install, svc_uninstall, svc_status):
+        scope = p.add_mutually_exclusive_group()
+        scope.add_argument("--user", dest="system", action="store_false", default=False, help="a per-user service "
+                           "(a LaunchAgent, a systemd user unit): the default")
+        scope.add_argument("--system", action="store_true", help="a LaunchDaemon or system unit, "
+                           "started at boot, run as you (SUDO_USER); needs root")
     svc.set_defaults(run=_service)
     from specgate.gateway.operator.launch import AGENTS  # (the standard library only)
 

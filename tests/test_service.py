@@ -142,7 +142,7 @@ def test_without_a_user_bus_the_install_says_the_fix_and_writes_nothing(tmp_path
         "or directory)"]  # fmt: skip
 
     # No systemctl at all: one line too (specgate itself runs by its absolute path).
-    done = _specgate(_env(tmp_path, str(tmp_path / "run")), "install", "--config", str(REPO / "README.md"))
+    done = _specgate(_env(tmp_path, str(tmp_path / "run")), "install")
     assert done.returncode == 1 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("specgate service: systemctl not found, so nothing here can run a service")
     assert _files(tmp_path) == before
@@ -239,7 +239,7 @@ def test_a_system_install_needs_root_and_says_the_sudo_command(tmp_path, monkeyp
     assert main(["service", "install", "--system", "--config", str(REPO / "README.md")]) == 1
     unit = service.service_path(service.current_system(), "system")
     assert capsys.readouterr().err == (
-        f"specgate service: --system writes {unit}, which needs root: sudo "
+        f"specgate service: --system changes {unit}, which needs root: sudo "
         f"{shlex.join([*service.this_specgate(), 'service', 'install', '--system', '--config', str(REPO / 'README.md')])}\n")
     assert main(["service", "uninstall", "--system"]) == 1
     assert "which needs root: sudo" in capsys.readouterr().err

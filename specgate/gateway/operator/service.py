@@ -196,7 +196,7 @@ def check_root(system: str, scope: str, again: list[str], euid: int | None = Non
     sudo command (`again`: this command's arguments) when not root."""
     euid = os.geteuid() if euid is None else euid
     if scope == "system" and euid != 0:
-        raise ServiceError(f"specgate service: --system writes {service_path(system, scope)}, which needs "
+        raise ServiceError(f"specgate service: --system changes {service_path(system, scope)}, which needs "
                            f"root: sudo {shlex.join([*this_specgate(), *again])}")  # fmt: skip
 
 

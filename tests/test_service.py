@@ -228,6 +228,16 @@ def test_a_service_that_does_not_start_leaves_nothing_behind(tmp_path):
     # Its enable link taken back, and systemd told the unit is gone.
     assert _calls(tmp_path)[-2:] == [f"--user disable {service.UNIT}", "--user daemon-reload"]
 
+    # Over an installed one whose new unit does not start: the old file is back, and restarted.
+    unit = tmp_path / "home/.config/systemd/user" / service.UNIT
+    unit.parent.mkdir(parents=True)
+    unit.write_text("the old unit\n")
+    assert _specgate(env, "install").returncode == 1
+    assert unit.read_text() == "the old unit\n" and _files(tmp_path / "home") == [
+        ".config", ".config/systemd", ".config/systemd/user", f".config/systemd/user/{service.UNIT}"]
+    assert _calls(tmp_path)[-3:] == [f"--user enable {service.UNIT}", "--user daemon-reload",
+                                     f"--user restart {service.UNIT}"]  # fmt: skip
+
 
 def test_a_system_install_needs_root_and_says_the_sudo_command(tmp_path, monkeypatch, capsys):
     # The tests may run as root (this container): the check is handed another uid.

@@ -298,6 +298,8 @@ def install(spec: ServiceSpec, system: str, scope: str, start: bool, made: Made)
         if not replacing:
             made.undo_first.append([*_systemctl(scope), "disable", UNIT])
         made.undo_last.append([*_systemctl(scope), "daemon-reload"])
+    if replacing:  # the old file is put back: run it again, as before this install
+        made.undo_last.append(commands[-1] if system == "darwin" else [*_systemctl(scope), "restart", UNIT])
     for i, command in enumerate(commands):
         done = _run(command, START_TIMEOUT_S)
         if done is None or done.returncode != 0:

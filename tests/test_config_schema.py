@@ -38,9 +38,11 @@ def test_the_example_names_the_schema_for_editors_and_passes_it():
 
 GOOD = [
     {"models": [{"id": "m", "path": "builtin:demo"}]},
-    {"prefix_cache": {"ram_bytes": "16GiB", "disk_bytes": 0, "share": "none"},
+    {"prefix_cache": {"ram_bytes": "1GiB", "disk_bytes": 0, "share": "none"},
      "models": [{"id": "m", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_ngram"]}]},
     {"prefix_cache": {"disk_bytes": "512 MiB"}, "server": {"port": 9000, "log_level": "debug"},
+     "models": [{"id": "g", "path": "builtin:demo-gguf", "llamacpp": {"idle_ttl_s": 60}}]},
+    {"server": {"memory_budget": "50%"}, "prefix_cache": {"ram_bytes": "2%"},
      "models": [{"id": "g", "path": "builtin:demo-gguf", "llamacpp": {"idle_ttl_s": 60}}]},
     {"peers": [{"name": "mac2", "url": "http://10.0.0.2:8000", "key": "sg-x"}]},  # a front only
     # each engine's own settings, and the older model-level keys they replace
@@ -58,6 +60,8 @@ BAD = [
     {"server": {"log_level": "loud"}, "models": [{"id": "m", "path": "builtin:demo"}]},
     {"prefix_cache": {"ram_bytes": "lots"}, "models": [{"id": "m", "path": "builtin:demo"}]},
     {"prefix_cache": {"disk_bytes": -1}, "models": [{"id": "m", "path": "builtin:demo"}]},
+    {"server": {"memory_budget": 96}, "models": [{"id": "m", "path": "builtin:demo"}]},  # no unit
+    {"prefix_cache": {"disk_bytes": "5%"}, "models": [{"id": "m", "path": "builtin:demo"}]},  # of disk?
     {"models": [{"id": "has space", "path": "builtin:demo"}]},
 ]
 

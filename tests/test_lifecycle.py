@@ -42,8 +42,8 @@ def budgeted(tmp_path_factory):
         {"id": "brief", "path": str(paths["b"]), "load": "on_demand", "idle_ttl_s": 2,
          "max_context": 256, "max_concurrent": 1},
     ]
-    gw = start_gateway({"server": {"memory_budget": cache_ram + int(2.5 * one)},
-                        "prefix_cache": {"ram_bytes": cache_ram}, "models": models},
+    gw = start_gateway({"server": {"memory_budget": f"{cache_ram + int(2.5 * one)}B"},
+                        "prefix_cache": {"ram_bytes": f"{cache_ram}B"}, "models": models},
                        root)  # fmt: skip
     gw.one = one
     yield gw

@@ -31,7 +31,7 @@ def gateway(tiny_model, tmp_path_factory):
     keys = {name: add_key(work / "keys", name) for name in ("alice", "bob")}
     gw = start_gateway(
         {"server": {"responses_store": {"responses_per_key": PER_KEY,
-                                        "bytes_per_key": BYTES_PER_KEY}},
+                                        "bytes_per_key": f"{BYTES_PER_KEY}B"}},
          "auth": {"keys_file": str(work / "keys")},
          "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 2048,
                      "default_max_tokens": DEFAULT_MAX_TOKENS}]},

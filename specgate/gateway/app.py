@@ -188,6 +188,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
         """Every configured model with its residency (`specgate models`)."""
         admin_only()
         return {"memory_budget": registry.memory_budget, "models_budget": registry.models_budget,
+                "prefix_cache_budget": registry.prefix_cache_budget,
                 "models": [model_status(m) for m in registry.models.values()]}  # fmt: skip
 
     @app.post("/admin/models/{model_id}/unload")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import reprlib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -54,25 +54,51 @@ EngineName = Annotated[str, AfterValidator(_known_engine)]
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# "64GiB", "512 MiB", "2G", "1024B": binary units whatever the spelling.
+_SIZE = r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])i?b?|b)\s*"
+_SIZE_JSON = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB])\s*$"  # no (?i) in editors' regex
+_SHARE = r"\s*(\d+(?:\.\d+)?)\s*%\s*"  # of physical memory
 
 
-def _byte_size(v):
-    """An int, or a string like "512MiB", "8 GiB", "2G" (binary units)."""
-    if isinstance(v, str):
-        import re
+def _size_parser(*, share: bool, zero: bool):
+    """A string with a unit to bytes; with `share`, also a percentage of
+    physical memory. A bare number is refused (`memory_budget: 96` was 96
+    bytes, never what was meant), but with `zero` a bare 0, which means none."""
+    import re
 
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
-        if not m:
-            raise PydanticCustomError("byte_size", "a byte count, like 8589934592 or \"8GiB\"")
-        return int(float(m.group(1)) * _UNITS[m.group(2)])
-    return v
+    from specgate.engines.memory import physical_memory
+
+    wanted = ("a size needs a unit, like 64GiB or 512MiB"
+              + (", or a share of RAM like 75%" if share else "") + (", or 0 for none" if zero else ""))  # fmt: skip
+
+    def parse(v):
+        if isinstance(v, str):
+            if m := re.fullmatch(_SIZE, v, re.IGNORECASE):
+                return int(float(m[1]) * _UNITS[(m[2] or "").lower()])
+            if share and (m := re.fullmatch(_SHARE, v)):
+                if not 0 < float(m[1]) <= 100:
+                    raise PydanticCustomError("ram_share", "a share of RAM is more than 0% and at most 100%")
+                return int(physical_memory() * float(m[1]) / 100)
+        elif zero and type(v) is int and v == 0:
+            return 0
+        raise PydanticCustomError("byte_size", wanted)
+
+    return parse
 
 
-ByteSize = Annotated[
-    int, BeforeValidator(_byte_size), Field(ge=0),
-    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {
-        "type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?([iI]?[bB])?\s*$"}]}),
-]  # fmt: skip
+def _size_type(*, share: bool = False, zero: bool = False):
+    forms = [{"type": "string", "pattern": _SIZE_JSON}]
+    if share:
+        forms.append({"type": "string", "pattern": f"^{_SHARE}$"})
+    if zero:
+        forms.append({"const": 0})
+    return Annotated[int, BeforeValidator(_size_parser(share=share, zero=zero)),
+                     WithJsonSchema({"anyOf": forms})]  # fmt: skip
+
+
+ByteSize = _size_type()  # "512MiB"
+ByteSizeOrZero = _size_type(zero=True)  # also a bare 0, where 0 means none
+RamSize = _size_type(share=True)  # also "75%", of physical memory
 
 
 class _Strict(BaseModel):
@@ -86,7 +112,7 @@ class ResponsesStoreConfig(_Strict):
     key's."""
 
     responses_per_key: int = Field(1024, ge=0)
-    bytes_per_key: ByteSize = 32 << 20  # of stored items, as JSON
+    bytes_per_key: ByteSizeOrZero = Field("32MiB", validate_default=True)  # of stored items, as JSON; 0: none kept
 
 
 class ServerConfig(_Strict):
@@ -118,11 +144,12 @@ class ServerConfig(_Strict):
     # past it are closed before anything is read. 0: no cap.
     max_connections_per_client: int = Field(256, ge=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    # Memory every loaded model together may take (weights, drafters, their
-    # KV reserve; the prefix cache's ram_bytes comes off it first). A model
-    # that does not fit evicts the least recently used idle ones; one that
-    # could never fit is refused. Default: 3/4 of physical memory.
-    memory_budget: ByteSize | None = None
+    # Memory for every loaded model together (weights, drafters, their KV
+    # reserve) and the prefix cache's RAM, which comes off it first (see
+    # Config.budgets). A model that does not fit evicts the least recently
+    # used idle ones; one that could never fit is refused. "96GiB" or a
+    # share of physical memory, "75%"; default: 75%.
+    memory_budget: RamSize | None = None
     responses_store: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 
 
@@ -524,10 +551,11 @@ def _store_has(value: str) -> None:
 class PrefixCacheConfig(_Strict):
     """The in-process engines' prefix cache (engines/cache/prefix_cache.py)."""
 
-    # RAM for every model's cache together; default: an eighth of physical memory.
-    ram_bytes: ByteSize | None = None
+    # RAM for every model's cache together, out of server.memory_budget:
+    # "16GiB", or "10%" of physical memory; default: an eighth of the budget.
+    ram_bytes: RamSize | None = None
     # The disk tier under $SPECGATE_HOME/prefix-cache, kept across restarts; 0: none.
-    disk_bytes: ByteSize = 8 << 30
+    disk_bytes: ByteSizeOrZero = Field("8GiB", validate_default=True)
     disk_min_tokens: int = Field(256, ge=1)  # shorter prefixes are not written to disk
     # Tokens between snapshots of a hybrid model's state in a long prompt
     # (beside those at message boundaries); 0: message boundaries only.
@@ -558,13 +586,29 @@ class PeerConfig(_Strict):
     # A whole check, connect to last byte (a peer trickling its answer is down).
     check_timeout_s: float = Field(5.0, gt=0)
     # Its /v1/models body is read up to this much; a longer one marks it down.
-    max_models_body: ByteSize = Field(1 << 20, gt=0)
+    max_models_body: ByteSize = Field("1MiB", gt=0, validate_default=True)
     # Longest silence within a proxied response (a long prefill answers late).
     read_timeout_s: float = Field(600.0, gt=0)
 
     @property
     def base_url(self) -> str:
         return self.url.rstrip("/")
+
+
+class Budgets(NamedTuple):
+    """server.memory_budget and the prefix cache's share of it, in bytes;
+    the rest is the models'."""
+
+    memory: int
+    prefix_cache: int
+
+    @property
+    def models(self) -> int:
+        return self.memory - self.prefix_cache
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 class Config(_Strict):
@@ -590,6 +634,28 @@ class Config(_Strict):
             raise ValueError(f"one distributed model per server; got {', '.join(spread)}")
         if any(p.name == LOCAL_NODE for p in self.peers):
             raise ValueError(f"peer name '{LOCAL_NODE}' is this node's own label")
+        return self
+
+    def budgets(self) -> Budgets:
+        """The memory budget (default 3/4 of physical memory) and the prefix
+        cache's RAM out of it (default an eighth of the budget)."""
+        from specgate.engines.memory import physical_memory
+
+        memory = self.server.memory_budget
+        memory = physical_memory() * 3 // 4 if memory is None else memory
+        cache = self.prefix_cache.ram_bytes
+        return Budgets(memory, memory // 8 if cache is None else cache)
+
+    @model_validator(mode="after")
+    def _budgets_fit(self) -> Config:
+        budgets = self.budgets()
+        if budgets.prefix_cache >= budgets.memory:
+            default = " (default: 75% of physical memory)" * (self.server.memory_budget is None)
+            raise PydanticCustomError(
+                "budget", "prefix_cache.ram_bytes {cache} leaves nothing of server.memory_budget "
+                "{memory}{default} for models: the prefix cache's RAM comes out of the memory "
+                "budget; make it smaller, or the budget larger",
+                {"cache": _gib(budgets.prefix_cache), "memory": _gib(budgets.memory), "default": default})
         return self
 
     @field_validator("models", mode="before")

@@ -47,7 +47,8 @@ def follow(config: Config) -> int:
     mc = distributed_model(config)
     me = process_group(mc.distributed.backend).rank()
     log.info("rank %d: loading %s (%s parallel)", me, mc.id, mc.distributed.mode)
-    context, engines, refused = build_model_engines(mc, config.llama_server, config.prefix_cache)
+    prefix_cache = config.prefix_cache.model_copy(update={"ram_bytes": config.budgets().prefix_cache})
+    context, engines, refused = build_model_engines(mc, config.llama_server, prefix_cache)
     for name, why in refused.items():
         log.warning("rank %d: %s not built: %s", me, name, why)
     lockstep = context.loaded.lockstep

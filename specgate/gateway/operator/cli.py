@@ -362,7 +362,8 @@ def _admin(args: argparse.Namespace) -> int:
     gib = 1 << 30
     used = sum(sum(m["memory"].values()) for m in body["models"])
     print(f"\nmemory: {used / gib:.2f} GiB of {body['models_budget'] / gib:.2f} GiB for models "
-          f"(server.memory_budget {body['memory_budget'] / gib:.2f} GiB)")  # fmt: skip
+          f"(server.memory_budget {body['memory_budget'] / gib:.2f} GiB; "
+          f"prefix cache {body['prefix_cache_budget'] / gib:.2f} GiB)")  # fmt: skip
     return 0
 
 

@@ -107,6 +107,7 @@ def status(registry: ModelRegistry, metrics: Metrics, errors: RecentErrors) -> d
     return {
         "memory_budget": registry.memory_budget,
         "models_budget": registry.models_budget,
+        "prefix_cache_budget": registry.prefix_cache_budget,
         "models": [model_status(m) for m in registry.models.values()],
         "requests": requests,
         "plans": plans,

@@ -366,10 +366,12 @@ class Metrics:
                                     "doubles the wait before it is tried again; the reason is in "
                                     "/v1/models and /admin/status)", labels=[m])  # fmt: skip
         budget = GaugeMetricFamily("specgate_memory_budget_bytes",
-                                   "server.memory_budget, and what of it models may use",
-                                   labels=["scope"])
+                                   "server.memory_budget, and its parts: the prefix cache's RAM "
+                                   "and what models may use",
+                                   labels=["scope"])  # fmt: skip
         budget.add_metric(["server"], self.models.memory_budget)
         budget.add_metric(["models"], self.models.models_budget)
+        budget.add_metric(["prefix_cache"], self.models.prefix_cache_budget)
         for served in self.models.models.values():
             now = served.state
             for name in STATES:

@@ -247,7 +247,10 @@ class ModelRegistry:
                        for mc in config.models}  # fmt: skip
         self.retiring: list[ServedModel] = []  # removed or changed by a reload, still busy
         self.llama_server = config.llama_server
-        self.prefix_cache = config.prefix_cache
+        # The prefix cache's RAM is fixed for the server's life (a reload
+        # keeps the running prefix_cache section); memory_budget may change.
+        self.prefix_cache_budget = config.budgets().prefix_cache
+        self.prefix_cache = config.prefix_cache.model_copy(update={"ram_bytes": self.prefix_cache_budget})
         self.draining = False  # shutting down: no new requests
         self.load_retry = (config.server.load_retry_min_s, config.server.load_retry_max_s)
         self._set_budget(config)
@@ -256,13 +259,9 @@ class ModelRegistry:
         self._tasks: set[asyncio.Task] = set()  # boots and retirements a reload started
 
     def _set_budget(self, config: Config) -> None:
-        from specgate.engines.memory import physical_memory
-
-        physical = physical_memory()
-        self.memory_budget = config.server.memory_budget or physical * 3 // 4
-        # The prefix caches' RAM comes off the top: what is left is the models'.
-        cache_ram = config.prefix_cache.ram_bytes
-        self.models_budget = self.memory_budget - (physical // 8 if cache_ram is None else cache_ram)
+        # The prefix cache's RAM comes off the top: what is left is the models'.
+        self.memory_budget = config.budgets().memory
+        self.models_budget = self.memory_budget - self.prefix_cache_budget
 
     def get(self, model_id: str) -> ServedModel | None:
         return self.models.get(model_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 from specgate.gateway.access.auth import KeyStore
 from specgate.gateway.access.keys import KeyFileError
 from specgate.gateway.config import Config, ConfigError, load_config
+from specgate.gateway.serving.footprint import gib
 from specgate.gateway.serving.models import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Reloader:
             if new is None:
                 return result
             waiting = restart_needed(self.running, new)
+            if new.budgets().prefix_cache != self.registry.prefix_cache_budget and "prefix_cache" not in waiting:
+                waiting.append("prefix_cache.ram_bytes (an eighth of server.memory_budget)")
             applied = _applicable(self.running, new)
             changes = await self.registry.reconfigure(applied)
             self.running = applied
@@ -71,6 +74,12 @@ class Reloader:
             raise ReloadRefused(f"config not reloaded, the running one stays:\n{e}", "bad_config") from None
         for key, value in self.overrides.items():
             setattr(config.server, key, value)
+        # The prefix cache keeps its RAM until a restart; the new budget must hold it.
+        memory, cache = config.budgets().memory, self.registry.prefix_cache_budget
+        if cache >= memory:
+            raise ReloadRefused(f"config not reloaded, the running one stays: server.memory_budget "
+                                f"{gib(memory)} leaves nothing for models beside the prefix cache's "
+                                f"{gib(cache)}, whose size changes only at a restart", "bad_config")  # fmt: skip
         return config
 
 

@@ -57,7 +57,10 @@ def _offline(monkeypatch):
 # `reserved_ports`.
 
 RESERVED_LOW = 20000  # reserved_ports hands out ports from here up to the ephemeral range
-_LISTENING = re.compile(rb"specgate\.gateway\.operator\.cli: listening on http://\S+:(\d+)\r?$", re.M)
+_LISTENING = re.compile(rb"specgate\.gateway\.operator\.cli: listening on http://\S+:(\d+)\r?$"
+                        # --log-format json
+                        rb'|"logger": "specgate\.gateway\.operator\.cli", "message": '
+                        rb'"listening on http://[^"\s]+:(\d+)"', re.M)  # fmt: skip
 
 
 def _ephemeral_low() -> int:
@@ -154,7 +157,7 @@ def listening_port(log: bytes) -> int | None:
     """The port `specgate serve --port 0` bound, from the line it logs then
     (specgate/gateway/operator/cli.py); None before that line."""
     m = _LISTENING.search(log)
-    return int(m.group(1)) if m else None
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def listening_ports(pid: int) -> set[int]:

@@ -62,6 +62,6 @@ def test_codex_exec_completes_a_turn(gateway, agent_cli, tmp_path, catalog):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == ANSWER, (done.stdout, done.stderr[-3000:])
     log = gateway.log()[log_before:]
-    requests = re.findall(r'"(?:GET|POST) (\S+) HTTP/1.1" (\d{3})', log)
+    requests = re.findall(r"specgate\.access: .* method=(?:GET|POST) path=(\S+) .* status=(\d{3}) ", log)
     assert ("/v1/responses", "200") in requests, log[-3000:]
     assert not [r for r in requests if r[1].startswith("4")], requests

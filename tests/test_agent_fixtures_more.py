@@ -55,7 +55,7 @@ def _replay(client: openai.OpenAI, body: dict):
 
 
 def _client_errors(gw) -> list[str]:
-    return re.findall(r'"(?:GET|POST) \S+ HTTP/1\.1" 4\d\d.*', gw.log())
+    return re.findall(r"specgate\.access: .* status=4\d\d .*", gw.log())
 
 
 @pytest.mark.parametrize("path", CAPTURED, ids=lambda p: f"{p.parent.name}/{p.stem}")

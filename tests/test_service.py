@@ -12,6 +12,7 @@ import grp
 import os
 import plistlib
 import pwd
+import re
 import shlex
 import shutil
 import subprocess
@@ -333,12 +334,13 @@ def test_serve_logs_to_the_file_it_is_given(tiny_model, tmp_path):
                 pass
             time.sleep(0.2)
         assert port is not None, "no `listening on` line in the log file"
-        httpx.get(f"http://127.0.0.1:{port}/health")
+        httpx.get(f"http://127.0.0.1:{port}/v1/models")
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     text = log_file.read_text()
     assert f"listening on http://127.0.0.1:{port}" in text and "model m ready" in text
-    assert '"GET /health HTTP/1.1" 200' in text  # uvicorn's access log, in the same file
+    # The access log, in the same file (gateway/access/access_log.py).
+    assert re.search(r"INFO specgate\.access: .* method=GET path=/v1/models .* status=200 ", text), text
     assert "PyTorch" not in text, text
     assert out == b"", out  # nothing on stdout/stderr

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from specgate.engines.grammar.sandbox import SANDBOX
+from specgate.gateway.access.access_log import AccessLog, AccessLogMiddleware
 from specgate.gateway.access.auth import (
     AuthMiddleware,
     FailedAuthLimiter,
@@ -85,6 +86,8 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.started_at = int(time.time())
     app.state.metrics = metrics = Metrics(registry)
     app.state.keys = keys
+    # Its `recent` requests (dicts, newest last) are the admin page's.
+    app.state.access_log = access_log = AccessLog()
     app.state.keepalive_s = config.server.stream_keepalive_s  # gateway/api/chat.py, FirstPiece
     app.state.model_cards = ModelCards()  # Ollama's model listing (gateway/api/ollama_api.py)
     kept = config.server.responses_store  # for previous_response_id (gateway/api/responses_api.py)
@@ -217,11 +220,13 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
                        body_timeout_s=config.server.body_timeout_s,
                        body_deadline_s=config.server.body_deadline_s)
-    # Outermost: a request without a valid key costs no body read.
+    # Before the body limit: a request without a valid key costs no body read.
     app.add_middleware(AuthMiddleware, keys=keys,
                        metrics_requires_key=config.auth.metrics_requires_key,
                        on_failure=metrics.auth_failed,
                        limiter=FailedAuthLimiter.from_config(config.auth))
+    # Outermost: a request the key check refuses is logged too.
+    app.add_middleware(AccessLogMiddleware, access_log=access_log)
     return app
 
 

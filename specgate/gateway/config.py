@@ -144,6 +144,8 @@ class ServerConfig(_Strict):
     # past it are closed before anything is read. 0: no cap.
     max_connections_per_client: int = Field(256, ge=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # json: every log line a JSON object, for log shippers (gateway/access/access_log.py).
+    log_format: Literal["text", "json"] = "text"
     # Memory for every loaded model together (weights, drafters, their KV
     # reserve) and the prefix cache's RAM, which comes off it first (see
     # Config.budgets). A model that does not fit evicts the least recently

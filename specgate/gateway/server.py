@@ -208,8 +208,10 @@ class GatewayServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(app: FastAPI, config: Config, own_logging: bool = True) -> GatewayServer:
-    """own_logging=False: uvicorn's loggers go to the root logger's handlers."""
+def make_server(app: FastAPI, config: Config) -> GatewayServer:
+    """uvicorn's loggers go to the root logger's handlers (one format, one
+    file); its access log is off: the app writes its own
+    (gateway/access/access_log.py)."""
     s = config.server
     limits = ConnectionLimits(s.max_connections_per_client, raise_fd_limit())
     app.state.metrics.connections = limits
@@ -218,7 +220,8 @@ def make_server(app: FastAPI, config: Config, own_logging: bool = True) -> Gatew
         host=s.host,
         port=s.port,
         log_level=s.log_level,
-        **({} if own_logging else {"log_config": None}),
+        log_config=None,
+        access_log=False,
         http=guarded_protocol(s, limits),
         # No websocket routes: an upgrade would hand the connection to a
         # protocol that counts nothing of the limits above.

@@ -73,6 +73,12 @@ def current_principal() -> Principal:
     return _current.get() or _UNGUARDED
 
 
+def authenticated() -> Principal | None:
+    """The key the key check let this request in with; None on a route it
+    does not guard, or before it (the access log: a refused key is none)."""
+    return _current.get()
+
+
 class KeyStore:
     """The keys the server accepts, from the keys file; reload() re-reads it.
     Usage (quota windows, streams in flight) is kept per key name across

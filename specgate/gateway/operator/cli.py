@@ -139,6 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
+    if args.log_format:
+        config.server.log_format = args.log_format
     from specgate.gateway.cluster import distributed
     from specgate.gateway.serving import ranks
 
@@ -149,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         if ranks.rank(config) != 0:  # serves no HTTP: follows rank 0's steps
-            _logging(config, None, prefix=f"rank {ranks.rank(config)} ")
+            _logging(config, None, rank=ranks.rank(config))
             return distributed.follow(config)
         distributed.end_drained_with_success()
     from specgate.gateway.access.keys import KeyFileError
@@ -168,7 +170,8 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(_cannot_listen(host, port, e), file=sys.stderr)
         return EXIT_CANNOT_LISTEN
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                   ("log_format", args.log_format)) if v is not None}  # fmt: skip
     try:
         return _run_server(config, sockets, args.config, overrides,
                            Path(args.log_file).expanduser() if args.log_file else None)  # fmt: skip
@@ -181,9 +184,14 @@ LOG_FILE_BYTES = 10 << 20  # --log-file: rotated at this size,
 LOG_FILES_KEPT = 5  # keeping this many old ones
 
 
-def _logging(config: Config, log_file: Path | None, prefix: str = "") -> None:
+def _logging(config: Config, log_file: Path | None, rank: int | None = None) -> None:
+    """The root logger's one handler: stderr, or `log_file` rotated; each
+    line text, or JSON (server.log_format). uvicorn's loggers write through
+    it (gateway/server.py), and so does the access log."""
     import logging
     import os
+
+    from specgate.gateway.access.access_log import JsonFormatter
 
     # transformers (imported after this by the app: tokenizers, grammars)
     # warns at import that PyTorch was not found, which specgate never uses:
@@ -191,15 +199,19 @@ def _logging(config: Config, log_file: Path | None, prefix: str = "") -> None:
     # where CI is set, into this log. Its own switch, set before the import;
     # a value the user exported stays.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    fmt = f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
     if log_file is not None:  # a service: one rotated file (gateway/operator/service.py)
         from logging.handlers import RotatingFileHandler
 
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = RotatingFileHandler(log_file, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILES_KEPT)
-        logging.basicConfig(level=config.server.log_level.upper(), format=fmt, handlers=[handler])
     else:
-        logging.basicConfig(level=config.server.log_level.upper(), format=fmt)
+        handler = logging.StreamHandler()
+    if config.server.log_format == "json":
+        handler.setFormatter(JsonFormatter({} if rank is None else {"rank": rank}))
+    else:
+        prefix = "" if rank is None else f"rank {rank} "
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.server.log_level.upper(), handlers=[handler])
     # httpx logs every call specgate makes to its llama-servers at INFO.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
 
@@ -218,9 +230,9 @@ def _run_server(config: Config, sockets: list[socket.socket], config_path: str |
     except KeyFileError as e:
         print(f"specgate: {e}", file=sys.stderr)
         return 2
-    # Bounded headers, a graceful drain (gateway/server.py); with a log file,
-    # uvicorn's own loggers write there too.
-    server = make_server(app, config, own_logging=log_file is None)
+    # Bounded headers, a graceful drain (gateway/server.py); uvicorn's own
+    # loggers write where specgate's do.
+    server = make_server(app, config)
     # Given sockets, uvicorn says nothing about where it listens.
     for sock in sockets:
         host, port = sock.getsockname()[:2]
@@ -560,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="bind address (overrides the config)")
     serve.add_argument("--port", type=int, help="port (overrides the config)")
     serve.add_argument("--log-file", help="log here, rotated at 10 MiB (5 kept), not to stderr")
+    serve.add_argument("--log-format", choices=["text", "json"],
+                       help="json: every log line a JSON object (overrides server.log_format)")
     serve.set_defaults(run=_serve)
     keys = sub.add_parser("keys", help="API keys: add, list, revoke")
     where = argparse.ArgumentParser(add_help=False)

@@ -31,6 +31,7 @@ from specgate.engines.base import (
     TokenLogprob,
 )
 from specgate.engines.registry import methods as known_methods
+from specgate.gateway.access import access_log
 from specgate.gateway.access.admission import GateClosed, QueueFull, QueueTimeout
 from specgate.gateway.access.auth import Principal, current_principal
 from specgate.gateway.access.quotas import Rejected
@@ -100,6 +101,8 @@ def find_model(registry: ModelRegistry, model_id: str) -> ServedModel:
             param="model",
             code="model_not_found",
         )
+    if (record := access_log.current()) is not None:
+        record.model = served.id
     return served
 
 
@@ -223,8 +226,10 @@ def plan_request(
     honoured = _honouring(served, plan, sampling)
     if honoured != plan:  # plain decoding, for a parameter speculation cannot apply
         plan, planner = honoured, FixedPlanner(honoured)
+    record = access_log.current()
     request = GenerationRequest(
-        request_id=new_id("req"),
+        # The access log's request id (X-Request-Id), which the engines' logs name too.
+        request_id=record.generation_id() if record is not None else new_id("req"),
         model=served.id,
         prompt_tokens=prompt_tokens,
         sampling=sampling,
@@ -357,6 +362,10 @@ async def run(
     key = principal.name
     start, ttft, status = time.perf_counter(), None, "cancelled"
     metrics.planned(request.model, request.plan)
+    record = access_log.current() or access_log.AccessRecord("", start)  # (none: a test's direct call)
+    record.model = served.id
+    record.planned(request.plan.method)
+    record.prompt_tokens += usage.prompt_tokens
     method, last_token_at = request.plan.method, None
     admitted = False
     try:
@@ -398,11 +407,13 @@ async def run(
                         gap = None if last_token_at is None else now - last_token_at
                         metrics.tokens(request.model, method, len(event.token_ids), gap, key)
                         principal.usage.count_tokens(time.monotonic(), len(event.token_ids))
+                        record.tokens(len(event.token_ids), now)
                         last_token_at = now
                     usage.completion_tokens += len(event.token_ids)
                     live.generated = usage.completion_tokens
                     if event.cached_tokens and not usage.cached_tokens:
                         work.charge(key, -event.cached_tokens)  # served from the prefix cache
+                        record.cached_tokens += event.cached_tokens
                     work.charge(key, len(event.token_ids))
                     usage.cached_tokens = event.cached_tokens or usage.cached_tokens
                     text = matcher.feed(event.text)
@@ -421,6 +432,7 @@ async def run(
             if handoff is not None:  # the stream continues on another engine
                 metrics.planned(request.model, handoff.plan)
                 method = live.method = handoff.plan.method
+                record.planned(method)
                 engine = served.engines[handoff.plan.engine]
                 events = engine.generate(request, planner, resume=handoff)
     except EngineOverloaded as e:
@@ -441,6 +453,7 @@ async def run(
         status = "error"
         raise APIError(500, f"generation failed: {e}", code="engine_error") from None
     finally:
+        record.generation_ended(status)
         if admitted:
             served.gate.release()
             principal.usage.finish()

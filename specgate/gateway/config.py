@@ -169,6 +169,10 @@ class AuthConfig(_Strict):
     failed_auth_window_s: float = Field(60.0, gt=0)
     # Addresses tracked at most; beyond that, new ones share one allowance.
     failed_auth_max_clients: int = Field(4096, ge=1)
+    # A loopback client sending no key may read GET /admin/status (the admin
+    # page, read-only: no keys, no log lines, no actions) even with keys.
+    # Turn off where a reverse proxy on this machine makes every client loopback.
+    loopback_status: bool = True
 
     @property
     def keys_path(self) -> Path:

@@ -22,7 +22,8 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
@@ -100,6 +101,10 @@ class FairQueue(Generic[T]):
     def waiting(self, key: str) -> int:
         return len(self._keys.get(key, ()))
 
+    def __iter__(self) -> Iterator[tuple[str, T]]:
+        """Every waiting (key, item); for reading only."""
+        return ((key, item) for key, items in self._keys.items() for item in items)
+
     def longest(self) -> str | None:
         """The key with the most items waiting."""
         return max(self._keys, key=lambda k: len(self._keys[k]), default=None)
@@ -125,6 +130,17 @@ class GateClosed(Exception):
     """The server is shutting down: nobody else is admitted."""
 
 
+@dataclass(eq=False)  # a place is itself, never equal to another
+class Place:
+    """A request's place in the queue: the future a slot is handed through,
+    and who waits, since when (for the admin page's queue view)."""
+
+    key: str
+    request_id: str | None
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    since: float = field(default_factory=time.monotonic)
+
+
 class ModelGate:
     """`slots` requests decode at once; up to `max_queue` more wait, at most
     `max_wait` seconds each. Event loop only (no locks: nothing here awaits
@@ -138,13 +154,21 @@ class ModelGate:
         self.running = 0
         self.closed = False
         self.work = work or KeyWork()  # charged by the slot holders (gateway/serving/generation.py)
-        self._queue: FairQueue[asyncio.Future] = FairQueue(self.work.of)
+        self._queue: FairQueue[Place] = FairQueue(self.work.of)
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
-    def reserve(self, key: str) -> asyncio.Future | None:
+    def waiters(self, now: float | None = None) -> list[dict]:
+        """Who waits for a slot now, longest first: key name, request id
+        and seconds waited. A copy; the queue is not touched."""
+        now = time.monotonic() if now is None else now
+        places = sorted((place for _, place in self._queue), key=lambda p: p.since)
+        return [{"key": p.key, "request_id": p.request_id, "waited_s": round(now - p.since, 1)}
+                for p in places]  # fmt: skip
+
+    def reserve(self, key: str, request_id: str | None = None) -> Place | None:
         """A slot now (None), or a place in the queue to `wait` on; QueueFull
         when the queue is at its bound and `key` has its share of it (see
         _make_room), GateClosed once closed. Synchronous,
@@ -157,25 +181,26 @@ class ModelGate:
             return None
         if len(self._queue) >= self.max_queue:
             self._make_room(key)
-        place = asyncio.get_running_loop().create_future()
+        place = Place(key, request_id)
         self._queue.push(key, place)
         return place
 
-    async def wait(self, key: str, place: asyncio.Future) -> None:
+    async def wait(self, key: str, place: Place) -> None:
         """Until `place` is given a slot; QueueTimeout after max_wait,
         GateClosed if the gate closes, QueueFull if the place is given to
         another key's request. If the waiter is cancelled (the client
         left) it leaves the queue."""
+        future = place.future
         try:
             # Not wait_for: on 3.11 it can swallow a cancel that races the grant.
             async with asyncio.timeout(self.max_wait):
-                await asyncio.shield(place)
+                await asyncio.shield(future)
         except BaseException as e:
-            if place.done() and not place.cancelled():
-                if place.exception() is None:
+            if future.done() and not future.cancelled():
+                if future.exception() is None:
                     self.release()  # the slot came as we gave up: pass it on
             else:
-                place.cancel()
+                future.cancel()
                 self._queue.remove(key, place)
             if isinstance(e, TimeoutError):
                 raise QueueTimeout from None
@@ -190,7 +215,7 @@ class ModelGate:
         longest = self._queue.longest()
         if longest is None or self._queue.waiting(longest) < self._queue.waiting(key) + 2:
             raise QueueFull
-        place = self._queue.pop_newest(longest)
+        place = self._queue.pop_newest(longest).future
         if not place.done():
             place.set_exception(QueueFull())
 
@@ -199,13 +224,13 @@ class ModelGate:
         requests holding a slot go on."""
         self.closed = True
         while (head := self._queue.pop()) is not None:
-            if not head[1].done():
-                head[1].set_exception(GateClosed())
+            if not head[1].future.done():
+                head[1].future.set_exception(GateClosed())
 
     def release(self) -> None:
         """A slot holder finished: the slot goes to the next waiter in turn."""
         while (head := self._queue.pop()) is not None:
-            place = head[1]
+            place = head[1].future
             if not place.done():
                 place.set_result(None)
                 return

@@ -55,6 +55,9 @@ class Principal:
     models: frozenset[str] | None = None  # None: every model
     admin: bool = False
     usage: KeyUsage = field(default_factory=KeyUsage)
+    # A loopback client without a key, let in to read the admin page's
+    # status only (AuthMiddleware.read_only_paths): no model, no action.
+    viewer: bool = False
 
     def may_use(self, model_id: str) -> bool:
         return self.models is None or model_id in self.models
@@ -67,6 +70,7 @@ _current: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "specgate_principal", default=None
 )
 _UNGUARDED = Principal(ANONYMOUS, admin=True)
+LOOPBACK_VIEWER = Principal("loopback", models=frozenset(), viewer=True)
 
 
 def current_principal() -> Principal:
@@ -139,6 +143,11 @@ class KeyStore:
     @property
     def names(self) -> list[str]:
         return [r.name for r in self._by_id.values()]
+
+    def listing(self) -> list[tuple[KeyRecord, KeyUsage]]:
+        """Every key's record (hashes and ids are the caller's to leave out)
+        and its live usage."""
+        return [(r, self._usage[r.name]) for r in self._by_id.values()]
 
     def _principal(self, record: KeyRecord) -> Principal:
         models = None if record.models is None else frozenset(record.models)
@@ -297,13 +306,20 @@ class AuthMiddleware:
     those costs what answering 429 does. A missing key is not counted: it
     costs nothing to refuse and is a client's configuration mistake.
     `on_failure(reason)` is told of each refusal: "missing", "invalid",
-    "no_keys", and "rate_limited" for a 429."""
+    "no_keys", and "rate_limited" for a 429.
+
+    A GET of one of `read_only_paths` (the admin page's status) from a
+    loopback client that sends no key is let in as LOOPBACK_VIEWER, even
+    with keys: someone at the machine sees what it serves; its routes
+    leave out keys and log lines. Nothing else is open to it."""
 
     def __init__(self, app, keys: KeyStore, metrics_requires_key: bool, on_failure=None,
-                 limiter: FailedAuthLimiter | None = None):
+                 limiter: FailedAuthLimiter | None = None,
+                 read_only_paths: frozenset[str] = frozenset()):  # fmt: skip
         self.app = app
         self.keys = keys
         self.metrics_requires_key = metrics_requires_key
+        self.read_only_paths = read_only_paths
         self.on_failure = on_failure or (lambda reason: None)
         # `is None`, not `or`: an empty limiter has len() 0 and is falsy.
         self.limiter = limiter if limiter is not None else FailedAuthLimiter.from_config(AuthConfig())
@@ -324,19 +340,31 @@ class AuthMiddleware:
             principal = self.keys.anonymous
         else:
             presented = presented_key(scope["headers"])
-            if presented is None:
+            if presented is None and self._viewer(scope):
+                principal = LOOPBACK_VIEWER
+            elif presented is None:
                 return await self._refuse(
                     scope, send, "missing",
                     "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 )
-            principal = await self._check(scope, send, presented)
-            if principal is None:
-                return
+            else:
+                principal = await self._check(scope, send, presented)
+                if principal is None:
+                    return
         token = _current.set(principal)
         try:
             await self.app(scope, receive, send)
         finally:
             _current.reset(token)
+
+    def _viewer(self, scope) -> bool:
+        if scope["method"] != "GET" or scope["path"] not in self.read_only_paths:
+            return False
+        try:
+            address = ipaddress.ip_address((scope.get("client") or ("", 0))[0])
+        except ValueError:  # no client address (a Unix socket): not known to be local
+            return False
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
     async def _check(self, scope, send, presented: str) -> Principal | None:
         """The key's principal, or None once a refusal has been sent."""

@@ -59,6 +59,10 @@ class RequestWindow:
         # The request that must leave the window to make room.
         return self.times[len(self.times) - self.limit] + WINDOW_S - now
 
+    def count(self, now: float) -> int:
+        self._prune(now)
+        return len(self.times)
+
     def add(self, now: float) -> None:
         self.times.append(now)
         while len(self.times) > self.limit:
@@ -160,3 +164,10 @@ class KeyUsage:
 
     def finish(self) -> None:
         self.in_flight -= 1
+
+    def in_window(self, now: float) -> dict:
+        """Requests and tokens in the last minute where a limit counts them
+        (None where none does), and the requests in flight."""
+        return {"in_flight": self.in_flight,
+                "requests": None if self._requests is None else self._requests.count(now),
+                "tokens": None if self._tokens is None else self._tokens.used(now)}  # fmt: skip

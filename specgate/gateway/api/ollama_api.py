@@ -153,7 +153,7 @@ def _expires_at(served: ServedModel) -> str:
     """When an idle TTL would unload it; a model without one stays (as
     Ollama's keep_alive -1 does), unless evicted to make room."""
     now = datetime.now(UTC)
-    ttl = served.config.idle_ttl_s
+    ttl = None if served.pin else served.idle_ttl_s  # as an admin may have set them
     if ttl is None:
         return _iso(now + FOREVER)
     idle = 0.0 if served.busy else time.monotonic() - served.last_used

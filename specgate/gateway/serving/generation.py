@@ -290,7 +290,8 @@ def plan_headers(plan: Plan) -> dict[str, str]:
 QUEUE_TIMEOUT_RETRY_S = 5
 
 
-async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) -> None:
+async def _admit(served: ServedModel, principal: Principal, metrics: Metrics,
+                 request_id: str | None = None) -> None:  # fmt: skip
     """Wait for a decoding slot on the model, or raise APIError: 429 when the
     key is over a quota or the model's queue is full, 503 after the longest
     wait. Once this returns, the caller owns a slot and one of the key's
@@ -311,7 +312,7 @@ async def _admit(served: ServedModel, principal: Principal, metrics: Metrics) ->
 
     try:
         principal.usage.check(now)
-        place = gate.reserve(key)
+        place = gate.reserve(key, request_id)  # who waits: the admin page shows it
     except GateClosed:
         raise closing() from None
     except Rejected as e:
@@ -370,7 +371,7 @@ async def run(
     admitted = False
     try:
         try:
-            await _admit(served, principal, metrics)
+            await _admit(served, principal, metrics, request.request_id)
         except APIError:
             status = "rejected"
             raise

@@ -66,11 +66,17 @@ class ServedModel:
     estimate: Footprint | None = None  # before loading (None: not known)
     counts: ResidencyCounts = field(default_factory=ResidencyCounts)
     lockstep: Any = None  # a distributed model's (engines/distributed/lockstep.py), once loaded
+    # The config's `pin` and `idle_ttl_s`, which an admin may change while it
+    # serves (POST /admin/models/{id}/pin, ...): never written to the file,
+    # kept by a reload that leaves the model unchanged, gone at a restart.
+    pin: bool = field(init=False)
+    idle_ttl_s: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         c = self.config
         self.gate = ModelGate(c.max_concurrent, c.max_queue, c.max_queue_wait_s)
         self.boot_pending = c.load == "boot"  # until ModelRegistry._boot has tried it
+        self.pin, self.idle_ttl_s = c.pin, c.idle_ttl_s
 
     @property
     def id(self) -> str:
@@ -480,11 +486,11 @@ class ModelRegistry:
             await asyncio.sleep(IDLE_CHECK_S)
             now = time.monotonic()
             for served in list(self.models.values()):
-                mc = served.config
                 if _retry_due(served, now) and not self.draining:
                     served.loading = asyncio.create_task(self._load(served))
                 if served.engine is not None and idle_expired(now, served.last_used,
-                                                              mc.idle_ttl_s, served.busy, mc.pin):  # fmt: skip
+                                                              served.idle_ttl_s, served.busy,
+                                                              served.pin):  # fmt: skip
                     try:
                         async with self._room:
                             if not served.busy:  # a request may have come meanwhile
@@ -582,7 +588,7 @@ class _CannotFit(Exception):
 
 def _resident(served: ServedModel) -> Resident:
     nbytes = sum(served.memory().values())
-    return Resident(served.id, nbytes, served.last_used, served.config.pin, served.busy)
+    return Resident(served.id, nbytes, served.last_used, served.pin, served.busy)
 
 
 def _held(served: ServedModel) -> str:
@@ -598,7 +604,10 @@ def model_status(served: ServedModel) -> dict:
         "memory": served.memory(), "estimate": est.total if est else None,
         "resident": served.resident(), "notes": served.notes(),
         "in_flight": served.in_use, "idle_s": round(time.monotonic() - served.last_used, 1),
-        "load": mc.load, "pin": mc.pin, "idle_ttl_s": mc.idle_ttl_s,
+        "load": mc.load, "pin": served.pin, "idle_ttl_s": served.idle_ttl_s,
+        # What the config file says, where an admin changed it while serving.
+        "configured": {k: v for k, v in (("pin", mc.pin), ("idle_ttl_s", mc.idle_ttl_s))
+                       if v != getattr(served, k)},
         "error": served.error, "loads": served.counts.loads, "failures": served.failures,
         "retry_in_s": (round(max(0.0, served.retry_at - time.monotonic()), 1)
                        if served.error and served.engine is None else None),

@@ -3,10 +3,13 @@
 Admin routes (an admin key; any caller on an open loopback server):
 `POST /admin/reload` re-reads the keys file and the config file
 (gateway/serving/reloading.py), `GET /admin/models` lists the models with their
-residency, `GET /admin/status` feeds the status page at `/`, and `POST
-/admin/models/{id}/unload` and `.../load` stop a model's engines to free
-its memory and bring it back (a request for an unloaded model loads it
-again, too).
+residency, `POST /admin/models/{id}/unload` and `.../load` stop a model's
+engines to free its memory and bring it back (a request for an unloaded
+model loads it again, too), and `.../pin`, `.../unpin` and `.../idle_ttl`
+change its residency while it serves (not written to the config file).
+`GET /admin/status` feeds the admin page at `/`: everything for an admin,
+a read-only view for a loopback client with no key, a key's own usage for
+any other key (gateway/operator/status.py).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from specgate.gateway.cluster.peers import Peers, peer_status
 from specgate.gateway.cluster.proxy import PeerRouter
 from specgate.gateway.config import Config
 from specgate.gateway.errors import APIError, install_error_handlers
-from specgate.gateway.operator.status import RecentErrors, status
-from specgate.gateway.operator.status import page as status_page_html
+from specgate.gateway.operator.history import History
+from specgate.gateway.operator.status import RecentErrors, own_status, read_only, status
+from specgate.gateway.operator.status import page as admin_page_html
 from specgate.gateway.serving.metrics import Metrics
 from specgate.gateway.serving.model_card import ModelCards
 from specgate.gateway.serving.models import ModelLeases, ModelRegistry, model_status
@@ -70,10 +74,12 @@ def create_app(config: Config, config_path: str | Path | None = None,
         loading = asyncio.create_task(registry.start())
         hangup = _on_sighup(reloader)
         errors.attach()
+        sampling = asyncio.create_task(history.run())  # the admin page's last hour
         await peers.start()
         try:
             yield
         finally:
+            sampling.cancel()
             errors.detach()
             hangup()
             loading.cancel()
@@ -95,23 +101,29 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.state.peers = metrics.peers = peers = Peers(config.peers)  # gateway/cluster/peers.py, proxy.py
     reloader = Reloader(registry, keys, config, Path(config_path) if config_path else None,
                         overrides or {})  # fmt: skip
-    errors = RecentErrors()  # the status page's "recent warnings and errors"
+    errors = RecentErrors()  # the admin page's "recent warnings and errors"
+    app.state.history = history = History(registry, metrics)
     install_error_handlers(app)
 
     # HEAD / too: tools that speak Ollama's API check that a server is up with it.
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     @app.get("/ui", include_in_schema=False)
-    async def status_page():
-        """The status page: static, its data from /admin/status (gateway/operator/status.py)."""
-        return Response(status_page_html(), media_type="text/html; charset=utf-8", headers={
+    async def admin_page():
+        """The admin page: static, its data from /admin/status (gateway/operator/status.py)."""
+        return Response(admin_page_html(), media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                        "style-src 'unsafe-inline'; frame-ancestors 'none'",
             "Cache-Control": "no-cache"})  # fmt: skip
 
     @app.get("/admin/status")
     async def status_data():
-        admin_only()
-        return status(registry, metrics, errors) | {"peers": peer_status(peers)}
+        principal = current_principal()
+        access_log = getattr(app.state, "access_log", None)
+        if not (principal.admin or principal.viewer):
+            return own_status(principal, registry, metrics, access_log)
+        full = status(registry, metrics, errors, keys, access_log, history)
+        full["peers"] = peer_status(peers)
+        return full if principal.admin else read_only(full)
 
     # Before the OpenAI router's own /v1/models, which lists this node's
     # models: the peers' are added, and a key sees only the models it may use.
@@ -213,6 +225,45 @@ def create_app(config: Config, config_path: str | Path | None = None,
         await registry.ensure_loaded(served)  # 503 with the reason if it cannot
         return {"id": model_id, "status": "ready"}
 
+    # Residency while serving: what the config's `pin` and `idle_ttl_s` say
+    # until a restart (or a reload that changes the model), never written.
+    def residency_changeable(model_id: str):
+        admin_only()
+        served = model_or_404(model_id)
+        if served.config.distributed is not None:
+            raise APIError(409, f"model '{model_id}' is distributed: it stays pinned while "
+                                "specgate runs", code="model_distributed")  # fmt: skip
+        return served
+
+    @app.post("/admin/models/{model_id}/pin")
+    async def pin_model(model_id: str):
+        served = residency_changeable(model_id)
+        served.pin = True
+        return model_status(served)
+
+    @app.post("/admin/models/{model_id}/unpin")
+    async def unpin_model(model_id: str):
+        served = residency_changeable(model_id)
+        served.pin = False
+        return model_status(served)
+
+    @app.post("/admin/models/{model_id}/idle_ttl")
+    async def set_idle_ttl(model_id: str, request: Request):
+        """Body {"idle_ttl_s": seconds > 0, or null: stay loaded}. A pinned
+        model keeps it for when it is unpinned."""
+        served = residency_changeable(model_id)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        ttl = body.get("idle_ttl_s", ...) if isinstance(body, dict) else ...
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                                or not 0 < ttl < float("inf")):  # fmt: skip
+            raise APIError(400, 'send {"idle_ttl_s": seconds above 0, or null to stay loaded}',
+                           code="invalid_request_error", param="idle_ttl_s")  # fmt: skip
+        served.idle_ttl_s = None if ttl is None else float(ttl)
+        return model_status(served)
+
     app.add_middleware(ModelLeases, registry=registry)
     # Inside the body limit and the key check: a relayed body is bounded, its key checked here.
     app.add_middleware(PeerRouter, peers=peers, registry=registry, responses=app.state.responses,
@@ -224,7 +275,9 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.add_middleware(AuthMiddleware, keys=keys,
                        metrics_requires_key=config.auth.metrics_requires_key,
                        on_failure=metrics.auth_failed,
-                       limiter=FailedAuthLimiter.from_config(config.auth))
+                       limiter=FailedAuthLimiter.from_config(config.auth),
+                       read_only_paths=frozenset({"/admin/status"} if config.auth.loopback_status
+                                                 else ()))  # fmt: skip
     # Outermost: a request the key check refuses is logged too.
     app.add_middleware(AccessLogMiddleware, access_log=access_log)
     return app

@@ -170,6 +170,16 @@ def test_the_page_shows_the_server_and_an_admin_unloads_and_loads(served, browse
 
     page.click("#reload")
     page.locator("#reload-result").filter(has_text="unchanged: tiny, demo, later").wait_for()
+    # a bad file: the refusal and its reason, and nothing changed
+    good = served.config_path.read_text()
+    served.config_path.write_text(good.replace("max_context: 2048", "max_context: -1"))
+    try:
+        page.click("#reload")
+        refused = page.locator("#reload-result").filter(has_text="HTTP 400")
+        refused.wait_for()
+        assert "config not reloaded" in refused.inner_text() and "max_context" in refused.inner_text()
+    finally:
+        served.config_path.write_text(good)
     page.context.close()
 
 

@@ -143,5 +143,5 @@ def test_tampered_sdist_is_refused_and_deleted(tmp_path: Path) -> None:
     sdist = tmp_path / install.SDIST_NAME
     sdist.write_bytes(b"not the llama-cpp-python sources")
     with pytest.raises(install.InstallError, match="sha256"):
-        install.download_sdist(tmp_path, progress=lambda line: None)
+        install.download_sdist(tmp_path, log=None, progress=lambda line: None)  # found: no log
     assert not sdist.exists()

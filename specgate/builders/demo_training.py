@@ -21,7 +21,6 @@ import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -34,8 +33,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 # Settings and CLI options live apart, so `specgate --help` need not import MLX.
 from specgate.builders.training_args import SIZES, TrainConfig
+from specgate.engines.progress import bar, say
 
 HELDOUT_EVERY = 25  # every 25th stdlib file (sorted) is held out for evaluation
+
+
+class WorkMismatch(ValueError):
+    """The work dir holds another run's corpus or state; the message says what to do."""
 
 
 # -- corpus ------------------------------------------------------------------------
@@ -56,11 +60,10 @@ def prepare(
     work: Path, size: str = "default", seed: int = 0, log=print, max_files: int | None = None
 ) -> Path:
     """Tokenizer, config and initial weights (published layout), plus the
-    tokenized corpus, into `work` (`max_files` caps the corpus, for tests)."""
-    from tokenizers import Tokenizer
-
+    tokenized corpus, into `work` (`max_files` caps the corpus: a quick look,
+    the tests); what `work` already holds is kept."""
     from specgate.builders.tiny import build_qwen35_hybrid
-    from specgate.builders.tokenizer import DEMO_CHAT_TEMPLATE, ENDOFTEXT, write_chat_template
+    from specgate.builders.tokenizer import DEMO_CHAT_TEMPLATE, write_chat_template
 
     work.mkdir(parents=True, exist_ok=True)
     init = work / "init"
@@ -71,25 +74,51 @@ def prepare(
         build_qwen35_hybrid(init, seed=seed, max_position_embeddings=32768, dtype="bfloat16",
                             **SIZES[size])
     write_chat_template(init, DEMO_CHAT_TEMPLATE)  # export copies it into the model
-    tok = Tokenizer.from_file(str(init / "tokenizer.json"))
+    write_corpus(work, init / "tokenizer.json", max_files, log)
+    return work
+
+
+CORPUS_BATCH_FILES = 64  # files tokenized per batch: the tokenize bar moves this often
+
+
+def write_corpus(work: Path, tokenizer: Path, max_files: int | None, log) -> None:
+    """The stdlib corpus (train and held-out files), tokenized by `tokenizer`
+    (a tokenizer.json), into work/corpus.npz, unless `work` holds it already
+    (from the same files)."""
+    from tokenizers import Tokenizer
+
+    from specgate.builders.tokenizer import ENDOFTEXT
+
+    record = work / "corpus.json"
+    if (work / "corpus.npz").exists():
+        held = json.loads(record.read_text()) if record.exists() else {"max_files": None}
+        if held["max_files"] != max_files:
+            raise WorkMismatch(f"{work} holds a corpus of {held['max_files'] or 'all'} files, not "
+                             f"{max_files or 'all'}; remove it or choose another --work")  # fmt: skip
+        return
+    tok = Tokenizer.from_file(str(tokenizer))
     eot = tok.token_to_id(ENDOFTEXT)
     train_files, heldout_files = stdlib_files()
     if max_files is not None:
         train_files, heldout_files = train_files[:max_files], heldout_files[: max(1, max_files // 10)]
     arrays = {}
     for name, files in (("train", train_files), ("heldout", heldout_files)):
-        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
         ids: list[int] = []
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
-            ids.extend(enc.ids)
-            ids.append(eot)
+        with bar(f"tokenize {name}", len(files), unit="files") as shown:
+            for i in range(0, len(files), CORPUS_BATCH_FILES):
+                batch = files[i : i + CORPUS_BATCH_FILES]
+                texts = [f.read_text(encoding="utf-8", errors="replace") for f in batch]
+                for enc in tok.encode_batch(texts, add_special_tokens=False):
+                    ids.extend(enc.ids)
+                    ids.append(eot)
+                shown.update(len(batch))
         arrays[name] = np.array(ids, dtype=np.uint16)
-        log(f"{name}: {len(files)} files, {len(ids):,} tokens")
+        log(f"{name} corpus: {len(files)} files, {len(ids):,} tokens")
     np.savez_compressed(work / "corpus.npz", **arrays)
+    record.write_text(json.dumps({"max_files": max_files}) + "\n")
     (work / "heldout_files.json").write_text(
         json.dumps([str(f.relative_to(sysconfig.get_paths()["stdlib"])) for f in heldout_files])
     )
-    return work
 
 
 # -- model -------------------------------------------------------------------------
@@ -195,21 +224,10 @@ def _batch(data: np.ndarray, cfg: TrainConfig, step: int) -> mx.array:
     return mx.array(np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32))
 
 
-class _Progress:
-    def __init__(self, total: int, start: int, tokens_per_step: int, write: Callable):
-        self.total, self.start, self.tps = total, start, tokens_per_step
-        self.t0 = time.perf_counter()
-        self.write = write
-
-    def __call__(self, step: int, trunk: float, mtp: float) -> None:
-        done = step - self.start
-        rate = done / max(time.perf_counter() - self.t0, 1e-9)
-        eta = (self.total - step) / max(rate, 1e-9)
-        bar = "#" * int(30 * step / self.total)
-        self.write(
-            f"[{bar:<30}] {step}/{self.total} loss trunk {trunk:.3f} mtp {mtp:.3f} "
-            f"{rate * self.tps / 1e3:.1f}k tok/s eta {eta / 60:.1f} min"
-        )
+def step_bar(last: int, start: int):
+    """The training steps' bar (ETA and rate are tqdm's); the loss goes in its postfix.
+    Its first step compiles the step function, so the first estimates run long."""
+    return bar("train", last, unit="steps", initial=start)
 
 
 def train(
@@ -241,7 +259,7 @@ def train(
     if (state_dir / "progress.json").exists():
         saved = json.loads((state_dir / "progress.json").read_text())
         if saved["config"] != asdict(cfg):
-            raise ValueError(f"{state_dir} holds a run with other settings; remove it to start over")
+            raise WorkMismatch(f"{state_dir} holds a run with other settings; remove it to start over")
         model.load_weights(str(state_dir / "weights.safetensors"))
         optimizer.init(model.trainable_parameters())
         optimizer.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
@@ -261,18 +279,20 @@ def train(
         optimizer.update(model, grads)
         return parts
 
-    progress = _Progress(last, start, cfg.batch_size * cfg.seq_len, log)
-    for step in range(start + 1, last + 1):
-        trunk_ce, mtp_ce = step_fn(_batch(data, cfg, step))
-        mx.eval(state, trunk_ce, mtp_ce)
-        if step % 25 == 0 or step == last:
-            progress(step, trunk_ce.item(), mtp_ce.item())
-        out_of_time = stop_after is not None and time.monotonic() - started > stop_after
-        if step % cfg.save_every == 0 or step == last or out_of_time:
-            _save_state(model, optimizer, state_dir, step, cfg)
-        if out_of_time and step < last:
-            log(f"stopping at step {step}; run again to resume")
-            return None
+    with step_bar(last, start) as shown:
+        for step in range(start + 1, last + 1):
+            trunk_ce, mtp_ce = step_fn(_batch(data, cfg, step))
+            mx.eval(state, trunk_ce, mtp_ce)
+            shown.set_postfix_str(f"loss trunk {trunk_ce.item():.3f} mtp {mtp_ce.item():.3f}",
+                                  refresh=False)  # fmt: skip
+            shown.update(1)
+            out_of_time = stop_after is not None and time.monotonic() - started > stop_after
+            if step % cfg.save_every == 0 or step == last or out_of_time:
+                _save_state(model, optimizer, state_dir, step, cfg)
+            if out_of_time and step < last:
+                log(f"stopping at step {step}; run again to resume")
+                return None
+    log(f"exporting to {out}")
     return export(model, init, out, cfg.dtype)
 
 
@@ -321,7 +341,7 @@ def evaluate(model: DemoModel, tokens: np.ndarray, window: int = 512) -> Evaluat
 
 
 def main_log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    say(line, sys.stderr)
 
 
 def run_cli(args) -> int:
@@ -333,21 +353,26 @@ def run_cli(args) -> int:
     cfg = TrainConfig(size=args.size, seed=args.seed, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.seq_len,
                       learning_rate=args.lr)  # fmt: skip
-    if not (work / "corpus.npz").exists():
-        prepare(work, args.size, args.seed, log=main_log)
-    result = train(work, out, cfg, log=main_log, stop_after=args.stop_after,
-                   until_step=args.until_step)  # fmt: skip
+    try:
+        prepare(work, args.size, args.seed, log=main_log, max_files=args.max_files)
+        result = train(work, out, cfg, log=main_log, stop_after=args.stop_after,
+                       until_step=args.until_step)  # fmt: skip
+    except WorkMismatch as e:
+        main_log(f"specgate demo-model: {e}")
+        return 2
     if result is None:
         main_log("stopped before the end: run the same command again to resume")
         return 3
     if args.eval_tokens:
         held = np.load(work / "corpus.npz")["heldout"][: args.eval_tokens]
+        main_log(f"evaluating on {len(held):,} held-out tokens")
         ev = evaluate(load_demo(result), held)
         main_log(f"held-out ({ev.tokens:,} tokens): trunk perplexity {ev.trunk_perplexity:.2f}, "
                  f"MTP acceptance at depth 1 {ev.mtp_acceptance:.3f}")  # fmt: skip
     if args.gguf:
         from specgate.builders.gguf_export import export_gguf
 
+        main_log(f"exporting a GGUF to {args.gguf}")
         export_gguf(result, Path(args.gguf), outtype="f16")
         main_log(f"GGUF with nextn tensors: {args.gguf}")
     print(result)

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import sysconfig
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -48,9 +46,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from specgate.builders.demo_training import _save_state, _schedule, main_log, stdlib_files
+from specgate.builders.demo_training import (
+    WorkMismatch,
+    _save_state,
+    _schedule,
+    main_log,
+    step_bar,
+    write_corpus,
+)
 from specgate.builders.training_args import DrafterConfig
 from specgate.engines.drafting.dflash.model import DFlashAttention, DFlashDrafter, load_dflash
+from specgate.engines.progress import bar
 from specgate.engines.targets import Target, target_for
 
 # -- corpus and initial drafter ----------------------------------------------------
@@ -71,36 +77,12 @@ def prepare(work: Path, target: Path, cfg: DrafterConfig, log=print,
             max_files: int | None = None) -> Path:  # fmt: skip
     """The stdlib corpus (demo_training's split) tokenized with the target's
     tokenizer, and a random initial drafter in the published layout."""
-    from tokenizers import Tokenizer
-
     from specgate.builders.drafters import build_dflash_drafter
-    from specgate.builders.tokenizer import ENDOFTEXT
 
     work.mkdir(parents=True, exist_ok=True)
-    if not (work / "corpus.npz").exists():
-        tok = Tokenizer.from_file(str(target / "tokenizer.json"))
-        eot = tok.token_to_id(ENDOFTEXT)
-        train_files, heldout_files = stdlib_files()
-        if max_files is not None:
-            train_files, heldout_files = (
-                train_files[:max_files],
-                heldout_files[: max(1, max_files // 10)],
-            )
-        arrays = {}
-        for name, files in (("train", train_files), ("heldout", heldout_files)):
-            texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-            ids: list[int] = []
-            for enc in tok.encode_batch(texts, add_special_tokens=False):
-                ids.extend(enc.ids)
-                ids.append(eot)
-            arrays[name] = np.array(ids, dtype=np.uint16)
-            log(f"{name}: {len(files)} files, {len(ids):,} tokens")
-        np.savez_compressed(work / "corpus.npz", **arrays)
-        root = sysconfig.get_paths()["stdlib"]
-        (work / "heldout_files.json").write_text(
-            json.dumps([str(f.relative_to(root)) for f in heldout_files])
-        )
+    write_corpus(work, target / "tokenizer.json", max_files, log)
     if not (work / "init" / "config.json").exists():
+        log("building the initial drafter")
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token_id(target)
         build_dflash_drafter(work / "init", target=target, num_hidden_layers=cfg.num_layers,
                              block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
@@ -239,20 +221,6 @@ def load_trainable(path: Path) -> DFlashDrafter:
     return drafter
 
 
-class _Progress:
-    def __init__(self, total: int, start: int, tokens_per_step: int, write: Callable):
-        self.total, self.start, self.tps = total, start, tokens_per_step
-        self.t0 = time.perf_counter()
-        self.write = write
-
-    def __call__(self, step: int, loss: float, first: float, tau: float) -> None:
-        rate = (step - self.start) / max(time.perf_counter() - self.t0, 1e-9)
-        eta = (self.total - step) / max(rate, 1e-9)
-        bar = "#" * int(30 * step / self.total)
-        self.write(f"[{bar:<30}] {step}/{self.total} loss {loss:.3f} draft-1 acc {first:.3f} "
-                   f"prefix {tau:.2f} {rate * self.tps / 1e3:.2f}k tok/s eta {eta / 60:.1f} min")  # fmt: skip
-
-
 def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
           stop_after: float | None = None, until_step: int | None = None,
           log_every: int = 10) -> Path | None:  # fmt: skip
@@ -261,10 +229,10 @@ def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
     that much time has passed; the same call again continues. `until_step`:
     export the drafter as it is at that step of the schedule.
 
-    The progress line: weighted loss, how often the first draft equals the
-    target's greedy token, and the mean accepted prefix of the block's drafts
-    against teacher-forced labels (an estimate of accepted drafts per round),
-    over the last `log_every` steps; tokens/s counts window tokens.
+    The step bar's postfix: weighted loss, how often the first draft equals
+    the target's greedy token, and the mean accepted prefix of the block's
+    drafts against teacher-forced labels (an estimate of accepted drafts per
+    round), over the last `log_every` steps.
     """
     started = time.monotonic()
     last = min(cfg.steps, until_step or cfg.steps)
@@ -279,7 +247,7 @@ def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
     if (state_dir / "progress.json").exists():
         saved = json.loads((state_dir / "progress.json").read_text())
         if saved["config"] != asdict(cfg):
-            raise ValueError(
+            raise WorkMismatch(
                 f"{state_dir} holds a run with other settings; remove it to start over"
             )
         drafter.load_weights(str(state_dir / "weights.safetensors"))
@@ -303,25 +271,29 @@ def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
         optimizer.update(drafter, grads)
         return value, hits
 
-    progress = _Progress(last, start, cfg.batch_size * cfg.seq_len, log)
     window: list[tuple[float, float, float]] = []
-    for step in range(start + 1, last + 1):
-        tokens, anchors = sample_batch(data, cfg, step)
-        features, greedy = target_view(trunk, tokens, drafter.args.target_layer_ids)
-        blocks, labels = block_inputs(trunk, tokens, greedy, anchors, cfg.block_size, mask)
-        value, hits = step_fn(blocks, labels, features, anchors)
-        mx.eval(state, value, hits)
-        window.append((value.item(), hits[..., 0].mean().item(),
-                       accepted_prefix(hits).astype(mx.float32).mean().item()))  # fmt: skip
-        if step % log_every == 0 or step == last:
-            progress(step, *np.mean(window, axis=0))
-            window = []
-        out_of_time = stop_after is not None and time.monotonic() - started > stop_after
-        if step % cfg.save_every == 0 or step == last or out_of_time:
-            _save_state(drafter, optimizer, state_dir, step, cfg)
-        if out_of_time and step < last:
-            log(f"stopping at step {step}; run again to resume")
-            return None
+    with step_bar(last, start) as shown:
+        for step in range(start + 1, last + 1):
+            tokens, anchors = sample_batch(data, cfg, step)
+            features, greedy = target_view(trunk, tokens, drafter.args.target_layer_ids)
+            blocks, labels = block_inputs(trunk, tokens, greedy, anchors, cfg.block_size, mask)
+            value, hits = step_fn(blocks, labels, features, anchors)
+            mx.eval(state, value, hits)
+            window.append((value.item(), hits[..., 0].mean().item(),
+                           accepted_prefix(hits).astype(mx.float32).mean().item()))  # fmt: skip
+            if len(window) == log_every or step == last or step == start + 1:
+                loss, first, tau = np.mean(window, axis=0)
+                shown.set_postfix_str(f"loss {loss:.3f} draft-1 acc {first:.3f} prefix {tau:.2f}",
+                                      refresh=False)  # fmt: skip
+                window = []
+            shown.update(1)
+            out_of_time = stop_after is not None and time.monotonic() - started > stop_after
+            if step % cfg.save_every == 0 or step == last or out_of_time:
+                _save_state(drafter, optimizer, state_dir, step, cfg)
+            if out_of_time and step < last:
+                log(f"stopping at step {step}; run again to resume")
+                return None
+    log(f"exporting to {out}")
     return export(drafter, work / "init", out, cfg.dtype)
 
 
@@ -374,7 +346,8 @@ def heldout_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> l
 
 def measure_acceptance(trunk: Target, drafter: DFlashDrafter, prompts: list[list[int]],
                        block_length: int, new_tokens: int,
-                       stop_token_ids: frozenset[int] = frozenset()) -> Acceptance:  # fmt: skip
+                       stop_token_ids: frozenset[int] = frozenset(),
+                       done=lambda: None) -> Acceptance:  # fmt: skip
     """Greedy DFlash decoding of each prompt with the engine's own decoder,
     verifying `block_length - 1` drafts a round: the acceptance a user sees."""
     from specgate.engines.base import GenerationRequest, Plan, SamplingParams
@@ -394,6 +367,7 @@ def measure_acceptance(trunk: Target, drafter: DFlashDrafter, prompts: list[list
             result.rounds += 1
             result.drafted += step.stats.drafted
             result.accepted += step.stats.accepted
+        done()
     return result
 
 
@@ -414,7 +388,9 @@ def evaluate(target: Path, drafter_path: Path, heldout: np.ndarray, *, prompts: 
     stops = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
     chosen = heldout_prompts(heldout, prompts, prompt_len)
     lengths = block_lengths or list(range(2, drafter.args.block_size + 1))
-    return [measure_acceptance(trunk, drafter, chosen, n, new_tokens, stops) for n in lengths]
+    with bar("evaluate", len(lengths) * len(chosen), unit="prompts") as shown:
+        return [measure_acceptance(trunk, drafter, chosen, n, new_tokens, stops,
+                                   lambda: shown.update(1)) for n in lengths]  # fmt: skip
 
 
 def describe(results: list[Acceptance]) -> list[str]:
@@ -439,9 +415,13 @@ def run_cli(args) -> int:
                         num_layers=args.layers, target_layer_ids=args.target_layers,
                         mask_token_id=args.mask_token_id, learning_rate=args.lr,
                         decay=args.decay)  # fmt: skip
-    prepare(work, target, cfg, log=main_log)
-    result = train(work, target, out, cfg, log=main_log, stop_after=args.stop_after,
-                   until_step=args.until_step)  # fmt: skip
+    try:
+        prepare(work, target, cfg, log=main_log, max_files=args.max_files)
+        result = train(work, target, out, cfg, log=main_log, stop_after=args.stop_after,
+                       until_step=args.until_step)  # fmt: skip
+    except WorkMismatch as e:
+        main_log(f"specgate demo-drafter: {e}")
+        return 2
     if result is None:
         main_log("stopped before the end: run the same command again to resume")
         return 3

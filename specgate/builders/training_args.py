@@ -88,6 +88,20 @@ def add_demo_model_arguments(parser) -> None:
     parser.add_argument("--eval-tokens", type=int, default=20_000,
                         help="held-out tokens to evaluate on at the end (0: skip)")
     parser.add_argument("--gguf", metavar="PATH", help="also export a GGUF with nextn tensors")
+    _add_max_files(parser)
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
+def _add_max_files(parser) -> None:
+    parser.add_argument("--max-files", type=_positive, metavar="N",
+                        help="train on the first N stdlib files only (a quick look; default: all)")  # fmt: skip
 
 
 def _layer_list(text: str) -> list[int]:
@@ -123,3 +137,4 @@ def add_demo_drafter_arguments(parser) -> None:
     parser.add_argument("--eval-prompts", type=int, default=16,
                         help="held-out prompts decoded at the end, at every block length (0: skip)")  # fmt: skip
     parser.add_argument("--eval-new-tokens", type=int, default=64)
+    _add_max_files(parser)

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from specgate.engines.llamacpp.binary import (
     installed_llama_server_path,
     llama_server_version,
 )
+from specgate.engines.progress import bar, say
 
 PINNED = "0.3.36"  # llama-cpp-python; vendors llama.cpp LLAMA_CPP_TAG (b11312)
 SDIST_NAME = f"llama_cpp_python-{PINNED}.tar.gz"
@@ -37,7 +39,10 @@ SDIST_NAME = f"llama_cpp_python-{PINNED}.tar.gz"
 # swapped or corrupted file is refused before we compile and run anything from it.
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 VENDOR_PREFIX = "vendor/llama.cpp/"
-PROGRESS_EVERY_S = 5.0
+# make's `[ 45%] Building ...` and ninja's `[12/206] Building ...`
+BUILD_PROGRESS = re.compile(r"\[\s*(\d+)%\]|\[(\d+)/(\d+)\]")
+PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")  # pip's --progress-bar raw
+FAILED_TAIL_LINES = 20
 
 Progress = Callable[[str], None]
 
@@ -121,28 +126,51 @@ def _verified(sdist: Path) -> Path:
     return sdist
 
 
-def download_sdist(dest: Path, progress: Progress) -> Path:
+def download_sdist(dest: Path, log, progress: Progress) -> Path:
     sdist = dest / SDIST_NAME
     if sdist.is_file():
         progress(f"using the downloaded sources {sdist}")
         return _verified(sdist)
-    dest.mkdir(parents=True, exist_ok=True)
     progress(f"downloading llama-cpp-python {PINNED} sources (~77 MB) into {dest}")
-    cmd = [
-        *_pip_command(),
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        f"llama-cpp-python=={PINNED}",
-        "-d",
-        str(dest),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not sdist.is_file():
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-10:])
-        raise InstallError(f"downloading llama-cpp-python=={PINNED} failed:\n{tail}")
-    return _verified(sdist)
+    return _verified(pip_download(f"llama-cpp-python=={PINNED}", SDIST_NAME, dest, log, progress))
+
+
+def pip_download(requirement: str, filename: str, dest: Path, log, progress: Progress) -> Path:
+    """`pip download` one sdist into `dest` (the user's index and proxy settings apply),
+    its bytes on a "download" bar, the rest of pip's output into `log`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [*_pip_command(), "download", "--no-deps", "--no-binary", ":all:",
+           "--progress-bar", "raw", requirement, "-d", str(dest)]  # fmt: skip
+    log.write(f"$ {' '.join(cmd)}\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    tail: deque[str] = deque(maxlen=FAILED_TAIL_LINES)  # for the error
+    with bar("download", unit="B", unit_scale=True) as shown:
+        for line in proc.stdout:
+            m = PIP_PROGRESS.fullmatch(line.strip())
+            if not m:
+                log.write(line)
+                tail.append(line)
+                continue
+            done, total = int(m[1]), int(m[2])
+            if total and shown.total != total:
+                shown.total = total
+            shown.update(done - shown.n)
+            if total and done >= total:
+                break
+    # pip then checks the package: it prepares its metadata, which installs
+    # its build requirements into a temporary environment.
+    if proc.poll() is None:
+        progress("download: pip checks the package")
+    for line in proc.stdout:
+        log.write(line)
+        tail.append(line)
+    path = dest / filename
+    if proc.wait() != 0 or not path.is_file():
+        log.flush()
+        raise InstallError(f"downloading {requirement} failed (the full log is {log.name}):\n"
+                           + "".join(tail).rstrip())  # fmt: skip
+    return path
 
 
 def _is_vendored_llama_cpp(member: tarfile.TarInfo) -> bool:
@@ -166,8 +194,9 @@ def extract_vendored_llama_cpp(sdist: Path, dest: Path, progress: Progress) -> P
     tmp.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if _is_vendored_llama_cpp(m)]
-        # The "data" filter also refuses links leaving the tree and device files.
-        tar.extractall(tmp, members=members, filter="data")
+        with bar("extract", len(members), unit="files") as shown:
+            # The "data" filter also refuses links leaving the tree and device files.
+            tar.extractall(tmp, members=_counted(members, shown), filter="data")
     if not (
         tmp / f"llama_cpp_python-{PINNED}" / "vendor" / "llama.cpp" / "CMakeLists.txt"
     ).is_file():
@@ -177,27 +206,52 @@ def extract_vendored_llama_cpp(sdist: Path, dest: Path, progress: Progress) -> P
     return source
 
 
-def _run_logged(cmd: list[str], log, progress: Progress, what: str) -> None:
-    """Run cmd, all output to log; pass cmake's `[ NN%]` lines on at most every few seconds."""
+def _counted(items: list, shown) -> Iterator:
+    for item in items:
+        yield item
+        shown.update(1)
+
+
+def build_fraction(line: str) -> tuple[int, int] | None:
+    """(done, total) from a line of a build's output: ninja's `[12/206]`, or
+    make's `[ 45%]` as (45, 100); None for a line without one."""
+    m = BUILD_PROGRESS.match(line)
+    if not m:
+        return None
+    return (int(m[1]), 100) if m[1] is not None else (int(m[2]), int(m[3]))
+
+
+def run_stage(cmd: list[str], log, stage: str) -> None:
+    """Run one stage's command with all its output into `log` (none on the
+    terminal), on a bar of the build's own fraction where its lines carry one
+    (compiling), else of the lines it wrote (configuring). On failure the
+    error names the log and ends with the output's last lines."""
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    last = 0.0
     assert proc.stdout is not None
-    for line in proc.stdout:
-        log.write(line)
-        pct = re.match(r"\[\s*(\d+)%\]", line) or re.match(r"\[(\d+)/(\d+)\]", line)
-        if pct and time.monotonic() - last >= PROGRESS_EVERY_S:
-            last = time.monotonic()
-            if pct.lastindex == 2:
-                progress(f"  {what}: {100 * int(pct[1]) // int(pct[2])}%")
-            else:
-                progress(f"  {what}: {pct[1]}%")
+    tail: deque[str] = deque(maxlen=FAILED_TAIL_LINES)  # for the error
+    with bar(stage, unit="lines") as shown:
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line)
+            fraction = build_fraction(line)
+            if fraction is None:
+                if shown.unit == "lines":
+                    shown.update(1)
+                continue
+            done, total = fraction
+            if shown.total != total:  # the first fraction: from now on the bar counts it
+                shown.unit = "%" if total == 100 else "steps"
+                shown.reset(total)
+            if done > shown.n:  # make's percentages can step back with parallel jobs
+                shown.update(done - shown.n)
     if proc.wait() != 0:
         log.flush()
-        raise InstallError(f"{what} failed (exit {proc.returncode}); the full log is {log.name}")
+        raise InstallError(f"{stage} failed (exit {proc.returncode}); the full log is {log.name}; "
+                           "its last lines:\n" + "".join(tail).rstrip())  # fmt: skip
 
 
 def _foreign_libraries(binary: Path, build_dir: Path) -> list[str]:
@@ -247,7 +301,7 @@ def _one_install_at_a_time(root: Path, progress: Progress):
 
 
 def install_llama_server(
-    *, force: bool = False, jobs: int | None = None, progress: Progress = print
+    *, force: bool = False, jobs: int | None = None, progress: Progress = say
 ) -> Path:
     """Build llama-server (llama.cpp LLAMA_CPP_TAG) and install it under SPECGATE_HOME; return its path."""
     with _one_install_at_a_time(llama_cpp_dir(), progress):
@@ -268,37 +322,29 @@ def _install(*, force: bool, jobs: int | None, progress: Progress) -> Path:
     generator = ["-G", "Ninja"] if tools["make or ninja"].endswith("ninja") else []
 
     root = llama_cpp_dir()
-    sdist = download_sdist(root / "src", progress)
-    source = extract_vendored_llama_cpp(sdist, root / "src" / "extracted", progress)
-
-    build_dir = root / "build" / LLAMA_CPP_TAG
-    if force or _generator_changed(build_dir, "Ninja" if generator else "Unix Makefiles"):
-        shutil.rmtree(build_dir, ignore_errors=True)
     log_path = logs_dir() / "llama-server-build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     flags = cmake_flags()
     jobs = jobs or os.cpu_count() or 1
-    started = time.monotonic()
+    build_dir = root / "build" / LLAMA_CPP_TAG
     with log_path.open("w") as log:
-        progress(f"configuring (cmake); full log: {log_path}")
-        _run_logged(
-            ["cmake", "-S", str(source), "-B", str(build_dir), *generator, *flags],
-            log,
-            progress,
-            "configure",
-        )
+        progress(f"the build's full log: {log_path}")
+        sdist = download_sdist(root / "src", log, progress)
+        source = extract_vendored_llama_cpp(sdist, root / "src" / "extracted", progress)
+        if force or _generator_changed(build_dir, "Ninja" if generator else "Unix Makefiles"):
+            shutil.rmtree(build_dir, ignore_errors=True)
+        started = time.monotonic()
+        run_stage(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *flags],
+                  log, "configure")  # fmt: skip
         progress(f"compiling llama-server with {jobs} jobs (several minutes)")
-        _run_logged(
-            ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
-            log,
-            progress,
-            "build",
-        )
+        run_stage(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
+                  log, "compile")  # fmt: skip
     built = build_dir / "bin" / "llama-server"
     if not built.is_file():
         raise InstallError(f"the build finished but {built} is missing; see {log_path}")
     progress(f"built in {time.monotonic() - started:.0f} s")
 
+    progress(f"installing {target}")
     _install_files(built, build_dir, target, progress)
     version = _installed_ok(target)
     if version is None:
@@ -354,11 +400,9 @@ def _install_files(built: Path, build_dir: Path, target: Path, progress: Progres
 
 
 def run_cli(*, force: bool = False, jobs: int | None = None) -> int:
-    """`specgate install-llama-server`: progress on stdout, the path last, errors on stderr."""
+    """`specgate install-llama-server`: progress and errors on stderr, the path on stdout."""
     try:
-        path = install_llama_server(
-            force=force, jobs=jobs, progress=lambda line: print(line, flush=True)
-        )
+        path = install_llama_server(force=force, jobs=jobs, progress=say)
     except (InstallError, OSError) as e:
         print(f"specgate: could not install llama-server: {e}", file=sys.stderr)
         return 1

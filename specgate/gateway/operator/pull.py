@@ -18,6 +18,8 @@ import re
 import sys
 from fnmatch import fnmatch
 
+from specgate.engines.progress import LineBar, interactive, say
+
 # Other frameworks' weights and the original (consolidated) checkpoints that
 # some repos carry beside the Hugging Face ones.
 SKIPPED = ["original/*", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data",
@@ -65,6 +67,7 @@ def pull(spec: str, include: list[str], exclude: list[str]) -> tuple[str, str]:
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import are_progress_bars_disabled
 
     from specgate.engines.checkpoints.locate import hub_offline
 
@@ -80,9 +83,12 @@ def pull(spec: str, include: list[str], exclude: list[str]) -> tuple[str, str]:
         allow, ignore = _patterns(files, repo, quant, include, exclude)
         chosen = [f for f in files if (allow is None or any(fnmatch(f, p) for p in allow))
                   and not any(fnmatch(f, p) for p in ignore)]
-        print(f"{repo}@{rev}: {len(chosen)} of {len(files)} files", file=sys.stderr)
+        say(f"{repo}@{rev}: {len(chosen)} of {len(files)} files")
+        # On a terminal huggingface_hub's own bars (HF_HUB_DISABLE_PROGRESS_BARS
+        # silences them); elsewhere plain lines.
+        lines = not interactive() and not are_progress_bars_disabled()
         snapshot = snapshot_download(repo, revision=rev, allow_patterns=allow, ignore_patterns=ignore,
-                                     tqdm_class=None if sys.stderr.isatty() else _LineProgress)
+                                     tqdm_class=_PullLines if lines else None)
     except GatedRepoError:
         raise PullError(f"{repo} is gated: accept its terms on the hub, then set HF_TOKEN or "
                         "`hf auth login`") from None
@@ -108,65 +114,27 @@ def _quant_label(filename: str) -> str | None:
     return quant_of(filename)
 
 
-class _LineProgress:
-    """Progress for logs and pipes: a line per tenth of the bytes, where
-    tqdm's bars would fill a log with carriage returns. snapshot_download
-    uses any class with tqdm's interface for its aggregate bars (a class
-    that is no tqdm subclass gets no `name`/`disable`)."""
+class _PullLines(LineBar):
+    """snapshot_download's bars as plain lines, for logs and pipes: its bar of
+    files ("files") and its bar of bytes written ("download"). Its other byte
+    bar, of network transfer, counts the same bytes against a guessed total
+    (huggingface_hub's _xet_progress_reporting), so it stays quiet."""
 
-    _byte_bar_made = False
+    def __init__(self, *args, **kwargs):
+        desc = kwargs.get("desc") or ""
+        self._quiet = desc.startswith("Downloading bytes")
+        files = desc.startswith("Fetching")
+        kwargs["desc"], kwargs["unit"] = ("files", "files") if files else ("download", "B")
+        kwargs.pop("bar_format", None)  # a bar's layout; a line has its own
+        super().__init__(*args, **kwargs)
 
-    def __init__(self, iterable=None, *, desc: str = "", total: float | None = None,
-                 initial: float = 0, unit: str = "it", **_):
-        self.iterable, self.desc, self.total, self.n, self.unit = iterable, desc, total, initial, unit
-        self.format_dict: dict = {}
-        self._said = -1
-        # snapshot_download keeps two byte bars (network, disk) that count the
-        # same bytes over plain HTTP: the first one speaks.
-        self._speaks = unit == "B" and not _LineProgress._byte_bar_made
-        _LineProgress._byte_bar_made |= unit == "B"
+    def display(self, msg=None, pos=None):
+        return False if self._quiet else super().display(msg, pos)
 
-    def __iter__(self):
-        yield from self.iterable or ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @classmethod
-    def get_lock(cls):
-        import threading
-
-        return threading.RLock()
-
-    @classmethod
-    def set_lock(cls, lock):
-        pass
-
-    def update(self, n: float | None = 1) -> None:
-        self.n += n or 0
-        if self._speaks and self.total:
-            tenth = int(10 * self.n / self.total)
-            if tenth > self._said:
-                self._said = tenth
-                print(f"  {self.n / 2**20:,.1f} of {self.total / 2**20:,.1f} MiB "
-                      f"({100 * self.n / self.total:.0f}%)", file=sys.stderr, flush=True)
-
-    def refresh(self, *_, **__) -> None:
-        pass
-
-    def set_description(self, desc: str = "", *_, **__) -> None:
-        self.desc = desc
+    def set_description(self, desc=None, refresh=True):
+        pass  # "Reconstruction complete" and the like: the lines keep their stage's name
 
     set_description_str = set_description
-
-    def set_postfix_str(self, *_, **__) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def run_cli(args: argparse.Namespace) -> int:

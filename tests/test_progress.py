@@ -203,6 +203,7 @@ def index(tmp_path_factory):
 
 PIP_DOWNLOAD = """
 import sys
+from pathlib import Path
 from specgate.engines.llamacpp.install import pip_download, say
 with open(sys.argv[2], "w") as log:
     print(pip_download("tinypkg==1.0", "tinypkg-1.0.tar.gz", Path(sys.argv[1]), log, say))

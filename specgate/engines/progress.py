@@ -4,8 +4,9 @@ One look for all of them: tqdm, the library huggingface_hub already draws
 its download bars with. On a terminal a bar redraws itself in place; in a
 pipe, a CI log or a service's journal carriage returns would pile up into
 one unreadable line, so there `LineBar` writes plain, newline-terminated
-lines instead: when a stage starts, at each tenth of it, at least every
-EVERY_S seconds while it runs, and when it ends.
+lines instead: when a stage starts, at each tenth of it, every EVERY_S
+seconds while it advances (a line is written when the stage moves: one
+long silent step is one long wait, as on a terminal), and when it ends.
 
 Progress goes to stderr; a command's own output (a path, JSON) stays alone
 on stdout.
@@ -19,7 +20,7 @@ from typing import IO
 
 from tqdm import tqdm
 
-EVERY_S = 10.0  # without a terminal: a line at least this often while a stage runs
+EVERY_S = 10.0  # without a terminal: a line this often while a stage advances
 
 
 def interactive(stream: IO | None = None) -> bool:
@@ -44,7 +45,10 @@ class LineBar(tqdm):
         self._said_tenth = -1
         self._said_n: float | None = None
         # leave=False: tqdm's close then calls display(msg="") once, our last line.
-        kwargs.update(leave=False, position=0, dynamic_ncols=False, disable=False)
+        # mininterval=0, miniters=1: tqdm asks display() at every update, and
+        # display() decides (a tenth passed, EVERY_S passed): no tenth is skipped.
+        kwargs.update(leave=False, position=0, dynamic_ncols=False, disable=False,
+                      mininterval=0, miniters=1)  # fmt: skip
         super().__init__(*args, **kwargs)
 
     @staticmethod

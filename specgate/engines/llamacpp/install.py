@@ -155,6 +155,7 @@ def pip_download(requirement: str, filename: str, dest: Path, log, progress: Pro
             done, total = int(m[1]), int(m[2])
             if total and shown.total != total:
                 shown.total = total
+                shown.refresh()  # the stage's start, now with its size
             shown.update(done - shown.n)
             if total and done >= total:
                 break

@@ -230,6 +230,13 @@ def step_bar(last: int, start: int):
     return bar("train", last, unit="steps", initial=start)
 
 
+def show_step(shown, losses: str, tokens_per_step: int) -> None:
+    """The step bar's postfix: `losses`, then training tokens a second."""
+    rate = shown.format_dict["rate"]  # steps a second, smoothed; None before the second step
+    tokens = f", {rate * tokens_per_step / 1e3:.1f}k tok/s" if rate else ""
+    shown.set_postfix_str(losses + tokens, refresh=False)
+
+
 def train(
     work: Path,
     out: Path,
@@ -283,8 +290,8 @@ def train(
         for step in range(start + 1, last + 1):
             trunk_ce, mtp_ce = step_fn(_batch(data, cfg, step))
             mx.eval(state, trunk_ce, mtp_ce)
-            shown.set_postfix_str(f"loss trunk {trunk_ce.item():.3f} mtp {mtp_ce.item():.3f}",
-                                  refresh=False)  # fmt: skip
+            show_step(shown, f"loss trunk {trunk_ce.item():.3f} mtp {mtp_ce.item():.3f}",
+                      cfg.batch_size * cfg.seq_len)  # fmt: skip
             shown.update(1)
             out_of_time = stop_after is not None and time.monotonic() - started > stop_after
             if step % cfg.save_every == 0 or step == last or out_of_time:

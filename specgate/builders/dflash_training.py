@@ -51,6 +51,7 @@ from specgate.builders.demo_training import (
     _save_state,
     _schedule,
     main_log,
+    show_step,
     step_bar,
     write_corpus,
 )
@@ -232,7 +233,7 @@ def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
     The step bar's postfix: weighted loss, how often the first draft equals
     the target's greedy token, and the mean accepted prefix of the block's
     drafts against teacher-forced labels (an estimate of accepted drafts per
-    round), over the last `log_every` steps.
+    round), over the last `log_every` steps; tokens/s counts window tokens.
     """
     started = time.monotonic()
     last = min(cfg.steps, until_step or cfg.steps)
@@ -283,8 +284,8 @@ def train(work: Path, target: Path, out: Path, cfg: DrafterConfig, log=print, *,
                            accepted_prefix(hits).astype(mx.float32).mean().item()))  # fmt: skip
             if len(window) == log_every or step == last or step == start + 1:
                 loss, first, tau = np.mean(window, axis=0)
-                shown.set_postfix_str(f"loss {loss:.3f} draft-1 acc {first:.3f} prefix {tau:.2f}",
-                                      refresh=False)  # fmt: skip
+                show_step(shown, f"loss {loss:.3f} draft-1 acc {first:.3f} prefix {tau:.2f}",
+                          cfg.batch_size * cfg.seq_len)  # fmt: skip
                 window = []
             shown.update(1)
             out_of_time = stop_after is not None and time.monotonic() - started > stop_after

@@ -300,3 +300,27 @@ def test_the_read_only_view_is_for_loopback_clients_and_can_be_turned_off(tiny_m
         assert httpx.get(base + "/admin/status").status_code == 401
         r = httpx.get(base + "/admin/status", headers={"Authorization": f"Bearer {admin}"})
         assert r.status_code == 200 and r.json()["view"] == "admin"
+
+
+def test_an_admin_action_from_another_sites_page_is_refused(tiny_model):
+    """On an open loopback server every local caller is an admin: a web page
+    of another origin open in a browser could post to /admin/* (a form post
+    needs no CORS preflight). The browser's Origin header gives it away; the
+    page's own posts, the CLI and the SDKs (no Origin) pass."""
+    from conftest import serve_in_process
+
+    from specgate.gateway.app import create_app
+    from specgate.gateway.config import parse_config
+
+    app = create_app(parse_config({  # a model never loaded: pinning needs none
+        "server": {"host": "127.0.0.1"},
+        "models": [{"id": "m", "path": str(tiny_model), "load": "on_demand"}]}))
+    with serve_in_process(app) as base:
+        pin = base + "/admin/models/m/pin"
+        r = httpx.post(pin, headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site"
+        assert httpx.post(pin, headers={"Origin": "http://127.0.0.1:1"}).status_code == 403
+        assert httpx.post(pin, headers={"Origin": base}).json()["pin"] is True
+        assert httpx.post(base + "/admin/models/m/unpin").json()["pin"] is False
+        assert httpx.get(base + "/admin/status", headers={"Origin": "http://evil.example"}
+                         ).status_code == 200  # a read: no CORS header lets that page see it

@@ -292,6 +292,21 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
     return bearer or api_key
 
 
+def _cross_site_admin_action(scope) -> bool:
+    """A browser's POST to /admin/* from a page of another origin. On an open
+    loopback server every local caller is an admin, and a web page open in a
+    team member's browser could otherwise unload models or reload the config
+    with a form post (a "simple" request: no CORS preflight stops it). Browsers
+    send Origin on such posts; the CLI and SDKs send none."""
+    if scope["method"] in ("GET", "HEAD", "OPTIONS") or not scope["path"].startswith("/admin/"):
+        return False
+    headers = dict(scope["headers"])
+    origin, host = headers.get(b"origin"), headers.get(b"host")
+    if origin is None:
+        return False
+    return origin.split(b"://", 1)[-1].rstrip(b"/").lower() != (host or b"").lower()
+
+
 class AuthMiddleware:
     """Every /v1, /api (Ollama's) and /admin route needs a valid key once
     keys exist (and /metrics when `metrics_requires_key`); /health and
@@ -333,6 +348,11 @@ class AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self._guarded(scope["path"]):
             return await self.app(scope, receive, send)
+        if _cross_site_admin_action(scope):
+            response = error_response(scope["path"], 403, "an admin action from another site's "
+                                      "page is refused (its Origin is not this server)",
+                                      code="cross_site")  # fmt: skip
+            return await response(scope, None, send)
         if self.keys.empty:
             if not self.keys.open_when_empty:
                 return await self._refuse(scope, send, "no_keys", "this server has no API keys "

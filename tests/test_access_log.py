@@ -139,13 +139,17 @@ def test_scrapes_and_health_checks_are_debug_lines(gw):
                        headers={"Authorization": f"Bearer {gw.keys['reader']}"})  # fmt: skip
     health = httpx.get(gw.base_url + "/health")
     head = httpx.head(gw.base_url + "/")
+    # The admin page polls its data every 2 s while it is open.
+    poll = httpx.get(gw.base_url + "/admin/status",
+                     headers={"Authorization": f"Bearer {gw.keys['reader']}"})  # fmt: skip
     for r, path, api, key in ((scrape, "/metrics", "metrics", "reader"),
-                              (health, "/health", "health", "-"), (head, "/", "ui", "-")):
+                              (health, "/health", "health", "-"), (head, "/", "ui", "-"),
+                              (poll, "/admin/status", "admin", "reader")):
         f = line_of(gw, r.headers["x-request-id"])
         assert (f["level"], f["path"], f["api"], f["key"], f["status"]) == ("DEBUG", path, api,
                                                                             key, "200")  # fmt: skip
     assert not [f for f in access_lines(gw.log()) if f["level"] == "INFO"
-                and f["path"] in ("/metrics", "/health", "/ready")]  # fmt: skip
+                and f["path"] in ("/metrics", "/health", "/ready", "/admin/status")]  # fmt: skip
 
 
 def test_a_path_is_quoted_on_its_one_line(gw):

@@ -51,9 +51,10 @@ RECENT = 200  # access records kept for the admin page
 FIELDS = ("time", "id", "client", "key", "method", "path", "api", "model", "plan",
           "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tok_s",
           "duration_s", "status", "outcome")  # fmt: skip
-# Polled by Prometheus, load balancers and Ollama's clients: DEBUG, and not
-# among the recent requests.
-QUIET = frozenset({("GET", "/metrics"), ("GET", "/health"), ("GET", "/ready"), ("HEAD", "/")})
+# Polled by Prometheus, load balancers, Ollama's clients and the admin page
+# (every 2 s while open): DEBUG, and not among the recent requests.
+QUIET = frozenset({("GET", "/metrics"), ("GET", "/health"), ("GET", "/ready"), ("HEAD", "/"),
+                   ("GET", "/admin/status")})
 
 
 def utc_iso(ts: float) -> str:

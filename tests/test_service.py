@@ -65,10 +65,11 @@ def test_the_launchd_plist_is_one_launchd_loads(scope):
     _search_path_ok(plist["EnvironmentVariables"]["PATH"], spec)
     for key in ("StandardOutPath", "StandardErrorPath"):
         assert Path(plist[key]).parent == spec.home / "logs"
-    if scope == "system":  # a LaunchDaemon runs as the user, not as root
+    if scope == "system":  # a LaunchDaemon runs as the user, not as root, in the user's HOME
         assert (plist["UserName"], plist["GroupName"]) == ("you", "staff")
+        assert plist["EnvironmentVariables"]["HOME"] == "/Users/you"
     else:
-        assert "UserName" not in plist
+        assert "UserName" not in plist and "HOME" not in plist["EnvironmentVariables"]
 
 
 def _verify(unit: Path) -> subprocess.CompletedProcess:

@@ -464,8 +464,8 @@ def _service(args: argparse.Namespace) -> int:
             made.undo()
             return 2
         spec = service.ServiceSpec(service.this_specgate(), config, home, Path.cwd(),
-                                   *((account.pw_name, grp.getgrgid(account.pw_gid).gr_name)
-                                     if scope == "system" else ()))  # fmt: skip
+                                   *((account.pw_name, grp.getgrgid(account.pw_gid).gr_name,
+                                      Path(account.pw_dir)) if scope == "system" else ()))  # fmt: skip
         path, commands = service.install(spec, system, scope, not args.no_start, made)
     except (service.ServiceError, OSError) as e:
         made.undo()

@@ -50,6 +50,7 @@ class ServiceSpec:
     workdir: Path  # relative model paths in the config resolve from here
     user: str | None = None  # the account a system service runs as; None: a per-user service
     group: str | None = None
+    user_home: Path | None = None  # that account's home: HOME for a LaunchDaemon
 
     @property
     def log_file(self) -> Path:
@@ -77,6 +78,10 @@ def launchd_plist(spec: ServiceSpec) -> bytes:
     (started at boot, run as that user); restarted whenever it exits (a
     crash or a kill; `launchctl bootout` stops it for good)."""
     env = {"PATH": spec.search_path, "SPECGATE_HOME": str(spec.home)}
+    if spec.user and spec.user_home:
+        # Said, not left to launchd: the Hugging Face cache and ~ in the
+        # config resolve from it, and a daemon is started by root's launchd.
+        env["HOME"] = str(spec.user_home)
     plist = {"Label": LABEL, "ProgramArguments": spec.argv, "WorkingDirectory": str(spec.workdir)}
     if spec.user:
         plist |= {"UserName": spec.user, "GroupName": spec.group or spec.user}
@@ -380,4 +385,5 @@ def example(system: str, scope: str = "user") -> ServiceSpec:
     user_home = Path("/Users/you" if system == "darwin" else "/home/you")
     user, group = ("you", "staff" if system == "darwin" else "you") if scope == "system" else (None, None)
     return ServiceSpec(["/opt/specgate/.venv/bin/specgate"], user_home / ".specgate/specgate.yaml",
-                       user_home / ".specgate", Path("/opt/specgate"), user, group)  # fmt: skip
+                       user_home / ".specgate", Path("/opt/specgate"), user, group,
+                       user_home if scope == "system" else None)  # fmt: skip

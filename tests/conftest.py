@@ -348,7 +348,7 @@ def gateway(tiny_model, tmp_path_factory):
     "demo" is the shipped demo model with its MTP engine."""
     gw = start_gateway(
         {
-            "server": {"max_body_bytes": 256 * 1024, "body_timeout_s": 2},
+            "server": {"max_body_bytes": "256KiB", "body_timeout_s": 2},
             "models": [
                 {"id": "tiny", "path": str(tiny_model), "max_concurrent": 8, "max_context": 2048},
                 {"id": "tiny-narrow", "path": str(tiny_model), "max_concurrent": 1,

@@ -39,7 +39,7 @@ SDK_PARAMS = set(inspect.signature(Completions.create).parameters) - {"self"}
 def caller_gateway(tmp_path_factory):
     caller = build_tool_caller(tmp_path_factory.mktemp("caller") / "read", XML_TEMPLATE, READ_CALL)
     gw = start_gateway(
-        {"server": {"max_body_bytes": 1 << 20},
+        {"server": {"max_body_bytes": "1MiB"},
          "models": [{"id": "caller", "path": str(caller), "max_context": 16_384}]},
         tmp_path_factory.mktemp("agent-fixtures"),
     )  # fmt: skip

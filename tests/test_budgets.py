@@ -47,6 +47,9 @@ def test_config_check_refuses_a_bare_number_and_names_the_units(tmp_path):
                           "or 0 for none (got 8)"),
     ("", "disk_bytes: 10%", "prefix_cache.disk_bytes: a size needs a unit"),  # a share of RAM only
     ("responses_store: {bytes_per_key: 4096}", "", "server.responses_store.bytes_per_key: a size needs"),
+    ("max_body_bytes: 4194304", "", "server.max_body_bytes: a size needs a unit, like 64GiB or "
+                                    "512MiB (got 4194304)"),
+    ("max_header_bytes: 0KiB", "", "server.max_header_bytes: Input should be greater than 0"),
     ("memory_budget: 0%", "", "server.memory_budget: a share of RAM is more than 0% and at most 100%"),
     ("memory_budget: 120%", "", "server.memory_budget: a share of RAM is more than 0% and at most 100%"),
     ("memory_budget: 1GiB", "ram_bytes: 1GiB", "prefix_cache.ram_bytes 1.00 GiB leaves nothing of "
@@ -68,6 +71,8 @@ def test_units_and_shares_resolve_to_bytes(tmp_path):
     assert share.server.memory_budget == physical_memory() * 3 // 4
     assert load_config(write(tmp_path, prefix_cache="ram_bytes: 12.5%")).prefix_cache.ram_bytes == (
         physical_memory() // 8)
+    limits = load_config(write(tmp_path, "max_body_bytes: 8MiB\n  max_header_bytes: 16KiB")).server
+    assert (limits.max_body_bytes, limits.max_header_bytes) == (8 << 20, 16 << 10)
 
 
 def test_the_prefix_cache_takes_an_eighth_of_the_budget_not_of_the_machine(tmp_path):

@@ -26,7 +26,7 @@ from tests.conftest import REPO, start_gateway, stop_gateway
 @pytest.fixture(scope="module")
 def fuzz_gateway(tiny_model, tmp_path_factory):
     gw = start_gateway(
-        {"server": {"max_body_bytes": 64 * 1024},
+        {"server": {"max_body_bytes": "64KiB"},
          "models": [{"id": "tiny", "path": str(tiny_model), "max_concurrent": 4,
                      "max_context": 256}]},  # fmt: skip
         tmp_path_factory.mktemp("fuzz"),

@@ -25,7 +25,7 @@ PROMPT_TOKENS = 3_000
 def server(tiny_model, tmp_path_factory):
     gw = start_gateway(
         {
-            "server": {"stream_keepalive_s": PERIOD_S, "max_body_bytes": 8 << 20},
+            "server": {"stream_keepalive_s": PERIOD_S, "max_body_bytes": "8MiB"},
             "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 8192}],
         },  # fmt: skip
         tmp_path_factory.mktemp("keepalive"),
@@ -141,7 +141,7 @@ def default_server(tiny_model, tmp_path_factory):
     context that takes a 20k-token prompt."""
     gw = start_gateway(
         {
-            "server": {"max_body_bytes": 8 << 20},
+            "server": {"max_body_bytes": "8MiB"},
             "models": [{"id": "tiny", "path": str(tiny_model), "max_context": 32_768}],
         },  # fmt: skip
         tmp_path_factory.mktemp("keepalive-default"),

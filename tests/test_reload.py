@@ -62,7 +62,7 @@ def test_reload_adds_removes_and_changes_models_while_a_stream_completes(reloada
         rewrite(gw, [model("keep", tiny_model), model("change", tiny_model, engines=["mlx_plain", "mlx_ngram"],
                                                       mlx_ngram={"depth": 7}),
                      model("new", tiny_model, load="on_demand")],
-                server=gw.config["server"] | {"max_body_bytes": 12345})  # fmt: skip
+                server=gw.config["server"] | {"max_body_bytes": "12345B"})  # fmt: skip
         r = httpx.post(gw.base_url + "/admin/reload", timeout=60)
         assert r.status_code == 200, r.text
         body = r.json()

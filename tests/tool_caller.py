@@ -221,6 +221,6 @@ def tiny_and_xml(tiny_model: Path, root: Path, max_context: int, max_body_bytes:
     tool caller in Qwen's XML format answering "ok" (forced tool calls need
     a template that takes tools)."""
     xml = build_tool_caller(root / "xml", XML_TEMPLATE, "ok")
-    return {"server": {"max_body_bytes": max_body_bytes},
+    return {"server": {"max_body_bytes": f"{max_body_bytes}B"},
             "models": [{"id": "tiny", "path": str(tiny_model), "max_context": max_context},
                        {"id": "xml", "path": str(xml), "max_context": max_context}]}  # fmt: skip

@@ -118,7 +118,7 @@ class ResponsesStoreConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    max_body_bytes: ByteSize = Field("4MiB", gt=0, validate_default=True)  # larger bodies get 413
     body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next piece of a body
     body_deadline_s: float = Field(60.0, gt=0)  # a whole body arrives within this; else 408
     # SIGTERM: running requests may finish for this long, then end with an
@@ -130,7 +130,7 @@ class ServerConfig(_Strict):
     # after that (until then requests get the error at once).
     load_retry_min_s: float = Field(5.0, gt=0)
     load_retry_max_s: float = Field(300.0, gt=0)
-    max_header_bytes: int = Field(64 * 1024, gt=0)  # all request headers together; else 431
+    max_header_bytes: ByteSize = Field("64KiB", gt=0, validate_default=True)  # all request headers together; else 431
     # A connection's request line and headers arrive within this of its
     # opening (or of the previous response's end), or it is closed.
     header_timeout_s: float = Field(10.0, gt=0)

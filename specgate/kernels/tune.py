@@ -28,7 +28,8 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,10 +101,14 @@ def interleaved_medians(fns: dict, reps: int = 5) -> dict:
 
 
 def measure_verify(model, vocab: int, *, contexts=CONTEXTS, widths=WIDTHS, reps: int = 5,
-                   progress: Progress = print) -> dict[int, dict[int, float]]:
-    """Seconds of a forward over M tokens after ctx tokens: {ctx: {M: s}}."""
+                   progress: Progress = print, paths: Mapping[str, Callable] | None = None):
+    """Seconds of a forward over M tokens after ctx tokens: {ctx: {M: s}}.
+    With `paths` (name -> a context manager factory, e.g. kernels off and
+    on): {name: {ctx: {M: s}}}, each context prefilled once for all of them
+    (the prefill, not the forwards, is most of the time at 4096 tokens)."""
     tokens = mx.random.randint(0, vocab, (max(contexts) + max(widths),), key=mx.random.key(0))
-    out: dict[int, dict[int, float]] = {}
+    ways = dict(paths) if paths else {"": nullcontext}
+    out: dict[str, dict[int, dict[int, float]]] = {name: {} for name in ways}
     for ctx in contexts:
         cache = make_prompt_cache(model)
         mx.eval(model(tokens[None, :ctx], cache=cache), [c.state for c in cache])
@@ -115,11 +120,13 @@ def measure_verify(model, vocab: int, *, contexts=CONTEXTS, widths=WIDTHS, reps:
                 restore(cache, saved)
             return forward
 
-        row = interleaved_medians({m: forward_at(m) for m in widths}, reps)
-        out[ctx] = row
-        progress(f"verify at context {ctx}: " + " ".join(f"{m}:{s * 1e3:.1f}" for m, s in row.items())
-                 + " ms")  # fmt: skip
-    return out
+        for name, way in ways.items():
+            with way():
+                row = interleaved_medians({m: forward_at(m) for m in widths}, reps)
+            out[name][ctx] = row
+            progress(f"{name + ' ' if name else ''}verify at context {ctx}: "
+                     + " ".join(f"{m}:{s * 1e3:.1f}" for m, s in row.items()) + " ms")  # fmt: skip
+    return out if paths else out[""]
 
 
 def measure_batched(model, vocab: int, *, batches=BATCHES, context: int = 128, reps: int = 5,

@@ -165,12 +165,10 @@ def run_cli(args) -> int:
     if wired.enabled and wired.in_use():
         # Both curves; the one saved as "verify" (what the policy reads) is
         # the one the engines use: through the kernels.
-        with hook.kernels(False):
-            stock = tune.measure_verify(loaded.model, vocab, reps=args.reps,
-                                        progress=lambda s: progress("stock " + s))  # fmt: skip
-        with hook.kernels():
-            verify = tune.measure_verify(loaded.model, vocab, reps=args.reps,
-                                         progress=lambda s: progress("kernels " + s))  # fmt: skip
+        both = tune.measure_verify(loaded.model, vocab, reps=args.reps, progress=progress,
+                                   paths={"stock": lambda: hook.kernels(False),
+                                          "kernels": hook.kernels})  # fmt: skip
+        stock, verify = both["stock"], both["kernels"]
         _print_curves(stock, verify, progress)
     else:
         stock, verify = None, tune.measure_verify(loaded.model, vocab, reps=args.reps,

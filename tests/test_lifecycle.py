@@ -152,6 +152,16 @@ def test_the_operator_cli_lists_loads_and_unloads(budgeted, capsys):
     assert "c: unloaded" in out and "\nc " not in out.split("c: unloaded", 1)[1]
     assert main(["load", "nope", "--url", gw.base_url]) == 1
     assert "404" in capsys.readouterr().err
+    # Residency while it serves: pinned, then a TTL, then neither.
+    assert main(["pin", "c", "--url", gw.base_url]) == 0
+    assert main(["ttl", "c", "90", "--url", gw.base_url]) == 0
+    out = capsys.readouterr().out
+    assert "c: pinned, no idle unload" in out and "c: pinned, unloads after 90 s idle" in out
+    assert main(["unpin", "c", "--url", gw.base_url]) == 0
+    assert main(["ttl", "c", "none", "--url", gw.base_url]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("c: not pinned, no idle unload")
+    with pytest.raises(SystemExit):  # argparse: seconds above 0, or "none"
+        main(["ttl", "c", "-5", "--url", gw.base_url])
 
 
 # -- a model that fails to load ------------------------------------------------------------

@@ -331,7 +331,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    """models / ps / load / unload / reload: the admin API of a running server."""
+    """models / ps / load / unload / pin / unpin / ttl / reload: the admin
+    API of a running server."""
     import os
 
     import httpx
@@ -344,6 +345,9 @@ def _admin(args: argparse.Namespace) -> int:
             r = httpx.get(f"{url}/admin/models", headers=headers, timeout=10)
         elif args.command == "reload":
             r = httpx.post(f"{url}/admin/reload", headers=headers, timeout=60)
+        elif args.command == "ttl":
+            r = httpx.post(f"{url}/admin/models/{args.model}/idle_ttl", headers=headers, timeout=10,
+                           json={"idle_ttl_s": args.seconds})  # fmt: skip
         else:  # a load waits for the model: minutes for a big one
             r = httpx.post(f"{url}/admin/models/{args.model}/{args.command}", headers=headers,
                            timeout=httpx.Timeout(10, read=None if args.command == "load" else 120))  # fmt: skip
@@ -369,6 +373,12 @@ def _admin(args: argparse.Namespace) -> int:
     if args.command in ("load", "unload"):
         print(f"{body['id']}: {body['status']}")
         return 0
+    if args.command in ("pin", "unpin", "ttl"):  # the model's status, residency changed
+        ttl = body["idle_ttl_s"]
+        print(f"{body['id']}: {'pinned' if body['pin'] else 'not pinned'}, "
+              f"{f'unloads after {ttl:g} s idle' if ttl else 'no idle unload'} "
+              "(until a restart: the config file is not changed)")
+        return 0
     rows = [m for m in body["models"] if args.command == "models" or m["state"] != "unloaded"]
     print(_model_table(rows))
     gib = 1 << 30
@@ -377,6 +387,18 @@ def _admin(args: argparse.Namespace) -> int:
           f"(server.memory_budget {body['memory_budget'] / gib:.2f} GiB; "
           f"prefix cache {body['prefix_cache_budget'] / gib:.2f} GiB)")  # fmt: skip
     return 0
+
+
+def _ttl_seconds(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError('seconds above 0, or "none"')
+    return seconds
 
 
 def _model_table(models: list[dict]) -> str:
@@ -606,9 +628,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("ps", parents=[server], help="the models loaded now").set_defaults(run=_admin)
     sub.add_parser("reload", parents=[server], help="re-read the config and keys files "
                    "(as SIGHUP)").set_defaults(run=_admin)
-    for verb, what in (("load", "load a model now"), ("unload", "unload a model (a request loads it again)")):
+    for verb, what in (("load", "load a model now"), ("unload", "unload a model (a request loads it again)"),
+                       ("pin", "keep a model loaded (until a restart; the config is not changed)"),
+                       ("unpin", "let a model be unloaded for room or when idle (until a restart)"),
+                       ("ttl", "unload a model after SECONDS without requests (until a restart)")):
         p = sub.add_parser(verb, parents=[server], help=what)
         p.add_argument("model")
+        if verb == "ttl":
+            p.add_argument("seconds", type=_ttl_seconds, help='seconds above 0, or "none": stay loaded')
         p.set_defaults(run=_admin)
     svc = sub.add_parser("service", help="run specgate as a service (launchd, systemd): per user, "
                          "or with --system at boot as the user who ran sudo")

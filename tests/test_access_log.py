@@ -18,7 +18,7 @@ from specgate.gateway.access.keys import add_key
 
 LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) specgate\.access: (?P<pairs>.*)$")
 PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
-ORDER = ["id", "client", "key", "method", "path", "api", "model", "plan", "prompt_tokens",
+ORDER = ["id", "client", "key", "method", "path", "api", "model", "node", "plan", "prompt_tokens",
          "cached_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "duration_s", "status",
          "outcome"]  # fmt: skip
 

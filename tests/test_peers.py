@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import serve_in_process, start_gateway, stop_gateway
+from test_access_log import line_of
 
 from specgate.gateway.access.keys import add_key
 from specgate.gateway.cluster.peers import (
@@ -210,6 +211,14 @@ def test_peer_models_are_listed_and_served_unchanged(cluster):
         model="tiny", messages=msgs, max_tokens=24, temperature=0).choices[0].message.content
     assert raw.headers["x-specgate-plan"].startswith("method=")  # the peer's headers come back
     assert via_front.usage.completion_tokens == 24
+    # One access line on each side: the front's names the node, the peer's
+    # (its id passed on under another name) the decoding.
+    at_front = line_of(front, raw.headers["x-request-id"])
+    assert (at_front["key"], at_front["model"], at_front["node"]) == ("alice", "tiny", node_of(raw))
+    assert at_front["completion_tokens"] == "24" and int(at_front["prompt_tokens"]) > 0
+    at_peer = line_of(served_by, raw.headers["x-specgate-peer-request-id"])
+    assert (at_peer["key"], at_peer["completion_tokens"], at_peer["status"]) == ("front", "24", "200")
+    assert "node" not in at_peer and at_peer["plan"]
 
     streamed = alice.chat.completions.create(model="tiny", messages=msgs, max_tokens=24,
                                              temperature=0, stream=True)  # fmt: skip

@@ -15,7 +15,9 @@ so a client's error can be found in the log.
 
 Fields, in this order (`FIELDS`): time, id, client, key (the key's name
 from the keys file, "anonymous" on an open server, "-" where no key was
-checked or it was refused), method, path, api, model, plan (its methods in
+checked or it was refused), method, path, api, model, node (the peer that
+served it, for a request relayed by gateway/cluster/proxy.py; its own log has the
+decoding's details under X-Specgate-Peer-Request-Id), plan (its methods in
 order: `ngram>none` when a stream switched), prompt_tokens, cached_tokens,
 completion_tokens, ttft_s (from the request's arrival), decode_tok_s (the
 tokens after the first over the time after it; none under 2 tokens),
@@ -48,7 +50,7 @@ log = logging.getLogger("specgate.access")
 REQUEST_ID_HEADER = "X-Request-Id"
 PEER_REQUEST_ID = b"x-specgate-peer-request-id"
 RECENT = 200  # access records kept for the admin page
-FIELDS = ("time", "id", "client", "key", "method", "path", "api", "model", "plan",
+FIELDS = ("time", "id", "client", "key", "method", "path", "api", "model", "node", "plan",
           "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tok_s",
           "duration_s", "status", "outcome")  # fmt: skip
 # Polled by Prometheus, load balancers, Ollama's clients and the admin page
@@ -90,6 +92,7 @@ class AccessRecord:
     started: float  # time.perf_counter() at its arrival
     key: str | None = None
     model: str | None = None
+    node: str | None = None  # the peer that served it (gateway/cluster/proxy.py)
     plans: list[str] = field(default_factory=list)
     generations: int = 0
     prompt_tokens: int = 0
@@ -122,6 +125,13 @@ class AccessRecord:
         self.last_token_at = now
         self.completion_tokens += count
 
+    def relayed(self, node: str, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A peer served it: its model and the tokens its usage said."""
+        self.node, self.model = node, model
+        self.generations += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
     def generation_ended(self, status: str) -> None:
         """A generation's status (metrics' ok/error/rejected/cancelled). A
         cancelled one is not the client's leaving (the HTTP side sees
@@ -144,6 +154,7 @@ class AccessRecord:
             "path": scope["path"],
             "api": api_of(scope["path"]),
             "model": self.model,
+            "node": self.node,
             "plan": ">".join(self.plans) or None,
             "prompt_tokens": self.prompt_tokens if ran else None,
             "cached_tokens": self.cached_tokens if ran else None,

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from specgate.gateway.access import access_log
 from specgate.gateway.access.auth import Principal, client_of, current_principal
 from specgate.gateway.access.limits import replay as body_once
 from specgate.gateway.access.quotas import Rejected
@@ -370,6 +371,8 @@ class PeerRouter:
                 relayed = Relayed(api_of(path), drop_usage)
                 outcome = await self._pass_back(path, send, node, upstream, relayed)
             self._account(principal, relayed, outcome)
+            if (record := access_log.current()) is not None:  # the front's access line
+                record.relayed(node.name, model, relayed.prompt_tokens, relayed.completion_tokens)
             if relayed.response_id and outcome == "ok":
                 self._remember(relayed.response_id, node.name, principal.name)
             return None

@@ -389,6 +389,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    # Scopes go out in collection order, which pytest_collection_modifyitems
+    # sorts by measured seconds (xdist's own reorder, by number of tests, put
+    # one-test modules of half a minute last, and the run waited on them).
+    config.option.loadscopereorder = False
+
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.split("::", 1)[0] in EACH_TEST_ALONE:
@@ -446,19 +451,57 @@ def _needs_llama_server(item) -> bool:
     return "llama_server_binary" in getattr(item, "fixturenames", ())
 
 
+# Seconds each module's tests took (setup, call and teardown together) in a
+# run of the fast tier, to hand the longest out first (the run's end then
+# waits on short ones); written by a run with SPECGATE_STORE_DURATIONS=FILE.
+# A module not in it counts a second a test.
+SCOPE_SECONDS = Path(__file__).with_name("scope_seconds.json")
+
+
+def _module_seconds(items) -> dict[Path, float]:
+    import json
+
+    known = json.loads(SCOPE_SECONDS.read_text()) if SCOPE_SECONDS.is_file() else {}
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    return {path: known.get(path.relative_to(REPO).as_posix(), float(n)) for path, n in counts.items()}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Modules with a test that needs llama-server go last (whole modules, so
-    their module fixtures stay together), and the build starts now."""
+    """The longest modules first; modules with a test that needs llama-server
+    after the rest, the longest of them first too (whole modules, so their
+    module fixtures stay together), and the build starts now."""
     later = {item.path for item in items if _needs_llama_server(item)}
+    seconds = _module_seconds(items)
+    # stable: a module's tests keep their order
+    items[:] = sorted(items, key=lambda item: (item.path in later, -seconds[item.path]))
     if not later:
         return
-    items[:] = sorted(items, key=lambda item: item.path in later)  # stable: order kept otherwise
     for item in items:
         if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)
             break
     if not config.option.collectonly and not installed_llama_server_path(RUN_HOME).is_file():
         llama_build.start(RUN_HOME)
+
+
+_SPENT: dict[str, float] = {}  # module -> seconds, for SPECGATE_STORE_DURATIONS
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("SPECGATE_STORE_DURATIONS"):  # in the controller too: workers report to it
+        module = report.nodeid.split("::", 1)[0]
+        _SPENT[module] = _SPENT.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    import json
+
+    path = os.environ.get("SPECGATE_STORE_DURATIONS")
+    if path and _SPENT and not hasattr(session.config, "workerinput"):
+        ranked = sorted(_SPENT.items(), key=lambda kv: -kv[1])
+        Path(path).write_text(json.dumps({m: round(s, 1) for m, s in ranked}, indent=1) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -469,20 +469,23 @@ def _module_seconds(items) -> dict[Path, float]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first; modules with a test that needs llama-server
-    after the rest, the longest of them first too (whole modules, so their
-    module fixtures stay together), and the build starts now."""
-    later = {item.path for item in items if _needs_llama_server(item)}
+    """The longest modules first. While llama-server is still to be built
+    (an empty SPECGATE_HOME), modules with a test that needs it go after the
+    rest, the longest of them first too (whole modules, so their module
+    fixtures stay together), and the build starts now. (Every xdist worker
+    sorts alike: they collect within seconds of each other, the build takes
+    minutes.)"""
+    needs = {item.path for item in items if _needs_llama_server(item)}
+    building = bool(needs) and not installed_llama_server_path(RUN_HOME).is_file()
+    later = needs if building else set()
     seconds = _module_seconds(items)
     # stable: a module's tests keep their order
     items[:] = sorted(items, key=lambda item: (item.path in later, -seconds[item.path]))
-    if not later:
-        return
     for item in items:
         if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)
             break
-    if not config.option.collectonly and not installed_llama_server_path(RUN_HOME).is_file():
+    if building and not config.option.collectonly:
         llama_build.start(RUN_HOME)
 
 

@@ -4,7 +4,7 @@
 - access/: keys, auth, quotas, fair admission, body limits;
 - serving/: models from config to engine, generation, metrics;
 - cluster/: peers, the proxy to them, distributed ranks;
-- operator/: the CLI, service files, the status page.
+- operator/: the CLI, service files, the admin page.
 
 At the top, config.py (the YAML, typed once) and errors.py (errors in each
 API's shape) import no room and every room may import them; app.py

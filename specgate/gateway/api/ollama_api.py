@@ -16,7 +16,7 @@ Not served: embeddings, and model management (pull, push, create, copy,
 delete), since specgate serves the models its config names. Those routes
 answer a 400 that says so, in Ollama's shape. A name with Ollama's default
 tag (`tiny:latest`) is the model of that id. `GET /` stays specgate's
-status page (Ollama's "Ollama is running" text lives there); `HEAD /`
+admin page (Ollama's "Ollama is running" text lives there); `HEAD /`
 answers 200 as Ollama's does.
 """
 

@@ -47,7 +47,7 @@ _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 
 
 @dataclass
 class LiveRequest:
-    """A request decoding now (the status page lists them)."""
+    """A request decoding now (the admin page lists them)."""
 
     model: str
     key: str

@@ -136,7 +136,7 @@ class ServedModel:
 
     def notes(self) -> list[str]:
         """What its engines had to do to serve (e.g. a llama-server retried
-        with safer flags), for /v1/models, /admin/models and the status page."""
+        with safer flags), for /v1/models, /admin/models and the admin page."""
         # notes() is optional (the Engine protocol does not ask for it): the
         # llama.cpp engines have it, in-process engines have nothing to say.
         found = [n for e in self.engines.values() for n in getattr(e, "notes", list)()]

@@ -454,8 +454,11 @@ def _needs_llama_server(item) -> bool:
 # Seconds each module's tests took (setup, call and teardown together) in a
 # run of the fast tier, to hand the longest out first (the run's end then
 # waits on short ones); written by a run with SPECGATE_STORE_DURATIONS=FILE.
-# A module not in it counts a second a test.
+# A module not in it counts a second a test; a proof or agents test (not in
+# the fast tier's run) a minute more, about what the long ones take (.ci/run's
+# --durations), so CI does not leave a coding agent's ten minutes for last.
 SCOPE_SECONDS = Path(__file__).with_name("scope_seconds.json")
+LONG_TIER_TEST_S = 60.0
 
 
 def _module_seconds(items) -> dict[Path, float]:
@@ -463,11 +466,16 @@ def _module_seconds(items) -> dict[Path, float]:
 
     known = json.loads(SCOPE_SECONDS.read_text()) if SCOPE_SECONDS.is_file() else {}
     counts: dict[Path, int] = {}
+    extra: dict[Path, float] = {}
     for item in items:
         counts[item.path] = counts.get(item.path, 0) + 1
-    return {path: known.get(path.relative_to(REPO).as_posix(), float(n)) for path, n in counts.items()}
+        if item.get_closest_marker("proof") or item.get_closest_marker("agents"):
+            extra[item.path] = extra.get(item.path, 0.0) + LONG_TIER_TEST_S
+    return {path: known.get(path.relative_to(REPO).as_posix(), float(n)) + extra.get(path, 0.0)
+            for path, n in counts.items()}  # fmt: skip
 
 
+@pytest.hookimpl(trylast=True)  # after -m's deselection: only the tests this run selected count
 def pytest_collection_modifyitems(config, items):
     """The longest modules first. While llama-server is still to be built
     (an empty SPECGATE_HOME), modules with a test that needs it go after the

@@ -21,12 +21,26 @@ import copy
 import json
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
 import mlx.core as mx
 import numpy as np
 
 from specgate.engines.base import EngineError, OutputConstraint
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _llguidance() -> ModuleType:
+    """llguidance, imported where a grammar is built or followed: every
+    engine imports this module, and a process that never constrains output
+    (a bench, a machine that carries only what it runs) need not load the
+    native library."""
+    import llguidance
+
+    return llguidance
 
 NEG_INF = float("-inf")
 
@@ -57,7 +71,7 @@ def json_constraint(schema: dict | None, param: str) -> OutputConstraint:
     an engine compiles it."""
     body = {"type": "object"} if schema is None else schema
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:  # llguidance reports a bad schema as ValueError
         raise GrammarError(f"{param}: {first_line(str(e))}") from None
     return OutputConstraint(grammar, json.dumps(body), param)
@@ -71,7 +85,7 @@ def lark_constraint(lark: str, param: str, grammars: dict[str, str] | None = Non
     as `@name` (each with its own rules and `start`, so a client's grammar
     embeds whole). Not compiled here, as above."""
     if not grammars:
-        return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(lark), None, param)
+        return OutputConstraint(_llguidance().LLMatcher.grammar_from_lark(lark), None, param)
     parts = [{"lark_grammar": lark}] + [{"name": n, "lark_grammar": g} for n, g in grammars.items()]
     return OutputConstraint(json.dumps({"grammars": parts}), None, param)
 
@@ -79,7 +93,7 @@ def lark_constraint(lark: str, param: str, grammars: dict[str, str] | None = Non
 def regex_as_lark(regex: str) -> str:
     """A regular expression (Rust `regex` syntax, llguidance's) as a Lark
     grammar of its own, escaped as llguidance escapes it."""
-    return json.loads(llguidance.LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
+    return json.loads(_llguidance().LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
 
 
 def first_line(error: str, limit: int = 300) -> str:
@@ -123,8 +137,8 @@ class Grammars:
         with self._lock:
             if self._ll is None:
                 try:
-                    self._ll = llguidance.LLTokenizer(spec.json, n_vocab=spec.n_vocab,
-                                                      eos_token=list(spec.eos))  # fmt: skip
+                    self._ll = _llguidance().LLTokenizer(spec.json, n_vocab=spec.n_vocab,
+                                                        eos_token=list(spec.eos))  # fmt: skip
                 except Exception as e:
                     raise GrammarError(f"this model's tokenizer cannot drive constrained "
                                        f"decoding: {first_line(str(e))}") from None  # fmt: skip
@@ -148,7 +162,7 @@ class GrammarState:
         self.constraint = constraint
         self.vocab_size = tokenizer.vocab_size
         self._eos = frozenset(tokenizer.eos_tokens)
-        self._matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        self._matcher = _llguidance().LLMatcher(tokenizer, constraint.grammar, log_level=0)
         self._drafted = 0  # consumed by `draft`
         self._draft_ended = False  # a draft was an EOS
         self._raise_if_error()

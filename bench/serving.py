@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def serving(models: list[dict], workdir: Path, home: Path | None = None,
             timeout: float = 300, extra: dict | None = None, ranks: int = 1,
             ) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
-    """(base url, process) of a ready gateway serving `models`; exits the
-    bench with the gateway's log if it does not become ready. `home` is its
+    """(base url, process) of a ready gateway serving `models`; raises
+    GatewayFailed, with the end of the gateway's log, if it exits or does
+    not become ready (the group is stopped either way). `home` is its
     SPECGATE_HOME (default: the user's, where llama-server builds live);
     `extra`: more top-level config sections (e.g. prefix_cache); `ranks` > 1:
     under `mlx.launch -n ranks --backend ring` on loopback."""
@@ -52,9 +53,35 @@ def serving(models: list[dict], workdir: Path, home: Path | None = None,
         _wait_ready(url, proc, log, timeout)
         yield url, proc
     finally:
+        _stop(proc)
+
+
+class GatewayFailed(RuntimeError):
+    """The gateway exited before it was ready, a model failed to load, or it
+    was not ready in time; the message ends with the gateway's log tail."""
+
+
+def _log_tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log written)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the group (SIGKILL after 30 s), then until it is empty. A
+    group already gone (a gateway that failed to start has exited) is not
+    an error: the failure that ended the bench must stay the one reported."""
+    try:
         os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
         proc.wait(timeout=30)
-        _wait_gone(proc.pid)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    _wait_gone(proc.pid)
 
 
 def _wait_gone(group: int, timeout: float = 60) -> None:
@@ -72,14 +99,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"gateway exited:\n{log.read_text()[-3000:]}")
+            raise GatewayFailed(f"gateway exited with {proc.returncode}; its log ends:\n{_log_tail(log)}")
         try:
             r = httpx.get(url + "/ready", timeout=2)
             if r.status_code == 200:
                 return
             if "failed" in r.json().get("models", {}).values():
-                sys.exit(f"a model failed to load: {r.json()['errors']}")
+                raise GatewayFailed(f"a model failed to load: {r.json()['errors']}; the gateway's "
+                                    f"log ends:\n{_log_tail(log)}")  # fmt: skip
         except httpx.TransportError:
             pass
         time.sleep(0.3)
-    sys.exit(f"gateway not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    raise GatewayFailed(f"gateway not ready in {timeout:.0f} s; its log ends:\n{_log_tail(log)}")

@@ -14,6 +14,10 @@ along as `pending`: it was drawn from the target's own distribution.
 A seeded sampled request samples each token with the noise of its absolute
 position (engines/sampling.py), as a speculative engine's verify does, so
 its text is the same whichever engine decodes it, handed over or not.
+
+A sequence alone in the batch leaves it and decodes on a lean loop of its
+own (lone.py, as mlx-lm's `generate_step` does) until another request
+arrives, when it goes back into the batch between two tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import queue
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -51,6 +55,7 @@ from specgate.engines.distributed.lockstep import (
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_plain.lone import LoneSequence
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.worker import WorkerEngine, deliver
 
@@ -136,6 +141,19 @@ class _GrammarProcessor:
 
 
 @dataclass
+class _Response:
+    """A token the lone loop decoded, shaped as the batch's responses are
+    (mlx-lm's GenerationBatch.Response), so both take one path (_event)."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None
+    prompt_cache: list | None
+    all_tokens: list[int] | None
+
+
+@dataclass
 class _Slot:
     """A request while the worker serves it."""
 
@@ -151,6 +169,12 @@ class _Slot:
     generated: int = 0  # output tokens so far, earlier engines' included
     grammar: _GrammarProcessor | None = None
     finished: bool = False  # decoded to its end (WorkerEngine.live_state)
+    # What the batch was given for it, kept so that the lone loop and a
+    # return to the batch carry on with the same objects (a sampler counts
+    # positions, processors keep their state).
+    sampler: Any = None
+    processors: list = field(default_factory=list)
+    stops: Any = None
 
     def post(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -170,8 +194,13 @@ class MLXPlainEngine(WorkerEngine):
         prefix_cache_size: int = 64,
         prefill_step_size: int = 512,
         prefill_step_while_decoding: int = 128,
+        lone: bool = True,
     ):
+        """lone: a sequence alone decodes outside the batch (lone.py); off,
+        it stays in the batch of one (what the bench compares it with)."""
         super().__init__(model_id, loaded, max_context=max_context)
+        self.lone = lone
+        self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
@@ -251,7 +280,9 @@ class MLXPlainEngine(WorkerEngine):
                     loop.call_soon_threadsafe(deliver, items)
                 self._end_broken_grammars()
                 if len(self._slots) == 1:
-                    self._maybe_hand_off(next(iter(self._slots.values())))
+                    slot = next(iter(self._slots.values()))
+                    if not self._maybe_hand_off(slot) and self._may_go_alone(slot):
+                        self._alone(slot)
             except Exception as exc:  # a failed step fails its batch, not the server
                 log.exception("mlx_plain step failed for model %s", self.model_id)
                 if self.loaded.lockstep is not None:
@@ -369,8 +400,8 @@ class MLXPlainEngine(WorkerEngine):
         sampling = request.sampling
         # Where its first sampled token goes: after everything it is fed.
         position = len(resume.tokens) if resume is not None else len(prompt)
-        sampler = greedy_batch_sampler if sampling.greedy else _RequestSampler(request, position)
-        processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
+        slot.sampler = greedy_batch_sampler if sampling.greedy else _RequestSampler(request, position)
+        slot.processors = [_PenaltyProcessor(request)] if sampling.has_penalties else []
         try:
             grammar = decoding_state(self.loaded.grammars, sampling)
         except GrammarError as e:  # this request's alone: the batch goes on
@@ -378,42 +409,123 @@ class MLXPlainEngine(WorkerEngine):
             return
         if grammar is not None:
             slot.grammar = _GrammarProcessor(request, grammar)
-            processors.append(slot.grammar)
+            slot.processors.append(slot.grammar)
         if sampling.seed is not None and not sampling.greedy:
-            processors.append(_float32)
-        stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
-        if resume is not None:
-            rest = [rest]
+            slot.processors.append(_float32)
+        slot.stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
+        self._into_batch(slot, [rest] if resume is not None else rest, cache, known)
+
+    def _into_batch(self, slot: _Slot, segments: list[list[int]], cache: list | None,
+                    known: list[int]) -> None:  # fmt: skip
+        """Queue the slot's sequence in the batch: `segments` to feed after
+        the `known` tokens its cache holds."""
         (slot.uid,) = self._batch.insert_segments(
-            [rest],
-            max_tokens=[request.max_tokens - slot.generated],
+            [segments],
+            max_tokens=[slot.request.max_tokens - slot.generated],
             caches=[cache],
             all_tokens=[known],
-            samplers=[sampler],
-            logits_processors=[processors],
-            stop_sequences=[stops],
+            samplers=[slot.sampler],
+            logits_processors=[slot.processors],
+            stop_sequences=[slot.stops],
         )
         self._slots[slot.uid] = slot
 
-    def _maybe_hand_off(self, slot: _Slot) -> None:
-        """Alone in the batch: ask the request's planner whether another
-        engine (speculation) should take it from here."""
+    def _plan_elsewhere(self, slot: _Slot):
+        """Alone: the request's planner's plan if it names another engine
+        (speculation) to take the sequence from here, else None."""
         if slot.planner is None or not slot.started or slot.request.sampling.logprobs:
-            return  # logprobs: the pending token's distribution is not kept
+            return None  # logprobs: the pending token's distribution is not kept
         context = len(slot.request.prompt_tokens) + slot.generated
         plan = self._share(lambda: slot.planner.plan(LiveState(1, 0, context)))
-        if plan.engine == self.name:
-            return
+        return None if plan.engine == self.name else plan
+
+    def _maybe_hand_off(self, slot: _Slot) -> bool:
+        """Alone in the batch: hand the sequence over if its planner says so."""
         gen = self._batch._generation_batch  # mlx-lm internals, pinned version (uv.lock)
         if slot.uid not in gen.uids:
-            return  # still in prompt processing: no step to hand over yet
+            return False  # still in prompt processing: no step to hand over yet
+        if (plan := self._plan_elsewhere(slot)) is None:
+            return False
         pending = int(gen._next_tokens[gen.uids.index(slot.uid)].item())
         (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
+        self._hand_off(slot, plan, cache, tokens, pending)
+        return True
+
+    def _hand_off(self, slot: _Slot, plan, cache: list, tokens: list[int], pending: int) -> None:
         mx.eval([c.state for c in cache])  # see base.Handoff
         del self._slots[slot.uid]
         self._running -= 1
         slot.post(Handoff(plan, [*tokens, pending], slot.generated + 1, cache, slot.detokenizer,
                           [pending]))  # fmt: skip
+
+    # -- a sequence alone (lone.py) ---------------------------------------------
+
+    def _may_go_alone(self, slot: _Slot) -> bool:
+        # A distributed model's ranks step the batch in lockstep: none leaves it.
+        gen = self._batch._generation_batch
+        return (self.lone and self.loaded.lockstep is None and slot.uid in gen.uids
+                and len(gen) == 1 and self._inbox.empty())  # fmt: skip
+
+    def _alone(self, slot: _Slot) -> None:
+        """Decode the batch's one sequence on the lone loop until it ends,
+        its client leaves, its planner hands it over, or a command arrives
+        (a new request: then it goes back into the batch)."""
+        gen = self._batch._generation_batch
+        i = gen.uids.index(slot.uid)
+        pending, pending_logprobs = gen._next_tokens[i : i + 1], gen._next_logprobs[i]
+        context = gen._token_context[i] if slot.processors else None
+        (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
+        lone = LoneSequence(self.loaded.model, cache, tokens, pending, pending_logprobs,
+                            slot.sampler, slot.processors, context, self._batch.stream)  # fmt: skip
+        last = time.perf_counter()
+        while True:
+            # Here the cache holds lone.tokens and `pending` is sampled, not sent.
+            if not self._inbox.empty():
+                self._back_into_batch(slot, lone)
+                return
+            if (plan := self._plan_elsewhere(slot)) is not None:
+                self._hand_off(slot, plan, lone.cache, lone.tokens, lone.pending_token())
+                return
+            with self.loaded.lock:
+                token, logprobs = lone.step()
+            now = time.perf_counter()
+            self.lone_tokens += 1
+            if len(lone.tokens) % 256 == 0:
+                mx.clear_cache()  # as generate_step: the allocator's cache would grow
+            stats = self._step_stats([slot], now - last)
+            last = now
+            if not self._send(slot, token, logprobs, lone, stats):
+                return
+
+    def _send(self, slot: _Slot, token: int, logprobs: mx.array, lone: LoneSequence,
+              stats: RoundStats | None = None) -> bool:  # fmt: skip
+        """Send a token the lone loop decoded, as a batch step's response
+        would be; False once the sequence has ended (or its grammar failed)."""
+        length = slot.generated + 1 >= slot.request.max_tokens
+        finish = "stop" if token in slot.request.stop_token_ids else "length" if length else None
+        response = _Response(slot.uid, token, logprobs, finish,
+                             lone.cache if finish else None, lone.tokens if finish else None)  # fmt: skip
+        made = self._event(response)
+        if made is None:
+            return False
+        items = [(slot.out, stats)] if stats is not None else []
+        slot.loop.call_soon_threadsafe(deliver, [*items, (slot.out, made[1])])
+        if finish is None and slot.grammar is not None and slot.grammar.error is not None:
+            del self._slots[slot.uid]
+            self._running -= 1
+            slot.post(slot.grammar.error)
+            return False
+        return finish is None
+
+    def _back_into_batch(self, slot: _Slot, lone: LoneSequence) -> None:
+        """Another request came: send the pending token, then queue the
+        sequence in the batch again, its cache holding everything before
+        it, so the batch feeds it next."""
+        pending = lone.pending_token()
+        if not self._send(slot, pending, lone.pending_logprobs, lone):
+            return
+        del self._slots[slot.uid]
+        self._into_batch(slot, [[pending]], lone.cache, lone.tokens)
 
     def _store_prompt_caches(self, prompt_responses: list) -> None:
         # A segment ends at each snapshot point (PrefixCache.snapshot_points):

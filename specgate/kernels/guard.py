@@ -22,8 +22,11 @@ guard, once per machine:
    the kernel's median is below `margin` (0.95) x the stock median; else
    `slower`.
 The verdict (status, both times, the error and its bound) is written to
-<cache_dir>/<machine id>/qmm.json, keyed by kernel name and the hash of its
-source, and read back by later processes: the check runs once. The caller
+<cache_dir>/<machine key>/qmm.json, keyed by kernel name and the hash of its
+source file, and read back by later processes: the check runs once. The
+machine key (kernels/machine.py) names the GPU, driver, CUDA, CPU and MLX
+version, and the file holds the full description: a file whose recorded key
+is another machine's is not read, and its kernels are proved again. The caller
 names the cache_dir (the engines: $SPECGATE_HOME/kernels, engines/home.py);
 kernels/ reads no environment for it.
 A refused kernel costs one log line and the stock path is used; never a
@@ -45,14 +48,16 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
 from specgate.kernels import qmm, qmm_mma
-from specgate.kernels.tune import machine_id
+from specgate.kernels.machine import key as machine_key
+from specgate.kernels.machine import this_machine
 
 log = logging.getLogger("specgate.kernels")
 
@@ -60,6 +65,25 @@ TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 STATUSES = ("ok", "wrong", "slower", "failed")
 # How kernels are timed; verdicts recorded under another method are proved again.
 TIMING = "chain"
+
+
+class Unproved(LookupError):
+    """A verdict not recorded yet, asked for inside `recorded_only()`."""
+
+
+_local = threading.local()
+
+
+@contextmanager
+def recorded_only() -> Iterator[None]:
+    """On this thread, every guard answers from its recorded verdicts only
+    and raises Unproved instead of running a proof: what an engine loading
+    a model asks first, so that proofs it would wait for run elsewhere."""
+    prev, _local.recorded_only = getattr(_local, "recorded_only", False), True
+    try:
+        yield
+    finally:
+        _local.recorded_only = prev
 
 
 def dtype_name(dtype) -> str:
@@ -179,7 +203,9 @@ class Candidate:
     """A kernel that wants to replace the stock quantized matmul.
 
     fn(x, wq, scales, biases, group_size, bits) -> y, like reference_qmm;
-    version changes whenever its code does (a changed kernel is re-proved)."""
+    version changes whenever its code does (a changed kernel is re-proved):
+    the real kernels' is a hash of their module's source file (qmm.py,
+    qmm_mma.py), kernel text and launch configuration alike."""
 
     name: str
     version: str
@@ -267,12 +293,16 @@ class Guard:
     def __init__(self, candidates: list[Candidate] | None = None, *, cache_dir: Path,
                  machine: str | None = None, reps: int = 7, inner: int = 8,
                  margin: float = 0.95, flush_bytes: int | None = None, seed: int = 0,
-                 record: bool = True, op: Op = QMM):  # fmt: skip
+                 record: bool = True, op: Op = QMM, description: dict | None = None):  # fmt: skip
+        """description: the machine the verdicts hold for (default: this
+        one, kernels/machine.py), written beside them; machine: the key
+        they are kept under (default: the description's; a test may name one)."""
         self.op = op
         if candidates is None and op is not QMM:
             raise ValueError(f"no default candidates for op {op.name}: pass them")
         self.candidates = default_candidates() if candidates is None else list(candidates)
-        self.machine = machine or machine_id()
+        self.description = this_machine() if description is None else dict(description)
+        self.machine = machine or machine_key(self.description)
         # Verdicts are read back from (and, with `record`, written to) here.
         self.path = Path(cache_dir) / self.machine / f"{op.name}.json"
         self.reps, self.inner, self.margin, self.seed = reps, inner, margin, seed
@@ -282,6 +312,9 @@ class Guard:
         self._lock = threading.RLock()
         self._verdicts: dict[str, Verdict] | None = None
         self._logged: set[tuple] = set()
+        # Candidates kernels/wiring.py dropped for this process (they cannot
+        # build here), and why.
+        self.dropped: dict[str, str] = {}
         self.checks_run = 0  # proofs run by this process (the rest were read back)
 
     # ------------------------------------------------------------- storage
@@ -290,7 +323,10 @@ class Guard:
             self._verdicts = {}
             try:
                 raw = json.loads(self.path.read_text())
-                if raw.get("timing") == TIMING:
+                if raw.get("machine") != self.machine:  # copied from elsewhere: never trusted
+                    log.info("kernel verdicts %s are another machine's (%s): checking again",
+                             self.path, raw.get("machine"))  # fmt: skip
+                elif raw.get("timing") == TIMING:
                     self._verdicts = {k: Verdict(**v) for k, v in raw.get("verdicts", {}).items()}
                 else:
                     log.info("kernel verdicts %s were timed another way: checking again", self.path)
@@ -306,12 +342,13 @@ class Guard:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:  # merge with what other processes wrote meanwhile
             raw = json.loads(self.path.read_text())
-            disk = raw.get("verdicts", {}) if raw.get("timing") == TIMING else {}
+            same = raw.get("timing") == TIMING and raw.get("machine") == self.machine
+            disk = raw.get("verdicts", {}) if same else {}
         except (FileNotFoundError, ValueError):
             disk = {}
         disk[key] = asdict(v)
-        out = {"machine": self.machine, "mlx": mx.__version__, "device": str(mx.default_device()),
-               "tolerance": TOLERANCE, "margin": self.margin, "timing": TIMING, "verdicts": disk}  # fmt: skip
+        out = {"machine": self.machine, "description": self.description, "mlx": mx.__version__,
+               "device": str(mx.default_device()), "tolerance": TOLERANCE, "margin": self.margin, "timing": TIMING, "verdicts": disk}  # fmt: skip
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(out, indent=1, sort_keys=True))
         tmp.replace(self.path)
@@ -323,7 +360,8 @@ class Guard:
     # ------------------------------------------------------------- decisions
     def verdict(self, cand: Candidate, *shape) -> Verdict | None:
         """The recorded verdict for `shape` (QMM: m, k, n, dtype, bits, group_size),
-        proving the kernel first if there is none.
+        proving the kernel first if there is none (inside `recorded_only()`:
+        raising Unproved instead).
         None: the kernel is not written for this shape (stock path, nothing recorded)."""
         if not cand.supports(*shape):
             return None
@@ -332,6 +370,8 @@ class Guard:
             known = self._load().get(key)
             if known is not None:
                 return known
+            if getattr(_local, "recorded_only", False):
+                raise Unproved(f"{self.op.name}: {key}")
             v = self.check(cand, *shape)
             self._verdicts[key] = v
             self._save(key, v)

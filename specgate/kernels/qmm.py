@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -304,8 +305,21 @@ _METAL_SOURCE = r"""
     }
 """
 
-CUDA_VERSION = hashlib.sha256(_CUDA_SOURCE.encode()).hexdigest()[:12]
-METAL_VERSION = hashlib.sha256(_METAL_SOURCE.encode()).hexdigest()[:12]
+
+
+def source_hash(module_file: str, fallback: str) -> str:
+    """A kernel's version: the hash of its module's source file (kernel text,
+    launch configuration and dispatch alike), so any edit proves it again;
+    the kernel text alone where the file cannot be read."""
+    try:
+        text = Path(module_file).read_bytes()
+    except OSError:
+        text = fallback.encode()
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
+CUDA_VERSION = source_hash(__file__, "cuda" + _CUDA_SOURCE)
+METAL_VERSION = source_hash(__file__, "metal" + _METAL_SOURCE)
 _compiled: dict[str, object] = {}
 
 

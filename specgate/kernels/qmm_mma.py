@@ -41,8 +41,6 @@ runs on (the fused one through guard.FUSED_QMM).
 
 from __future__ import annotations
 
-import hashlib
-
 import mlx.core as mx
 import numpy as np
 
@@ -310,8 +308,9 @@ def _fused_source(parts: int) -> str:
 
 _FUSED_SOURCES = {g: _fused_source(g) for g in (2, 3)}
 
-VERSION = hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:12]
-FUSED_VERSION = hashlib.sha256((_HEADER + "".join(_FUSED_SOURCES.values())).encode()).hexdigest()[:12]
+# Hashes of this file (qmm.source_hash): the fused kernel's text is made here too.
+VERSION = qmm.source_hash(__file__, _HEADER + _SOURCE)
+FUSED_VERSION = qmm.source_hash(__file__, _HEADER + "".join(_FUSED_SOURCES.values()))
 _compiled: dict = {}
 
 

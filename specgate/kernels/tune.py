@@ -13,7 +13,8 @@ After a warm-up per shape (MLX compiles, and on a GPU JITs, each new shape
 once), every shape is timed once per pass, passes repeated and the median
 kept per shape (`interleaved_medians`). `sanitize` then repairs what noise
 makes non-physical (a cost falling as the work grows, a negative cost) and
-says so. Results are saved per machine and checkpoint digest under
+says so. Results are saved per machine (kernels/machine.py's key: the GPU, driver,
+CUDA, CPU and MLX version, not the hostname) and checkpoint digest under
 $SPECGATE_HOME/tune/; policies/costs.py reads them.
 
 Only mlx and mlx-lm here: kernels/ sits below the engines.
@@ -24,8 +25,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import platform
-import re
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from specgate.kernels import machine
 from specgate.kernels.cache_undo import checkpoint, restore
 
 CONTEXTS = (64, 1024, 4096)
@@ -45,7 +45,9 @@ Progress = Callable[[str], None]
 
 
 def machine_id() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "", f"{platform.node() or 'host'}-{mx.default_device()}")
+    """What this machine's measurements are kept under: its hardware and
+    software, never its hostname (kernels/machine.py)."""
+    return machine.this_key()
 
 
 SAMPLE_BLOCKS, BLOCK = 16, 4096
@@ -181,7 +183,7 @@ def measurements(verify: dict[int, dict[int, float]], batched: dict[int, float],
     short = verify[min(verify)]
     c1 = short[1]
     data = {
-        "machine": machine_id(), "model": model_path, "measured_at": time.time(),
+        "machine": machine_id(), "machine_description": machine.this_machine(), "model": model_path, "measured_at": time.time(),
         "c1_seconds": c1,
         "verify": {ctx: {m: s / c1 for m, s in row.items()} for ctx, row in verify.items()},
         "plain_step": batched[1] / c1,

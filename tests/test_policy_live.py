@@ -274,15 +274,18 @@ class PinnedCosts(LiveCosts):
 def aligned(tmp_path_factory):
     """An in-process gateway (real uvicorn on loopback) serving the aligned
     head twice: "a" plain policy, "long" with long_context_tokens 64; both
-    with PinnedCosts."""
+    with PinnedCosts, and no request bound."""
     from specgate.builders.tiny import build_qwen35_hybrid
 
     tmp = tmp_path_factory.mktemp("aligned")
     path = build_qwen35_hybrid(tmp / "qwen35-aligned", seed=0, aligned_mtp=True)
     model = {"path": str(path), "max_context": 2048, "engines": ["mlx_plain", "mlx_mtp"],
              "mtp_depth": 3}
-    config = {"models": [{"id": "a", **model},
-                         {"id": "long", **model, "policy": {"long_context_tokens": 64}}]}
+    # No request bound: it judges rounds by the wall clock, which on this CPU
+    # shows the loss the pinned costs hide (tests/test_request_guard.py tests it).
+    unbound = {"request_floor": 0}
+    config = {"models": [{"id": "a", **model, "policy": unbound},
+                         {"id": "long", **model, "policy": {"long_context_tokens": 64, **unbound}}]}
     with in_process_gateway(config, tmp / "home") as (app, base):
         for served in app.state.registry.models.values():
             served.policy.costs = PinnedCosts()

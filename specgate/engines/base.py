@@ -28,6 +28,8 @@ Reason = Literal[
     "measured_loss",
     "forced_by_request",
     "unsupported_params",  # the speculative engine cannot honour a sampling parameter
+    "request_loss",  # this request's own rounds ran below its bound (policies/request_guard.py)
+    "kernels_proving",  # its verify kernels are proved in the background: stock verify until then
 ]
 
 # Where a plan's numbers came from: a fixed rule (an override, a missing
@@ -293,6 +295,9 @@ class RoundStats:
     # Masked by a grammar (engines/grammar/matcher.py): a round then also waits for
     # its drafts and computes masks, so the policy learns its cost apart.
     constrained: bool = False
+    # Its verify ran through the small-M kernels (kernels/hook.py): an engine
+    # switches to them once proved, and the stock path's costs then no longer hold.
+    kernels: bool = False
 
     @property
     def accepted(self) -> int:

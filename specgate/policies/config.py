@@ -40,6 +40,10 @@ class PolicyConfig(BaseModel):
     # favour, so a method that starts winning is found again (policies/
     # explore.py); 0: never explore (plans stay with what was measured).
     explore_every: int = Field(16, ge=0)
+    # No request may run slower than this times plain decoding because of
+    # speculation (policies/request_guard.py): one whose own rounds lose
+    # (over 8 rounds) decodes plainly until it is back above it; 0: no bound.
+    request_floor: float = Field(0.9, ge=0, lt=1)
 
     @field_validator("depth", "concurrency_threshold", "long_context_tokens")
     @classmethod

@@ -8,12 +8,16 @@ every RoundStats back through `observe`. The pieces it joins:
 - live round costs (policies/live_costs.py), with `specgate tune`'s results
   as the prior, read through `prior()` at every decision, so a tune run
   while the server runs is used by the next request;
-- exploration (policies/explore.py) on idle requests.
+- exploration (policies/explore.py) on idle requests;
+- each request's own bound (policies/request_guard.py): what its rounds
+  really took, against plain decoding, cuts its speculation when it loses.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,7 +30,10 @@ from specgate.policies.content import CONTENT_CLASSES, ContentClass
 from specgate.policies.costs import CostModel
 from specgate.policies.decide import FixedPlanner, ModelPolicy, RequestFeatures, candidates, decide
 from specgate.policies.explore import Explorer
-from specgate.policies.live_costs import CostView, LiveCosts
+from specgate.policies.live_costs import CostView, LiveCosts, context_bucket
+from specgate.policies.request_guard import RequestGuard
+
+log = logging.getLogger("specgate.policy")
 
 # Plans whose reason cannot change while the request runs: no need to ask again.
 _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
@@ -64,6 +71,8 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
         auto_depth=config.depth == "auto",
         concurrency_threshold=_number(config.concurrency_threshold),
         allow_overrides=config.allow_overrides,
+        proving=lambda: frozenset(m for m, name in methods.items()
+                                  if registry.proving(engines[name])),  # fmt: skip
     )
 
 
@@ -84,7 +93,8 @@ class LivePolicy:
 
     def __init__(self, policy: ModelPolicy, *, live_state: Callable[[], LiveState],
                  prior: Callable[[], CostModel | None] = lambda: None,
-                 timed: frozenset[Method] = frozenset(), explore_every: int = 16):  # fmt: skip
+                 timed: frozenset[Method] = frozenset(), explore_every: int = 16,
+                 request_floor: float = 0.9):  # fmt: skip
         self.policy = policy
         self.live_state = live_state  # the model's engines together, this request included
         self.prior = prior
@@ -95,6 +105,10 @@ class LivePolicy:
         # costs are learned apart, starting from the unconstrained ones.
         self.constrained_costs = LiveCosts(fallback=self.costs)
         self._explorers = {c: Explorer(every=explore_every) for c in CONTENT_CLASSES}
+        self.request_floor = request_floor  # policies/request_guard.py; 0: no bound
+        # Seconds per token of idle plain rounds as requests' planners saw
+        # them (wall time between calls, the way they time speculation too).
+        self.realised_plain = LiveCosts()
         self._lock = threading.Lock()
 
     @property
@@ -124,7 +138,8 @@ class LivePolicy:
                 return plan, FixedPlanner(plan)
             explored = self._explore(plan, features, live, view, acceptance)
         hold = self._explorers[features.content].hold_rounds if explored else 0
-        return explored or plan, RequestPlanner(self, features, explored or plan, hold)
+        guard = RequestGuard(self.request_floor) if self.request_floor > 0 else None
+        return explored or plan, RequestPlanner(self, features, explored or plan, hold, guard)
 
     def _explore(self, plan: Plan, features: RequestFeatures, live: LiveState,
                  view: CostView | None, acceptance) -> Plan | None:  # fmt: skip
@@ -155,6 +170,24 @@ class LivePolicy:
             return view.plain(1, context) is not None
         return method in acceptance and view.round(method, self.policy.depth(method), context) is not None
 
+    def plain_token_seconds(self, context: int, realised: float | None = None) -> float | None:
+        """What one plain token costs a lone request at this context: as
+        planners timed idle plain rounds (fed `realised` seconds per token),
+        else the engines' timed steps, else None."""
+        with self._lock:
+            if realised is not None:
+                self.realised_plain.observe(RoundStats(self.model_id, "none", 0, seconds=realised,
+                                                       context_tokens=context))  # fmt: skip
+            if (e := self.realised_plain.get("none", 1, context_bucket(context))) is not None:
+                return e.mean
+            view = self.view()
+            estimate = view.plain(1, context) if view is not None else None
+            return estimate.seconds if estimate is not None else None
+
+    def guarded(self) -> Plan:
+        """A request whose own rounds lost (policies/request_guard.py) decodes plainly."""
+        return Plan(self.policy.engines_by_method["none"], "none", 0, "request_loss", "live")
+
     def next_round(self, features: RequestFeatures, live: LiveState, incumbent: Method) -> Plan:
         with self._lock:
             return decide(self.policy, features, live, self.view(features.constrained),
@@ -167,21 +200,57 @@ class RequestPlanner:
     moves between speculation and batching as other requests come and go,
     and as its context grows. An exploring request keeps its explored plan
     for `hold` rounds while the model stays idle. The model-wide state
-    counts, less this request itself."""
+    counts, less this request itself. Its `guard` (policies/request_guard.py)
+    judges the time between calls, alone on the model, against plain
+    decoding's, and overrides every other rule but an override's while it
+    holds the request to plain decoding."""
 
     policy: LivePolicy
     features: RequestFeatures
     current: Plan
     hold: int = 0
+    guard: RequestGuard | None = None
+    clock: Callable[[], float] = time.perf_counter
+    _previous: Plan | None = None  # the plan before `current`: a switch's cost is in current's time
+    _mark: tuple[float, int, bool] | None = None  # (clock, context, alone) at the last call
 
     def plan(self, state: LiveState) -> Plan:
         live = self.policy.live_state()
         others = LiveState(max(0, live.active_requests - 1), live.waiting_requests,
                            state.context_tokens)  # fmt: skip
-        if self.hold > 0 and others.active_requests + others.waiting_requests == 0:
+        alone = others.active_requests + others.waiting_requests == 0
+        self._account(state.context_tokens, alone)
+        self._previous = self.current
+        if self.guard is not None and self.guard.blocks() and "none" in self.policy.policy.engines_by_method:
+            self.hold = 0  # an exploration that lost ends here
+            self.current = self.policy.guarded()
+            return self.current
+        if self.hold > 0 and alone:
             self.hold -= 1
             return self.current
         self.hold = 0
         plan = self.policy.next_round(self.features, others, self.current.method)
         self.current = plan
         return plan
+
+    def _account(self, context: int, alone: bool) -> None:
+        """The interval since the last call ran `current` (after switching
+        from `_previous`): its seconds and tokens, counted where the request
+        was alone at both ends (a batch's steps are not a lone plain step's)."""
+        now = self.clock()
+        mark, self._mark = self._mark, (now, context, alone)
+        if mark is None or not (alone and mark[2]):
+            return
+        seconds, tokens = now - mark[0], max(0, context - mark[1])
+        plan, before = self.current, self._previous
+        switched = before is not None and before.engine != plan.engine
+        # A switch back to plain decoding is what speculating cost, too.
+        speculative = plan.method != "none" or (switched and before.method != "none")
+        realised = seconds / tokens if tokens and not speculative and not switched else None
+        plain = self.policy.plain_token_seconds(context, realised)
+        if self.guard is None or plain is None:
+            return
+        if (loss := self.guard.record(speculative, seconds, tokens, plain)) is not None:
+            lost = plan if plan.method != "none" else before
+            log.info("%s: %s (%s at depth %d); plain decoding for %d rounds", self.policy.model_id,
+                     loss, lost.method, lost.depth, self.guard.backoff_left)  # fmt: skip

@@ -222,7 +222,8 @@ def _policy(served: ServedModel, context: registry.BuildContext) -> LivePolicy:
         # Read at every decision (one stat): a tune run while serving counts at once.
         prior = TuneFile(path, mc.kernels).costs
     return LivePolicy(policy, live_state=served.planning_state, prior=prior,
-                      timed=timed_methods(served.engines), explore_every=mc.policy.explore_every)
+                      timed=timed_methods(served.engines), explore_every=mc.policy.explore_every,
+                      request_floor=mc.policy.request_floor)
 
 
 def _parameter_count(served: ServedModel) -> int | None:

@@ -91,6 +91,7 @@ class Result:
     accepted: float = 0.0
     by_method: dict[str, float] = field(default_factory=dict)  # tokens each method made
     switches: int = 0  # hand-offs between engines (in-process only)
+    token_ids: list[int] = field(default_factory=list)  # the answer (in-process only)
 
     @property
     def tps(self) -> float:
@@ -224,6 +225,7 @@ def run_gateway(args, transcripts: list[dict]) -> dict:
 SHAPES = {  # hidden, layers, mlp, heads, kv heads, head dim
     "tiny": (256, 4, 768, 4, 2, 64),
     "7b": (4096, 28, 12288, 32, 8, 128),
+    "micro": (64, 2, 128, 2, 1, 32),  # bench/gpu_suite.py --tiny (vocab 512)
 }
 
 
@@ -377,10 +379,19 @@ class InProcess:
         self.loop = asyncio.new_event_loop()
         for e in self.engines.values():
             self.loop.run_until_complete(e.start())
+        for e in self.engines.values():  # timed rounds are on the verify path they will keep
+            if hasattr(e, "kernels_ready"):
+                e.kernels_ready()
 
     def close(self) -> None:
+        """Every engine stopped, and no thread of theirs (or of the loop's
+        executor) left running MLX work as the process ends."""
         for e in self.engines.values():
             self.loop.run_until_complete(e.stop())
+        for e in self.engines.values():
+            if hasattr(e, "kernels_ready"):
+                e.kernels_ready()  # a proof cut short still ends its thread
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
 
     def run(self, prompt: list[int], n: int, variant: str, content: str) -> Result:
@@ -392,6 +403,7 @@ class InProcess:
             Handoff,
             LiveState,
             Plan,
+            PrefillProgress,
             RoundStats,
             SamplingParams,
         )
@@ -417,6 +429,8 @@ class InProcess:
                     nxt, resume, method = self.engines[event.plan.engine], event, event.plan.method
                     res.switches += 1
                     break
+                if isinstance(event, PrefillProgress):
+                    continue
                 if isinstance(event, RoundStats):
                     if variant == "policy":
                         self.policy.observe(event, content)
@@ -431,6 +445,7 @@ class InProcess:
                     last = time.perf_counter()
                     first = first or last
                     res.tokens += len(event.token_ids)
+                    res.token_ids += event.token_ids
                     res.by_method[method] = res.by_method.get(method, 0) + len(event.token_ids)
             await events.aclose()
             engine = nxt
@@ -578,4 +593,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from mlx_exit import end_process
+
     main()
+    end_process(0)

@@ -9,14 +9,20 @@ its MTP head, served by the real SpecEngine (MTP):
 - with `kernels: off` it never runs;
 - with the real kernels (CUDA, Metal) on this CPU both are recorded
   `failed` once, with a log line, the hook is not installed, and the output
-  is unchanged; a later process reads the verdicts back instead of building.
+  is unchanged; a later process reads the verdicts back instead of building;
+- with nothing recorded, the engine loads at once and serves on the stock
+  path while the proofs run in the background, and switches to the kernels
+  only once every verdict is recorded; with everything recorded it wires
+  them at load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
+import threading
 
 import mlx.core as mx
 import pytest
@@ -24,8 +30,8 @@ from greedy import assert_same_greedy, greedy_reference
 from mlx.utils import tree_flatten
 
 from specgate.builders.tiny import build_qwen35_hybrid
-from specgate.engines import kernel_wiring
-from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines import kernel_wiring, registry
+from specgate.engines.base import GenerationRequest, LiveState, Plan, SamplingParams, TokenEvent
 from specgate.engines.drafting.base import Proposal
 from specgate.engines.drafting.mtp import proposer as mtp
 from specgate.engines.drafting.mtp.loading import load_mtp_head
@@ -37,6 +43,9 @@ from specgate.engines.settings import MTPSettings
 from specgate.gateway.config import ConfigError, parse_config
 from specgate.kernels import hook, qmm, wiring
 from specgate.kernels.guard import Candidate, Guard
+from specgate.policies.config import PolicyConfig
+from specgate.policies.decide import FixedPlanner, RequestFeatures, decide
+from specgate.policies.model_policy import build_policy
 
 N_TOKENS = 24
 DEPTHS = (1, 2, 3)
@@ -145,9 +154,10 @@ def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
     engine = mtp_engine(q4, settings=MTPSettings(depth=max(DEPTHS)), kernel_guard=guard)
+    assert engine.kernels_ready(120)  # proved in the background: nothing was recorded
     wired = engine.kernel_wiring
     assert wired.enabled and engine.target.kernels and wired.hooked > 0
-    # warm-up at load: every verify shape at widths 2..max depth + 1 proved ok
+    # every verify shape at widths 2..max depth + 1 proved ok before the switch
     assert wired.widths == (2, 3, 4)
     shapes = wiring.model_shapes(q4.model)
     assert wired.in_use() == len(shapes) * 3 == guard.checks_run
@@ -181,6 +191,7 @@ def test_real_kernels_fail_once_on_this_cpu_and_output_is_unchanged(q4, tmp_path
     monkeypatch.setattr(wiring, "_guards", {})
     with caplog.at_level(logging.INFO, logger="specgate.kernels"):
         engine = mtp_engine(q4, settings=MTPSettings(depth=2))
+        assert engine.kernels_ready(120)
     wired = engine.kernel_wiring
     assert not wired.enabled and not engine.target.kernels
     assert set(wired.failed) == {"cuda_qmm", "metal_qmm"}
@@ -238,3 +249,103 @@ def test_tune_shows_verdicts_and_measures_the_curve_in_use(q4, tmp_path, monkeyp
     auto, off = tuning.costs_for(q4.path, "auto"), tuning.costs_for(q4.path, "off")
     assert auto.verify_cost(4, 64) == pytest.approx(data["verify"]["64"]["4"])
     assert off.verify_cost(4, 64) == pytest.approx(k["verify_stock"]["64"]["4"])
+
+
+class Gated(Counting):
+    """Failure injection: a proof as slow as the test wants (on the H200 a
+    7B model's took ~46 s): every call waits for `release`, and the thread
+    that made it is noted."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+
+    def __call__(self, *args):
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(120), "the test never released the proof"
+        return super().__call__(*args)
+
+
+def watch_kernels(target, guard: Guard) -> list[tuple]:
+    """Each time the target's verify path is set: (on, the statuses and the
+    number of the guard's recorded verdicts then)."""
+    seen: list[tuple] = []
+
+    class Watched(type(target)):
+        @property
+        def kernels(self):
+            return self.__dict__["_watched"]
+
+        @kernels.setter
+        def kernels(self, on):
+            recorded = guard.verdicts()
+            seen.append((on, {v.status for v in recorded.values()}, len(recorded)))
+            self.__dict__["_watched"] = on
+
+    target.__dict__["_watched"] = target.__dict__.pop("kernels")
+    target.__class__ = Watched
+    return seen
+
+
+async def serve(engine: SpecEngine, prompt: list[int]) -> list[int]:
+    plan = Plan("mlx_mtp", "mtp", 2, "spec_on")
+    request = GenerationRequest("t", "m", prompt, SamplingParams(temperature=0), N_TOKENS, plan)
+    tokens = []
+    async for item in engine.generate(request, FixedPlanner(plan)):
+        if isinstance(item, TokenEvent):
+            tokens += item.token_ids
+    return tokens
+
+
+def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
+    kernel = Gated()
+    guard = counting_guard(tmp_path, kernel)
+    prompt = prompts(q4.vocab_size)[0]
+    want, margins = greedy_reference(q4.model, prompt, N_TOKENS)
+    engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=guard)
+    # Loaded while its first proof waits: nothing was recorded on this machine.
+    assert kernel.entered.wait(60) and kernel.threads == ["kernel-proofs m mlx_mtp"]
+    assert engine.kernels_proving and not engine.target.kernels and engine.kernel_wiring is None
+    seen = watch_kernels(engine.target, guard)
+    shapes = wiring.model_shapes(q4.model)
+    # The model's policy, as the gateway builds it: plain decoding meanwhile.
+    context = registry.BuildContext("m", q4.path, registry.MLX, max_context=4096, loaded=q4)
+    plain = registry.record("mlx_plain").build(context, ("mlx_plain",))[0]["mlx_plain"]
+    policy = build_policy("m", {"mlx_plain": plain, "mlx_mtp": engine}, {}, PolicyConfig(),
+                          context=context, params=None)  # fmt: skip
+
+    def planned():
+        plan = decide(policy, RequestFeatures(len(prompt), False), LiveState(0, 0, 0))
+        return plan.method, plan.reason
+
+    assert planned() == ("none", "kernels_proving")
+
+    async def run():
+        await engine.start()
+        try:
+            # served meanwhile, speculating on the stock verify path
+            assert_same_greedy(await serve(engine, prompt), want, margins)
+            assert engine.kernels_proving and set(kernel.threads) == {"kernel-proofs m mlx_mtp"}
+            assert seen == []
+            kernel.release.set()
+            assert await asyncio.to_thread(engine.kernels_ready, 120)
+            # switched once, after every verdict was recorded ok
+            assert seen == [(True, {"ok"}, len(shapes) * 2)]
+            assert not engine.kernels_proving and engine.kernel_wiring.enabled
+            assert planned() == ("mtp", "spec_on")
+            kernel.rows.clear()
+            assert_same_greedy(await serve(engine, prompt), want, margins)
+            assert set(kernel.rows) == {3} and "mlx_mtp-m" in kernel.threads  # the verify, through it
+        finally:
+            kernel.release.set()
+            await engine.stop()
+
+    asyncio.run(run())
+
+    # A later process on this machine: the verdicts are recorded, wired at load.
+    again = counting_guard(tmp_path, Counting())
+    engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=again)
+    assert not engine.kernels_proving and engine.target.kernels and engine.kernel_wiring.enabled
+    assert again.checks_run == 0

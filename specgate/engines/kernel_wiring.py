@@ -24,4 +24,11 @@ def prepare(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | 
                           cache_dir=kernel_cache_dir())  # fmt: skip
 
 
-__all__ = ["SETTINGS", "Wiring", "describe", "model_shapes", "prepare", "shared_guard"]
+def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
+          fused_guard: Guard | None = None, stop=None) -> bool:  # fmt: skip
+    """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's shared ones."""
+    return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
+                        cache_dir=kernel_cache_dir(), stop=stop)  # fmt: skip
+
+
+__all__ = ["SETTINGS", "Wiring", "describe", "model_shapes", "prepare", "prove", "shared_guard"]

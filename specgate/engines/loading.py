@@ -34,6 +34,10 @@ class LoadedModel:
     # once. Engines of other models have their own and run alongside: a long
     # prefill of one model does not hold up another's decoding.
     lock: FairLock = field(default_factory=FairLock)
+    # Held by the engine proving this model's kernels off its load path
+    # (engines/mlx_spec/engine.py), so its engines prove one after another
+    # and each later one reads back the verdicts the first recorded.
+    proving: threading.Lock = field(default_factory=threading.Lock)
     # A model over several ranks (engines/distributed/lockstep.py): its lock, and the
     # decisions its engines share with the other ranks. None on one machine.
     lockstep: Any = None

@@ -352,6 +352,13 @@ def resolve_method(asked: Method, available: Iterable[Method]) -> Method:
                  if r.answers_to == asked and r.method in available), asked)  # fmt: skip
 
 
+def proving(engine) -> bool:
+    """The engine's verify kernels are being proved in the background
+    (engines/mlx_spec/kernel_proofs.py): its rounds verify on the stock
+    path until they are, which on a GPU loses to plain decoding."""
+    return bool(getattr(engine, "kernels_proving", False))
+
+
 def excludes(name: str) -> tuple[str, ...]:
     """The engines a model cannot list beside this one."""
     group = record(name).exclusive

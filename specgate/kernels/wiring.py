@@ -144,16 +144,26 @@ def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
     return keep, failed
 
 
-def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
-            guard: Guard | None = None, fused_guard: Guard | None = None,
-            cache_dir: Path | None = None) -> Wiring:  # fmt: skip
-    """Install the hook on `model` and prove its verify shapes (see the module docstring).
+@dataclass
+class _Proved:
+    """What `_prove` found: the kernels that build here and every verdict
+    they need, recorded (prepare installs from it)."""
 
-    Without a `guard`, this process's shared guards for `cache_dir` are used
-    (both the per-linear and the fused one); with one, sibling groups are
-    fused only if a `fused_guard` is given too. Call it holding the model's lock
-    (engines/loading.py); the proofs time kernels, so they are steadiest at
-    start, where models load one after another before any request."""
+    guard: Guard
+    fused_guard: Guard | None
+    shapes: list[Shape]
+    widths: tuple[int, ...]
+    keep: list
+    failed: dict[str, str]
+    groups: list[tuple]
+    fused_ok: int
+
+
+def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
+           cache_dir: Path | None, stop: threading.Event | None = None) -> Wiring | _Proved | None:  # fmt: skip
+    """Every verdict `prepare` reads, proved where not recorded (inside
+    guard.recorded_only(): Unproved raised instead); nothing installed.
+    A Wiring where no kernel can be used, None when `stop` was set."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -169,12 +179,12 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     with guard._lock:
         keep, failed = _usable(guard, shapes)
         guard.candidates = keep
+        guard.dropped.update(failed)  # (a later call, or engine, finds them gone: says why)
+        failed = dict(guard.dropped)
     if not keep:
         why = "; ".join(f"{name}: {d}" for name, d in failed.items())
-        wired = Wiring(False, f"no kernel builds on this device ({why}): stock verify",
-                       guard, shapes, widths, 0, failed)  # fmt: skip
-        log.info("%s", wired.reason)
-        return wired
+        return Wiring(False, f"no kernel builds on this device ({why}): stock verify",
+                      guard, shapes, widths, 0, failed)  # fmt: skip
     groups = group_shapes(model) if fused_guard is not None else []
     fused_keep = []
     if groups:  # (the guard is shared: its candidates stay; a failed build is a verdict)
@@ -183,27 +193,62 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
         failed.update(fused_failed)
     if not fused_keep:
         fused_guard, groups = None, []
-    hooked = hook.install(model, guard, fused_guard)
     for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
         for m in widths:
             for cand in keep:
+                if stop is not None and stop.is_set():
+                    return None
                 guard.verdict(cand, m, k, n, dtype, bits, gs)
     fused_ok = 0
     for k, ns, dtype, bits, gs in groups:
         for m in widths:
             for cand in fused_keep:
+                if stop is not None and stop.is_set():
+                    return None
                 v = fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)
                 fused_ok += v is not None and v.ok
-    wired = Wiring(True, "", guard, shapes, widths, hooked, failed)
+    return _Proved(guard, fused_guard, shapes, widths, keep, failed, groups, fused_ok)
+
+
+def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
+          guard: Guard | None = None, fused_guard: Guard | None = None,
+          cache_dir: Path | None = None, stop: threading.Event | None = None) -> bool:  # fmt: skip
+    """Every verdict `prepare` will read for this model, proved now, and
+    nothing installed: what an engine runs off its load path (no model lock
+    is needed: the proofs run on their own random arrays, on this thread's
+    MLX stream). False when `stop` was set before the end."""
+    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop) is not None
+
+
+def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
+            guard: Guard | None = None, fused_guard: Guard | None = None,
+            cache_dir: Path | None = None) -> Wiring:  # fmt: skip
+    """Install the hook on `model` and prove its verify shapes (see the module docstring).
+
+    Without a `guard`, this process's shared guards for `cache_dir` are used
+    (both the per-linear and the fused one); with one, sibling groups are
+    fused only if a `fused_guard` is given too. Call it holding the model's
+    lock (engines/loading.py): it swaps the classes of the model's linears.
+    Inside guard.recorded_only() it proves nothing and raises Unproved
+    where a verdict is missing, before installing anything."""
+    found = _prove(model, setting, widths, guard, fused_guard, cache_dir)
+    if isinstance(found, Wiring):
+        if found.failed and ("wiring", found.reason) not in found.guard._logged:
+            found.guard._logged.add(("wiring", found.reason))  # once per guard
+            log.info("%s", found.reason)
+        return found
+    guard, keep, groups, widths = found.guard, found.keep, found.groups, found.widths
+    hooked = hook.install(model, guard, found.fused_guard)
+    wired = Wiring(True, "", guard, found.shapes, widths, hooked, found.failed)
     ok = wired.in_use()
-    total = len(shapes) * len(widths)
+    total = len(found.shapes) * len(widths)
     wired.reason = (f"{', '.join(c.name for c in keep)} on {hooked} quantized linears: "
                     f"{ok} of {total} (shape, width) pairs at widths {widths[0]}..{widths[-1]} "
                     f"enabled by the guard" if widths else "no verify widths to prove")  # fmt: skip
     if groups:
-        wired.reason += (f"; sibling groups fused in one launch: {fused_ok} of "
+        wired.reason += (f"; sibling groups fused in one launch: {found.fused_ok} of "
                          f"{len(groups) * len(widths)} (group, width) pairs")  # fmt: skip
-    wired.fused_guard, wired.groups = fused_guard, groups
+    wired.fused_guard, wired.groups = found.fused_guard, groups
     log.info("kernels: %s", wired.reason)
     return wired
 
@@ -222,4 +267,5 @@ def describe(v: Verdict) -> str:
             + (f"  {v.detail}" if v.detail else ""))  # fmt: skip
 
 
-__all__ = ["SETTINGS", "Wiring", "describe", "dtype_name", "model_shapes", "prepare", "shared_guard"]
+__all__ = ["SETTINGS", "Wiring", "describe", "dtype_name", "model_shapes", "prepare", "prove",
+           "shared_guard"]

@@ -6,7 +6,8 @@ request arrives and again at every round boundary of its stream.
 In order: a request's forced method or depth; no drafter; a model below the
 size where speculation pays; penalties a drafter cannot apply per position;
 a context (the stream's length now, not only its prompt's) past the
-configured threshold. Then, with round costs (policies/live_costs.py: live
+configured threshold; speculative engines still proving their verify
+kernels (`kernels_proving`, when none is left). Then, with round costs (policies/live_costs.py: live
 estimates, or `specgate tune`'s prior) and live acceptance, every candidate
 plan's expected aggregate tokens/s is compared and the best one wins; its
 reason says why plain decoding won when it did (`concurrency`: batching
@@ -19,7 +20,7 @@ policies/explore.py, makes sure something gets measured).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specgate.engines import registry
@@ -56,6 +57,9 @@ class ModelPolicy:
     auto_depth: bool = True  # the cost model may pick any depth up to the method's
     concurrency_threshold: int | None = None  # requests in flight that mean batching
     allow_overrides: bool = True
+    # The methods whose engines prove their verify kernels now, asked at every
+    # decision (engines/registry.proving); None: none ever do.
+    proving: Callable[[], Collection[Method]] | None = None
 
     def depth(self, method: Method) -> int:
         return self.depths.get(method, self.max_depth)
@@ -167,6 +171,13 @@ def decide(
             return plain("penalties")
     if policy.long_context_tokens is not None and context > policy.long_context_tokens:
         return plain("long_context")
+    if policy.proving is not None and (proving := policy.proving()):
+        # Kernels proved in the background (engines/mlx_spec/kernel_proofs.py):
+        # until the switch such an engine verifies on the stock path, which on
+        # a GPU loses to plain decoding. Asked again at the next round.
+        speculative = [m for m in speculative if m not in proving]
+        if not speculative:
+            return plain("kernels_proving")
     in_flight = live.active_requests + live.waiting_requests
     if policy.concurrency_threshold is not None:
         # A configured threshold is the whole concurrency rule.

@@ -8,6 +8,8 @@ spread, robust to the noise of a shared machine: the first round of a shape
 is skipped (MLX builds each shape's graph once), a stall counts at most
 `STALL_CAP` times the current mean, and the mean forgets with weight
 `alpha`, so a machine that got busier is followed within tens of rounds.
+A method's estimates start over when its engine's verify path changes
+(RoundStats.kernels: the kernels proved in the background took over).
 
 `CostView` answers the policy's two questions in seconds: what one plain
 step of B sequences costs at a context, and what one speculative round of a
@@ -77,6 +79,9 @@ class LiveCosts:
         # Where this one has not measured a shape, the other's estimate (a
         # grammar's rounds start from the unconstrained costs, then learn).
         self.fallback = fallback
+        # Per method, whether its estimates were measured through the verify
+        # kernels (RoundStats.kernels).
+        self._kernels: dict[Method, bool] = {}
 
     def observe(self, stats: RoundStats) -> None:
         if stats.seconds <= 0:
@@ -84,6 +89,11 @@ class LiveCosts:
         if stats.method == "none":
             key = ("none", stats.batch, context_bucket(stats.context_tokens))
         elif stats.asked > 0:
+            if self._kernels.setdefault(stats.method, stats.kernels) != stats.kernels:
+                # The engine switched to its kernels once proved (engines/mlx_spec/
+                # kernel_proofs.py): what its stock verify cost no longer holds.
+                self._rounds = {k: e for k, e in self._rounds.items() if k[0] != stats.method}
+                self._kernels[stats.method] = stats.kernels
             # By the depth planned, not drafted: what a plan at that depth
             # costs, rounds where a copying proposer drafted less included.
             key = (stats.method, stats.asked, context_bucket(stats.context_tokens))

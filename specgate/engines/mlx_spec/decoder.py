@@ -247,6 +247,7 @@ class SpecDecoder:
             context_tokens=context,
             depth=asked,
             constrained=self.grammar is not None and self.grammar.constraint is not None,
+            kernels=bool(depth and self.target.kernels),
         )
         return step
 

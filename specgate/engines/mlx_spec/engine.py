@@ -43,9 +43,10 @@ from specgate.engines.drafting.base import Drafting
 from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
+from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
-from specgate.engines.worker import WorkerEngine, deliver
+from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, deliver
 
 log = logging.getLogger(__name__)
 
@@ -101,24 +102,41 @@ class SpecEngine(WorkerEngine):
         self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
-        self.kernel_wiring = None  # set by wire_kernels
+        self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
         depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
-    def wire_kernels(self, max_depth: int) -> None:
+    def wire_kernels(self, max_depth: int, background: bool = True) -> None:
         """Small-M kernels for this engine's verify forwards (kernels/wiring.py):
         the hook on a quantized trunk unless `kernels: off`, every verify
-        width 2..max_depth+1 proved now, at load, not inside a request."""
-        from specgate.engines import (
-            kernel_wiring as wiring,  # the guards' verdicts in SPECGATE_HOME
-        )
+        width 2..max_depth+1 proved before a round uses it. Verdicts recorded
+        for this machine wire them now; missing ones are proved in the
+        background (engines/mlx_spec/kernel_proofs.py) while the engine
+        serves on the stock verify path, or here without `background`."""
+        self.kernel_switch = KernelSwitch(f"{self.model_id} {self.name}", self.loaded,
+                                          self.target, self.kernels_setting,
+                                          range(2, max_depth + 2), self.kernel_guard)  # fmt: skip
+        self.kernel_switch.start(background)
 
-        with self.loaded.lock:
-            self.kernel_wiring = wiring.prepare(self.loaded.model, self.kernels_setting,
-                                                range(2, max_depth + 2), guard=self.kernel_guard)  # fmt: skip
-        self.target.kernels = self.kernel_wiring.enabled
-        log.info("%s %s: verify %s", self.model_id, self.name,
-                 "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
+    @property
+    def kernel_wiring(self):
+        """What kernels/wiring.py decided (None while proving)."""
+        return self.kernel_switch.wiring if self.kernel_switch else None
+
+    @property
+    def kernels_proving(self) -> bool:
+        """Its verify kernels are being proved: verify is stock until they are
+        (the policy plans plain decoding for this method meanwhile)."""
+        return self.kernel_switch is not None and self.kernel_switch.proving
+
+    def kernels_ready(self, timeout: float | None = None) -> bool:
+        """Waits until the verify path is decided (kernels or stock)."""
+        return self.kernel_switch is None or self.kernel_switch.wait(timeout)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self.kernel_switch is not None:  # the proof running ends, no other starts
+            await asyncio.to_thread(self.kernel_switch.stop, STOP_JOIN_S)
+        await super().stop(grace_s)
 
     def memory(self) -> list[HeldMemory]:
         from specgate.engines.memory import parameter_bytes

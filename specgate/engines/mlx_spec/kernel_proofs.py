@@ -1,0 +1,136 @@
+"""A speculative engine's verify kernels, proved without holding up its load.
+
+At load (`KernelSwitch.start`), the engine asks the guards for the verdicts
+its verify widths need, reading only what is recorded for this machine
+(kernels/guard.recorded_only): all there, the kernels are wired at once, as
+before. Otherwise the engine serves at once on the stock verify path, and a
+background thread (one at a time per model: LoadedModel.proving):
+1. proves what is missing (kernels/wiring.prove). No model lock: a proof
+   makes its own random arrays on this thread's MLX stream, and MLX
+   evaluates independent arrays from several threads (engines of two models
+   already run side by side); requests are served meanwhile, so a proof
+   times its kernel and the stock op under the same load;
+2. wires the hook from the verdicts now recorded (under the model lock: it
+   swaps the linears' classes), and JIT-warms one verify forward per width
+   through the kernels, each under the model lock, between rounds;
+3. switches the target to the kernels under the model lock (so between two
+   rounds), logs one line and lowers `proving`.
+While `proving`, the policy plans plain decoding for the engine's method
+(engines/registry.proving, policies/decide.py: reason `kernels_proving`):
+on a GPU, speculation on the stock verify path loses. Where no kernel
+builds (a CPU, CUDA code on a Mac) the proofs fail fast and nothing switches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import mlx.core as mx
+
+from specgate.engines.loading import LoadedModel
+from specgate.engines.targets import Target
+from specgate.kernels import hook
+from specgate.kernels.guard import Unproved, recorded_only
+from specgate.kernels.wiring import Wiring
+
+log = logging.getLogger(__name__)
+
+
+class KernelSwitch:
+    """One engine's verify path: stock, proving (stock meanwhile) or kernels."""
+
+    def __init__(self, label: str, loaded: LoadedModel, target: Target, setting: str,
+                 widths: range, guard=None):  # fmt: skip
+        self.label = label  # "<model> <engine>", for the log
+        self.loaded, self.target, self.setting = loaded, target, setting
+        self.widths, self.guard = widths, guard  # guard None: SPECGATE_HOME's shared ones
+        self.wiring: Wiring | None = None  # set once decided
+        self.proving = False
+        self.done = threading.Event()  # decided: `wiring` is set (or the proofs failed or stopped)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _prepare(self) -> Wiring:
+        from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
+
+        return kernel_wiring.prepare(self.loaded.model, self.setting, self.widths, guard=self.guard)
+
+    def start(self, background: bool = True) -> None:
+        """Wire the kernels now where every verdict is recorded; else prove
+        them in a background thread (or here, holding the model, without
+        `background`)."""
+        try:
+            with self.loaded.lock, recorded_only():
+                wired = self._prepare()
+        except Unproved:
+            if background:
+                self.proving = True
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"kernel-proofs {self.label}")  # fmt: skip
+                self._thread.start()
+                log.info("%s: verify stock while its kernels are proved in the background",
+                         self.label)  # fmt: skip
+                return
+            with self.loaded.lock:
+                wired = self._prepare()
+        self._use(wired)
+        log.info("%s: verify %s", self.label,
+                 "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
+
+    def _use(self, wired: Wiring) -> None:
+        self.wiring = wired
+        self.target.kernels = wired.enabled
+        self.proving = False
+        self.done.set()
+
+    def _run(self) -> None:
+        from specgate.engines import kernel_wiring
+
+        try:
+            with self.loaded.proving:
+                if not kernel_wiring.prove(self.loaded.model, self.setting, self.widths,
+                                           guard=self.guard, stop=self._stop):  # fmt: skip
+                    return
+                with self.loaded.lock:
+                    try:
+                        with recorded_only():
+                            wired = self._prepare()
+                    except Unproved:  # a verdict dropped meanwhile: proved here, rarely
+                        wired = self._prepare()
+            if wired.enabled:
+                for width in wired.widths:
+                    if self._stop.is_set():
+                        return
+                    with self.loaded.lock:
+                        self._warm(width)
+            with self.loaded.lock:  # between two rounds: a round runs holding it
+                self._use(wired)
+            log.info("%s: kernels proved in the background; verify %s from now on (%s)",
+                     self.label, "through kernels/hook.py" if wired.enabled else "stock",
+                     wired.reason)  # fmt: skip
+        except Exception:
+            log.exception("%s: proving its kernels failed; verify stays stock", self.label)
+        finally:
+            self.proving = False
+            self.done.set()
+
+    def _warm(self, width: int) -> None:
+        """One verify forward (and its logits) of `width` rows through the
+        kernels, on a throwaway cache: MLX builds that graph's kernels now,
+        not in the first round that uses them."""
+        cache = self.target.make_cache()
+        tokens = mx.arange(width, dtype=mx.int32)[None] % self.target.vocab_size
+        with hook.kernels():
+            forward = self.target.forward(tokens, cache)
+            mx.eval(self.target.logits(forward.hidden))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the verify path is decided (within `timeout` seconds)."""
+        return self.done.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Ends the proofs after the one running (a proof cannot be cut short)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

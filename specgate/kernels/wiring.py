@@ -12,10 +12,13 @@ guards of its own) calls once when it loads a model:
   `failed` verdict, recorded in the cache like any other, and is
   dropped for this process, so no later shape tries it again. If none is
   left, the hook is not installed: one log line, the stock path.
-- otherwise kernels/hook.py is installed on the model and the guard proves
-  every (shape, width) the engine can verify (`widths`, M = 2..max depth+1)
-  now, so no proof lands inside a live request (verdicts on disk are read
-  back, not re-proved). Widths beyond these are proved at their first use.
+- otherwise the guard proves every (shape, width) the engine can verify
+  (`widths`, M = 2..max depth+1), so no proof lands inside a live request
+  (verdicts on disk are read back, not re-proved), and kernels/hook.py is
+  installed on the model. Widths beyond these are proved at their first use.
+  `prove` runs the proofs alone, installing nothing, off an engine's load
+  path (engines/mlx_spec/kernel_proofs.py); inside guard.recorded_only(),
+  `prepare` proves nothing and raises Unproved where a verdict is missing.
 - sibling groups (a layer's q/k/v and gate/up, hook.FUSE_GROUPS) get the
   fused tensor-core kernel through a second guard (guard.FUSED_QMM), proved
   the same way per (group shape, width); where it is refused or cannot

@@ -106,17 +106,17 @@ class SpecEngine(WorkerEngine):
         depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
-    def wire_kernels(self, max_depth: int, background: bool = True) -> None:
+    def wire_kernels(self, max_depth: int) -> None:
         """Small-M kernels for this engine's verify forwards (kernels/wiring.py):
         the hook on a quantized trunk unless `kernels: off`, every verify
         width 2..max_depth+1 proved before a round uses it. Verdicts recorded
         for this machine wire them now; missing ones are proved in the
         background (engines/mlx_spec/kernel_proofs.py) while the engine
-        serves on the stock verify path, or here without `background`."""
+        serves on the stock verify path."""
         self.kernel_switch = KernelSwitch(f"{self.model_id} {self.name}", self.loaded,
                                           self.target, self.kernels_setting,
                                           range(2, max_depth + 2), self.kernel_guard)  # fmt: skip
-        self.kernel_switch.start(background)
+        self.kernel_switch.start()
 
     @property
     def kernel_wiring(self):

@@ -56,24 +56,19 @@ class KernelSwitch:
 
         return kernel_wiring.prepare(self.loaded.model, self.setting, self.widths, guard=self.guard)
 
-    def start(self, background: bool = True) -> None:
+    def start(self) -> None:
         """Wire the kernels now where every verdict is recorded; else prove
-        them in a background thread (or here, holding the model, without
-        `background`)."""
+        them in a background thread."""
         try:
             with self.loaded.lock, recorded_only():
                 wired = self._prepare()
         except Unproved:
-            if background:
-                self.proving = True
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"kernel-proofs {self.label}")  # fmt: skip
-                self._thread.start()
-                log.info("%s: verify stock while its kernels are proved in the background",
-                         self.label)  # fmt: skip
-                return
-            with self.loaded.lock:
-                wired = self._prepare()
+            self.proving = True
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"kernel-proofs {self.label}")  # fmt: skip
+            self._thread.start()
+            log.info("%s: verify stock while its kernels are proved in the background", self.label)
+            return
         self._use(wired)
         log.info("%s: verify %s", self.label,
                  "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip

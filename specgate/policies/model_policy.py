@@ -138,7 +138,8 @@ class LivePolicy:
                 return plan, FixedPlanner(plan)
             explored = self._explore(plan, features, live, view, acceptance)
         hold = self._explorers[features.content].hold_rounds if explored else 0
-        guard = RequestGuard(self.request_floor) if self.request_floor > 0 else None
+        bounded = self.request_floor > 0 and "none" in self.policy.engines_by_method
+        guard = RequestGuard(self.request_floor) if bounded else None
         return explored or plan, RequestPlanner(self, features, explored or plan, hold, guard)
 
     def _explore(self, plan: Plan, features: RequestFeatures, live: LiveState,
@@ -221,7 +222,7 @@ class RequestPlanner:
         alone = others.active_requests + others.waiting_requests == 0
         self._account(state.context_tokens, alone)
         self._previous = self.current
-        if self.guard is not None and self.guard.blocks() and "none" in self.policy.policy.engines_by_method:
+        if self.guard is not None and self.guard.blocks():
             self.hold = 0  # an exploration that lost ends here
             self.current = self.policy.guarded()
             return self.current

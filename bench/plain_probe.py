@@ -1,0 +1,258 @@
+"""Where a lone plain request's time goes, against mlx-lm's own loops (a GPU probe).
+
+    python bench/plain_probe.py [--tokens 256] [--prompt 128] [--reps 5] [--variants ...]
+    python bench/plain_probe.py --tiny          # the same on a CPU, small
+
+The model is bench/e2e_mtp_7b.py's 7B-class qwen3 (4-bit, group 64, the
+bigram path so greedy decoding is stable). Variants, timed interleaved, each
+decoding --tokens greedy tokens after a --prompt-token prompt; tok/s count
+the tokens after the first:
+- generate_step: mlx-lm's own loop (the baseline);
+- lone: specgate's plain engine (MLXPlainEngine, through its async
+  generate()), a lone request on its lone loop (engines/mlx_plain/lone.py);
+- batch1: the same engine with the lone loop off (a batch of one);
+- batchgen: mlx-lm's BatchGenerator driven directly, one sequence;
+- fused: generate_step with each layer's q/k/v and gate/up computed by one
+  stock quantized matmul over their concatenated weights (fewer launches);
+  exact: every column's dot product is the same.
+Prints tok/s median [min, max] and each variant's ratio to generate_step,
+and whether every variant's tokens equal generate_step's.
+MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
+probe once per value to compare it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_mtp_7b import build  # noqa: E402  (bench/, beside this file)
+
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams, TokenEvent  # noqa: E402
+from specgate.engines.cache.prefix_cache import PrefixCache  # noqa: E402
+from specgate.engines.loading import LoadedModel  # noqa: E402
+from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
+
+VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused")
+
+
+def word_tokenizer(vocab: int):
+    """A real tokenizer (HF tokenizers, mlx-lm's wrapper) over `vocab` words,
+    so the engine detokenizes every token as it would a model's."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok))
+
+
+def loaded_model(model, vocab: int) -> LoadedModel:
+    return LoadedModel("probe", model, word_tokenizer(vocab),
+                       {"vocab_size": vocab, "max_position_embeddings": 32768},
+                       PrefixCache("probe", max_entries=0))  # fmt: skip
+
+
+# ---------------------------------------------------------------- the variants
+
+
+def run_generate_step(model, prompt, n):
+    from mlx_lm.generate import generate_step
+
+    tokens, t0 = [], None
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                  sampler=lambda lp: mx.argmax(lp, axis=-1)):  # fmt: skip
+        if t0 is None:
+            t0 = time.perf_counter()
+        tokens.append(int(token))
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
+
+
+def run_batchgen(model, prompt, n):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
+                         prefill_step_size=512, sampler=lambda lp: mx.argmax(lp, axis=-1))  # fmt: skip
+    gen.insert([prompt], max_tokens=[n])
+    tokens, t0 = [], None
+    while len(tokens) < n:
+        _, responses = gen.next()
+        for r in responses:
+            if t0 is None:
+                t0 = time.perf_counter()
+            tokens.append(r.token)
+    gen.close()
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
+
+
+class Engines:
+    """The plain engine with and without its lone loop, on one event loop."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loop = asyncio.new_event_loop()
+        self.engines = {lone: MLXPlainEngine("probe", loaded, max_context=32768, lone=lone,
+                                             prefix_cache_size=0) for lone in (True, False)}  # fmt: skip
+        for e in self.engines.values():
+            self.loop.run_until_complete(e.start())
+
+    def run(self, lone: bool, prompt, n):
+        async def go():
+            req = GenerationRequest(f"r{time.monotonic_ns()}", "probe", prompt,
+                                    SamplingParams(temperature=0.0), n,
+                                    Plan("mlx_plain", "none", 0, "forced_by_request"))  # fmt: skip
+            tokens, t0 = [], None
+            async for ev in self.engines[lone].generate(req):
+                if isinstance(ev, TokenEvent) and ev.token_ids:
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    tokens += ev.token_ids
+            return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
+
+        return self.loop.run_until_complete(go())
+
+    def close(self):
+        for e in self.engines.values():
+            self.loop.run_until_complete(e.stop())
+        self.loop.close()
+
+
+class FusedSiblings:
+    """q/k/v and gate/up of every layer as one quantized matmul each, at one
+    row (decoding), on this model instance only; undone by `off()`."""
+
+    GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+    def __init__(self, model):
+        self.saved = []
+        for _, parent in model.named_modules():
+            for names in self.GROUPS:
+                mods = [parent.get(n) if isinstance(parent, nn.Module) else None for n in names]
+                if all(isinstance(m, nn.QuantizedLinear) for m in mods):
+                    self.saved.append((parent, names, mods))
+        self.fused = []
+        for _, _, mods in self.saved:
+            w = mx.concatenate([m["weight"] for m in mods])
+            s = mx.concatenate([m["scales"] for m in mods])
+            b = mx.concatenate([m["biases"] for m in mods])
+            cuts = [m["weight"].shape[0] for m in mods]
+            self.fused.append((w, s, b, cuts, mods[0].group_size, mods[0].bits))
+        mx.eval([f[:3] for f in self.fused])
+
+    def on(self):
+        for (parent, names, mods), (w, s, b, cuts, gs, bits) in zip(self.saved, self.fused,
+                                                                     strict=True):  # fmt: skip
+            box = {}
+
+            def first(x, mods=mods, w=w, s=s, b=b, cuts=cuts, gs=gs, bits=bits, box=box):
+                if x.shape[-2] != 1:
+                    return mods[0](x)
+                y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+                offs, out = 0, []
+                for c in cuts:
+                    out.append(y[..., offs : offs + c])
+                    offs += c
+                box["x"], box["rest"] = x, out[1:]
+                return out[0]
+
+            def later(i, mods=mods, box=box):
+                def f(x):
+                    if box.get("x") is x:
+                        return box["rest"][i]
+                    return mods[i + 1](x)
+                return f
+
+            parent[names[0]] = first
+            for i, n in enumerate(names[1:]):
+                parent[n] = later(i)
+
+    def off(self):
+        for parent, names, mods in self.saved:
+            for n, m in zip(names, mods, strict=True):
+                parent[n] = m
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    variants = a.variants.split(",")
+    shape = dict(hidden=4096, layers=28, mlp=12288, heads=32, kv_heads=8, head_dim=128,
+                 vocab=151936)  # fmt: skip
+    if a.tiny:
+        shape = dict(hidden=256, layers=4, mlp=768, heads=4, kv_heads=2, head_dim=64, vocab=4096)
+        a.tokens, a.reps = min(a.tokens, 48), min(a.reps, 3)
+    ns = SimpleNamespace(**shape, seed=0, embed_scale=16.0, margin=20.0)
+    t0 = time.perf_counter()
+    model, _, _ = build(ns)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, "
+          f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
+          f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+    rng = random.Random(1)
+    prompt = [rng.randrange(ns.vocab) for _ in range(a.prompt)]
+    engines = Engines(loaded_model(model, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
+    fused = FusedSiblings(model) if "fused" in variants else None
+
+    def once(v):
+        if v == "generate_step":
+            return run_generate_step(model, prompt, a.tokens)
+        if v == "batchgen":
+            return run_batchgen(model, prompt, a.tokens)
+        if v == "fused":
+            fused.on()
+            try:
+                return run_generate_step(model, prompt, a.tokens)
+            finally:
+                fused.off()
+        return engines.run(v == "lone", prompt, a.tokens)
+
+    results = {v: [] for v in variants}
+    want, _ = run_generate_step(model, prompt, a.tokens)
+    same = {}
+    for v in variants:  # warm-up (JIT, graph caches)
+        tokens, _ = once(v)
+        same[v] = tokens == want
+    for _ in range(a.reps):
+        for v in variants:
+            tokens, tps = once(v)
+            same[v] = same[v] and tokens == want
+            results[v].append(tps)
+    if engines is not None:
+        engines.close()
+    base = results.get("generate_step")
+    print(f"\n{a.tokens} tokens after a {a.prompt}-token prompt, {a.reps} interleaved reps")
+    print(f"{'variant':14} {'tok/s median [min, max]':28} {'/ generate_step':24} same tokens")
+    for v in variants:
+        r = results[v]
+        ratio = ""
+        if base:
+            q = [x / y for x, y in zip(r, base, strict=True)]
+            ratio = f"{statistics.median(q):.3f} [{min(q):.3f}, {max(q):.3f}]"
+        print(f"{v:14} {statistics.median(r):8.1f} [{min(r):7.1f}, {max(r):7.1f}]    {ratio:24} "
+              f"{same[v]}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

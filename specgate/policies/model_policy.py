@@ -203,8 +203,10 @@ class RequestPlanner:
     for `hold` rounds while the model stays idle. The model-wide state
     counts, less this request itself. Its `guard` (policies/request_guard.py)
     judges the time between calls, alone on the model, against plain
-    decoding's, and overrides every other rule but an override's while it
-    holds the request to plain decoding."""
+    decoding's, and overrides every other rule while it holds the request
+    to plain decoding (a forced method's request has a FixedPlanner; a
+    forced depth alone is the depth of its speculative rounds, not a
+    promise to speculate)."""
 
     policy: LivePolicy
     features: RequestFeatures

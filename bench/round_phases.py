@@ -1,0 +1,136 @@
+"""Where an MTP round's time goes: building its graph, waiting for the device, the bookkeeping after.
+
+    python bench/round_phases.py [--depth 4] [--accept 0.8] [--tokens 256] [--kernels auto|off]
+    python bench/round_phases.py --tiny         # the same on a CPU, small
+
+bench/e2e_mtp_7b.py's 7B-class qwen3 (4-bit) and its oracle MTP drafts
+(acceptance a by construction), decoded by the product's SpecDecoder. Each
+round is cut in three by its waits for the device (the decoder's
+`mx.eval` calls, timed through a wrapper on the decoder module's own `mx`
+name: instrumentation of this process only):
+- build: from the round's start to its first wait (the host builds the
+  drafting and verify graphs; the device starts on the drafts meanwhile);
+- wait: inside the waits (the device finishing what was queued);
+- after: from the last wait to the round's end (acceptance, commit,
+  rollback, the proposer's bookkeeping).
+The device idles during `after` and the next round's `build` unless
+that build outruns it: overlapping them (the next round's graph queued
+before this one's verdict is read) is what generate_step does for plain
+decoding. Prints median ms per round and their share, and plain
+generate_step's ms per token for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_mtp_7b import OracleDrafts, build, plain  # noqa: E402  (bench/, beside this file)
+
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
+from specgate.engines.mlx_spec import decoder as decoder_module  # noqa: E402
+from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
+from specgate.engines.targets import target_for  # noqa: E402
+from specgate.kernels import wiring  # noqa: E402
+from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate  # noqa: E402
+
+
+class TimedMx:
+    """The decoder module's `mx`, with its evals timed."""
+
+    def __init__(self):
+        self.waits: list[tuple[float, float]] = []
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *args):
+        t0 = time.perf_counter()
+        mx.eval(*args)
+        self.waits.append((t0, time.perf_counter()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--accept", type=float, default=0.8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--kernels", default="auto", choices=wiring.SETTINGS)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    shape = dict(hidden=4096, layers=28, mlp=12288, heads=32, kv_heads=8, head_dim=128,
+                 vocab=151936)  # fmt: skip
+    if a.tiny:
+        shape = dict(hidden=256, layers=4, mlp=768, heads=4, kv_heads=2, head_dim=64, vocab=4096)
+        a.tokens = min(a.tokens, 48)
+    ns = SimpleNamespace(**shape, seed=0, embed_scale=16.0, margin=20.0)
+    model, head, _ = build(ns)
+    nn.quantize(model, group_size=64, bits=4)
+    nn.quantize(head, group_size=64, bits=4)
+    mx.eval(model.parameters(), head.parameters())
+    home = Path(tempfile.mkdtemp())
+    guard, fused = Guard(cache_dir=home), Guard([cuda_mma_fused_candidate()], cache_dir=home,
+                                                op=FUSED_QMM)  # fmt: skip
+    trunk = target_for(model)
+    t0 = time.perf_counter()
+    wired = wiring.prepare(model, a.kernels, range(2, a.depth + 2), guard=guard, fused_guard=fused)
+    trunk.kernels = wired.enabled
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; kernels: {wired.reason} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    prompt = list(range(7, 7 + a.prompt))
+    reference, tps, _ = plain(model, prompt, a.tokens)
+    reference, tps, _ = plain(model, prompt, a.tokens)
+    print(f"plain generate_step: {1000 / tps:.2f} ms/token ({tps:.1f} tok/s)")
+
+    timed = TimedMx()
+    decoder_module.mx = timed
+    try:
+        for rep in range(3):  # the first warms up
+            request = GenerationRequest("phases", "phases", prompt, SamplingParams(temperature=0),
+                                        a.tokens, Plan("mlx_mtp", "mtp", a.depth, "spec_on"))  # fmt: skip
+            oracle = OracleDrafts(trunk, head, reference=reference, accept=a.accept, seed=rep,
+                                  vocab=ns.vocab)  # fmt: skip
+            dec = SpecDecoder(trunk, oracle, request, None, 0, None)
+            step = dec.prefill()
+            tokens, rows = list(step.tokens), []
+            t_start = time.perf_counter()
+            while step.finish_reason is None:
+                timed.waits.clear()
+                r0 = time.perf_counter()
+                step = dec.round(a.depth)
+                r1 = time.perf_counter()
+                tokens += step.tokens
+                w = timed.waits
+                if w:
+                    rows.append((w[0][0] - r0, sum(e - s for s, e in w), r1 - w[-1][1], r1 - r0,
+                                 len(step.tokens)))  # fmt: skip
+            dt = time.perf_counter() - t_start
+            if rep == 0:
+                continue
+            exact = tokens == reference[: len(tokens)]
+            med = [statistics.median(r[i] for r in rows) * 1000 for i in range(4)]
+            per_round = sum(r[4] for r in rows) / len(rows)
+            print(f"rep {rep}: {len(rows)} rounds, {per_round:.2f} tokens/round, "
+                  f"{(len(tokens) - 1) / dt:.1f} tok/s = {(len(tokens) - 1) / dt / tps:.2f}x plain; "
+                  f"exact {exact}")  # fmt: skip
+            print("   per round (median ms): build {:.2f} | wait {:.2f} | after {:.2f} | "
+                  "total {:.2f}  (build+after {:.0%} of the round)".format(
+                      *med, (med[0] + med[2]) / med[3]))  # fmt: skip
+    finally:
+        decoder_module.mx = mx
+
+
+if __name__ == "__main__":
+    main()

@@ -82,6 +82,37 @@ def run_generate_step(model, prompt, n):
     return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
 
 
+def step_phases(model, prompt, n) -> dict[str, float]:
+    """generate_step's loop by hand, each token's host time cut in three
+    (median ms): building the next step's graph in Python, queueing it
+    (`mx.async_eval`: MLX encodes its kernels on this thread), and waiting
+    for the current token."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+
+    def step(y):
+        logits = model(y[None], cache=cache)[:, -1, :]
+        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+    mx.eval(model(mx.array([prompt[:-1]]), cache=cache))
+    y = step(mx.array(prompt[-1:]))
+    mx.async_eval(y)
+    build, queue, wait = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        nxt = step(y)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        build.append(t1 - t0), queue.append(t2 - t1), wait.append(t3 - t2)
+        y = nxt
+    return {k: statistics.median(v) * 1000 for k, v in
+            (("build", build), ("queue", queue), ("wait", wait))}  # fmt: skip
+
+
 def run_batchgen(model, prompt, n):
     from mlx_lm.generate import BatchGenerator
 
@@ -241,6 +272,16 @@ def main() -> None:
             results[v].append(tps)
     if engines is not None:
         engines.close()
+    for name in ("stock", "fused") if fused is not None else ("stock",):
+        if name == "fused":
+            fused.on()
+        try:
+            ph = step_phases(model, prompt, a.tokens)
+        finally:
+            if name == "fused":
+                fused.off()
+        print(f"generate_step's loop by hand ({name}), ms per token: build {ph['build']:.2f} | "
+              f"queue (MLX encodes) {ph['queue']:.2f} | wait {ph['wait']:.2f}")  # fmt: skip
     base = results.get("generate_step")
     print(f"\n{a.tokens} tokens after a {a.prompt}-token prompt, {a.reps} interleaved reps")
     print(f"{'variant':14} {'tok/s median [min, max]':28} {'/ generate_step':24} same tokens")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import shutil
 import threading
 import time
@@ -26,6 +27,21 @@ def test_weights_load_once_per_path(tiny_model):
     b = load_mlx_model(str(tiny_model) + "/")  # same directory, spelled differently
     assert a is b and a.model is b.model
     assert a.vocab_size == 2048
+
+
+def test_a_load_keeps_mlx_compiled_kernels_in_the_home_unless_told_otherwise(tiny_model, tmp_path,
+                                                                            monkeypatch):
+    import mlx.core as mx
+
+    from specgate.engines.mlx_load import load
+
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    load(str(tiny_model))
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "home" / "mlx-ptx" / mx.__version__)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mine"))
+    load(str(tiny_model))
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_a_checkpoint_without_tokenizer_is_refused(tmp_path):

@@ -11,6 +11,8 @@ under it ($SPECGATE_HOME, else ~/.specgate):
                          <tag>/bin/llama-server, src/, build/<tag>/
     logs/                llama-server's build log and each server's own
     kernels/<machine>/   the kernel guard's verdicts, one file per op (kernels/guard.py)
+    mlx-ptx/<mlx version>/  MLX's compiled CUDA kernels (MLX_PTX_CACHE_DIR, unless
+                         set), so a restart does not compile them again
     tune/<machine>/      `specgate tune` results per checkpoint digest (kernels/tune.py
                          lays them out under the home it is given)
     prefix-cache/<model>/  the prefix cache's disk tier, per model content
@@ -72,6 +74,24 @@ def launch_dir(home: Path | None = None) -> Path:
 def kernel_cache_dir(home: Path | None = None) -> Path:
     """The kernel guard's verdicts (kernels/guard.py adds <machine>/<op>.json)."""
     return (home or specgate_home()) / "kernels"
+
+
+def mlx_kernel_cache_dir(mlx_version: str, home: Path | None = None) -> Path:
+    """Where MLX's CUDA backend keeps the kernels it compiles at first use."""
+    return (home or specgate_home()) / "mlx-ptx" / mlx_version
+
+
+def use_mlx_kernel_cache() -> None:
+    """Point MLX's CUDA kernel cache here, unless the environment names one.
+    MLX compiles every kernel it first meets with NVRTC (tens of seconds for
+    a 4-bit model's) and keeps them in MLX_PTX_CACHE_DIR, by default under
+    the system's temp directory: gone at a reboot where that is a tmpfs,
+    and unwritable for a service whose user did not create it. MLX reads
+    the variable at its first compile, so this runs before a model loads."""
+    import mlx.core as mx
+
+    if not os.environ.get("MLX_PTX_CACHE_DIR"):
+        os.environ["MLX_PTX_CACHE_DIR"] = str(mlx_kernel_cache_dir(mx.__version__))
 
 
 def prefix_cache_dir(home: Path | None = None) -> Path:

@@ -47,6 +47,9 @@ def load(path: str, distribution=None, dequantize: bool = False) -> tuple[Any, A
     import mlx.core as mx
     import mlx_lm  # lazily: it pulls in transformers
 
+    from specgate.engines.home import use_mlx_kernel_cache
+
+    use_mlx_kernel_cache()
     root = local_checkpoint(path)
     _check_tokenizer(root)
     model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),

@@ -34,11 +34,14 @@ arguments are bad (2).
 On the GPU machine (MLX's CUDA build; nothing can be fetched there), from
 the repo root here:
     bash ../shared/tools/gpu-mlx/fetch-wheels.sh && bash bench/device/fetch-wheels.sh
-then device call 1 carries .gpu-mlx/a and runs `bash .gpu-mlx/a/on-device.sh stage`,
-and call 2, at once, carries .gpu-mlx/b and runs
-    source .gpu-mlx/b/on-device.sh install && python3 bench/gpu_suite.py --json $OUT/suite.json
-(bench/device/fetch-wheels.sh adds specgate's core dependencies the image lacks
-to .gpu-mlx/b, which on-device.sh installs with MLX).
+then three device calls, one right after the other (a call carries the
+repo and at most 64 MiB: MLX's CUDA wheel travels in three parts):
+    1. carry .gpu-mlx/a:  bash bench/device/on-device.sh stage .gpu-mlx/a
+    2. carry .gpu-mlx/a2: bash bench/device/on-device.sh stage .gpu-mlx/a2
+    3. carry .gpu-mlx/b:  source bench/device/on-device.sh install &&
+                          python3 bench/gpu_suite.py --json $OUT/suite.json
+(bench/device/fetch-wheels.sh adds specgate's core dependencies the image
+lacks to .gpu-mlx/b, which on-device.sh installs with MLX).
 """
 
 from __future__ import annotations

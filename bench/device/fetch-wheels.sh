@@ -27,3 +27,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d .gpu-mlx/b $pins
 ls .gpu-mlx/b/*.whl | sed 's|.*/||'
 du -sh .gpu-mlx/b
+# A call carries the repo's tree (~22 MiB) and at most 64 MiB in all: MLX's CUDA wheel goes in
+# three parts (bench/device/on-device.sh stages a and a2, then installs with b).
+big=$(awk '{print $2}' .gpu-mlx/b/big.sha256)
+mkdir -p .gpu-mlx/a2
+cat $(ls .gpu-mlx/a/part_a* .gpu-mlx/a2/part_a* .gpu-mlx/b/part_a* 2>/dev/null | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) > ".gpu-mlx/$big"
+(cd .gpu-mlx && sha256sum -c --quiet b/big.sha256) || { echo "sha256 mismatch" >&2; exit 4; }
+rm -f .gpu-mlx/a/part_a* .gpu-mlx/a2/part_a* .gpu-mlx/b/part_a*
+(cd .gpu-mlx && split -b 40M "$big" part_ && mv part_aa a/ && mv part_ab a2/ && mv part_ac b/ && rm "$big")
+du -sh .gpu-mlx/a .gpu-mlx/a2 .gpu-mlx/b

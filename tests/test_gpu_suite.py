@@ -39,6 +39,7 @@ def suite(*args: str, home: Path, before: str = "") -> subprocess.CompletedProce
                           text=True, timeout=240)  # fmt: skip
 
 
+@pytest.mark.proof  # 13-30 s: the fast tier runs two sections in the next test
 def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     raw = tmp_path / "suite.json"
     r = suite("--tiny", "--reps", "2", "--json", str(raw), home=tmp_path)

@@ -18,6 +18,7 @@ from specgate.engines.base import CacheSettings
 from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.fair_lock import FairLock
 from specgate.engines.grammar.matcher import Grammars
+from specgate.kernels import hook
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
                 tokenizer.chat_template = chat_template
             if distribution is None:
+                # A layer's q/k/v and gate/up decode in one launch each (exact;
+                # kernels/hook.py says why). A rank's shard has sharded linears.
+                hook.fuse_siblings(model)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix)
             else:

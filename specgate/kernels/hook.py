@@ -74,6 +74,8 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                 return pending[1]
         guard = d.get("_specgate_guard")
         m = math.prod(x.shape[:-1])
+        if m == 1 and (siblings := d.get("_specgate_siblings")) is not None:
+            return self._siblings(x, siblings)
         if guard is not None and enabled() and qmm.MIN_M <= m <= qmm.MAX_M:
             if d.get("_specgate_group"):
                 y = self._fused(x, m)
@@ -91,6 +93,22 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                        self.bits)  # fmt: skip
                 return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
+
+    def _siblings(self, x: mx.array, siblings: tuple) -> mx.array:
+        """One row through the group's joined weights (fuse_siblings): one
+        stock launch for the group, each other member's slice left waiting."""
+        group, (weight, scales, biases) = siblings
+        y = mx.quantized_matmul(x, weight, scales, biases, transpose=True,
+                                group_size=self.group_size, bits=self.bits)  # fmt: skip
+        start, outs = 0, []
+        for mod in group:
+            n = mod["weight"].shape[0]
+            out = y[..., start : start + n]
+            outs.append(out + mod["bias"] if "bias" in mod else out)
+            start += n
+        for mod, out in zip(group[1:], outs[1:], strict=True):
+            mod.__dict__["_specgate_pending"] = (x, out)
+        return outs[0]
 
     def _fused(self, x: mx.array, m: int) -> mx.array | None:
         """This module's group in one launch, where the fused guard proved
@@ -135,6 +153,45 @@ def fuse_groups(model: nn.Module) -> list[list[nn.Module]]:
     return out
 
 
+def fuse_siblings(model: nn.Module) -> int:
+    """Each FUSE_GROUPS group of `model` computes a one-row input (decoding)
+    in one stock `quantized_matmul` over the members' weights joined,
+    instead of one launch per member; returns how many groups.
+
+    Why: a decoding step is bound by the host's work per launch on a GPU
+    (~20 launches a layer, each costing MLX ~10 us to encode), and a
+    layer's q/k/v and gate/up are three of them. Exact: every output column
+    is the same dot product over the same packed weights, whichever matrix
+    holds its row. The members' weights, scales and biases become slices of
+    the joined arrays (no second copy in memory), so their own path (more
+    rows: prefill, batches, verify kernels) is unchanged. Only one row: for
+    more, the slices of the joined output are not contiguous and the
+    reshapes after q/k/v would copy them."""
+    groups = 0
+    for group in fuse_groups(model):
+        if any("_specgate_joined" in mod.__dict__ for mod in group):
+            continue
+        joined = []
+        for name in ("weight", "scales", "biases"):
+            whole = mx.concatenate([mod[name] for mod in group])
+            start = 0
+            for mod in group:
+                n = mod[name].shape[0]
+                mod[name] = whole[start : start + n]
+                start += n
+            joined.append(whole)
+        mx.eval(joined, [mod.parameters() for mod in group])
+        for mod in group:
+            if type(mod) is nn.QuantizedLinear:
+                mod.__class__ = _KernelQuantizedLinear
+                mod.__dict__.setdefault("_specgate_guard", None)
+                mod.__dict__.setdefault("_specgate_fns", {})
+            mod.__dict__["_specgate_joined"] = True
+        group[0].__dict__["_specgate_siblings"] = (group, tuple(joined))
+        groups += 1
+    return groups
+
+
 def install(model: nn.Module, guard, fused_guard=None) -> int:
     """Hook every eligible quantized linear of `model` to `guard` (and, with
     a `fused_guard`, each FUSE_GROUPS group to it); returns how many linears."""
@@ -153,8 +210,15 @@ def install(model: nn.Module, guard, fused_guard=None) -> int:
 
 
 def uninstall(model: nn.Module) -> None:
+    """Undo `install` (a model whose siblings are fused keeps that)."""
     for _, module in model.named_modules():
         if type(module) is _KernelQuantizedLinear:
+            if "_specgate_joined" in module.__dict__:
+                module.__dict__["_specgate_guard"] = None
+                module.__dict__["_specgate_fns"] = {}
+                for key in ("_specgate_group", "_specgate_fused_guard", "_specgate_fused_fns"):
+                    module.__dict__.pop(key, None)
+                continue
             module.__class__ = nn.QuantizedLinear
             for key in ("_specgate_guard", "_specgate_fns", "_specgate_group", "_specgate_fused_guard",
                         "_specgate_fused_fns", "_specgate_pending"):  # fmt: skip

@@ -12,9 +12,11 @@ the tokens after the first:
   generate()), a lone request on its lone loop (engines/mlx_plain/lone.py);
 - batch1: the same engine with the lone loop off (a batch of one);
 - batchgen: mlx-lm's BatchGenerator driven directly, one sequence;
-- fused: generate_step with each layer's q/k/v and gate/up computed by one
-  stock quantized matmul over their concatenated weights (fewer launches);
-  exact: every column's dot product is the same.
+- fused: generate_step on the model as specgate loads it, each layer's
+  q/k/v and gate/up decoded by one stock quantized matmul over their joined
+  weights (kernels/hook.fuse_siblings: fewer launches, the same numbers).
+  The engine variants run on that model too; mlx-lm's on the model as
+  built.
 Prints tok/s median [min, max] and each variant's ratio to generate_step,
 and whether every variant's tokens equal generate_step's.
 MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
@@ -45,6 +47,7 @@ from specgate.engines.base import GenerationRequest, Plan, SamplingParams, Token
 from specgate.engines.cache.prefix_cache import PrefixCache  # noqa: E402
 from specgate.engines.loading import LoadedModel  # noqa: E402
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
+from specgate.kernels import hook  # noqa: E402
 
 VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused")
 
@@ -161,61 +164,6 @@ class Engines:
         self.loop.close()
 
 
-class FusedSiblings:
-    """q/k/v and gate/up of every layer as one quantized matmul each, at one
-    row (decoding), on this model instance only; undone by `off()`."""
-
-    GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-    def __init__(self, model):
-        self.saved = []
-        for _, parent in model.named_modules():
-            for names in self.GROUPS:
-                mods = [parent.get(n) if isinstance(parent, nn.Module) else None for n in names]
-                if all(isinstance(m, nn.QuantizedLinear) for m in mods):
-                    self.saved.append((parent, names, mods))
-        self.fused = []
-        for _, _, mods in self.saved:
-            w = mx.concatenate([m["weight"] for m in mods])
-            s = mx.concatenate([m["scales"] for m in mods])
-            b = mx.concatenate([m["biases"] for m in mods])
-            cuts = [m["weight"].shape[0] for m in mods]
-            self.fused.append((w, s, b, cuts, mods[0].group_size, mods[0].bits))
-        mx.eval([f[:3] for f in self.fused])
-
-    def on(self):
-        for (parent, names, mods), (w, s, b, cuts, gs, bits) in zip(self.saved, self.fused,
-                                                                     strict=True):  # fmt: skip
-            box = {}
-
-            def first(x, mods=mods, w=w, s=s, b=b, cuts=cuts, gs=gs, bits=bits, box=box):
-                if x.shape[-2] != 1:
-                    return mods[0](x)
-                y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
-                offs, out = 0, []
-                for c in cuts:
-                    out.append(y[..., offs : offs + c])
-                    offs += c
-                box["x"], box["rest"] = x, out[1:]
-                return out[0]
-
-            def later(i, mods=mods, box=box):
-                def f(x):
-                    if box.get("x") is x:
-                        return box["rest"][i]
-                    return mods[i + 1](x)
-                return f
-
-            parent[names[0]] = first
-            for i, n in enumerate(names[1:]):
-                parent[n] = later(i)
-
-    def off(self):
-        for parent, names, mods in self.saved:
-            for n, m in zip(names, mods, strict=True):
-                parent[n] = m
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -235,16 +183,21 @@ def main() -> None:
         a.tokens, a.reps = min(a.tokens, 48), min(a.reps, 3)
     ns = SimpleNamespace(**shape, seed=0, embed_scale=16.0, margin=20.0)
     t0 = time.perf_counter()
-    model, _, _ = build(ns)
-    nn.quantize(model, group_size=64, bits=4)
-    mx.eval(model.parameters())
+
+    def quantized():
+        model, _, _ = build(ns)
+        nn.quantize(model, group_size=64, bits=4)
+        mx.eval(model.parameters())
+        return model
+
+    model, fused = quantized(), quantized()  # the same seed: the same weights
+    hook.fuse_siblings(fused)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, "
           f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     rng = random.Random(1)
     prompt = [rng.randrange(ns.vocab) for _ in range(a.prompt)]
-    engines = Engines(loaded_model(model, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
-    fused = FusedSiblings(model) if "fused" in variants else None
+    engines = Engines(loaded_model(fused, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
 
     def once(v):
         if v == "generate_step":
@@ -252,11 +205,7 @@ def main() -> None:
         if v == "batchgen":
             return run_batchgen(model, prompt, a.tokens)
         if v == "fused":
-            fused.on()
-            try:
-                return run_generate_step(model, prompt, a.tokens)
-            finally:
-                fused.off()
+            return run_generate_step(fused, prompt, a.tokens)
         return engines.run(v == "lone", prompt, a.tokens)
 
     results = {v: [] for v in variants}
@@ -272,14 +221,8 @@ def main() -> None:
             results[v].append(tps)
     if engines is not None:
         engines.close()
-    for name in ("stock", "fused") if fused is not None else ("stock",):
-        if name == "fused":
-            fused.on()
-        try:
-            ph = step_phases(model, prompt, a.tokens)
-        finally:
-            if name == "fused":
-                fused.off()
+    for name, m in (("stock", model), ("fused", fused)):
+        ph = step_phases(m, prompt, a.tokens)
         print(f"generate_step's loop by hand ({name}), ms per token: build {ph['build']:.2f} | "
               f"queue (MLX encodes) {ph['queue']:.2f} | wait {ph['wait']:.2f}")  # fmt: skip
     base = results.get("generate_step")

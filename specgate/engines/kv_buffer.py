@@ -89,3 +89,70 @@ def views(cache: list, rows: int) -> list:
     if not 2 <= rows <= MAX_ROWS:
         return cache
     return [WholeBufferKV(c, rows) if type(c) is KVCache else c for c in cache]
+
+
+class DeviceOffsetKV:
+    """A KV cache whose length is an array on the device, not a number on
+    the host: a forward can be queued before the host knows how many of the
+    last forward's rows stand (engines/mlx_spec/ahead.py queues a round
+    before the last round's verdict is read).
+
+    Rows are written at the device-side `offset` into a buffer sized for the
+    most the offset can be (`bound`, known on the host); attention sees the
+    whole buffer through a mask of the positions before the offset, as
+    WholeBufferKV does (so a hidden row weighs exactly 0). `offset` is what
+    mlx-lm's attention reads for RoPE positions; `keep(n)` sets it to the
+    first n rows of the last write; `settle` brings `bound` down once the
+    host learns the length."""
+
+    step = 256
+
+    def __init__(self, cache: KVCache):
+        self.keys, self.values = cache.keys, cache.values
+        self.offset = mx.array(cache.offset, dtype=mx.int32)
+        self.bound = cache.offset
+
+    def _room(self, n: int) -> None:
+        """A buffer for `n` more rows after the most the offset can be
+        (every layer's grows alike: the same bound, the same steps)."""
+        size = self.keys.shape[2]
+        if self.bound + n <= size:
+            return
+        grow = (self.bound + n + self.step - 1) // self.step * self.step - size
+        shape = list(self.keys.shape)
+        shape[2] = grow
+        self.keys = mx.concatenate([self.keys, mx.zeros(shape, self.keys.dtype)], axis=2)
+        shape = list(self.values.shape)
+        shape[2] = grow
+        self.values = mx.concatenate([self.values, mx.zeros(shape, self.values.dtype)], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        self._room(n)
+        at = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
+        self.offset = self.offset + n
+        self.bound += n
+        self._last = (self.offset - n, n)
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        self._room(n)  # the buffer this forward's update will leave: its key length
+        rows = self.offset + mx.arange(n)[:, None]
+        cols = mx.arange(self.keys.shape[2])[None]
+        mask = cols <= rows
+        if window_size is not None:
+            mask = mask & (cols > rows - window_size)
+        return mask
+
+    def keep(self, n: mx.array | int) -> None:
+        """Only the first `n` rows of the last write stand (the rest are
+        written over by the next one)."""
+        start, _ = self._last
+        self.offset = start + n
+
+    def settle(self, length: int, in_flight: int) -> None:
+        """The host learnt the cache's length before the writes still in
+        flight (`in_flight` rows at most): the bound comes down to it."""
+        self.bound = length + in_flight

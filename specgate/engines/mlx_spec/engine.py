@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from specgate.engines.base import (
     EngineError,
     EngineOverloaded,
@@ -42,6 +44,7 @@ from specgate.engines.distributed.lockstep import FollowerOut, Immediate, Lockst
 from specgate.engines.drafting.base import Drafting
 from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
@@ -101,6 +104,9 @@ class SpecEngine(WorkerEngine):
         self.method: Method = self.drafting.method
         self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
+        # Greedy MTP rounds queued one ahead (mlx_spec/ahead.py) where a GPU
+        # runs them: there the host's work per round is the cost it hides.
+        self.ahead = mx.default_device() == mx.gpu
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
         depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
@@ -150,9 +156,11 @@ class SpecEngine(WorkerEngine):
         self, request: GenerationRequest, cache: list | None, cached_tokens: int
     ) -> SpecDecoder:
         grammar = decoding_state(self.loaded.grammars, request.sampling)
-        return SpecDecoder(self.target, self.drafting.proposer(self.target), request, cache,
-                           cached_tokens, self.tokenizer, self.prefill_step_size,
-                           grammar=grammar)  # fmt: skip
+        proposer = self.drafting.proposer(self.target)
+        ahead = self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)
+        return (AheadDecoder if ahead else SpecDecoder)(
+            self.target, proposer, request, cache, cached_tokens, self.tokenizer,
+            self.prefill_step_size, grammar=grammar)  # fmt: skip
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None

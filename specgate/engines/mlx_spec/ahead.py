@@ -1,0 +1,212 @@
+"""Greedy MTP rounds queued one ahead: the next round's graph is built and
+sent to the device before this round's verdict is read.
+
+Why: on a GPU a round is bound by the host's work (building the drafting
+and verify graphs in Python, MLX encoding ~700 kernels); the decoder
+(decoder.py) reads each round's verdict before it builds the next round, so
+the device idles while the host builds and the host idles while the device
+finishes. mlx-lm's generate_step hides the same gap for plain decoding by
+queueing step n+1 before reading token n; this does it for speculation.
+
+What makes it possible is keeping every quantity the next round depends on
+on the device, as arrays, never as host numbers:
+- the number of drafts accepted (greedy: the length of the run where each
+  draft equals the target's argmax), the bonus token after them, the
+  trunk's hidden states at the kept positions;
+- the caches' lengths (engines/kv_buffer.DeviceOffsetKV: rows written at a
+  device-side offset, attention masked past it), so a rejected draft's
+  rows are simply written over by the next round;
+- the MTP head's input: the pairs (token, trunk hidden before it) of the
+  last round, all k+1 of them fed at once, only the first accepted+1
+  standing (the head's cache keeps those; its chained, self-fed entries are
+  dropped the same way).
+The host then reads round n (its drafts, the count, the bonus token: one
+wait) while round n+1 runs, commits its tokens (EOS, max_tokens) and queues
+round n+2. A round queued past the end is dropped: nothing it wrote is kept.
+
+Exactness: every committed token is the trunk's argmax at its position,
+over the same rows and caches as decoder.py's rounds (masked positions
+weigh exactly 0), so the output is plain greedy decoding's.
+
+Where it applies (`AheadDecoder.fits`): greedy requests with no penalties,
+grammar or logprobs; the MTP proposer with a one-layer head; a trunk whose
+caches are all KVCaches (dense attention). Anything else, and depth 0,
+runs decoder.py's rounds: `round(0)` hands the sequence back to them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from specgate.engines.base import GenerationRequest, RoundStats
+from specgate.engines.drafting.mtp.proposer import MTPProposer, _HeadInput
+from specgate.engines.kv_buffer import DeviceOffsetKV
+from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
+from specgate.engines.targets.base import TransformerTarget
+
+
+@dataclass
+class _Queued:
+    """One round sent to the device, not yet read."""
+
+    depth: int
+    drafts: mx.array  # (k,)
+    accepted: mx.array  # () int32
+    bonus: mx.array  # (1,) the target's token after the accepted drafts
+    pairs: mx.array  # (1, k + 1) the head's next tokens: accepted drafts, then the bonus
+    hidden: mx.array  # (1, k + 1, H) the trunk's at the verify rows (the pairs' hidden states)
+    before: tuple  # the trunk's and the head's buffers before it (to drop it)
+    queued_at: float
+
+
+class AheadDecoder(SpecDecoder):
+    @staticmethod
+    def fits(target, proposer, request: GenerationRequest, grammar) -> bool:
+        p = request.sampling
+        return (type(target) is TransformerTarget and type(proposer) is MTPProposer
+                and len(proposer.head.layers) == 1 and p.greedy and not p.has_penalties
+                and not p.logprobs and grammar is None)  # fmt: skip
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._queued: _Queued | None = None  # sent, not read
+        self._read_last: _Queued | None = None  # the last one read
+        self._read_at: float | None = None
+
+    # -- the rounds ---------------------------------------------------------------------
+
+    def round(self, depth: int) -> Step:
+        if depth == 0 or self.cold:
+            self._drop_queued()
+            return super().round(depth)
+        if self._queued is None:
+            self._enter()
+            self._queued = self._queue(depth)
+        following = self._queue(depth)  # built while the device runs the queued one
+        step = self._read(self._queued, following)
+        self._queued = following
+        if step.finish_reason is not None:
+            self._drop_queued()
+        return step
+
+    def handoff(self, plan, detokenizer):
+        self._drop_queued()
+        return super().handoff(plan, detokenizer)
+
+    # -- entering and leaving --------------------------------------------------------------
+
+    def _enter(self) -> None:
+        """From decoder.py's state (host lengths; the head owes pairs) to
+        device-side lengths and the first round's head input."""
+        proposer: MTPProposer = self.proposer
+        self.cache = [DeviceOffsetKV(c) for c in self.cache]
+        proposer.cache = [DeviceOffsetKV(c) for c in proposer.cache]
+        owed = proposer.owed
+        self._pairs = mx.array([[*owed.tokens, self.tokens[-1]]], dtype=mx.int32)
+        self._hidden = mx.concatenate([*owed.hidden, proposer.h_prev], axis=1)
+        self._standing = mx.array(self._pairs.shape[1], dtype=mx.int32)  # pairs that stand
+        self._fed = self._pairs.shape[1]  # the host's count of them, for the oldest unread round
+        self._head_length = proposer.cache[0].bound  # the host's, as of the last round read
+        self._last = mx.array([self.tokens[-1]], dtype=mx.int32)
+        proposer.owed, proposer.h_prev = _HeadInput(), None
+
+    def _drop_queued(self) -> None:
+        """Back to decoder.py's state: the round queued past the last one
+        read is dropped (the caches as they were before it, at the lengths
+        the host knows) and the head owes the last read round's pairs."""
+        queued, last = self._queued, self._read_last
+        self._queued = self._read_last = None
+        if queued is None:
+            return
+        proposer: MTPProposer = self.proposer
+        trunk, head = queued.before
+        self.cache = [_kv(b, len(self.tokens) - 1) for b in trunk]
+        proposer.cache = [_kv(b, self._head_length) for b in head]
+        n = self._fed  # the last round's committed tokens: its pairs that stand
+        proposer.owed = _HeadInput(last.pairs[0, : n - 1].tolist(), [last.hidden[:, : n - 1]])
+        proposer.h_prev = last.hidden[:, n - 1 : n]
+        proposer.drafted = False
+
+    # -- one round, on the device -------------------------------------------------------
+
+    def _queue(self, k: int) -> _Queued:
+        target, proposer = self.target, self.proposer
+        head, cache = proposer.head, proposer.cache
+        before = ([_Buffers(c) for c in self.cache], [_Buffers(c) for c in cache])
+        t0 = time.perf_counter()
+        # The head: last round's pairs at once (the first `standing` stand),
+        # then its own chain, whose rows are dropped after.
+        out = head(target.embed(self._pairs), self._hidden, cache)
+        cache[0].keep(self._standing)
+        stays = cache[0].offset
+        o = mx.take(out, self._standing - 1, axis=1)[:, None]
+        drafts = []
+        for j in range(k):
+            d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
+            drafts.append(d)
+            if j + 1 < k:
+                o = head(target.embed(d[None]), o, cache, step=j + 1)
+        cache[0].offset = stays
+        drafts = mx.concatenate(drafts)
+        # The verify forward over [last, d_1..d_k], and the greedy verdict.
+        rows = mx.concatenate([self._last, drafts])[None]
+        with target.verify_kernels():
+            forward = target.forward(rows, self.cache)
+            chosen = mx.argmax(target.logits(forward.hidden)[0], axis=-1).astype(mx.int32)
+        accepted = mx.cumprod((drafts == chosen[:k]).astype(mx.int32)).sum()
+        bonus = mx.take(chosen, accepted)[None]
+        for c in self.cache:
+            c.keep(accepted + 1)
+        # The next round's head pairs: (d_j, the trunk's hidden before it)
+        # for the accepted drafts, then (bonus, the last accepted row's).
+        pairs = mx.where(mx.arange(k + 1) < accepted, mx.concatenate([drafts, bonus]), bonus)[None]
+        self._pairs, self._hidden, self._standing = pairs, forward.hidden, accepted + 1
+        self._last = bonus
+        mx.async_eval(drafts, accepted, bonus, pairs, [c.keys for c in self.cache],
+                      [c.values for c in self.cache], [c.keys for c in cache],
+                      [c.values for c in cache])  # fmt: skip
+        return _Queued(k, drafts, accepted, bonus, pairs, forward.hidden, before, t0)
+
+    def _read(self, queued: _Queued, following: _Queued) -> Step:
+        """Round n's verdict (round n+1 already queued): commit its tokens."""
+        context = len(self.tokens)
+        drafts = queued.drafts.tolist()
+        n = int(queued.accepted.item())
+        step = self._commit([*drafts[:n], int(queued.bonus.item())], [])
+        # The host's lengths move on by round n's: the head kept the pairs
+        # it was fed, the trunk the rows of the committed tokens.
+        self._head_length += self._fed
+        self._fed = len(self.tokens) - context
+        for c in self.cache:
+            c.settle(len(self.tokens) - 1, following.depth + 1)
+        for c in self.proposer.cache:
+            c.settle(self._head_length, 2 * following.depth)
+        self._read_last = queued
+        now = time.perf_counter()
+        step.stats = RoundStats(
+            model=self.request.model, method=self.method, drafted=queued.depth,
+            accepted_per_position=[j < n for j in range(queued.depth)],
+            verify_width=queued.depth + 1,
+            seconds=now - (self._read_at if self._read_at is not None else queued.queued_at),
+            context_tokens=context, depth=queued.depth, constrained=False,
+            kernels=bool(self.target.kernels))  # fmt: skip
+        self._read_at = now
+        return step
+
+
+class _Buffers:
+    """A DeviceOffsetKV's buffers at one moment (MLX arrays never change)."""
+
+    def __init__(self, cache: DeviceOffsetKV):
+        self.keys, self.values = cache.keys, cache.values
+
+
+def _kv(buffers: _Buffers, length: int) -> KVCache:
+    """mlx-lm's KVCache of a buffer's first `length` rows."""
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = buffers.keys, buffers.values, length
+    return cache

@@ -1,0 +1,171 @@
+"""Greedy MTP rounds queued one ahead (engines/mlx_spec/ahead.py) give plain
+greedy decoding's tokens, whatever is accepted, cut or switched.
+
+The target is mlx-lm's qwen3 (dense attention: every cache a KVCache),
+small and float32, with a bigram path (as bench/e2e_mtp_7b.py builds it):
+the final hidden state points along the current token's embedding and
+lm_head row sigma(t) is raised along it, so greedy decoding follows
+t -> sigma(t) by a wide margin. The MTP head (one qwen3 block, its output
+projections zeroed so it passes its input through) reads the next token's
+embedding from its first half: with `noise` 0 it drafts the trunk's own
+continuation (every draft accepted), with more it drafts wrong more often.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from greedy import assert_same_greedy, greedy_reference
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache
+
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.mtp.head import MTPHead
+from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.decoder import SpecDecoder
+from specgate.engines.targets import target_for
+
+H, V = 64, 512
+PROMPT = [7, 100, 31, 400, 5, 9, 250, 77]
+
+
+@pytest.fixture(scope="module")
+def trunk():
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=H, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, rms_norm_eps=1e-6, vocab_size=V,
+                           max_position_embeddings=4096, rope_theta=1e4,
+                           tie_word_embeddings=False)  # fmt: skip
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    sigma = list(range(V))
+    random.Random(0).shuffle(sigma)
+    e = mx.random.normal((V, H), key=mx.random.key(1)) * 16.0
+    unit = e / mx.linalg.norm(e, axis=-1, keepdims=True)
+    inv = [0] * V
+    for t, s in enumerate(sigma):
+        inv[s] = t
+    model.model.embed_tokens.weight = e
+    model.lm_head.weight = model.lm_head.weight + (20.0 / math.sqrt(H)) * unit[mx.array(inv)]
+    mx.eval(model.parameters())
+    return model, args
+
+
+def head(args, noise: float) -> MTPHead:
+    mx.random.seed(2)
+    h = MTPHead(H, args.rms_norm_eps, [qwen3.TransformerBlock(args)])
+    block = h.layers[0]
+    block.self_attn.o_proj.weight = mx.zeros_like(block.self_attn.o_proj.weight)
+    block.mlp.down_proj.weight = mx.zeros_like(block.mlp.down_proj.weight)
+    fc = mx.concatenate([mx.eye(H), noise * mx.random.normal((H, H))], axis=1)
+    h.fc.weight = fc
+    mx.eval(h.parameters())
+    return h
+
+
+def decode(model, mtp: MTPHead, depths, n: int, ahead: bool = True, stop=frozenset()):
+    target = target_for(model)
+    request = GenerationRequest("a", "a", PROMPT, SamplingParams(temperature=0), n,
+                                Plan("mlx_mtp", "mtp", 3, "spec_on"), stop)  # fmt: skip
+    cls = AheadDecoder if ahead else SpecDecoder
+    dec = cls(target, MTPProposer(target, mtp), request, None, 0, None)
+    step = dec.prefill()
+    tokens, rounds = list(step.tokens), []
+    i = 0
+    while step.finish_reason is None:
+        step = dec.round(depths[i % len(depths)])
+        i += 1
+        tokens += step.tokens
+        rounds.append(step.stats)
+    return tokens, rounds, dec, step
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.25, 8.0])
+@pytest.mark.parametrize("depths", [(1,), (4,), (3, 1, 4, 2)])
+def test_ahead_rounds_give_plain_greedy_tokens(trunk, noise, depths):
+    model, args = trunk
+    n = 60
+    want, margins = greedy_reference(model, PROMPT, n)
+    tokens, rounds, dec, _ = decode(model, head(args, noise), depths, n)
+    assert_same_greedy(tokens, want, margins)
+    assert len(tokens) == n
+    accepted = [r.accepted for r in rounds if r.drafted]
+    if noise == 0.0:
+        assert all(a == r.drafted for a, r in zip(accepted, rounds, strict=False) if r.drafted)
+    if noise == 8.0:
+        assert sum(accepted) <= len(accepted)  # mostly rejected
+    # Ended: the caches are mlx-lm's again, holding every token but the last.
+    assert all(type(c) is KVCache and c.offset == len(dec.tokens) - 1 for c in dec.cache)
+    assert dec.proposer.cache[0].offset > 0 and type(dec.proposer.cache[0]) is KVCache
+
+
+def test_partial_acceptance_happens_and_matches_the_decoder_round_for_round(trunk):
+    model, args = trunk
+    mtp = head(args, 0.25)
+    tokens, rounds, _, _ = decode(model, mtp, (4,), 80)
+    ref, ref_rounds, _, _ = decode(model, mtp, (4,), 80, ahead=False)
+    assert tokens == ref
+    counts = [r.accepted for r in rounds]
+    assert counts == [r.accepted for r in ref_rounds]
+    assert {0, 4} <= set(counts) and any(0 < c < 4 for c in counts), counts  # mixed rounds
+
+
+def test_depth_zero_and_cuts_hand_back_to_the_decoder_exactly(trunk):
+    model, args = trunk
+    mtp = head(args, 0.25)
+    want, margins = greedy_reference(model, PROMPT, 70)
+    tokens, rounds, _, _ = decode(model, mtp, (3, 3, 0, 2, 4, 0, 0, 1), 70)
+    assert_same_greedy(tokens, want, margins)
+    assert [r.drafted for r in rounds[:4]] == [3, 3, 0, 2]
+    # max_tokens cuts inside a round; EOS cuts and is not part of the text
+    for n in (17, 18, 19):
+        got, _, dec, step = decode(model, mtp, (4,), n)
+        assert got == want[:n] and step.finish_reason == "length"
+        assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache)
+    stop = want[30]
+    got, _, dec, step = decode(model, mtp, (4,), 70, stop=frozenset({stop}))
+    assert got == want[: want.index(stop)] and step.finish_reason == "stop"
+    assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache)
+
+
+def test_a_handoff_after_ahead_rounds_carries_the_exact_state(trunk):
+    model, args = trunk
+    mtp = head(args, 0.25)
+    target = target_for(model)
+    request = GenerationRequest("h", "h", PROMPT, SamplingParams(temperature=0), 50,
+                                Plan("mlx_mtp", "mtp", 3, "spec_on"))  # fmt: skip
+    dec = AheadDecoder(target, MTPProposer(target, mtp), request, None, 0, None)
+    tokens = list(dec.prefill().tokens)
+    for _ in range(4):
+        tokens += dec.round(3).tokens
+    handoff = dec.handoff(Plan("mlx_plain", "none", 0, "concurrency"), None)
+    assert handoff.tokens == PROMPT + tokens
+    assert all(c.offset == len(handoff.tokens) - 1 for c in handoff.cache)
+    # the plain continuation from the handed-over cache is greedy's
+    want, _ = greedy_reference(model, PROMPT, len(tokens) + 10)
+    y, rest = mx.array([[handoff.tokens[-1]]]), []
+    for _ in range(10):
+        y = mx.argmax(model(y, cache=handoff.cache)[:, -1:], axis=-1)
+        rest.append(y.item())
+    assert tokens + rest == want
+
+
+def test_fits_only_where_it_is_exact(trunk):
+    model, args = trunk
+    target = target_for(model)
+    proposer = MTPProposer(target, head(args, 0.0))
+
+    def req(**kw):
+        return GenerationRequest("f", "f", PROMPT, SamplingParams(**kw), 8,
+                                 Plan("mlx_mtp", "mtp", 3, "spec_on"))  # fmt: skip
+
+    assert AheadDecoder.fits(target, proposer, req(temperature=0), None)
+    assert not AheadDecoder.fits(target, proposer, req(temperature=0.7, seed=1), None)
+    assert not AheadDecoder.fits(target, proposer, req(temperature=0, presence_penalty=0.5), None)
+    assert not AheadDecoder.fits(target, proposer, req(temperature=0, logprobs=True), None)
+    assert not AheadDecoder.fits(target, proposer, req(temperature=0), object())  # a grammar

@@ -1,4 +1,4 @@
-"""Where an MTP round's time goes: building its graph, waiting for the device, the bookkeeping after.
+"""MTP rounds on a GPU: where a round's time goes, and rounds queued one ahead (mlx_spec/ahead.py).
 
     python bench/round_phases.py [--depth 4] [--accept 0.8] [--tokens 256] [--kernels auto|off]
     python bench/round_phases.py --tiny         # the same on a CPU, small
@@ -18,11 +18,19 @@ that build outruns it: overlapping them (the next round's graph queued
 before this one's verdict is read) is what generate_step does for plain
 decoding. Prints median ms per round and their share, and plain
 generate_step's ms per token for scale.
+
+Then the same rounds queued one ahead (AheadDecoder), its drafts replaced
+on the device by the same oracle (the reference token at the next
+generated position with probability a per draft, a Bernoulli per round and
+draft position from a seeded generator, else another token; the head still
+runs): tok/s over generate_step, side by side with the decoder's, each
+over --reps interleaved repeats, every output compared with plain greedy.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -39,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_mtp_7b import OracleDrafts, build, plain  # noqa: E402  (bench/, beside this file)
 
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams  # noqa: E402
+from specgate.engines.drafting.mtp.proposer import MTPProposer  # noqa: E402
 from specgate.engines.mlx_spec import decoder as decoder_module  # noqa: E402
+from specgate.engines.mlx_spec.ahead import AheadDecoder  # noqa: E402
 from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
 from specgate.engines.targets import target_for  # noqa: E402
 from specgate.kernels import wiring  # noqa: E402
@@ -61,6 +71,55 @@ class TimedMx:
         self.waits.append((t0, time.perf_counter()))
 
 
+class OracleAhead(AheadDecoder):
+    """AheadDecoder whose drafts are the oracle's, chosen on the device: the
+    generated position each round starts at is a device-side count too."""
+
+    def __init__(self, *args, reference: list[int], accept: float, seed: int, vocab: int):
+        super().__init__(*args)
+        self.reference = mx.array(reference + [0] * 64, dtype=mx.int32)
+        self.accept, self.vocab = accept, vocab
+        self.rng = random.Random(seed)
+        self.position: mx.array | None = None
+
+    def _draft(self, k):
+        drafts = super()._draft(k)  # the head's work stays in the round's graph
+        if self.position is None:
+            self.position = mx.array(self.generated, dtype=mx.int32)
+        ok = mx.array([self.rng.random() < self.accept for _ in range(k)])
+        wrong = mx.array([1 + self.rng.randrange(self.vocab - 1) for _ in range(k)], dtype=mx.int32)
+        ref = mx.take(self.reference, self.position + mx.arange(k))
+        forced = mx.where(ok, ref, (ref + wrong) % self.vocab)
+        return mx.where(drafts >= 0, forced, drafts)
+
+    def _queue(self, k):
+        queued = super()._queue(k)
+        self.position = self.position + queued.accepted + 1
+        return queued
+
+
+def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
+    request = GenerationRequest("ahead", "ahead", prompt, SamplingParams(temperature=0), n,
+                                Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
+    dec = OracleAhead(trunk, MTPProposer(trunk, head), request, None, 0, None,
+                      reference=reference, accept=accept, seed=seed, vocab=vocab)  # fmt: skip
+    step = dec.prefill()
+    tokens, rounds = list(step.tokens), 0
+    t0 = time.perf_counter()
+    while step.finish_reason is None:
+        step = dec.round(depth)
+        tokens += step.tokens
+        rounds += 1
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0), (len(tokens) - 1) / rounds
+
+
+def decoder_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
+    from e2e_mtp_7b import mtp
+
+    tokens, tps, _, per_round = mtp(trunk, head, prompt, n, depth, reference, accept, seed, vocab)
+    return tokens, tps, per_round
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depth", type=int, default=4)
@@ -68,6 +127,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--kernels", default="auto", choices=wiring.SETTINGS)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     shape = dict(hidden=4096, layers=28, mlp=12288, heads=32, kv_heads=8, head_dim=128,
@@ -130,6 +190,22 @@ def main() -> None:
                       *med, (med[0] + med[2]) / med[3]))  # fmt: skip
     finally:
         decoder_module.mx = mx
+
+    rows = {"decoder": [], "ahead": []}
+    runs = {"decoder": decoder_run, "ahead": ahead_run}
+    exact, per_round = {m: True for m in runs}, {}
+    for rep in range(a.reps + 1):  # the first warms up
+        for mode, run in runs.items():
+            tokens, tps_m, pr = run(trunk, head, prompt, a.tokens, a.depth, reference, a.accept,
+                                    100 + rep, ns.vocab)  # fmt: skip
+            exact[mode] = exact[mode] and tokens == reference[: len(tokens)]
+            if rep:
+                rows[mode].append(tps_m / tps)
+                per_round.setdefault(mode, []).append(pr)
+    print(f"\ndepth {a.depth}, a={a.accept}: tok/s over generate_step, median [min, max] of {a.reps}")
+    for mode, r in rows.items():
+        print(f"   {mode:8} {statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]  "
+              f"{statistics.median(per_round[mode]):.2f} tokens/round  exact {exact[mode]}")
 
 
 if __name__ == "__main__":

@@ -134,24 +134,10 @@ class AheadDecoder(SpecDecoder):
     # -- one round, on the device -------------------------------------------------------
 
     def _queue(self, k: int) -> _Queued:
-        target, proposer = self.target, self.proposer
-        head, cache = proposer.head, proposer.cache
+        target, cache = self.target, self.proposer.cache
         before = ([_Buffers(c) for c in self.cache], [_Buffers(c) for c in cache])
         t0 = time.perf_counter()
-        # The head: last round's pairs at once (the first `standing` stand),
-        # then its own chain, whose rows are dropped after.
-        out = head(target.embed(self._pairs), self._hidden, cache)
-        cache[0].keep(self._standing)
-        stays = cache[0].offset
-        o = mx.take(out, self._standing - 1, axis=1)[:, None]
-        drafts = []
-        for j in range(k):
-            d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
-            drafts.append(d)
-            if j + 1 < k:
-                o = head(target.embed(d[None]), o, cache, step=j + 1)
-        cache[0].offset = stays
-        drafts = mx.concatenate(drafts)
+        drafts = self._draft(k)
         # The verify forward over [last, d_1..d_k], and the greedy verdict.
         rows = mx.concatenate([self._last, drafts])[None]
         with target.verify_kernels():
@@ -170,6 +156,23 @@ class AheadDecoder(SpecDecoder):
                       [c.values for c in self.cache], [c.keys for c in cache],
                       [c.values for c in cache])  # fmt: skip
         return _Queued(k, drafts, accepted, bonus, pairs, forward.hidden, before, t0)
+
+    def _draft(self, k: int) -> mx.array:
+        """The head's k drafts (k,): last round's pairs at once (the first
+        `standing` stand), then its own chain, whose rows are dropped after."""
+        target, cache = self.target, self.proposer.cache
+        out = self.proposer.head(target.embed(self._pairs), self._hidden, cache)
+        cache[0].keep(self._standing)
+        stays = cache[0].offset
+        o = mx.take(out, self._standing - 1, axis=1)[:, None]
+        drafts = []
+        for j in range(k):
+            d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
+            drafts.append(d)
+            if j + 1 < k:
+                o = self.proposer.head(target.embed(d[None]), o, cache, step=j + 1)
+        cache[0].offset = stays
+        return mx.concatenate(drafts)
 
     def _read(self, queued: _Queued, following: _Queued) -> Step:
         """Round n's verdict (round n+1 already queued): commit its tokens."""

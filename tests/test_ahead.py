@@ -17,7 +17,6 @@ import math
 import random
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.models import qwen3
@@ -169,3 +168,87 @@ def test_fits_only_where_it_is_exact(trunk):
     assert not AheadDecoder.fits(target, proposer, req(temperature=0, presence_penalty=0.5), None)
     assert not AheadDecoder.fits(target, proposer, req(temperature=0, logprobs=True), None)
     assert not AheadDecoder.fits(target, proposer, req(temperature=0), object())  # a grammar
+
+
+def test_the_demo_model_a_hybrid_with_a_trained_head_decodes_ahead_exactly():
+    """Qwen3.5's layout (GatedDeltaNet beside attention: the recurrent state
+    after the accepted steps is picked on the device) and a head whose
+    drafts are right often, so partial acceptance is the head's own."""
+    from test_mtp_exactness import demo_tokenizer
+    from tiny_targets import TinyTarget
+
+    from specgate.engines.checkpoints.builtin import default_model_path
+
+    demo = TinyTarget(default_model_path(), head=True)
+    tok = demo_tokenizer()
+    drafted = accepted = 0
+    for i, text in enumerate(["import os\nimport sys\n\n\ndef main():\n",
+                              "class Stack:\n    def __init__(self):\n",
+                              "numbers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]):  # fmt: skip
+        prompt = tok.encode(text).ids
+        want, margins = demo.reference(prompt, 48)
+        request = GenerationRequest("d", "d", prompt, SamplingParams(temperature=0), 48,
+                                    Plan("mlx_mtp", "mtp", 3, "spec_on"))  # fmt: skip
+        dec = AheadDecoder(demo.trunk, MTPProposer(demo.trunk, demo.head), request, None, 0, None)
+        step = dec.prefill()
+        tokens = list(step.tokens)
+        while step.finish_reason is None:
+            step = dec.round((1, 3, 4)[i])
+            tokens += step.tokens
+            drafted += step.stats.drafted
+            accepted += step.stats.accepted
+        assert_same_greedy(tokens, want, margins)
+        assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache if isinstance(c, KVCache))
+    assert accepted / drafted > 0.3, (accepted, drafted)
+
+
+def test_the_mtp_engine_serves_ahead_and_its_prefix_cache_entry_resumes_exactly():
+    """Through SpecEngine (its rounds, the end of a request, the prefix
+    cache entry it leaves: the caches and the head's state after the last
+    round read), on the demo model, ahead forced on as on a GPU."""
+    import asyncio
+
+    from test_mtp_exactness import demo_tokenizer
+
+    from specgate.engines.base import CacheSettings, TokenEvent
+    from specgate.engines.checkpoints.builtin import default_model_path
+    from specgate.engines.drafting.mtp import proposer as mtp
+    from specgate.engines.loading import load_mlx_model
+    from specgate.engines.mlx_spec.engine import SpecEngine
+    from specgate.policies.decide import FixedPlanner
+
+    loaded = load_mlx_model(str(default_model_path()), CacheSettings(disk_bytes=0))
+    tok = demo_tokenizer()
+    first = tok.encode("def main():\n    for i in range(10):\n").ids
+    more = tok.encode("\n# and then\n").ids
+    plan = Plan("mlx_mtp", "mtp", 3, "spec_on")
+
+    async def run(engine, prompt):
+        request = GenerationRequest(f"r{len(prompt)}", "demo", prompt,
+                                    SamplingParams(temperature=0), 40, plan, cache_scope="t")  # fmt: skip
+        tokens, cached = [], 0
+        async for ev in engine.generate(request, FixedPlanner(plan)):
+            if isinstance(ev, TokenEvent):
+                tokens += ev.token_ids
+                cached = ev.cached_tokens
+        return tokens, cached
+
+    async def main():
+        engine = SpecEngine("demo", loaded, name="mlx_mtp", drafting=mtp.drafting,
+                            max_context=4096, kernels="off")  # fmt: skip
+        engine.ahead = True
+        await engine.start()
+        try:
+            a = await run(engine, first)
+            b = await run(engine, first + a[0] + more)  # the next turn: resumes from a's entry
+            return a, b
+        finally:
+            await engine.stop()
+
+    (a, _), (b, cached) = asyncio.run(asyncio.wait_for(main(), 120))
+    for prompt, got in ((first, a), (first + a + more, b)):
+        want, margins = greedy_reference(loaded.model, prompt, 40)
+        assert_same_greedy(got, want, margins)
+    # The second found the first's entry: its caches and head state as the
+    # last round read left them (a hybrid's entry is whole: every token but the last).
+    assert cached == len(first) + len(a) - 1

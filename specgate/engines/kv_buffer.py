@@ -112,6 +112,10 @@ class DeviceOffsetKV:
         self.offset = mx.array(cache.offset, dtype=mx.int32)
         self.bound = cache.offset
 
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset
+
     def _room(self, n: int) -> None:
         """A buffer for `n` more rows after the most the offset can be
         (every layer's grows alike: the same bound, the same steps)."""

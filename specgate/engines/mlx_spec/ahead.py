@@ -67,7 +67,7 @@ class AheadDecoder(SpecDecoder):
     @staticmethod
     def fits(target, proposer, request: GenerationRequest, grammar) -> bool:
         p = request.sampling
-        return (type(target) is TransformerTarget and type(proposer) is MTPProposer
+        return (_keeps_on_device(target) and type(proposer) is MTPProposer
                 and len(proposer.head.layers) == 1 and p.greedy and not p.has_penalties
                 and not p.logprobs and grammar is None)  # fmt: skip
 
@@ -103,7 +103,7 @@ class AheadDecoder(SpecDecoder):
         """From decoder.py's state (host lengths; the head owes pairs) to
         device-side lengths and the first round's head input."""
         proposer: MTPProposer = self.proposer
-        self.cache = [DeviceOffsetKV(c) for c in self.cache]
+        self.cache = [DeviceOffsetKV(c) if type(c) is KVCache else c for c in self.cache]
         proposer.cache = [DeviceOffsetKV(c) for c in proposer.cache]
         owed = proposer.owed
         self._pairs = mx.array([[*owed.tokens, self.tokens[-1]]], dtype=mx.int32)
@@ -124,8 +124,8 @@ class AheadDecoder(SpecDecoder):
             return
         proposer: MTPProposer = self.proposer
         trunk, head = queued.before
-        self.cache = [_kv(b, len(self.tokens) - 1) for b in trunk]
-        proposer.cache = [_kv(b, self._head_length) for b in head]
+        self.cache = [b.restored(len(self.tokens) - 1) for b in trunk]
+        proposer.cache = [b.restored(self._head_length) for b in head]
         n = self._fed  # the last round's committed tokens: its pairs that stand
         proposer.owed = _HeadInput(last.pairs[0, : n - 1].tolist(), [last.hidden[:, : n - 1]])
         proposer.h_prev = last.hidden[:, n - 1 : n]
@@ -141,20 +141,18 @@ class AheadDecoder(SpecDecoder):
         # The verify forward over [last, d_1..d_k], and the greedy verdict.
         rows = mx.concatenate([self._last, drafts])[None]
         with target.verify_kernels():
-            forward = target.forward(rows, self.cache)
+            forward = target.forward(rows, self.cache, undo="tape")
             chosen = mx.argmax(target.logits(forward.hidden)[0], axis=-1).astype(mx.int32)
         accepted = mx.cumprod((drafts == chosen[:k]).astype(mx.int32)).sum()
         bonus = mx.take(chosen, accepted)[None]
-        for c in self.cache:
-            c.keep(accepted + 1)
+        target.keep(self.cache, forward, accepted + 1)
         # The next round's head pairs: (d_j, the trunk's hidden before it)
         # for the accepted drafts, then (bonus, the last accepted row's).
         pairs = mx.where(mx.arange(k + 1) < accepted, mx.concatenate([drafts, bonus]), bonus)[None]
         self._pairs, self._hidden, self._standing = pairs, forward.hidden, accepted + 1
         self._last = bonus
-        mx.async_eval(drafts, accepted, bonus, pairs, [c.keys for c in self.cache],
-                      [c.values for c in self.cache], [c.keys for c in cache],
-                      [c.values for c in cache])  # fmt: skip
+        mx.async_eval(drafts, accepted, bonus, pairs, [c.state for c in self.cache],
+                      [c.state for c in cache])  # fmt: skip
         return _Queued(k, drafts, accepted, bonus, pairs, forward.hidden, before, t0)
 
     def _draft(self, k: int) -> mx.array:
@@ -185,7 +183,8 @@ class AheadDecoder(SpecDecoder):
         self._head_length += self._fed
         self._fed = len(self.tokens) - context
         for c in self.cache:
-            c.settle(len(self.tokens) - 1, following.depth + 1)
+            if isinstance(c, DeviceOffsetKV):
+                c.settle(len(self.tokens) - 1, following.depth + 1)
         for c in self.proposer.cache:
             c.settle(self._head_length, 2 * following.depth)
         self._read_last = queued
@@ -202,14 +201,33 @@ class AheadDecoder(SpecDecoder):
 
 
 class _Buffers:
-    """A DeviceOffsetKV's buffers at one moment (MLX arrays never change)."""
+    """A cache as it was at one moment (MLX arrays never change): a
+    DeviceOffsetKV's buffers, or a recurrent layer's arrays."""
 
-    def __init__(self, cache: DeviceOffsetKV):
-        self.keys, self.values = cache.keys, cache.values
+    def __init__(self, cache):
+        self.cache = cache
+        if isinstance(cache, DeviceOffsetKV):
+            self.arrays = (cache.keys, cache.values)
+        else:
+            self.arrays = tuple(cache.state)
+
+    def restored(self, length: int):
+        """The cache as it was (a KV cache: mlx-lm's, of `length` rows)."""
+        if isinstance(self.cache, DeviceOffsetKV):
+            kv = KVCache()
+            kv.keys, kv.values = self.arrays
+            kv.offset = length
+            return kv
+        self.cache.state = list(self.arrays)
+        return self.cache
 
 
-def _kv(buffers: _Buffers, length: int) -> KVCache:
-    """mlx-lm's KVCache of a buffer's first `length` rows."""
-    cache = KVCache()
-    cache.keys, cache.values, cache.offset = buffers.keys, buffers.values, length
-    return cache
+def _keeps_on_device(target) -> bool:
+    """A target whose rollback this decoder can do on the device: its
+    `keep` comes from the class its `cut` comes from (an adapter that cuts
+    its caches its own way and has no `keep` of its own does not fit)."""
+
+    def owner(name: str) -> type:
+        return next(c for c in type(target).__mro__ if name in vars(c))
+
+    return isinstance(target, TransformerTarget) and owner("keep") is owner("cut")

@@ -200,6 +200,14 @@ class TransformerTarget:
         for c in cache:
             c.trim(rejected)
 
+    def keep(self, cache: list, forward: Forward, kept: mx.array) -> None:
+        """`rollback` (by tape) with `kept` an array on the device, not yet
+        known here (engines/mlx_spec/ahead.py): the KV caches, there
+        kv_buffer.DeviceOffsetKVs, keep their first `kept` new rows. An
+        adapter that cuts its own caches keeps them its own way too."""
+        for c in cache:
+            c.keep(kept)
+
     def logits(self, hidden: mx.array) -> mx.array:
         if self._lm_head is None:
             return self.inner.embed_tokens.as_linear(hidden)

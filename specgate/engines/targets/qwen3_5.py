@@ -121,5 +121,19 @@ class HybridTarget(TransformerTarget):
             else:
                 c.trim(rejected)
 
+    def keep(self, cache: list, forward, kept: mx.array) -> None:
+        """`cut` with `kept` on the device: the conv window and recurrent
+        state after `kept` steps, picked by device-side indexing."""
+        layers = iter(forward.undo[1])
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                lt = next(layers)
+                size = list(lt.conv_input.shape)
+                size[1] -= len(lt.states)
+                c[0] = mx.slice(lt.conv_input, kept.reshape(1), axes=(1,), slice_size=size)
+                c[1] = mx.take(mx.stack(lt.states), kept - 1, axis=0)
+            else:
+                c.keep(kept)
+
 
 Adapter = HybridTarget

@@ -15,7 +15,9 @@ on the device, as arrays, never as host numbers:
   trunk's hidden states at the kept positions;
 - the caches' lengths (engines/kv_buffer.DeviceOffsetKV: rows written at a
   device-side offset, attention masked past it), so a rejected draft's
-  rows are simply written over by the next round;
+  rows are simply written over by the next round; a hybrid's recurrent
+  layers take the state after the accepted steps from the verify's tape by
+  device-side indexing (the target adapter's `keep`);
 - the MTP head's input: the pairs (token, trunk hidden before it) of the
   last round, all k+1 of them fed at once, only the first accepted+1
   standing (the head's cache keeps those; its chained, self-fed entries are
@@ -29,9 +31,12 @@ over the same rows and caches as decoder.py's rounds (masked positions
 weigh exactly 0), so the output is plain greedy decoding's.
 
 Where it applies (`AheadDecoder.fits`): greedy requests with no penalties,
-grammar or logprobs; the MTP proposer with a one-layer head; a trunk whose
-caches are all KVCaches (dense attention). Anything else, and depth 0,
-runs decoder.py's rounds: `round(0)` hands the sequence back to them.
+grammar or logprobs; the MTP proposer with a one-layer head; a target
+adapter that keeps its caches on the device (dense attention, Qwen3.5/3.6
+and Qwen3-Next hybrids). The engine uses it on a GPU (SpecEngine.ahead).
+Anything else, and depth 0, runs decoder.py's rounds: `round(0)` hands the
+sequence back to them, as does a handoff, with the round queued past the
+last one read dropped.
 """
 
 from __future__ import annotations

@@ -97,3 +97,31 @@ def test_verify_kernels_route_the_sliced_weights_as_before(tmp_path, fused_first
     hook.uninstall(m)  # the hook goes; the joined siblings stay
     assert "_specgate_siblings" in m.model.layers[0].self_attn.q_proj.__dict__
     assert all(mx.array_equal(a, b) for a, b in zip(want[:-1], decode(m)[:7], strict=True))
+
+
+def test_a_quantized_mtp_head_drafts_the_same_joined():
+    """The MTP engine joins its head's siblings too (its chained drafts are
+    one-row steps): the same outputs, step for step."""
+    from mlx_lm.models.cache import KVCache
+
+    from specgate.engines.drafting.mtp.head import MTPHead
+
+    m = model()
+    mx.random.seed(5)
+    head = MTPHead(256, 1e-6, [qwen3.TransformerBlock(m.args)])
+    nn.quantize(head, group_size=64, bits=4)
+    mx.eval(head.parameters())
+
+    def chain():
+        cache, outs = [KVCache()], []
+        o = head(mx.random.normal((1, 3, 256), key=mx.random.key(1)),
+                 mx.random.normal((1, 3, 256), key=mx.random.key(2)), cache)[:, -1:]
+        for j in range(4):
+            o = head(mx.random.normal((1, 1, 256), key=mx.random.key(3 + j)), o, cache, step=j + 1)
+            outs.append(o)
+        mx.eval(outs)
+        return outs
+
+    before = chain()
+    assert hook.fuse_siblings(head) == 2
+    assert all(mx.array_equal(a, b) for a, b in zip(before, chain(), strict=True))

@@ -24,6 +24,7 @@ from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import advanced
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
+from specgate.kernels import hook
 
 
 def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
@@ -33,6 +34,7 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
     from specgate.engines.drafting.mtp.loading import load_mtp_head
 
     head = load_mtp_head(loaded)
+    hook.fuse_siblings(head)  # its chained drafts are one-row steps, as the trunk's decoding
     return Drafting("mtp", lambda t: MTPProposer(t, head), cache_id=CACHE_ID, weights=head)
 
 

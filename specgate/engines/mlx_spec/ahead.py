@@ -124,7 +124,7 @@ class AheadDecoder(SpecDecoder):
         read is dropped (the caches as they were before it, at the lengths
         the host knows) and the head owes the last read round's pairs."""
         queued, last = self._queued, self._read_last
-        self._queued = self._read_last = None
+        self._queued = self._read_last = self._read_at = None
         if queued is None:
             return
         proposer: MTPProposer = self.proposer

@@ -81,17 +81,15 @@ def mlx_kernel_cache_dir(mlx_version: str, home: Path | None = None) -> Path:
     return (home or specgate_home()) / "mlx-ptx" / mlx_version
 
 
-def use_mlx_kernel_cache() -> None:
+def use_mlx_kernel_cache(mlx_version: str) -> None:
     """Point MLX's CUDA kernel cache here, unless the environment names one.
     MLX compiles every kernel it first meets with NVRTC (tens of seconds for
     a 4-bit model's) and keeps them in MLX_PTX_CACHE_DIR, by default under
     the system's temp directory: gone at a reboot where that is a tmpfs,
     and unwritable for a service whose user did not create it. MLX reads
     the variable at its first compile, so this runs before a model loads."""
-    import mlx.core as mx
-
     if not os.environ.get("MLX_PTX_CACHE_DIR"):
-        os.environ["MLX_PTX_CACHE_DIR"] = str(mlx_kernel_cache_dir(mx.__version__))
+        os.environ["MLX_PTX_CACHE_DIR"] = str(mlx_kernel_cache_dir(mlx_version))
 
 
 def prefix_cache_dir(home: Path | None = None) -> Path:

@@ -49,7 +49,7 @@ def load(path: str, distribution=None, dequantize: bool = False) -> tuple[Any, A
 
     from specgate.engines.home import use_mlx_kernel_cache
 
-    use_mlx_kernel_cache()
+    use_mlx_kernel_cache(mx.__version__)
     root = local_checkpoint(path)
     _check_tokenizer(root)
     model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),

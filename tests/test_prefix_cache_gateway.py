@@ -78,8 +78,9 @@ def same_answer(got, want) -> None:
     assert want.usage.prompt_tokens_details.cached_tokens == 0  # cold is cold
 
 
-@pytest.mark.parametrize("model,method", [("demo", "mtp"), ("demo", "dflash"),
-                                          ("demo-dspark", "dspark")])  # fmt: skip
+@pytest.mark.parametrize("model,method", [  # the block drafters' in the proof tier (~45 s)
+    ("demo", "mtp"), pytest.param("demo", "dflash", marks=pytest.mark.proof),
+    pytest.param("demo-dspark", "dspark", marks=pytest.mark.proof)])  # fmt: skip
 def test_same_system_prompt_other_questions_full_answers(served, model, method):
     """mlx-lm issue 1292's case (a second request with the same system prompt
     came back with 1-72 tokens instead of 400, MTP on): every answer has its

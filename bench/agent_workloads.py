@@ -494,7 +494,7 @@ def run_synthetic(args, transcripts: list[dict]) -> dict:
         for (prompt, n), t, c in zip(prompts, transcripts, classes, strict=True):
             # Untimed: every forced variant's widths compile once (24 tokens).
             # `--warmup full` decodes the whole answer, every KV length the
-            # passes reach: before engines/kv_buffer.py, MLX's CUDA build paid
+            # passes reach: before engines/forwards/kv_buffer.py, MLX's CUDA build paid
             # a graph build for each new length (ngram 1.0x plain in a first
             # pass, 3.6x in the next ones over the same rounds); now it should
             # change nothing, which is what it is kept to show.

@@ -11,7 +11,7 @@ first pass and 3.6x in the next two, over the same shapes. This times a
 4-bit 7B-class qwen3 forward of width M (a) at the same KV length, call
 after call, and (b) with the KV length one longer each call (the cache
 trimmed to keep one token), and (c) as (b) but through
-engines/kv_buffer.py's whole-buffer views (the keys the whole 256-step
+engines/forwards/kv_buffer.py's whole-buffer views (the keys the whole 256-step
 buffer, an explicit mask), median and max of each, side by side.
 A gap between (a) and (b) at M >= 2 but not at M = 1 says a per-shape cost
 (compilation or planning) in the multi-row attention path; (c) near (a)
@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from specgate.engines import kv_buffer
+from specgate.engines.forwards import kv_buffer
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Multi-row forwards over a KV cache's whole buffer (specgate/engines/kv_buffer.py) change nothing but shapes.
+"""Multi-row forwards over a KV cache's whole buffer (specgate/engines/forwards/kv_buffer.py) change nothing but shapes.
 
 On the CPU (where engines leave the views off) they are forced on:
 - one forward of 2..9 rows through the views equals the same forward
@@ -35,11 +35,11 @@ from tiny_targets import TinyTarget
 
 from specgate.builders.drafters import build_dflash_drafter
 from specgate.builders.tiny import build_qwen3_dense
-from specgate.engines import kv_buffer
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
 from specgate.engines.drafting.dflash.proposer import DFlashProposer
 from specgate.engines.drafting.ngram.proposer import NgramProposer
+from specgate.engines.forwards import kv_buffer
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 

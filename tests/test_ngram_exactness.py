@@ -10,7 +10,7 @@ penalties of the tokens before it, drafts included (a failure-injected
 stale penalty must differ); and mtp+ngram keeps its MTP head in step
 through copied rounds (its cache holds exactly what feeding it the whole
 sequence at once gives), once more through whole KV buffers
-(specgate/engines/kv_buffer.py). A second run injects a context (failure injection:
+(specgate/engines/forwards/kv_buffer.py). A second run injects a context (failure injection:
 the index is handed a copy of the true continuation with every few tokens
 corrupted, placed before the real context, so the real index finds long
 matches and copies up to the next corruption).
@@ -185,7 +185,7 @@ def head_entries(target: TinyTarget, tokens: list[int]) -> list[KVCache]:
 def test_mtp_ngram_equals_plain_greedy_and_keeps_the_head_in_step(target, whole_buffer, capsys,
                                                                   monkeypatch):  # fmt: skip
     """`whole_buffer`: the trunk's and the head's multi-row forwards through
-    specgate/engines/kv_buffer.py's views, forced on here (the engines use them on CUDA)."""
+    specgate/engines/forwards/kv_buffer.py's views, forced on here (the engines use them on CUDA)."""
     if target.head is None:
         pytest.skip("the dense tiny target has no MTP head")
     monkeypatch.setattr(target.trunk, "whole_buffer", whole_buffer)

@@ -13,7 +13,7 @@ on the device, as arrays, never as host numbers:
 - the number of drafts accepted (greedy: the length of the run where each
   draft equals the target's argmax), the bonus token after them, the
   trunk's hidden states at the kept positions;
-- the caches' lengths (engines/kv_buffer.DeviceOffsetKV: rows written at a
+- the caches' lengths (engines/forwards/kv_buffer.DeviceOffsetKV: rows written at a
   device-side offset, attention masked past it), so a rejected draft's
   rows are simply written over by the next round; a hybrid's recurrent
   layers take the state after the accepted steps from the verify's tape by
@@ -49,7 +49,7 @@ from mlx_lm.models.cache import KVCache
 
 from specgate.engines.base import GenerationRequest, RoundStats
 from specgate.engines.drafting.mtp.proposer import MTPProposer, _HeadInput
-from specgate.engines.kv_buffer import DeviceOffsetKV
+from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets.base import TransformerTarget
 

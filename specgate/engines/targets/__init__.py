@@ -6,7 +6,7 @@ the name of the mlx-lm module the model comes from (`mlx_lm.models.qwen3_5`
 without its own module gets `TransformerTarget`, which serves any model
 whose caches are all KVCaches and refuses the rest by name. A new family is
 one module here; nothing else is edited. May import engines/base.py,
-kv_buffer.py and kernels/. See docs/DESIGN.md, "Targets".
+forwards/kv_buffer.py and kernels/. See docs/DESIGN.md, "Targets".
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from specgate.engines import kv_buffer
+from specgate.engines.forwards import kv_buffer
 from specgate.kernels import hook
 from specgate.kernels.cache_undo import checkpoint, restore
 
@@ -60,7 +60,7 @@ class Target(Protocol):
     hidden_size: int
     vocab_size: int
     kernels: bool  # verify forwards through kernels/hook.py (set by the engine)
-    whole_buffer: bool  # multi-row forwards over whole KV buffers (engines/kv_buffer.py)
+    whole_buffer: bool  # multi-row forwards over whole KV buffers (engines/forwards/kv_buffer.py)
 
     def forward(self, tokens: mx.array, cache: list, *, layers: Collection[int] = (),
                 undo: Undo | None = None) -> Forward: ...  # fmt: skip
@@ -143,7 +143,7 @@ class TransformerTarget:
         # (set by the engine from kernels/wiring.py at load; off by default).
         self.kernels = False
         # Whether multi-row forwards attend over the KV caches' whole buffers
-        # (engines/kv_buffer.py: where each new key length costs a build).
+        # (engines/forwards/kv_buffer.py: where each new key length costs a build).
         self.whole_buffer = kv_buffer.HELPS
         for i, layer in enumerate(self.inner.layers):
             if layer is None:  # another rank's, in a pipeline (mlx-lm's pipeline())

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from specgate.engines import kv_buffer
+from specgate.engines.forwards import kv_buffer
 
 
 @dataclass

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from specgate.engines import kv_buffer
 from specgate.engines.cache.prefix_cache import DrafterState, drafter_id, snapshot
 from specgate.engines.drafting.base import Context, Drafting, Proposal
 from specgate.engines.drafting.dflash.model import (
@@ -29,6 +28,7 @@ from specgate.engines.drafting.dflash.model import (
     forget_block,
     load_dflash,
 )
+from specgate.engines.forwards import kv_buffer
 from specgate.engines.loading import LoadedModel
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
@@ -98,7 +98,7 @@ class BlockProposer:
         context = (mx.concatenate(owed, axis=1) if owed
                    else mx.zeros((1, 0, width), dtype=self.drafter.fc.weight.dtype))
         cache = self.cache
-        if self.target.whole_buffer:  # the trunk's reason, engines/kv_buffer.py
+        if self.target.whole_buffer:  # the trunk's reason, engines/forwards/kv_buffer.py
             cache = kv_buffer.views(cache, context.shape[1] + bs)
         out = self.drafter(embed(block), context, cache)
         forget_block(self.cache, bs)

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from specgate.engines import kv_buffer
 from specgate.engines.cache.prefix_cache import DrafterState, snapshot
 from specgate.engines.drafting.base import Context, Drafting, Proposal, drafted
 from specgate.engines.drafting.mtp.head import MTPHead
+from specgate.engines.forwards import kv_buffer
 from specgate.engines.loading import LoadedModel
 from specgate.engines.sampling import advanced
 from specgate.engines.settings import DraftSettings

@@ -15,7 +15,7 @@ a five-token copy of which one token stands is slower than no draft at all.
   as the proposer sees it: from handing over its drafts to the verdict;
   the median of its last COST_WINDOW rounds, the first one skipped. A
   mean would not do: on MLX's CUDA build every width pays a graph build
-  whenever the KV buffer grows (engines/kv_buffer.py), and a width that
+  whenever the KV buffer grows (engines/forwards/kv_buffer.py), and a width that
   a few builds made look dear is then cut, so it is seldom timed again,
   and the copies stay cut where they cost nothing (measured on an H200:
   ngram fell from 3.0x to 1.7x plain on copy-heavy transcripts).

@@ -19,7 +19,8 @@ before this one's verdict is read) is what generate_step does for plain
 decoding. Prints median ms per round and their share, and plain
 generate_step's ms per token for scale.
 
-Then the same rounds queued one ahead (AheadDecoder), its drafts replaced
+Then the same rounds queued one ahead (AheadDecoder), and queued ahead and
+compiled (mlx_spec/ahead_round.py, "compiled"), their drafts replaced
 on the device by the same oracle (the reference token at the next
 generated position with probability a per draft, a Bernoulli per round and
 draft position from a seeded generator, else another token; the head still
@@ -50,6 +51,7 @@ from specgate.engines.base import GenerationRequest, Plan, SamplingParams  # noq
 from specgate.engines.drafting.mtp.proposer import MTPProposer  # noqa: E402
 from specgate.engines.mlx_spec import decoder as decoder_module  # noqa: E402
 from specgate.engines.mlx_spec.ahead import AheadDecoder  # noqa: E402
+from specgate.engines.mlx_spec.ahead_round import CompiledRounds  # noqa: E402
 from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
 from specgate.engines.targets import target_for  # noqa: E402
 from specgate.kernels import wiring  # noqa: E402
@@ -71,26 +73,38 @@ class TimedMx:
         self.waits.append((t0, time.perf_counter()))
 
 
-class OracleAhead(AheadDecoder):
-    """AheadDecoder whose drafts are the oracle's, chosen on the device: the
-    generated position each round starts at is a device-side count too."""
+def oracle_hook(vocab: int):
+    """The oracle's drafts, chosen on the device (a round's drafts hook,
+    mlx_spec/ahead_round.py): the reference token at each generated position
+    where `ok`, another token elsewhere; the head's drafts stay in the graph."""
 
-    def __init__(self, *args, reference: list[int], accept: float, seed: int, vocab: int):
-        super().__init__(*args)
+    def hook(drafts, reference, position, ok, wrong):
+        ref = mx.take(reference, position + mx.arange(drafts.shape[0]))
+        forced = mx.where(ok, ref, (ref + wrong) % vocab)
+        return mx.where(drafts >= 0, forced, drafts)
+
+    return hook
+
+
+class OracleAhead(AheadDecoder):
+    """AheadDecoder whose drafts are the oracle's: the generated position
+    each round starts at is a device-side count too."""
+
+    def __init__(self, *args, reference: list[int], accept: float, seed: int, vocab: int,
+                 rounds: CompiledRounds | None = None):  # fmt: skip
+        super().__init__(*args, rounds=rounds)
+        self.rounds_hook = rounds.hook if rounds is not None else oracle_hook(vocab)
         self.reference = mx.array(reference + [0] * 64, dtype=mx.int32)
         self.accept, self.vocab = accept, vocab
         self.rng = random.Random(seed)
         self.position: mx.array | None = None
 
-    def _draft(self, k):
-        drafts = super()._draft(k)  # the head's work stays in the round's graph
+    def _hook_inputs(self, k):
         if self.position is None:
             self.position = mx.array(self.generated, dtype=mx.int32)
         ok = mx.array([self.rng.random() < self.accept for _ in range(k)])
         wrong = mx.array([1 + self.rng.randrange(self.vocab - 1) for _ in range(k)], dtype=mx.int32)
-        ref = mx.take(self.reference, self.position + mx.arange(k))
-        forced = mx.where(ok, ref, (ref + wrong) % self.vocab)
-        return mx.where(drafts >= 0, forced, drafts)
+        return (self.reference, self.position, ok, wrong)
 
     def _queue(self, k):
         queued = super()._queue(k)
@@ -98,19 +112,20 @@ class OracleAhead(AheadDecoder):
         return queued
 
 
-def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
+def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rounds=None):
     request = GenerationRequest("ahead", "ahead", prompt, SamplingParams(temperature=0), n,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
     dec = OracleAhead(trunk, MTPProposer(trunk, head), request, None, 0, None,
-                      reference=reference, accept=accept, seed=seed, vocab=vocab)  # fmt: skip
+                      reference=reference, accept=accept, seed=seed, vocab=vocab,
+                      rounds=rounds)  # fmt: skip
     step = dec.prefill()
-    tokens, rounds = list(step.tokens), 0
+    tokens, rounds_run = list(step.tokens), 0
     t0 = time.perf_counter()
     while step.finish_reason is None:
         step = dec.round(depth)
         tokens += step.tokens
-        rounds += 1
-    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0), (len(tokens) - 1) / rounds
+        rounds_run += 1
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0), (len(tokens) - 1) / rounds_run
 
 
 def decoder_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
@@ -191,8 +206,10 @@ def main() -> None:
     finally:
         decoder_module.mx = mx
 
-    rows = {"decoder": [], "ahead": []}
-    runs = {"decoder": decoder_run, "ahead": ahead_run}
+    compiled = CompiledRounds(trunk, head, oracle_hook(ns.vocab))  # its traces serve every rep
+    runs = {"decoder": decoder_run, "ahead": ahead_run,
+            "compiled": lambda *args: ahead_run(*args, rounds=compiled)}  # fmt: skip
+    rows = {m: [] for m in runs}
     exact, per_round = {m: True for m in runs}, {}
     for rep in range(a.reps + 1):  # the first warms up
         for mode, run in runs.items():

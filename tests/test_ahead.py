@@ -26,6 +26,7 @@ from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.mtp.head import MTPHead
 from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.ahead_round import CompiledRounds
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.targets import target_for
 
@@ -67,12 +68,13 @@ def head(args, noise: float) -> MTPHead:
     return h
 
 
-def decode(model, mtp: MTPHead, depths, n: int, ahead: bool = True, stop=frozenset()):
+def decode(model, mtp: MTPHead, depths, n: int, ahead: bool = True, stop=frozenset(),
+           rounds: CompiledRounds | None = None, prompt=PROMPT):  # fmt: skip
     target = target_for(model)
-    request = GenerationRequest("a", "a", PROMPT, SamplingParams(temperature=0), n,
+    request = GenerationRequest("a", "a", prompt, SamplingParams(temperature=0), n,
                                 Plan("mlx_mtp", "mtp", 3, "spec_on"), stop)  # fmt: skip
-    cls = AheadDecoder if ahead else SpecDecoder
-    dec = cls(target, MTPProposer(target, mtp), request, None, 0, None)
+    args = (target, MTPProposer(target, mtp), request, None, 0, None)
+    dec = AheadDecoder(*args, rounds=rounds) if ahead else SpecDecoder(*args)
     step = dec.prefill()
     tokens, rounds = list(step.tokens), []
     i = 0
@@ -112,6 +114,30 @@ def test_partial_acceptance_happens_and_matches_the_decoder_round_for_round(trun
     counts = [r.accepted for r in rounds]
     assert counts == [r.accepted for r in ref_rounds]
     assert {0, 4} <= set(counts) and any(0 < c < 4 for c in counts), counts  # mixed rounds
+
+
+def test_compiled_rounds_give_the_same_rounds_across_buffer_growth(trunk):
+    """ahead_round.CompiledRounds: the same tokens and accepted counts as
+    rounds built in Python, over 300 tokens (every buffer grows past 256:
+    new traces), with depths that change, a depth-0 step and a cut."""
+    model, args = trunk
+    mtp = head(args, 0.25)
+    rounds = CompiledRounds(target_for(model), mtp)
+    prompt = [(i * 13 + 5) % V for i in range(120)]
+    depths = (4, 4, 2, 0, 3, 1, 4)
+    want, margins = greedy_reference(model, prompt, 300)
+    got, got_rounds, dec, _ = decode(model, mtp, depths, 300, rounds=rounds, prompt=prompt)
+    ref, ref_rounds, _, _ = decode(model, mtp, depths, 300, prompt=prompt)
+    assert_same_greedy(got, want, margins)
+    assert got == ref
+    assert [r.accepted for r in got_rounds] == [r.accepted for r in ref_rounds]
+    assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache)
+    assert len({key[0] for key in rounds._compiled}) == 4  # depths 1..4 compiled
+    # A cut inside a round, and EOS, on traces already made.
+    for n in (17, 19):
+        cut, _, dec, step = decode(model, mtp, (4,), n, rounds=rounds, prompt=prompt)
+        assert cut == want[:n] and step.finish_reason == "length"
+        assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache)
 
 
 def test_depth_zero_and_cuts_hand_back_to_the_decoder_exactly(trunk):

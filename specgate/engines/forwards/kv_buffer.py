@@ -112,11 +112,17 @@ class DeviceOffsetKV:
         self.offset = mx.array(cache.offset, dtype=mx.int32)
         self.bound = cache.offset
 
+    @classmethod
+    def of(cls, keys: mx.array, values: mx.array, offset: mx.array, bound: int) -> DeviceOffsetKV:
+        c = cls.__new__(cls)
+        c.keys, c.values, c.offset, c.bound = keys, values, offset, bound
+        return c
+
     @property
     def state(self) -> tuple:
         return self.keys, self.values, self.offset
 
-    def _room(self, n: int) -> None:
+    def room(self, n: int) -> None:
         """A buffer for `n` more rows after the most the offset can be
         (every layer's grows alike: the same bound, the same steps)."""
         size = self.keys.shape[2]
@@ -132,7 +138,7 @@ class DeviceOffsetKV:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
-        self._room(n)
+        self.room(n)
         at = self.offset.reshape(1)
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
@@ -142,7 +148,7 @@ class DeviceOffsetKV:
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        self._room(n)  # the buffer this forward's update will leave: its key length
+        self.room(n)  # the buffer this forward's update will leave: its key length
         rows = self.offset + mx.arange(n)[:, None]
         cols = mx.arange(self.keys.shape[2])[None]
         mask = cols <= rows

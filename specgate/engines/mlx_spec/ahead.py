@@ -50,6 +50,7 @@ from mlx_lm.models.cache import KVCache
 from specgate.engines.base import GenerationRequest, RoundStats
 from specgate.engines.drafting.mtp.proposer import MTPProposer, _HeadInput
 from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
+from specgate.engines.mlx_spec.ahead_round import CompiledRounds, compilable, round_graph
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets.base import TransformerTarget
 
@@ -76,8 +77,11 @@ class AheadDecoder(SpecDecoder):
                 and len(proposer.head.layers) == 1 and p.greedy and not p.has_penalties
                 and not p.logprobs and grammar is None)  # fmt: skip
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, rounds: CompiledRounds | None = None, **kwargs):
+        """rounds: the engine's compiled rounds (ahead_round.py); None: every
+        round's graph is built in Python."""
         super().__init__(*args, **kwargs)
+        self.rounds = rounds
         self._queued: _Queued | None = None  # sent, not read
         self._read_last: _Queued | None = None  # the last one read
         self._read_at: float | None = None
@@ -139,43 +143,26 @@ class AheadDecoder(SpecDecoder):
     # -- one round, on the device -------------------------------------------------------
 
     def _queue(self, k: int) -> _Queued:
-        target, cache = self.target, self.proposer.cache
-        before = ([_Buffers(c) for c in self.cache], [_Buffers(c) for c in cache])
+        trunk, heads = self.cache, self.proposer.cache
+        before = ([_Buffers(c) for c in trunk], [_Buffers(c) for c in heads])
         t0 = time.perf_counter()
-        drafts = self._draft(k)
-        # The verify forward over [last, d_1..d_k], and the greedy verdict.
-        rows = mx.concatenate([self._last, drafts])[None]
-        with target.verify_kernels():
-            forward = target.forward(rows, self.cache, undo="tape")
-            chosen = mx.argmax(target.logits(forward.hidden)[0], axis=-1).astype(mx.int32)
-        accepted = mx.cumprod((drafts == chosen[:k]).astype(mx.int32)).sum()
-        bonus = mx.take(chosen, accepted)[None]
-        target.keep(self.cache, forward, accepted + 1)
-        # The next round's head pairs: (d_j, the trunk's hidden before it)
-        # for the accepted drafts, then (bonus, the last accepted row's).
-        pairs = mx.where(mx.arange(k + 1) < accepted, mx.concatenate([drafts, bonus]), bonus)[None]
-        self._pairs, self._hidden, self._standing = pairs, forward.hidden, accepted + 1
-        self._last = bonus
-        mx.async_eval(drafts, accepted, bonus, pairs, [c.state for c in self.cache],
-                      [c.state for c in cache])  # fmt: skip
-        return _Queued(k, drafts, accepted, bonus, pairs, forward.hidden, before, t0)
+        args = (k, self._pairs, self._hidden, self._standing, self._last, trunk, heads)
+        hook_inputs = self._hook_inputs(k)
+        if self.rounds is not None and compilable(trunk, heads):
+            r = self.rounds(*args, hook_inputs)
+        else:
+            r = round_graph(self.target, self.proposer.head, *args, self.rounds_hook, hook_inputs)
+        self._pairs, self._hidden, self._standing, self._last = r.pairs, r.hidden, r.accepted + 1, r.bonus
+        mx.async_eval(r.drafts, r.accepted, r.bonus, r.pairs, [c.state for c in trunk],
+                      [c.state for c in heads])  # fmt: skip
+        return _Queued(k, r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, before, t0)
 
-    def _draft(self, k: int) -> mx.array:
-        """The head's k drafts (k,): last round's pairs at once (the first
-        `standing` stand), then its own chain, whose rows are dropped after."""
-        target, cache = self.target, self.proposer.cache
-        out = self.proposer.head(target.embed(self._pairs), self._hidden, cache)
-        cache[0].keep(self._standing)
-        stays = cache[0].offset
-        o = mx.take(out, self._standing - 1, axis=1)[:, None]
-        drafts = []
-        for j in range(k):
-            d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
-            drafts.append(d)
-            if j + 1 < k:
-                o = self.proposer.head(target.embed(d[None]), o, cache, step=j + 1)
-        cache[0].offset = stays
-        return mx.concatenate(drafts)
+    # A bench's oracle drafts (bench/round_phases.py): a hook on the round's
+    # drafts, and its inputs for round k; the product's rounds have none.
+    rounds_hook = None
+
+    def _hook_inputs(self, k: int) -> tuple:
+        return ()
 
     def _read(self, queued: _Queued, following: _Queued) -> Step:
         """Round n's verdict (round n+1 already queued): commit its tokens."""

@@ -45,6 +45,7 @@ from specgate.engines.drafting.base import Drafting
 from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.ahead_round import CompiledRounds
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
@@ -107,6 +108,9 @@ class SpecEngine(WorkerEngine):
         # Greedy MTP rounds queued one ahead (mlx_spec/ahead.py) where a GPU
         # runs them: there the host's work per round is the cost it hides.
         self.ahead = mx.default_device() == mx.gpu
+        # ... each round compiled once per shape and replayed (ahead_round.py)
+        self.compiled_rounds = self.ahead
+        self._rounds: CompiledRounds | None = None
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
         depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
@@ -157,10 +161,14 @@ class SpecEngine(WorkerEngine):
     ) -> SpecDecoder:
         grammar = decoding_state(self.loaded.grammars, request.sampling)
         proposer = self.drafting.proposer(self.target)
-        ahead = self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)
-        return (AheadDecoder if ahead else SpecDecoder)(
-            self.target, proposer, request, cache, cached_tokens, self.tokenizer,
-            self.prefill_step_size, grammar=grammar)  # fmt: skip
+        args = (self.target, proposer, request, cache, cached_tokens, self.tokenizer,
+                self.prefill_step_size)  # fmt: skip
+        if not (self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)):
+            return SpecDecoder(*args, grammar=grammar)
+        if self.compiled_rounds and (self._rounds is None or self._rounds.head is not proposer.head):
+            self._rounds = CompiledRounds(self.target, proposer.head)
+        return AheadDecoder(*args, grammar=grammar,
+                            rounds=self._rounds if self.compiled_rounds else None)  # fmt: skip
 
     def generate(
         self, request: GenerationRequest, planner: Planner, resume: Handoff | None = None

@@ -1,0 +1,136 @@
+"""One greedy MTP round of ahead.py as a function of device arrays, and the
+same round compiled (`mx.compile`) so that a GPU replays it without Python.
+
+Why compiled: a round is ~k+1 head forwards and a trunk verify forward;
+building that graph in Python (~700 modules' calls for a 7B round) is a
+large part of a round's host time, which ahead.py's queueing hides only
+while the device is slower than the host. A compiled round is traced once
+per shape and then replayed from C++, with its elementwise chains fused.
+
+A round's shapes repeat: its depth k, the head's input pairs (the last
+round's k+1), and the caches' buffers, which are whole and fixed in size
+(kv_buffer.DeviceOffsetKV: rows written at an array offset, grown 256 rows
+at a time). So a trace is kept per (k, pairs, buffer sizes, kernels on or
+off) and each is replayed until a buffer grows. The buffers are grown on the
+host before a call, for the most rows the round can write, so that inside
+the trace nothing grows; the host then counts the rows written into each
+cache's `bound`, as DeviceOffsetKV's own writes would.
+
+Exactness: the compiled round computes the same graph as `round_graph`
+(tests/test_ahead.py runs both against plain greedy decoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
+
+
+@dataclass
+class RoundOut:
+    drafts: mx.array  # (k,)
+    accepted: mx.array  # () int32: drafts that stand
+    bonus: mx.array  # (1,) the target's token after them
+    pairs: mx.array  # (1, k + 1) the head's next input tokens
+    hidden: mx.array  # (1, k + 1, H) the trunk's at the verify rows
+
+
+DraftsHook = Callable[..., mx.array]
+
+
+def round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
+                last: mx.array, trunk: list, head_cache: list, hook: DraftsHook | None = None,
+                hook_inputs: tuple = ()) -> RoundOut:  # fmt: skip
+    """One round: the head's k drafts (the last round's pairs fed at once,
+    the first `standing` of them stand, then its own chain, whose rows are
+    dropped after), the verify forward over [last, d_1..d_k] and the greedy
+    verdict; the caches keep what stands. `hook(drafts, *hook_inputs)`
+    replaces the drafts on the device (a bench's oracle, bench/round_phases.py;
+    the product has none)."""
+    out = head(target.embed(pairs), hidden, head_cache)
+    head_cache[0].keep(standing)
+    stays = head_cache[0].offset
+    o = mx.take(out, standing - 1, axis=1)[:, None]
+    drafts = []
+    for j in range(k):
+        d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
+        drafts.append(d)
+        if j + 1 < k:
+            o = head(target.embed(d[None]), o, head_cache, step=j + 1)
+    head_cache[0].offset = stays
+    drafts = mx.concatenate(drafts)
+    if hook is not None:
+        drafts = hook(drafts, *hook_inputs)
+    rows = mx.concatenate([last, drafts])[None]
+    with target.verify_kernels():
+        forward = target.forward(rows, trunk, undo="tape")
+        chosen = mx.argmax(target.logits(forward.hidden)[0], axis=-1).astype(mx.int32)
+    accepted = mx.cumprod((drafts == chosen[:k]).astype(mx.int32)).sum()
+    bonus = mx.take(chosen, accepted)[None]
+    target.keep(trunk, forward, accepted + 1)
+    # The next round's head pairs: (d_j, the trunk's hidden before it) for
+    # the accepted drafts, then (bonus, the last accepted row's).
+    pairs = mx.where(mx.arange(k + 1) < accepted, mx.concatenate([drafts, bonus]), bonus)[None]
+    return RoundOut(drafts, accepted, bonus, pairs, forward.hidden)
+
+
+def compilable(trunk: list, head_cache: list) -> bool:
+    """Every cache a DeviceOffsetKV: a hybrid's recurrent layers are kept
+    from a tape whose shape is the target's business, so they run uncompiled."""
+    return all(type(c) is DeviceOffsetKV for c in (*trunk, *head_cache))
+
+
+class CompiledRounds:
+    """`round_graph` compiled, for one target and MTP head (one per engine:
+    the traces serve every request)."""
+
+    def __init__(self, target, head, hook: DraftsHook | None = None):
+        self.target, self.head, self.hook = target, head, hook
+        self._compiled: dict[tuple, object] = {}
+
+    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int):
+        key = (k, kernels, n_trunk, n_hook)
+        if key not in self._compiled:
+            target, head, hook = self.target, self.head, self.hook
+
+            def one_round(pairs, hidden, standing, last, *inputs):
+                hook_inputs, caches = inputs[:n_hook], inputs[n_hook:]
+                trunk = [_traced(*caches[3 * i : 3 * i + 3]) for i in range(n_trunk)]
+                heads = [_traced(*caches[3 * i : 3 * i + 3])
+                         for i in range(n_trunk, len(caches) // 3)]  # fmt: skip
+                r = round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
+                                hook, hook_inputs)  # fmt: skip
+                return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden,
+                        *[a for c in (*trunk, *heads) for a in (c.keys, c.values, c.offset)])  # fmt: skip
+
+            self._compiled[key] = mx.compile(one_round)
+        return self._compiled[key]
+
+    def __call__(self, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
+                 last: mx.array, trunk: list, head_cache: list, hook_inputs: tuple = ()) -> RoundOut:  # fmt: skip
+        head_rows = pairs.shape[1] + k - 1  # the pairs, then the chain's k - 1
+        for c in trunk:
+            c.room(k + 1)
+        for c in head_cache:
+            c.room(head_rows)
+        fn = self._function(k, bool(self.target.kernels), len(trunk), len(hook_inputs))
+        drafts, accepted, bonus, pairs, hidden, *caches = fn(
+            pairs, hidden, standing, last, *hook_inputs,
+            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values, c.offset)])  # fmt: skip
+        for i, c in enumerate((*trunk, *head_cache)):
+            c.keys, c.values, c.offset = caches[3 * i : 3 * i + 3]
+        for c in trunk:
+            c.bound += k + 1
+        for c in head_cache:
+            c.bound += head_rows
+        return RoundOut(drafts, accepted, bonus, pairs, hidden)
+
+
+def _traced(keys: mx.array, values: mx.array, offset: mx.array) -> DeviceOffsetKV:
+    """A cache inside the trace: its buffers are the inputs, and grown
+    already (bound 0: `room` never grows them here)."""
+    return DeviceOffsetKV.of(keys, values, offset, bound=0)

@@ -34,7 +34,8 @@ Where it applies (`AheadDecoder.fits`): greedy requests with no penalties,
 grammar or logprobs; the MTP proposer with a one-layer head; a target
 adapter that keeps its caches on the device (dense attention, Qwen3.5/3.6
 and Qwen3-Next hybrids). The engine uses it on a GPU (SpecEngine.ahead).
-Anything else, and depth 0, runs decoder.py's rounds: `round(0)` hands the
+Where every cache is a DeviceOffsetKV, the engine's rounds are compiled
+(ahead_round.py). Anything else, and depth 0, runs decoder.py's rounds: `round(0)` hands the
 sequence back to them, as does a handoff, with the round queued past the
 last one read dropped.
 """

@@ -16,8 +16,11 @@ within a repeat, then summarised):
            BatchGenerator driven directly (all inserted, next() until done).
 - mtp:     MTP at depths 1..4, acceptance --accept by construction
            (bench/e2e_mtp_7b.py's target and oracle drafts), stock verify
-           and, where the guard proves them, specgate's kernels, each over
-           generate_step; every output compared with generate_step's.
+           and, where the guard proves them, specgate's kernels, and the
+           product's GPU path ("ahead": rounds queued one ahead and
+           compiled, mlx_spec/ahead.py and ahead_round.py, with the kernels
+           where proved), each over generate_step; every output compared
+           with generate_step's.
 - ngram:   the agent transcripts (bench/agent_transcripts.json) on
            bench/agent_workloads.py's synthetic copying target, through the
            engines and the policy the gateway would build: per transcript
@@ -328,8 +331,10 @@ def section_batched(a, target, out: dict) -> None:
 
 def section_mtp(a, target, out: dict) -> None:
     import e2e_mtp_7b
+    from round_phases import ahead_run, oracle_hook
 
     from specgate.engines.home import kernel_cache_dir
+    from specgate.engines.mlx_spec.ahead_round import CompiledRounds
     from specgate.engines.targets import target_for
     from specgate.kernels import wiring
     from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate
@@ -343,12 +348,25 @@ def section_mtp(a, target, out: dict) -> None:
     wired = wiring.prepare(model, a.kernels, range(2, max(a.depths) + 2), guard=Guard(cache_dir=cache),
                            fused_guard=Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM))  # fmt: skip
     print(f"\n[mtp] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
-    modes = ["stock"] + (["kernels"] if wired.enabled and wired.in_use() else [])
+    kernels = wired.enabled and wired.in_use()
+    # "ahead": the product's GPU path (mlx_spec/ahead.py rounds queued one
+    # ahead, compiled: ahead_round.py), with the kernels where proved.
+    modes = ["stock"] + (["kernels"] if kernels else []) + ["ahead"]
+    rounds = CompiledRounds(trunk, head, oracle_hook(vocab))  # its traces serve every repeat
+
+    def one(mode, n, depth, reference, accept, seed):
+        trunk.kernels = mode == "kernels" or (mode == "ahead" and kernels)
+        if mode == "ahead":
+            toks, t, _ = ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab,
+                                   rounds=rounds)  # fmt: skip
+            return toks, t
+        toks, t, _, _ = e2e_mtp_7b.mtp(trunk, head, prompt, n, depth, reference, accept, seed, vocab)
+        return toks, t
+
     reference = generate_step_run(model, prompt, a.tokens).tokens  # also the warm-up
-    for depth in a.depths:  # untimed: each depth's verify widths built once
+    for depth in a.depths:  # untimed: each depth's verify widths built (and rounds traced) once
         for mode in modes:
-            trunk.kernels = mode == "kernels"
-            e2e_mtp_7b.mtp(trunk, head, prompt, min(24, a.tokens), depth, reference, 0.7, 1, vocab)
+            one(mode, min(24, a.tokens), depth, reference, 0.7, 1)
     ratios = {(d, m): [] for d in a.depths for m in modes}
     tps = {(d, m): [] for d in a.depths for m in modes}
     plain_tps: list[float] = []
@@ -360,9 +378,7 @@ def section_mtp(a, target, out: dict) -> None:
             plain_tps.append(run.decode_tps)
             for depth in a.depths:
                 for mode in modes if rep % 2 == 0 else modes[::-1]:
-                    trunk.kernels = mode == "kernels"
-                    toks, t, _, _ = e2e_mtp_7b.mtp(trunk, head, prompt, a.tokens, depth, reference,
-                                                   a.accept, a.seed + 1000 * rep + depth, vocab)  # fmt: skip
+                    toks, t = one(mode, a.tokens, depth, reference, a.accept, a.seed + 1000 * rep + depth)
                     exact[mode] &= exact_gs and toks == reference
                     tps[(depth, mode)].append(t)
                     ratios[(depth, mode)].append(t / run.decode_tps)

@@ -9,18 +9,17 @@ decoding --tokens greedy tokens after a --prompt-token prompt; tok/s count
 the tokens after the first:
 - generate_step: mlx-lm's own loop (the baseline);
 - lone: specgate's plain engine (MLXPlainEngine, through its async
-  generate()), a lone request on its lone loop (engines/mlx_plain/lone.py),
-  its forward compiled (engines/forwards/compiled.py);
-- lone_eager: the same, the forward not compiled;
+  generate()), a lone request on its lone loop (engines/mlx_plain/lone.py);
 - batch1: the same engine with the lone loop off (a batch of one);
-- compiled: generate_step's loop by hand on the compiled forward (what the
-  lone loop costs beyond it);
 - batchgen: mlx-lm's BatchGenerator driven directly, one sequence;
 - fused: generate_step on the model as specgate loads it, each layer's
   q/k/v and gate/up decoded by one stock quantized matmul over their joined
   weights (kernels/hook.fuse_siblings: fewer launches, the same numbers).
   The engine variants run on that model too; mlx-lm's on the model as
-  built.
+  built;
+- mlpc: generate_step on a model whose layers' MLP and residual adds are
+  compiled (`mx.compile` per layer: the one-row attention stays as it is),
+  an experiment: fewer kernels and Python calls a token.
 Prints tok/s median [min, max] and each variant's ratio to generate_step,
 and whether every variant's tokens equal generate_step's.
 MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
@@ -49,14 +48,24 @@ from e2e_mtp_7b import build  # noqa: E402  (bench/, beside this file)
 
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams, TokenEvent  # noqa: E402
 from specgate.engines.cache.prefix_cache import PrefixCache  # noqa: E402
-from specgate.engines.forwards.compiled import CompiledForward  # noqa: E402
 from specgate.engines.loading import LoadedModel  # noqa: E402
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
 from specgate.kernels import hook  # noqa: E402
 
-VARIANTS = ("generate_step", "lone", "lone_eager", "batch1", "compiled", "batchgen", "fused")
-ENGINES = {"lone": dict(lone=True, compiled=True), "lone_eager": dict(lone=True, compiled=False),
-           "batch1": dict(lone=False)}  # fmt: skip
+VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc")
+
+
+def compile_mlps(model) -> None:
+    """Each decoder layer's second half (h = x + attn; h + mlp(norm(h)))
+    compiled: this instance's layers get a subclass calling it."""
+    for layer in model.model.layers:
+        post = mx.compile(lambda x, r, layer=layer: (h := x + r) + layer.mlp(
+            layer.post_attention_layernorm(h)))  # fmt: skip
+
+        def call(self, x, mask=None, cache=None, post=post):
+            return post(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+        layer.__class__ = type("CompiledPost" + type(layer).__name__, (type(layer),), {"__call__": call})
 
 
 def word_tokenizer(vocab: int):
@@ -89,26 +98,6 @@ def run_generate_step(model, prompt, n):
         if t0 is None:
             t0 = time.perf_counter()
         tokens.append(int(token))
-    return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
-
-
-def run_compiled(model, forward, prompt, n):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from specgate.engines.forwards.compiled import CompiledDecode
-
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
-    y = mx.argmax(logits, axis=-1)
-    decode = CompiledDecode(forward, cache)
-    tokens, t0 = [], None
-    for _ in range(n):
-        nxt = mx.argmax(decode(y), axis=-1)
-        mx.async_eval(nxt)
-        tokens.append(y.item())
-        if t0 is None:
-            t0 = time.perf_counter()
-        y = nxt
     return tokens, (len(tokens) - 1) / (time.perf_counter() - t0)
 
 
@@ -161,22 +150,22 @@ def run_batchgen(model, prompt, n):
 
 
 class Engines:
-    """The plain engine in each of ENGINES' settings, on one event loop."""
+    """The plain engine with and without its lone loop, on one event loop."""
 
-    def __init__(self, loaded: LoadedModel, names):
+    def __init__(self, loaded: LoadedModel):
         self.loop = asyncio.new_event_loop()
-        self.engines = {v: MLXPlainEngine("probe", loaded, max_context=32768, prefix_cache_size=0,
-                                          **ENGINES[v]) for v in names}  # fmt: skip
+        self.engines = {lone: MLXPlainEngine("probe", loaded, max_context=32768, lone=lone,
+                                             prefix_cache_size=0) for lone in (True, False)}  # fmt: skip
         for e in self.engines.values():
             self.loop.run_until_complete(e.start())
 
-    def run(self, variant: str, prompt, n):
+    def run(self, lone: bool, prompt, n):
         async def go():
             req = GenerationRequest(f"r{time.monotonic_ns()}", "probe", prompt,
                                     SamplingParams(temperature=0.0), n,
                                     Plan("mlx_plain", "none", 0, "forced_by_request"))  # fmt: skip
             tokens, t0 = [], None
-            async for ev in self.engines[variant].generate(req):
+            async for ev in self.engines[lone].generate(req):
                 if isinstance(ev, TokenEvent) and ev.token_ids:
                     if t0 is None:
                         t0 = time.perf_counter()
@@ -219,14 +208,16 @@ def main() -> None:
 
     model, fused = quantized(), quantized()  # the same seed: the same weights
     hook.fuse_siblings(fused)
+    mlpc = None
+    if "mlpc" in variants:
+        mlpc = quantized()
+        compile_mlps(mlpc)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, "
           f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     rng = random.Random(1)
     prompt = [rng.randrange(ns.vocab) for _ in range(a.prompt)]
-    names = [v for v in variants if v in ENGINES]
-    engines = Engines(loaded_model(fused, ns.vocab), names) if names else None
-    forward = CompiledForward(fused)
+    engines = Engines(loaded_model(fused, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
 
     def once(v):
         if v == "generate_step":
@@ -235,9 +226,9 @@ def main() -> None:
             return run_batchgen(model, prompt, a.tokens)
         if v == "fused":
             return run_generate_step(fused, prompt, a.tokens)
-        if v == "compiled":
-            return run_compiled(fused, forward, prompt, a.tokens)
-        return engines.run(v, prompt, a.tokens)
+        if v == "mlpc":
+            return run_generate_step(mlpc, prompt, a.tokens)
+        return engines.run(v == "lone", prompt, a.tokens)
 
     results = {v: [] for v in variants}
     want, _ = run_generate_step(model, prompt, a.tokens)
@@ -252,7 +243,9 @@ def main() -> None:
             results[v].append(tps)
     if engines is not None:
         engines.close()
-    for name, m in (("stock", model), ("fused", fused)):
+    for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc)):
+        if m is None:
+            continue
         ph = step_phases(m, prompt, a.tokens)
         print(f"generate_step's loop by hand ({name}), ms per token: build {ph['build']:.2f} | "
               f"queue (MLX encodes) {ph['queue']:.2f} | wait {ph['wait']:.2f}")  # fmt: skip

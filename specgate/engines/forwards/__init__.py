@@ -1,6 +1,6 @@
-"""Forwards whose shapes repeat from token to token, so MLX's per-shape work
-(cuDNN graphs, compiled traces) is paid once: caches seen as whole buffers
-(kv_buffer.py) and a one-token forward compiled once (compiled.py).
+"""Forwards whose shapes repeat from round to round, so MLX's per-shape work
+(cuDNN graphs, compiled traces) is paid once: KV caches seen as whole
+buffers, their length on the host or on the device (kv_buffer.py).
 
-May import mlx and mlx-lm only. See docs/DESIGN.md, "Targets" and "Engines".
+May import mlx and mlx-lm only. See docs/DESIGN.md, "Targets".
 """

@@ -52,7 +52,6 @@ from specgate.engines.distributed.lockstep import (
     LockstepBroken,
     pin_seed,
 )
-from specgate.engines.forwards.compiled import CompiledForward
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
@@ -196,20 +195,12 @@ class MLXPlainEngine(WorkerEngine):
         prefill_step_size: int = 512,
         prefill_step_while_decoding: int = 128,
         lone: bool = True,
-        compiled: bool | None = None,
     ):
         """lone: a sequence alone decodes outside the batch (lone.py); off,
-        it stays in the batch of one (what the bench compares it with);
-        compiled: the lone loop's forward is compiled where the model's
-        caches allow (engines/forwards/compiled.py); None: where MLX runs on a
-        GPU (on the CPU the compiled forward measured slower)."""
+        it stays in the batch of one (what the bench compares it with)."""
         super().__init__(model_id, loaded, max_context=max_context)
         self.lone = lone
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
-        if compiled is None:
-            compiled = mx.default_device() == mx.gpu
-        self._compiled = CompiledForward(loaded.model) if compiled else None
-        self.compiled_tokens = 0  # of lone_tokens, those the compiled forward decoded
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_step_size = prefill_step_size
@@ -485,8 +476,7 @@ class MLXPlainEngine(WorkerEngine):
         context = gen._token_context[i] if slot.processors else None
         (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
         lone = LoneSequence(self.loaded.model, cache, tokens, pending, pending_logprobs,
-                            slot.sampler, slot.processors, context, self._batch.stream,
-                            self._compiled)  # fmt: skip
+                            slot.sampler, slot.processors, context, self._batch.stream)  # fmt: skip
         last = time.perf_counter()
         while True:
             # Here the cache holds lone.tokens and `pending` is sampled, not sent.
@@ -500,7 +490,6 @@ class MLXPlainEngine(WorkerEngine):
                 token, logprobs = lone.step()
             now = time.perf_counter()
             self.lone_tokens += 1
-            self.compiled_tokens += lone.decode is not None
             if len(lone.tokens) % 256 == 0:
                 mx.clear_cache()  # as generate_step: the allocator's cache would grow
             stats = self._step_stats([slot], now - last)

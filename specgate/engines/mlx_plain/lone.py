@@ -8,9 +8,7 @@ takes a sequence out of the batch when it is alone and decodes it here, as
 `generate_step` does: a plain `KVCache`, the next step's graph queued
 (`mx.async_eval`) before the current token is read, and that read the only
 host sync per token. The sequence goes back into the batch as soon as
-another request arrives. Where every layer's cache is a plain KVCache, the
-forward is compiled (engines/forwards/compiled.py): traced once, replayed
-without Python's module calls, with fewer kernels.
+another request arrives.
 
 The state between steps is the batch's after a step: the cache holds
 `tokens`, and `pending` is the next token, already sampled (from the
@@ -25,24 +23,19 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from specgate.engines.forwards.compiled import CompiledDecode, CompiledForward, fits
-
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 class LoneSequence:
     def __init__(self, model, cache: list, tokens: list[int], pending: mx.array,
                  pending_logprobs: mx.array, sampler: Callable[[mx.array], mx.array],
-                 processors: list[Processor], context, stream,
-                 compiled: CompiledForward | None = None):  # fmt: skip
+                 processors: list[Processor], context, stream):  # fmt: skip
         """cache: the sequence's own (mlx-lm's KVCache and kin), holding
         `tokens`; pending: the sampled next token, shape (1,), and its
         logprobs (vocab,); context: mlx-lm's TokenBuffer of the tokens the
         processors have seen (None without processors); stream: the MLX
-        stream to queue on (the batch's); compiled: the model's compiled
-        forward, used where the cache `fits` it."""
-        self.model, self._cache, self.tokens = model, cache, tokens
-        self.decode = CompiledDecode(compiled, cache) if compiled and fits(cache) else None
+        stream to queue on (the batch's)."""
+        self.model, self.cache, self.tokens = model, cache, tokens
         self.pending, self.pending_logprobs = pending, pending_logprobs
         self.sampler, self.processors, self.context = sampler, processors, context
         self.stream = stream
@@ -53,10 +46,7 @@ class LoneSequence:
         logprobs (lazy: evaluated only if read)."""
         y, logprobs = self.pending, self.pending_logprobs
         with mx.stream(self.stream):
-            if self.decode is not None:
-                logits = self.decode(y)
-            else:
-                logits = self.model(y[None], cache=self._cache)[:, -1, :]
+            logits = self.model(y[None], cache=self.cache)[:, -1, :]
             if self.processors:
                 seen = self.context.update_and_fetch(y)
                 for processor in self.processors:
@@ -68,11 +58,6 @@ class LoneSequence:
         token = y.item()
         self.tokens.append(token)
         return token, logprobs
-
-    @property
-    def cache(self) -> list:
-        """The sequence's caches (mlx-lm's), holding `tokens`."""
-        return self.decode.caches() if self.decode is not None else self._cache
 
     def pending_token(self) -> int:
         return self.pending.item()

@@ -194,21 +194,22 @@ class AheadDecoder(SpecDecoder):
 
 
 class _Buffers:
-    """A cache as it was at one moment (MLX arrays never change): a
-    DeviceOffsetKV's buffers, or a recurrent layer's arrays."""
+    """A cache as it was before a round, to drop that round: a recurrent
+    layer's arrays (MLX arrays never change). A DeviceOffsetKV keeps no
+    copy: the dropped round wrote only rows past the length the host knows,
+    which the restored KVCache writes over (holding the old buffers would
+    also stop MLX from updating them in place: every round would copy every
+    layer's whole buffer)."""
 
     def __init__(self, cache):
         self.cache = cache
-        if isinstance(cache, DeviceOffsetKV):
-            self.arrays = (cache.keys, cache.values)
-        else:
-            self.arrays = tuple(cache.state)
+        self.arrays = None if isinstance(cache, DeviceOffsetKV) else tuple(cache.state)
 
     def restored(self, length: int):
         """The cache as it was (a KV cache: mlx-lm's, of `length` rows)."""
         if isinstance(self.cache, DeviceOffsetKV):
             kv = KVCache()
-            kv.keys, kv.values = self.arrays
+            kv.keys, kv.values = self.cache.keys, self.cache.values
             kv.offset = length
             return kv
         self.cache.state = list(self.arrays)

@@ -194,10 +194,10 @@ def test_a_restart_reloads_the_disk_tier_and_refuses_a_corrupt_entry(tmp_path):
     gw = start_gateway(config, tmp_path, home=home)
     try:
         first = complete(gw)
-        # Fifty other long prompts (their entries are made by the prefill: one
+        # Other long prompts (their entries are made by the prefill: one
         # token each is enough): the RAM budget (2 MiB for every model) holds.
-        for i in range(50):
-            complete(gw, f"# file {i}\n" + prompt * 3, max_tokens=1)
+        for i in range(16):
+            complete(gw, f"# file {i}\n" + prompt * 6, max_tokens=1)
         metrics = httpx.get(gw.base_url + "/metrics").text
         ram = float(re.search(r'^specgate_prefix_cache_bytes\{model="demo",tier="ram"\} (\S+)$',
                               metrics, re.M).group(1))  # fmt: skip

@@ -14,6 +14,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+import mlx.core as mx
+
 from specgate.engines.base import (
     EngineError,
     EngineStopped,
@@ -32,6 +34,14 @@ from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.engines.loading import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+def default_prefill_step() -> int:
+    """Prompt tokens per prefill chunk: mlx-lm's 2048 where MLX runs on a
+    GPU (on an H200, 512-token chunks prefilled a 2048-token prompt at 0.78x
+    mlx-lm's speed); 512 on a CPU, where a 2048-token chunk takes seconds
+    and a cancelled request waits for its chunk to end."""
+    return 2048 if mx.default_device() == mx.gpu else 512
 
 # How long stop() waits for the worker to finish its current step (one prefill
 # chunk or decoding step, seconds on a big model) before giving up on it.

@@ -57,7 +57,7 @@ from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_plain.lone import LoneSequence
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
-from specgate.engines.worker import WorkerEngine, deliver
+from specgate.engines.worker import WorkerEngine, default_prefill_step, deliver
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class MLXPlainEngine(WorkerEngine):
         max_concurrent: int = 8,
         max_queue: int = 64,
         prefix_cache_size: int = 64,
-        prefill_step_size: int = 512,
+        prefill_step_size: int | None = None,
         prefill_step_while_decoding: int = 128,
         lone: bool = True,
     ):
@@ -203,7 +203,7 @@ class MLXPlainEngine(WorkerEngine):
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size = prefill_step_size or default_prefill_step()
         # Each batch step decodes every running sequence and feeds one chunk
         # of the prompts being prefilled: while sequences decode, smaller
         # chunks keep a long prompt (or one whose client hangs up before its

@@ -50,7 +50,7 @@ from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
-from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, deliver
+from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, default_prefill_step, deliver
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class SpecEngine(WorkerEngine):
         drafter: str | None = None,
         max_context: int,
         max_queue: int = 64,
-        prefill_step_size: int = 512,
+        prefill_step_size: int | None = None,
         kernels: str = "auto",
         kernel_guard=None,
     ):
@@ -99,7 +99,7 @@ class SpecEngine(WorkerEngine):
         super().__init__(model_id, loaded, max_context=max_context)
         self.name = name
         self.max_queue = max_queue
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size or default_prefill_step()
         self.target = target_for(loaded.model)
         self.drafting = drafting(loaded, self.target, drafter, settings)
         self.method: Method = self.drafting.method

@@ -203,12 +203,12 @@ class MLXPlainEngine(WorkerEngine):
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
-        self.prefill_step_size = prefill_step_size = prefill_step_size or default_prefill_step()
+        self.prefill_step_size = prefill_step_size or default_prefill_step()
         # Each batch step decodes every running sequence and feeds one chunk
         # of the prompts being prefilled: while sequences decode, smaller
         # chunks keep a long prompt (or one whose client hangs up before its
         # first token) from stretching everyone's next token by seconds.
-        self.prefill_step_while_decoding = min(prefill_step_while_decoding, prefill_step_size)
+        self.prefill_step_while_decoding = min(prefill_step_while_decoding, self.prefill_step_size)
         self._prefix_cache = loaded.prefix_cache
         # A model over several ranks keeps none (engines/loading.py says why).
         self._prefix_cache.resize(0 if loaded.lockstep is not None else prefix_cache_size)

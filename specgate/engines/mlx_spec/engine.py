@@ -165,7 +165,7 @@ class SpecEngine(WorkerEngine):
                 self.prefill_step_size)  # fmt: skip
         if not (self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)):
             return SpecDecoder(*args, grammar=grammar)
-        if self.compiled_rounds and (self._rounds is None or self._rounds.head is not proposer.head):
+        if self.compiled_rounds and self._rounds is None:  # the engine's head: one for every request
             self._rounds = CompiledRounds(self.target, proposer.head)
         return AheadDecoder(*args, grammar=grammar,
                             rounds=self._rounds if self.compiled_rounds else None)  # fmt: skip

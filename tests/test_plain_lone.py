@@ -19,6 +19,7 @@ from specgate.engines.base import (
     CacheSettings,
     GenerationRequest,
     Plan,
+    PrefillProgress,
     SamplingParams,
     TokenEvent,
 )
@@ -50,9 +51,10 @@ async def collect(engine, req, started: asyncio.Event | None = None, after: int 
     return tokens, events
 
 
-def run(loaded, body, lone: bool = True):
+def run(loaded, body, lone: bool = True, **settings):
     async def main():
-        engine = MLXPlainEngine("tiny", loaded, max_context=2048, lone=lone, prefix_cache_size=0)
+        settings.setdefault("prefix_cache_size", 0)
+        engine = MLXPlainEngine("tiny", loaded, max_context=2048, lone=lone, **settings)
         await engine.start()
         try:
             return await body(engine), engine.lone_tokens
@@ -74,6 +76,65 @@ def test_a_lone_request_decodes_outside_the_batch_as_generate_step(loaded):
     (batched, _), lone_off = run(loaded, lambda e: collect(e, request("a", PROMPT_A, 60)),
                                  lone=False)  # fmt: skip
     assert lone_off == 0 and batched == tokens
+
+
+def test_a_request_that_finds_the_engine_idle_is_prefilled_outside_the_batch(loaded):
+    """Its prompt goes through mlx-lm's own cache, as generate_step's does
+    (the batch's padded cache and mask cost a lone GPU prefill ~20 %), and
+    the prefix cache still gets its snapshot and its whole turn."""
+    prompt = [(7 * i + 3) % 400 for i in range(90)]
+
+    async def body(engine):
+        first = await collect(engine, request("p", prompt, 30))
+        fed_by_batch = engine._batch._counters.prompt_tokens  # mlx-lm internals, pinned
+        again = await collect(engine, request("p", prompt, 30))  # an identical retry
+        return first, again, fed_by_batch
+
+    ((tokens, _), (retried, events), fed_by_batch), lone = run(
+        loaded, body, prefix_cache_size=4, prefill_step_size=32)  # fmt: skip
+    want, margins = greedy_reference(loaded.model, prompt, 30)
+    assert_same_greedy(tokens, want, margins)
+    assert fed_by_batch == 0 and lone == 60
+    # The snapshot kept before the prompt's last token serves the retry.
+    assert retried == tokens and events[-1].cached_tokens == len(prompt) - 1
+
+
+def test_a_request_arriving_mid_prefill_takes_the_rest_of_the_prompt_into_the_batch(loaded):
+    """A second request between two prefill chunks of a lone one: the first's
+    prompt goes on in the batch from where it stands, with both exact."""
+    long = [(11 * i + 5) % 450 for i in range(300)]
+
+    async def body(engine):
+        it = aiter(engine.generate(request("long", long, 25)))
+        progress = []
+        while not progress:  # its prompt is being fed, chunk by chunk
+            if isinstance(event := await anext(it), PrefillProgress):
+                progress.append(event)
+        # Holding the model's lock parks the worker before its next chunk,
+        # so the second request is queued while chunks of the first remain.
+        engine.loaded.lock.acquire()
+        try:
+            second = asyncio.create_task(collect(engine, request("b", PROMPT_B, 20)))
+            while engine._inbox.empty():
+                await asyncio.sleep(0.001)
+        finally:
+            engine.loaded.lock.release()
+        tokens = []
+        async for event in it:
+            if isinstance(event, TokenEvent):
+                tokens += event.token_ids
+            elif isinstance(event, PrefillProgress):
+                progress.append(event)
+        return tokens, (await second)[0], progress, engine._batch._counters.prompt_tokens
+
+    (a, b, progress, fed_by_batch), _ = run(loaded, body, prefill_step_size=16)
+    for got, prompt, n in ((a, long, 25), (b, PROMPT_B, 20)):
+        want, margins = greedy_reference(loaded.model, prompt, n)
+        assert_same_greedy(got, want, margins)
+    # The batch fed B's prompt (but its last token) and part, not all, of the long one's.
+    assert len(PROMPT_B) - 1 < fed_by_batch < len(PROMPT_B) - 1 + len(long) - 1, fed_by_batch
+    done = [p.processed for p in progress]
+    assert done == sorted(done) and done[-1] < len(long), done
 
 
 def test_a_second_request_joins_and_leaves_without_a_changed_token(loaded):

@@ -17,7 +17,9 @@ its text is the same whichever engine decodes it, handed over or not.
 
 A sequence alone in the batch leaves it and decodes on a lean loop of its
 own (lone.py, as mlx-lm's `generate_step` does) until another request
-arrives, when it goes back into the batch between two tokens.
+arrives, when it goes back into the batch between two tokens. A request
+that finds the engine idle starts there: its prompt is fed on the lone path
+too, and joins the batch between two chunks if another request comes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from specgate.engines.base import (
     EngineOverloaded,
@@ -45,6 +48,7 @@ from specgate.engines.base import (
     TokenLogprob,
     TopLogprob,
 )
+from specgate.engines.cache.prefix_cache import snapshot
 from specgate.engines.distributed.lockstep import (
     SHARED_PLANS,
     FollowerOut,
@@ -55,7 +59,7 @@ from specgate.engines.distributed.lockstep import (
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
-from specgate.engines.mlx_plain.lone import LoneSequence
+from specgate.engines.mlx_plain.lone import LoneSequence, feed
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.worker import WorkerEngine, default_prefill_step, deliver
 
@@ -175,6 +179,9 @@ class _Slot:
     sampler: Any = None
     processors: list = field(default_factory=list)
     stops: Any = None
+    # Between its submit and its start: the segments to feed after the
+    # `known` tokens its cache holds (see _into_batch).
+    start: tuple[list[list[int]], list | None, list[int]] | None = None
 
     def post(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -214,6 +221,8 @@ class MLXPlainEngine(WorkerEngine):
         self._prefix_cache.resize(0 if loaded.lockstep is not None else prefix_cache_size)
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator uid (worker only)
         self._batch: BatchGenerator | None = None
+        self._waiting: list[_Slot] = []  # submitted, not yet started (worker only)
+        self._lone_uid = 0  # a request started alone has a uid of its own, below 0
 
     def generate(
         self, request: GenerationRequest, planner: Planner | None = None,
@@ -294,11 +303,12 @@ class MLXPlainEngine(WorkerEngine):
                 self._batch = self._new_batch()
                 if isinstance(exc, LockstepBroken):  # a distributed model lost a rank
                     raise exc from None
-        for slot in self._submitted():  # submitted after the stop
+        for slot in [*self._submitted(), *self._waiting]:  # submitted, never started
             slot.post(self.stopped_error())
         for slot in self._slots.values():
             slot.post(self.stopped_error())
         self._slots.clear()
+        self._waiting.clear()
 
     def _step_stats(self, decoding: list[_Slot], seconds: float) -> RoundStats:
         contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
@@ -376,11 +386,24 @@ class MLXPlainEngine(WorkerEngine):
                 except Exception as exc:  # this request's problem, not the batch's
                     log.exception("mlx_plain could not start request %s", slot.request.request_id)
                     slot.post(exc)
+            elif command == "cancel" and slot in self._waiting:
+                self._waiting.remove(slot)
             elif command == "cancel" and slot.uid in self._slots:
                 self._batch.remove([slot.uid])
                 del self._slots[slot.uid]
                 self._running -= slot.started
+        self._admit()
         return True
+
+    def _admit(self) -> None:
+        """Start the submitted requests: one that finds the engine idle on
+        the lone path (lone.py), the others in the batch."""
+        waiting, self._waiting = self._waiting, []
+        if len(waiting) == 1 and not self._slots and self.lone and self.loaded.lockstep is None:
+            self._start_alone(waiting[0])
+            return
+        for slot in waiting:
+            self._into_batch(slot, *slot.start)
 
     def _insert(self, slot: _Slot) -> None:
         request, resume = slot.request, slot.resume
@@ -413,7 +436,8 @@ class MLXPlainEngine(WorkerEngine):
         if sampling.seed is not None and not sampling.greedy:
             slot.processors.append(_float32)
         slot.stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
-        self._into_batch(slot, [rest] if resume is not None else rest, cache, known)
+        slot.start = ([rest] if resume is not None else rest, cache, known)
+        self._waiting.append(slot)
 
     def _into_batch(self, slot: _Slot, segments: list[list[int]], cache: list | None,
                     known: list[int]) -> None:  # fmt: skip
@@ -466,10 +490,48 @@ class MLXPlainEngine(WorkerEngine):
         return (self.lone and self.loaded.lockstep is None and slot.uid in gen.uids
                 and len(gen) == 1 and self._inbox.empty())  # fmt: skip
 
+    def _start_alone(self, slot: _Slot) -> None:
+        """A request that finds the engine idle: feed its prompt on the lone
+        path in chunks, then decode it alone. A command arriving between two
+        chunks (another request, a cancel) sends the rest to the batch."""
+        segments, cache, tokens = slot.start
+        segments = [list(s) for s in segments if s]
+        last = segments[-1].pop()  # fed with the first decoding step
+        cache = cache if cache is not None else make_prompt_cache(self.loaded.model)
+        tokens, fed, total = list(tokens), 0, sum(map(len, segments))
+        self._lone_uid -= 1
+        slot.uid = self._lone_uid
+        self._slots[slot.uid] = slot
+        stream = self._batch.stream
+        while segments:
+            if not self._inbox.empty():
+                del self._slots[slot.uid]
+                self._into_batch(slot, [*segments, [last]], cache, tokens)
+                return
+            chunk = segments[0][: self.prefill_step_size]
+            if chunk:
+                with self.loaded.lock:
+                    feed(self.loaded.model, cache, chunk, stream)
+                tokens += chunk
+                fed += len(chunk)
+                del segments[0][: len(chunk)]
+                if fed < total and slot.resume is None:
+                    prompt = len(slot.request.prompt_tokens)
+                    slot.post(PrefillProgress(min(prompt, slot.cached_tokens + fed), prompt,
+                                              slot.cached_tokens))  # fmt: skip
+            if not segments[0]:
+                segments.pop(0)
+                if segments:  # a snapshot point (PrefixCache.snapshot_points): keep the cache there
+                    scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
+                    self._prefix_cache.insert(list(tokens), snapshot(cache), scope)
+        context = TokenBuffer(tokens) if slot.processors else None
+        with self.loaded.lock:
+            lone = LoneSequence.after_prompt(self.loaded.model, cache, tokens, last, slot.sampler,
+                                             slot.processors, context, stream)  # fmt: skip
+        self._decode_alone(slot, lone)
+
     def _alone(self, slot: _Slot) -> None:
-        """Decode the batch's one sequence on the lone loop until it ends,
-        its client leaves, its planner hands it over, or a command arrives
-        (a new request: then it goes back into the batch)."""
+        """Take the batch's one sequence out of it and decode it alone."""
         gen = self._batch._generation_batch
         i = gen.uids.index(slot.uid)
         pending, pending_logprobs = gen._next_tokens[i : i + 1], gen._next_logprobs[i]
@@ -477,7 +539,14 @@ class MLXPlainEngine(WorkerEngine):
         (cache, tokens), = self._batch.remove([slot.uid], return_prompt_caches=True).values()
         lone = LoneSequence(self.loaded.model, cache, tokens, pending, pending_logprobs,
                             slot.sampler, slot.processors, context, self._batch.stream)  # fmt: skip
+        self._decode_alone(slot, lone)
+
+    def _decode_alone(self, slot: _Slot, lone: LoneSequence) -> None:
+        """Decode on the lone loop until the sequence ends, its client
+        leaves, its planner hands it over, or a command arrives (a new
+        request: then it goes back into the batch)."""
         last = time.perf_counter()
+        timed = slot.started  # a first token's step carries the prompt's last one: not timed
         while True:
             # Here the cache holds lone.tokens and `pending` is sampled, not sent.
             if not self._inbox.empty():
@@ -492,8 +561,8 @@ class MLXPlainEngine(WorkerEngine):
             self.lone_tokens += 1
             if len(lone.tokens) % 256 == 0:
                 mx.clear_cache()  # as generate_step: the allocator's cache would grow
-            stats = self._step_stats([slot], now - last)
-            last = now
+            stats = self._step_stats([slot], now - last) if timed else None
+            last, timed = now, True
             if not self._send(slot, token, logprobs, lone, stats):
                 return
 

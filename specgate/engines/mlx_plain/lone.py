@@ -10,6 +10,11 @@ takes a sequence out of the batch when it is alone and decodes it here, as
 host sync per token. The sequence goes back into the batch as soon as
 another request arrives.
 
+A request that finds the engine idle never enters the batch at all: its
+prompt is fed here (`feed`, in chunks, into mlx-lm's own cache with its
+causal mask rather than the batch's padded one), so a lone request's
+prefill and first token cost what `generate_step`'s do.
+
 The state between steps is the batch's after a step: the cache holds
 `tokens`, and `pending` is the next token, already sampled (from the
 target's distribution, by the request's own sampler) but neither fed nor
@@ -24,6 +29,15 @@ from collections.abc import Callable
 import mlx.core as mx
 
 Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+def feed(model, cache: list, tokens: list[int], stream) -> None:
+    """Feed one prefill chunk into `cache` and wait for it, as
+    `generate_step` does (and frees MLX's buffer cache after, as it does)."""
+    with mx.stream(stream):
+        model(mx.array(tokens)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.clear_cache()
 
 
 class LoneSequence:
@@ -58,6 +72,15 @@ class LoneSequence:
         token = y.item()
         self.tokens.append(token)
         return token, logprobs
+
+    @classmethod
+    def after_prompt(cls, model, cache: list, tokens: list[int], last: int, sampler,
+                     processors: list[Processor], context, stream) -> LoneSequence:  # fmt: skip
+        """The state once a prompt is fed but its `last` token: that token
+        fed and the first one's sampling queued (not waited for)."""
+        lone = cls(model, cache, tokens, mx.array([last]), None, sampler, processors, context, stream)
+        lone.step()  # returns `last` at once: it is an array already
+        return lone
 
     def pending_token(self) -> int:
         return self.pending.item()

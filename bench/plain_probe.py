@@ -19,7 +19,12 @@ the tokens after the first:
   built;
 - mlpc: generate_step on a model whose layers' MLP and residual adds are
   compiled (`mx.compile` per layer: the one-row attention stays as it is),
-  an experiment: fewer kernels and Python calls a token.
+  an experiment: fewer kernels and Python calls a token;
+- layerc: generate_step on a model whose one-row layers run as two
+  compiled halves around the cache write and the attention (norm, q/k/v,
+  q/k norms and RoPE at an array offset; then o_proj, residual, norm, MLP,
+  residual): the attention keeps MLX's one-row kernel, the rest is
+  replayed from C++.
 Prints tok/s median [min, max] and each variant's ratio to generate_step,
 and whether every variant's tokens equal generate_step's.
 MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
@@ -52,7 +57,7 @@ from specgate.engines.loading import LoadedModel  # noqa: E402
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
 from specgate.kernels import hook  # noqa: E402
 
-VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc")
+VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc", "layerc")
 
 
 def compile_mlps(model) -> None:
@@ -66,6 +71,46 @@ def compile_mlps(model) -> None:
             return post(x, self.self_attn(self.input_layernorm(x), mask, cache))
 
         layer.__class__ = type("CompiledPost" + type(layer).__name__, (type(layer),), {"__call__": call})
+
+
+def compile_layers(model) -> None:
+    """Each qwen3 decoder layer, for one row on a KV cache, as two compiled
+    halves around the cache write and the attention (a bench experiment)."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    offsets: dict[int, mx.array] = {}  # one offset array a token, shared by the layers
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+
+        def pre(x, offset, layer=layer, attn=attn):
+            h = layer.input_layernorm(x)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = attn.q_norm(q.reshape(1, 1, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+            k = attn.k_norm(k.reshape(1, 1, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+            v = v.reshape(1, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+        def post(x, o, layer=layer, attn=attn):
+            h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+
+        pre_c, post_c = mx.compile(pre), mx.compile(post)
+        stock = type(layer).__call__
+
+        def call(self, x, mask=None, cache=None, pre_c=pre_c, post_c=post_c, stock=stock,
+                 attn=attn):  # fmt: skip
+            if cache is None or x.shape[:2] != (1, 1):
+                return stock(self, x, mask, cache)
+            if cache.offset not in offsets:
+                offsets.clear()
+                offsets[cache.offset] = mx.array(cache.offset)
+            q, k, v = pre_c(x, offsets[cache.offset])
+            k, v = cache.update_and_fetch(k, v)
+            o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=None)
+            return post_c(x, o)
+
+        layer.__class__ = type("CompiledLayer" + type(layer).__name__, (type(layer),), {"__call__": call})
 
 
 def word_tokenizer(vocab: int):
@@ -208,10 +253,13 @@ def main() -> None:
 
     model, fused = quantized(), quantized()  # the same seed: the same weights
     hook.fuse_siblings(fused)
-    mlpc = None
+    mlpc = layerc = None
     if "mlpc" in variants:
         mlpc = quantized()
         compile_mlps(mlpc)
+    if "layerc" in variants:
+        layerc = quantized()
+        compile_layers(layerc)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, "
           f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
@@ -228,6 +276,8 @@ def main() -> None:
             return run_generate_step(fused, prompt, a.tokens)
         if v == "mlpc":
             return run_generate_step(mlpc, prompt, a.tokens)
+        if v == "layerc":
+            return run_generate_step(layerc, prompt, a.tokens)
         return engines.run(v == "lone", prompt, a.tokens)
 
     results = {v: [] for v in variants}
@@ -243,7 +293,7 @@ def main() -> None:
             results[v].append(tps)
     if engines is not None:
         engines.close()
-    for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc)):
+    for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc), ("layerc", layerc)):
         if m is None:
             continue
         ph = step_phases(m, prompt, a.tokens)

@@ -7,8 +7,9 @@ Sections, each a table of median [min, max] over --reps interleaved repeats
 (each repeat runs both sides, alternating which goes first; a ratio is taken
 within a repeat, then summarised):
 - plain:   specgate's plain engine (MLXPlainEngine, its async generate(), as
-           the gateway drives it) vs mlx-lm's generate_step on the same
-           model: decode tok/s (the tokens after the first), prefill tok/s
+           the gateway drives it, on the model as loading prepares it:
+           loading.prepare_for_decoding) vs mlx-lm's generate_step on the
+           same weights as built: decode tok/s (the tokens after the first), prefill tok/s
            (a --prefill-tokens prompt, a new one each repeat, no prefix
            cache) and TTFT; greedy, outputs compared token for token.
 - batched: aggregate tok/s and median TTFT at --streams concurrent requests:
@@ -240,10 +241,21 @@ def prompts_for(rng: random.Random, vocab: int, length: int, count: int) -> list
 # ---------------------------------------------------------------- the sections
 
 
+def served_model(a):
+    """The bigram target again (the same seed: the same weights), prepared as
+    loading prepares what it serves (fused siblings, compiled one-row
+    halves); mlx-lm's side keeps the model as built."""
+    from specgate.engines.loading import prepare_for_decoding
+
+    model, _, _ = bigram_target(a)
+    prepare_for_decoding(model)
+    return model
+
+
 def section_plain(a, target, out: dict) -> None:
     model, _, vocab = target
     rng = random.Random(a.seed + 11)
-    engine = PlainEngine(model, vocab, max_concurrent=max(a.streams))
+    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams))
     try:
         warm_short, warm_long = prompts_for(rng, vocab, a.prompt, 1)[0], prompts_for(rng, vocab, a.prefill, 1)[0]
         for p, n in ((warm_short, a.tokens), (warm_long, 2)):  # untimed: each shape's kernels built once
@@ -287,7 +299,7 @@ def section_plain(a, target, out: dict) -> None:
 def section_batched(a, target, out: dict) -> None:
     model, _, vocab = target
     rng = random.Random(a.seed + 23)
-    engine = PlainEngine(model, vocab, max_concurrent=max(a.streams))
+    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams))
     result: dict = {}
     exact = True
     try:

@@ -15,8 +15,9 @@ the tokens after the first:
 - fused: generate_step on the model as specgate loads it, each layer's
   q/k/v and gate/up decoded by one stock quantized matmul over their joined
   weights (kernels/hook.fuse_siblings: fewer launches, the same numbers).
-  The engine variants run on that model too; mlx-lm's on the model as
-  built;
+  The engine variants run on the model as loading prepares what it serves
+  (loading.prepare_for_decoding: fused siblings and compiled one-row
+  halves); mlx-lm's on the model as built;
 - mlpc: generate_step on a model whose layers' MLP and residual adds are
   compiled (`mx.compile` per layer: the one-row attention stays as it is),
   an experiment: fewer kernels and Python calls a token;
@@ -53,7 +54,7 @@ from e2e_mtp_7b import build  # noqa: E402  (bench/, beside this file)
 
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams, TokenEvent  # noqa: E402
 from specgate.engines.cache.prefix_cache import PrefixCache  # noqa: E402
-from specgate.engines.loading import LoadedModel  # noqa: E402
+from specgate.engines.loading import LoadedModel, prepare_for_decoding  # noqa: E402
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
 from specgate.kernels import hook  # noqa: E402
 
@@ -251,8 +252,9 @@ def main() -> None:
         mx.eval(model.parameters())
         return model
 
-    model, fused = quantized(), quantized()  # the same seed: the same weights
+    model, fused, served = quantized(), quantized(), quantized()  # the same seed: the same weights
     hook.fuse_siblings(fused)
+    prepare_for_decoding(served)  # as loading.py prepares a model it serves
     mlpc = layerc = None
     if "mlpc" in variants:
         mlpc = quantized()
@@ -265,7 +267,7 @@ def main() -> None:
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     rng = random.Random(1)
     prompt = [rng.randrange(ns.vocab) for _ in range(a.prompt)]
-    engines = Engines(loaded_model(fused, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
+    engines = Engines(loaded_model(served, ns.vocab)) if {"lone", "batch1"} & set(variants) else None
 
     def once(v):
         if v == "generate_step":

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from specgate.engines.base import CacheSettings
 from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.fair_lock import FairLock
+from specgate.engines.forwards.one_row import compile_one_row
 from specgate.engines.grammar.matcher import Grammars
 from specgate.kernels import hook
 
@@ -69,6 +70,16 @@ _loaded: weakref.WeakValueDictionary[str, LoadedModel] = weakref.WeakValueDictio
 _lock = threading.Lock()
 
 
+def prepare_for_decoding(model: nn.Module) -> None:
+    """What loading does to a whole (unsharded) model for one-row steps, both
+    exact: each layer's q/k/v and gate/up in one launch each (kernels/hook.py
+    says why), then its one-row step as compiled halves (forwards/one_row.py;
+    after the fusing, as the traces keep the arrays they were made with).
+    Benches that build a model in memory call it too, to time what is served."""
+    hook.fuse_siblings(model)
+    compile_one_row(model)
+
+
 def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=None,
                    chat_template: str | None = None, dequantize: bool = False) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
@@ -110,9 +121,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
                 tokenizer.chat_template = chat_template
             if distribution is None:
-                # A layer's q/k/v and gate/up decode in one launch each (exact;
-                # kernels/hook.py says why). A rank's shard has sharded linears.
-                hook.fuse_siblings(model)
+                # A rank's shard has sharded linears: neither applies to it.
+                prepare_for_decoding(model)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix)
             else:

@@ -326,6 +326,8 @@ def section_batched(a, target, out: dict) -> None:
                              ("specgate ttft", e_ttft), ("mlx-lm ttft", g_ttft),
                              ("ttft ratio", e_ttft / g_ttft)):  # fmt: skip
                     row[k].append(v)
+                print(f"  {n_streams} streams, repeat {rep + 1}: specgate {e_tps:.0f} tok/s, "
+                      f"BatchGenerator {g_tps:.0f} tok/s", flush=True)  # a timed-out run keeps these
             result[n_streams] = row
     finally:
         engine.close()

@@ -25,7 +25,11 @@ the tokens after the first:
   compiled halves around the cache write and the attention (norm, q/k/v,
   q/k norms and RoPE at an array offset; then o_proj, residual, norm, MLP,
   residual): the attention keeps MLX's one-row kernel, the rest is
-  replayed from C++.
+  replayed from C++;
+- mma1: generate_step with every one-row quantized matmul through
+  specgate's tensor-core kernel (kernels/qmm_mma.py; q/k/v and gate/up in
+  one fused launch each), unproved (no guard: an experiment, CUDA only),
+  where stock uses MLX's qmv.
 Prints tok/s median [min, max] and each variant's ratio to generate_step,
 and whether every variant's tokens equal generate_step's.
 MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
@@ -58,7 +62,7 @@ from specgate.engines.loading import LoadedModel, prepare_for_decoding  # noqa: 
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
 from specgate.kernels import hook  # noqa: E402
 
-VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc", "layerc")
+VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc", "layerc", "mma1")
 
 
 def compile_mlps(model) -> None:
@@ -112,6 +116,26 @@ def compile_layers(model) -> None:
             return post_c(x, o)
 
         layer.__class__ = type("CompiledLayer" + type(layer).__name__, (type(layer),), {"__call__": call})
+
+
+class _Always:
+    """A stand-in for kernels/guard.Guard that answers every shape with one
+    kernel, unproved (the mma1 experiment measures the kernel itself)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def kernel_for(self, *args):
+        return self.fn
+
+
+def mma_one_row(model) -> None:
+    """Every quantized linear of `model` hooked (kernels/hook.install) to the
+    tensor-core kernel for any M from 1 (stock hooks start at 2)."""
+    from specgate.kernels import qmm, qmm_mma
+
+    qmm.MIN_M = 1  # this bench process only: the hook's lower bound
+    hook.install(model, _Always(qmm_mma.cuda_qmm_mma), _Always(qmm_mma.cuda_qmm_mma_fused))
 
 
 def word_tokenizer(vocab: int):
@@ -262,6 +286,10 @@ def main() -> None:
     if "layerc" in variants:
         layerc = quantized()
         compile_layers(layerc)
+    mma1 = None
+    if "mma1" in variants:
+        mma1 = quantized()
+        mma_one_row(mma1)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, "
           f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
@@ -280,6 +308,9 @@ def main() -> None:
             return run_generate_step(mlpc, prompt, a.tokens)
         if v == "layerc":
             return run_generate_step(layerc, prompt, a.tokens)
+        if v == "mma1":
+            with hook.kernels(True):
+                return run_generate_step(mma1, prompt, a.tokens)
         return engines.run(v == "lone", prompt, a.tokens)
 
     results = {v: [] for v in variants}
@@ -295,10 +326,12 @@ def main() -> None:
             results[v].append(tps)
     if engines is not None:
         engines.close()
-    for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc), ("layerc", layerc)):
+    for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc), ("layerc", layerc),
+                    ("mma1", mma1)):  # fmt: skip
         if m is None:
             continue
-        ph = step_phases(m, prompt, a.tokens)
+        with hook.kernels(name == "mma1"):
+            ph = step_phases(m, prompt, a.tokens)
         print(f"generate_step's loop by hand ({name}), ms per token: build {ph['build']:.2f} | "
               f"queue (MLX encodes) {ph['queue']:.2f} | wait {ph['wait']:.2f}")  # fmt: skip
     base = results.get("generate_step")

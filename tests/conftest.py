@@ -382,6 +382,13 @@ def pytest_xdist_auto_num_workers(config):
 # beside the rest instead of one after another on one worker. Every other
 # module keeps its tests on one worker, with its module fixtures (loadscope).
 EACH_TEST_ALONE = ("tests/test_exactness_sampled.py",)
+# Tests that are work units of their own, apart from the rest of their module:
+# the coding agents whose one turn holds a worker for minutes (a 10-35k-token
+# prefill on a CPU), so .ci/run runs them beside each other, not one after
+# another on one worker (Qwen Code's, Claude Code's and OpenCode's turns took
+# 505, 280 and 186 s in series there). Claude Code's stays with the launch
+# tests, which reuse its prefill from the module's gateway.
+TESTS_ALONE = {"tests/test_agent_clis.py": ("[opencode]", "[qwen]")}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -396,7 +403,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.split("::", 1)[0] in EACH_TEST_ALONE:
+            path, _, test = nodeid.partition("::")
+            if path in EACH_TEST_ALONE or test.endswith(TESTS_ALONE.get(path, ())):
                 return nodeid
             return super()._split_scope(nodeid)
 
@@ -456,7 +464,9 @@ def _needs_llama_server(item) -> bool:
 # waits on short ones); written by a run with SPECGATE_STORE_DURATIONS=FILE.
 # A module not in it counts a second a test; a proof or agents test (not in
 # the fast tier's run) a minute more, about what the long ones take (.ci/run's
-# --durations), so CI does not leave a coding agent's ten minutes for last.
+# --durations). The agents tier's modules go before all of them: a coding
+# agent's turn takes minutes on a CPU, and counted at a minute a test they
+# went out after the proof tier's exactness samples, so .ci/run ended on them.
 SCOPE_SECONDS = Path(__file__).with_name("scope_seconds.json")
 LONG_TIER_TEST_S = 60.0
 
@@ -477,18 +487,20 @@ def _module_seconds(items) -> dict[Path, float]:
 
 @pytest.hookimpl(trylast=True)  # after -m's deselection: only the tests this run selected count
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first. While llama-server is still to be built
-    (an empty SPECGATE_HOME), modules with a test that needs it go after the
-    rest, the longest of them first too (whole modules, so their module
-    fixtures stay together), and the build starts now. (Every xdist worker
-    sorts alike: they collect within seconds of each other, the build takes
-    minutes.)"""
+    """The agents tier's modules first, then the longest modules first. While
+    llama-server is still to be built (an empty SPECGATE_HOME), modules with
+    a test that needs it go after the rest, the longest of them first too
+    (whole modules, so their module fixtures stay together), and the build
+    starts now. (Every xdist worker sorts alike: they collect within seconds
+    of each other, the build takes minutes.)"""
     needs = {item.path for item in items if _needs_llama_server(item)}
     building = bool(needs) and not installed_llama_server_path(RUN_HOME).is_file()
     later = needs if building else set()
     seconds = _module_seconds(items)
+    agents = {item.path for item in items if item.get_closest_marker("agents")}
     # stable: a module's tests keep their order
-    items[:] = sorted(items, key=lambda item: (item.path in later, -seconds[item.path]))
+    items[:] = sorted(items, key=lambda item: (item.path in later, item.path not in agents,
+                                               -seconds[item.path]))  # fmt: skip
     for item in items:
         if _needs_llama_server(item):
             item.add_marker(pytest.mark.timeout(LLAMA_SERVER_BUILD_TIMEOUT), append=False)

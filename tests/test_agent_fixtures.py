@@ -61,8 +61,11 @@ def _load(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent-fixtures")
+    # Two layers, one of each kind: most of a replay's seconds are the prefill
+    # of 10-25k tokens, a GatedDeltaNet layer's a token at a time on a CPU.
     agent = build_qwen35_hybrid(
-        root / "agent", seed=3, max_position_embeddings=65536, hidden_size=64, intermediate_size=128
+        root / "agent", seed=3, max_position_embeddings=65536, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, full_attention_interval=2,
     )
     write_chat_template(agent, DEMO_CHAT_TEMPLATE)
     strict = build_qwen35_hybrid(root / "strict", seed=3)

@@ -264,6 +264,10 @@ class Verdict:
     reference_us: float | None = None
     detail: str = ""
     checked_at: float = field(default_factory=time.time)
+    # What the proof cost: the whole check, and of it the kernel's first call
+    # (where a GPU builds it: a fresh machine's proofs are mostly builds).
+    check_s: float | None = None
+    first_call_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -400,6 +404,12 @@ class Guard:
 
     # ------------------------------------------------------------- the proof
     def check(self, cand: Candidate, *shape) -> Verdict:
+        t0 = time.perf_counter()
+        v = self._check(cand, *shape)
+        v.check_s = time.perf_counter() - t0
+        return v
+
+    def _check(self, cand: Candidate, *shape) -> Verdict:
         self.checks_run += 1
         op = self.op
         dtype = op.dtype(*shape)
@@ -409,9 +419,11 @@ class Guard:
         args = op.inputs(self.seed, *shape)
         mx.eval([a for a in args if isinstance(a, mx.array)])
         want = op.out_shape(*shape)
+        t0 = time.perf_counter()
         try:
             y = op.joined(cand.fn(*args))
             mx.eval(y)
+            v.first_call_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any failure to build or run refuses the kernel
             v.detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
             return v

@@ -403,7 +403,8 @@ class MLXPlainEngine(WorkerEngine):
             self._start_alone(waiting[0])
             return
         for slot in waiting:
-            self._into_batch(slot, *slot.start)
+            start, slot.start = slot.start, None  # (its cache is the batch's now: not kept twice)
+            self._into_batch(slot, *start)
 
     def _insert(self, slot: _Slot) -> None:
         request, resume = slot.request, slot.resume
@@ -494,7 +495,7 @@ class MLXPlainEngine(WorkerEngine):
         """A request that finds the engine idle: feed its prompt on the lone
         path in chunks, then decode it alone. A command arriving between two
         chunks (another request, a cancel) sends the rest to the batch."""
-        segments, cache, tokens = slot.start
+        (segments, cache, tokens), slot.start = slot.start, None
         segments = [list(s) for s in segments if s]
         last = segments[-1].pop()  # fed with the first decoding step
         cache = cache if cache is not None else make_prompt_cache(self.loaded.model)

@@ -169,6 +169,7 @@ class _Slot:
     resume: Handoff | None = None
     uid: int | None = None
     cached_tokens: int = 0
+    in_cache: int = 0  # tokens its cache held when it joined the batch (its prefill's progress counts on)
     started: bool = False
     generated: int = 0  # output tokens so far, earlier engines' included
     grammar: _GrammarProcessor | None = None
@@ -444,6 +445,7 @@ class MLXPlainEngine(WorkerEngine):
                     known: list[int]) -> None:  # fmt: skip
         """Queue the slot's sequence in the batch: `segments` to feed after
         the `known` tokens its cache holds."""
+        slot.in_cache = len(known)
         (slot.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[slot.request.max_tokens - slot.generated],
@@ -609,7 +611,8 @@ class MLXPlainEngine(WorkerEngine):
 
     def _prefill_progress(self, prompt_responses: list) -> list[tuple[_Slot, PrefillProgress]]:
         """Where each prompt still prefilling stands (mlx-lm counts the
-        tokens it feeds, the uncached rest of the prompt)."""
+        tokens it feeds, after those the cache held when it joined: the
+        cached ones, and those fed alone before another request came)."""
         out = []
         for r in prompt_responses:
             slot = self._slots.get(r.uid)
@@ -621,7 +624,7 @@ class MLXPlainEngine(WorkerEngine):
             if fed >= fed_total - 1:
                 continue
             total = len(slot.request.prompt_tokens)
-            out.append((slot, PrefillProgress(min(total, slot.cached_tokens + fed), total,
+            out.append((slot, PrefillProgress(min(total, slot.in_cache + fed), total,
                                               slot.cached_tokens)))  # fmt: skip
         return out
 

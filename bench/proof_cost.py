@@ -77,7 +77,8 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="proof-cost-"))
     guard, fused = wiring.shared_guard(cache), wiring.shared_guard(cache, "qmm_fused")
     print(f"device {mx.default_device()}, mlx {mx.__version__}, mode {a.mode}, widths {widths}; "
-          f"the model's first 64-token forward: {first:.1f} s", flush=True)  # fmt: skip
+          f"the model's first 64-token forward: {first:.1f} s\n"
+          f"verdicts keyed {guard.machine} (kernels/machine.py)", flush=True)  # fmt: skip
     built = None
     if a.mode == "parallel":
         cases = [(guard, c, (m, k, n, dt, b, g)) for k, n, dt, b, g in wiring.model_shapes(model)

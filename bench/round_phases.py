@@ -20,17 +20,29 @@ decoding. Prints median ms per round and their share, and plain
 generate_step's ms per token for scale.
 
 Then the same rounds queued one ahead (AheadDecoder), and queued ahead and
-compiled (mlx_spec/ahead_round.py, "compiled"), their drafts replaced
+compiled (mlx_spec/ahead_round.py, "compiled"; "compiled-h1": the same with
+the drafts' one-row lm_head products through the tensor-core kernel, an
+experiment that only changes what is drafted, never what is kept), their drafts replaced
 on the device by the same oracle (the reference token at the next
 generated position with probability a per draft, a Bernoulli per round and
 draft position from a seeded generator, else another token; the head still
 runs): tok/s over generate_step, side by side with the decoder's, each
 over --reps interleaved repeats, every output compared with plain greedy.
+--modes picks them; --no-phases skips the per-round phases above.
+
+--profile (needs torch on the machine: its profiler sees MLX's kernels
+through CUPTI, as bench/gpu_profile.py does) then runs one more decode per
+compiled mode, and one plain generate_step, under the profiler and prints
+per round (per token for plain): wall ms, the GPU's busy ms (the union of
+the kernels' intervals), kernels launched, and the top kernels by device
+time. Busy close to wall: the round is bound by the GPU; far below it: by
+the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -56,6 +68,7 @@ from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
 from specgate.engines.targets import target_for  # noqa: E402
 from specgate.kernels import wiring  # noqa: E402
 from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate  # noqa: E402
+from specgate.kernels.machine import this_machine  # noqa: E402
 
 
 class TimedMx:
@@ -112,7 +125,8 @@ class OracleAhead(AheadDecoder):
         return queued
 
 
-def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rounds=None):
+def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rounds=None,
+              counts: list | None = None):  # fmt: skip
     request = GenerationRequest("ahead", "ahead", prompt, SamplingParams(temperature=0), n,
                                 Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
     dec = OracleAhead(trunk, MTPProposer(trunk, head), request, None, 0, None,
@@ -125,7 +139,65 @@ def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rou
         step = dec.round(depth)
         tokens += step.tokens
         rounds_run += 1
+    if counts is not None:
+        counts.append(rounds_run)
     return tokens, (len(tokens) - 1) / (time.perf_counter() - t0), (len(tokens) - 1) / rounds_run
+
+
+class OneRowHeadTarget:
+    """The target, except that a one-row lm_head product (the head's drafts)
+    goes through kernels/qmm_mma.py's tensor-core kernel: stock `qmv` takes
+    ~350 us for the 151936 x 4096 product on an H200, the kernel ~190
+    (kernels/README.md). Bench-only experiment: drafts only propose."""
+
+    def __init__(self, target):
+        self._target = target
+        self._lm_head = target.model.lm_head
+        self._cuda = mx.cuda.is_available()  # (elsewhere, e.g. --tiny on a CPU: stock)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def logits(self, hidden):
+        from specgate.kernels.qmm_mma import cuda_qmm_mma
+
+        if hidden.shape[-2] != 1 or not self._cuda:
+            return self._target.logits(hidden)
+        h = self._lm_head
+        return cuda_qmm_mma(hidden, h["weight"], h["scales"], h["biases"], h.group_size, h.bits)
+
+
+def profiled(fn, top: int) -> dict:
+    """fn() under PyTorch's profiler: its kernels' count, busy and summed
+    device time, and the top kernels by device time."""
+    from collections import defaultdict
+
+    from gpu_profile import busy_us, kernel_events, short
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as d:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            units = fn()
+            wall = time.perf_counter() - t0
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        ks = kernel_events(trace)
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in ks:
+        per_name[short(e["name"])].append(e["dur"])
+    return {"units": units, "wall": wall, "busy": busy_us(ks), "sum": sum(e["dur"] for e in ks),
+            "launches": len(ks),
+            "top": sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]}  # fmt: skip
+
+
+def print_profile(label: str, unit: str, r: dict) -> None:
+    n = r["units"]
+    print(f"\nprofile {label}: {n} {unit}s; per {unit}: wall {r['wall'] * 1e3 / n:.2f} ms (profiler on), "
+          f"GPU busy {r['busy'] / 1e3 / n:.2f} ms, kernel sum {r['sum'] / 1e3 / n:.2f} ms, "
+          f"{r['launches'] / n:.0f} kernels")  # fmt: skip
+    for name, durs in r["top"]:
+        print(f"   {sum(durs) / n / 1e3:7.3f} ms  {len(durs) / n:6.1f}x {statistics.mean(durs):8.1f} us  {name}")
 
 
 def decoder_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
@@ -144,6 +216,11 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", choices=wiring.SETTINGS)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--modes", default="decoder,ahead,compiled",
+                    help="of decoder, ahead, compiled, compiled-h1")
+    ap.add_argument("--no-phases", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     shape = dict(hidden=4096, layers=28, mlp=12288, heads=32, kv_heads=8, head_dim=128,
                  vocab=151936)  # fmt: skip
@@ -164,6 +241,7 @@ def main() -> None:
     trunk.kernels = wired.enabled
     print(f"device {mx.default_device()}, mlx {mx.__version__}; kernels: {wired.reason} "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    print(f"verdicts keyed {guard.machine}: {json.dumps(this_machine(), sort_keys=True)}")
     prompt = list(range(7, 7 + a.prompt))
     reference, tps, _ = plain(model, prompt, a.tokens)
     reference, tps, _ = plain(model, prompt, a.tokens)
@@ -172,7 +250,7 @@ def main() -> None:
     timed = TimedMx()
     decoder_module.mx = timed
     try:
-        for rep in range(3):  # the first warms up
+        for rep in range(0 if a.no_phases else 3):  # the first warms up
             request = GenerationRequest("phases", "phases", prompt, SamplingParams(temperature=0),
                                         a.tokens, Plan("mlx_mtp", "mtp", a.depth, "spec_on"))  # fmt: skip
             oracle = OracleDrafts(trunk, head, reference=reference, accept=a.accept, seed=rep,
@@ -207,8 +285,13 @@ def main() -> None:
         decoder_module.mx = mx
 
     compiled = CompiledRounds(trunk, head, oracle_hook(ns.vocab))  # its traces serve every rep
-    runs = {"decoder": decoder_run, "ahead": ahead_run,
-            "compiled": lambda *args: ahead_run(*args, rounds=compiled)}  # fmt: skip
+    h1_target = OneRowHeadTarget(trunk)
+    compiled_h1 = CompiledRounds(h1_target, head, oracle_hook(ns.vocab))
+    everything = {"decoder": decoder_run, "ahead": ahead_run,
+                  "compiled": lambda *args, **kw: ahead_run(*args, rounds=compiled, **kw),
+                  "compiled-h1": lambda t, *args, **kw: ahead_run(h1_target, *args, rounds=compiled_h1,
+                                                                  **kw)}  # fmt: skip
+    runs = {m: everything[m] for m in a.modes.split(",")}
     rows = {m: [] for m in runs}
     exact, per_round = {m: True for m in runs}, {}
     for rep in range(a.reps + 1):  # the first warms up
@@ -221,8 +304,25 @@ def main() -> None:
                 per_round.setdefault(mode, []).append(pr)
     print(f"\ndepth {a.depth}, a={a.accept}: tok/s over generate_step, median [min, max] of {a.reps}")
     for mode, r in rows.items():
-        print(f"   {mode:8} {statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]  "
-              f"{statistics.median(per_round[mode]):.2f} tokens/round  exact {exact[mode]}")
+        print(f"   {mode:11} {statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]  "
+              f"{statistics.median(per_round[mode]):.2f} tokens/round  exact {exact[mode]}  "
+              f"(each: {' '.join(f'{x:.2f}' for x in r)})")
+    if a.profile:
+        def plain_tokens():
+            return len(plain(model, prompt, a.tokens)[0]) - 1
+
+        print_profile("plain generate_step", "token", profiled(plain_tokens, a.top))
+        for mode, run in runs.items():
+            if not mode.startswith("compiled"):
+                continue
+            def rounds_of(run=run) -> int:
+                counts: list[int] = []
+                run(trunk, head, prompt, a.tokens, a.depth, reference, a.accept, 999, ns.vocab,
+                    counts=counts)  # fmt: skip
+                return counts[0]
+
+            r = profiled(rounds_of, a.top)
+            print_profile(mode, "round", r)
 
 
 if __name__ == "__main__":

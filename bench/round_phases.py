@@ -21,8 +21,10 @@ generate_step's ms per token for scale.
 
 Then the same rounds queued one ahead (AheadDecoder), and queued ahead and
 compiled (mlx_spec/ahead_round.py, "compiled"; "compiled-h1": the same with
-the drafts' one-row lm_head products through the tensor-core kernel, an
-experiment that only changes what is drafted, never what is kept), their drafts replaced
+the drafts' one-row lm_head products through the tensor-core kernel;
+"compiled-hh": that, and the head's forward of the last round's pairs
+(k + 1 rows) through the hook's kernels as a verify is: experiments that
+only change what is drafted, never what is kept), their drafts replaced
 on the device by the same oracle (the reference token at the next
 generated position with probability a per draft, a Bernoulli per round and
 draft position from a seeded generator, else another token; the head still
@@ -167,6 +169,24 @@ class OneRowHeadTarget:
         return cuda_qmm_mma(hidden, h["weight"], h["scales"], h["biases"], h.group_size, h.bits)
 
 
+class HookedHead:
+    """The MTP head, its multi-row forwards (the last round's pairs) inside
+    hook.kernels() (kernels/wiring.prepare installed the hook on it and
+    proved its shapes). Bench-only experiment."""
+
+    def __init__(self, head):
+        self._head = head
+
+    def __getattr__(self, name):
+        return getattr(self._head, name)
+
+    def __call__(self, x, hidden, cache, step=0):
+        from specgate.kernels import hook
+
+        with hook.kernels(x.shape[1] > 1):
+            return self._head(x, hidden, cache, step=step)
+
+
 def profiled(fn, top: int) -> dict:
     """fn() under PyTorch's profiler: its kernels' count, busy and summed
     device time, and the top kernels by device time."""
@@ -188,7 +208,8 @@ def profiled(fn, top: int) -> dict:
         per_name[short(e["name"])].append(e["dur"])
     return {"units": units, "wall": wall, "busy": busy_us(ks), "sum": sum(e["dur"] for e in ks),
             "launches": len(ks),
-            "top": sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]}  # fmt: skip
+            "top": sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top],
+            "most": sorted(per_name.items(), key=lambda kv: -len(kv[1]))[:top]}  # fmt: skip
 
 
 def print_profile(label: str, unit: str, r: dict) -> None:
@@ -196,8 +217,10 @@ def print_profile(label: str, unit: str, r: dict) -> None:
     print(f"\nprofile {label}: {n} {unit}s; per {unit}: wall {r['wall'] * 1e3 / n:.2f} ms (profiler on), "
           f"GPU busy {r['busy'] / 1e3 / n:.2f} ms, kernel sum {r['sum'] / 1e3 / n:.2f} ms, "
           f"{r['launches'] / n:.0f} kernels")  # fmt: skip
-    for name, durs in r["top"]:
-        print(f"   {sum(durs) / n / 1e3:7.3f} ms  {len(durs) / n:6.1f}x {statistics.mean(durs):8.1f} us  {name}")
+    for title in ("top", "most"):
+        print("  by device time:" if title == "top" else "  by launches:")
+        for name, durs in r[title]:
+            print(f"   {sum(durs) / n / 1e3:7.3f} ms  {len(durs) / n:6.1f}x {statistics.mean(durs):8.1f} us  {name}")
 
 
 def decoder_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab):
@@ -221,6 +244,8 @@ def main() -> None:
     ap.add_argument("--no-phases", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--home", type=Path, default=None,
+                    help="verdicts kept here (default: a fresh directory, so proved again)")
     a = ap.parse_args()
     shape = dict(hidden=4096, layers=28, mlp=12288, heads=32, kv_heads=8, head_dim=128,
                  vocab=151936)  # fmt: skip
@@ -232,7 +257,7 @@ def main() -> None:
     nn.quantize(model, group_size=64, bits=4)
     nn.quantize(head, group_size=64, bits=4)
     mx.eval(model.parameters(), head.parameters())
-    home = Path(tempfile.mkdtemp())
+    home = a.home or Path(tempfile.mkdtemp())
     guard, fused = Guard(cache_dir=home), Guard([cuda_mma_fused_candidate()], cache_dir=home,
                                                 op=FUSED_QMM)  # fmt: skip
     trunk = target_for(model)
@@ -287,10 +312,18 @@ def main() -> None:
     compiled = CompiledRounds(trunk, head, oracle_hook(ns.vocab))  # its traces serve every rep
     h1_target = OneRowHeadTarget(trunk)
     compiled_h1 = CompiledRounds(h1_target, head, oracle_hook(ns.vocab))
+    hooked_head = HookedHead(head)
+    if "compiled-hh" in a.modes:
+        t0 = time.perf_counter()
+        w = wiring.prepare(head, a.kernels, range(2, a.depth + 2), guard=guard, fused_guard=fused)
+        print(f"the head's kernels: {w.reason} ({time.perf_counter() - t0:.1f} s)")
+    compiled_hh = CompiledRounds(h1_target, hooked_head, oracle_hook(ns.vocab))
     everything = {"decoder": decoder_run, "ahead": ahead_run,
                   "compiled": lambda *args, **kw: ahead_run(*args, rounds=compiled, **kw),
                   "compiled-h1": lambda t, *args, **kw: ahead_run(h1_target, *args, rounds=compiled_h1,
-                                                                  **kw)}  # fmt: skip
+                                                                  **kw),
+                  "compiled-hh": lambda t, h, *args, **kw: ahead_run(h1_target, hooked_head, *args,
+                                                                     rounds=compiled_hh, **kw)}  # fmt: skip
     runs = {m: everything[m] for m in a.modes.split(",")}
     rows = {m: [] for m in runs}
     exact, per_round = {m: True for m in runs}, {}

@@ -13,6 +13,9 @@ On the CPU (where engines leave the views off) they are forced on:
   from the same hidden states through the views as without them, round
   after round; without the mask on the buffer's tail (failure injection)
   it does not.
+- a DeviceOffsetKV (rows written at a device-side offset) writes them by a
+  scatter over the new rows: MLX's CUDA DynamicSliceUpdate (0.32) passes
+  over the whole buffer for every write.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from test_ngram_exactness import (
 from tiny_targets import TinyTarget
 
 from specgate.builders.drafters import build_dflash_drafter
+from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
 from specgate.builders.tiny import build_qwen3_dense
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
@@ -170,3 +174,22 @@ def test_dflash_drafter_through_whole_buffers_drafts_the_same(dflash_target, mas
         assert len(plain) == len(whole) > 5
         same += [mx.allclose(a, b, atol=1e-5).item() for a, b in zip(plain, whole, strict=True)]
     assert all(same) if mask == "visible" else not all(same)
+
+
+def test_device_offset_writes_scatter_the_new_rows_only():
+    import io
+    import re
+
+    cache = KVCache()
+    first = mx.random.normal((1, 2, 3, 8))
+    cache.update_and_fetch(first, first + 1)
+    kv = DeviceOffsetKV(cache)
+    new = mx.random.normal((1, 2, 2, 8))
+    keys, values = kv.update_and_fetch(new, new + 1)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, keys, values)  # (before anything evaluates the graph)
+    ops = set(re.findall(r'label ="?([A-Za-z]+)', dot.getvalue()))
+    assert "ScatterAxis" in ops and "DynamicSliceUpdate" not in ops, ops
+    assert mx.array_equal(keys[:, :, :3], first) and mx.array_equal(keys[:, :, 3:5], new)
+    assert mx.array_equal(values[:, :, 3:5], new + 1) and int(kv.offset) == 5
+    assert not mx.any(keys[:, :, 5:]).item()  # the rest of the buffer untouched

@@ -139,9 +139,15 @@ class DeviceOffsetKV:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
         self.room(n)
-        at = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
-        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
+        # A scatter of the n rows, not `mx.slice_update` at the array offset:
+        # MLX's CUDA DynamicSliceUpdate (0.32) launches one thread per element
+        # of the whole buffer (each rewriting an element of the update), so a
+        # write cost a pass over the buffer: 17 us a layer on an H100, ~1.1
+        # ms of an MTP round's GPU time. The scatter's kernel runs over the
+        # update's elements only.
+        rows = (self.offset + mx.arange(n, dtype=mx.int32)).reshape(1, 1, n, 1)
+        self.keys = _write_rows(self.keys, keys, rows)
+        self.values = _write_rows(self.values, values, rows)
         self.offset = self.offset + n
         self.bound += n
         self._last = (self.offset - n, n)
@@ -166,3 +172,9 @@ class DeviceOffsetKV:
         """The host learnt the cache's length before the writes still in
         flight (`in_flight` rows at most): the bound comes down to it."""
         self.bound = length + in_flight
+
+
+def _write_rows(buffer: mx.array, new: mx.array, rows: mx.array) -> mx.array:
+    """`buffer` with `new`'s rows (axis 2) written at positions `rows` (1, 1, n, 1)."""
+    new = new.astype(buffer.dtype)
+    return mx.put_along_axis(buffer, mx.broadcast_to(rows, new.shape), new, axis=2)

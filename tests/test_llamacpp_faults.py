@@ -34,6 +34,7 @@ from specgate.engines.base import (
     SamplingParams,
     TokenEvent,
 )
+from specgate.engines.llamacpp import engine as llamacpp_engine
 from specgate.engines.llamacpp.build import build_llamacpp_engines
 from specgate.engines.llamacpp.engine import LlamaCppEngine
 from specgate.engines.llamacpp.process import LlamaServer, ServerSpec
@@ -312,11 +313,11 @@ def test_a_long_prefill_is_progress(demo_gguf, home, llama_server_binary):
     progress events: a prefill longer than the deadline still completes."""
     timeout = 2.0
     # Small batches (one progress event each), and a prompt long enough that
-    # its prefill spans several of the pauses below.
+    # its prefill spans the pauses below.
     engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp"], health=NEVER,
                           progress_timeout=timeout, max_context=4200,
                           extra_args=("-b", "8", "-ub", "8"))
-    prompt = [10 + i for i in range(4000)]
+    prompt = [10 + i for i in range(2000)]
 
     async def body(engines):
         engine = engines["llamacpp"]
@@ -324,14 +325,16 @@ def test_a_long_prefill_is_progress(demo_gguf, home, llama_server_binary):
         paused = 0.0
 
         async def slow_down():
-            # Stretch the prefill in wall time, each pause well under the deadline.
+            # Stretch the prefill in wall time, each pause well under the
+            # deadline, until the pauses add up to more than the deadline
+            # (a second more); then the prefill runs on at full speed.
             nonlocal paused
-            while not first_token.is_set():
+            while not first_token.is_set() and paused < timeout + 1:
                 freeze(pid)
                 await asyncio.sleep(0.5)
                 os.kill(pid, signal.SIGCONT)
                 paused += 0.5
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
 
         pauser = asyncio.create_task(slow_down())
         n, progress = 0, []
@@ -373,8 +376,11 @@ async def answers(engine: LlamaCppEngine) -> tuple:
             await engine.chat_template())
 
 
-def test_tokenizing_survives_a_hung_process(demo_gguf, home, llama_server_binary):
+def test_tokenizing_survives_a_hung_process(demo_gguf, home, llama_server_binary, monkeypatch):
     # Health checks off, so the hung process stays hung: its sibling tokenizes.
+    # A hung process is given up on after 2 s here (5 s in the product): three
+    # such waits are the test's time, and a live llama-server answers in ms.
+    monkeypatch.setattr(llamacpp_engine, "QUICK_TIMEOUT_S", 2.0)
     engines = engines_for(demo_gguf, llama_server_binary, ["llamacpp", "llamacpp_mtp"],
                           health=NEVER)
 
@@ -391,9 +397,10 @@ def test_tokenizing_survives_a_hung_process(demo_gguf, home, llama_server_binary
         before = await answers(plain)
         assert before[0] == own
         with frozen(plain.server.pid):
-            # One call waits out the hung process (5 s); the rest ask the
+            # One call waits out the hung process (2 s); the rest ask the
             # sibling first (before the fix, each call hung for read_timeout).
-            after = await asyncio.wait_for(answers(plain), 25)
+            # (Bounded at 5 waits: asked first every time, its 7 calls took 7.)
+            after = await asyncio.wait_for(answers(plain), 5 * llamacpp_engine.QUICK_TIMEOUT_S)
             assert after == before
             assert plain.server.unanswered_at is not None
             assert await mtp.encode(TEXTS[1]) == own[1]

@@ -76,7 +76,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 def gw(smollm2_gguf, llama_server_binary, tmp_path_factory):
     d = tmp_path_factory.mktemp("real-llamacpp")
     base = base_copy(smollm2_gguf, d / "SmolLM2-base.gguf")
-    common = {"max_concurrent": 2, "max_context": 2048, "llamacpp": {"threads": 2}}
+    # One thread a process: two spin at each op's barrier, and on a busy 2-core
+    # machine (the suite's other workers) a reply took seconds a token.
+    common = {"max_concurrent": 2, "max_context": 2048, "llamacpp": {"threads": 1}}
     g = start_gateway({
         "llama_server": {"binary": str(llama_server_binary)},
         "models": [

@@ -384,7 +384,9 @@ def test_pulled_and_ollama_models_serve(pulled, smollm2_gguf, llama_server_binar
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     _ollama_store(tmp_path / "ollama", smollm2_gguf)
     # --no-repack: ggml's AMX repack of Q4_1 crashes on this CPU (issue 42).
-    llamacpp = {"extra_args": ["--no-repack"]}
+    # One thread each: two spin at each op's barrier, and beside the other
+    # process and the MLX model's load a first reply took 15 s of a 2-core box.
+    llamacpp = {"extra_args": ["--no-repack"], "threads": 1}
     config = {"llama_server": {"binary": str(llama_server_binary)}, "models": [
         {"id": id_, "path": path, "max_context": 1024, "max_concurrent": 1, "llamacpp": llamacpp}
         for id_, path in (("pulled", "org/smol:Q4_1"), ("ollama", "ollama:smollm2:135m"))]}

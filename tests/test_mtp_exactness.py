@@ -63,7 +63,10 @@ def decode(target: TinyTarget, prompt, depth, max_tokens=N_TOKENS, stop=frozense
     return tokens, step.finish_reason, rounds
 
 
-def test_demo_model_equals_plain_greedy_with_real_acceptance(demo, capsys):
+# The fast tier decodes the first 6 prompts (5 code, 1 random; each depth 3
+# times), the proof tier all 12: the same claim, on more prompts.
+@pytest.mark.parametrize("n", [6, pytest.param(12, marks=pytest.mark.proof)])
+def test_demo_model_equals_plain_greedy_with_real_acceptance(demo, n, capsys):
     texts = [
         "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
         "for i in range(10):\n", "    def __repr__(self):\n        return",
@@ -71,7 +74,9 @@ def test_demo_model_equals_plain_greedy_with_real_acceptance(demo, capsys):
         "# Copyright", "try:\n    import _thread\nexcept ImportError:\n",
         "        raise ValueError(", "from collections import",
     ]
-    tok_prompts = [demo_tokenizer().encode(t).ids for t in texts] + prompts(demo.vocab, 2, seed=1)
+    code = [demo_tokenizer().encode(t).ids for t in texts]
+    random_ = prompts(demo.vocab, 2, seed=1)
+    tok_prompts = (code[:5] + random_[:1] + code[5:] + random_[1:])[:n]
     ties, drafted, accepted = 0, 0, 0
     # Depths 1 and 4 take turns over the prompts (the tiny families and the
     # counting test see every depth).
@@ -84,7 +89,8 @@ def test_demo_model_equals_plain_greedy_with_real_acceptance(demo, capsys):
         accepted += sum(r.accepted for r in rounds)
     assert accepted / drafted > 0.3, (accepted, drafted)
     with capsys.disabled():
-        print(f"[demo: acceptance {accepted / drafted:.2f}, {ties} near-tie divergence(s)]", end=" ")
+        print(f"[demo, {n} prompts: acceptance {accepted / drafted:.2f}, {ties} near-tie "
+              f"divergence(s)]", end=" ")
 
 
 def test_counting_has_no_skipped_or_repeated_tokens(demo):

@@ -20,11 +20,12 @@ decoding. Prints median ms per round and their share, and plain
 generate_step's ms per token for scale.
 
 Then the same rounds queued one ahead (AheadDecoder), and queued ahead and
-compiled (mlx_spec/ahead_round.py, "compiled"; "compiled-h1": the same with
-the drafts' one-row lm_head products through the tensor-core kernel;
-"compiled-hh": that, and the head's forward of the last round's pairs
-(k + 1 rows) through the hook's kernels as a verify is: experiments that
-only change what is drafted, never what is kept), their drafts replaced
+compiled (mlx_spec/ahead_round.py, "compiled"; the head wired as the MTP
+engine wires it: its siblings fused, its forward of the last round's pairs
+and the drafts' one-row lm_head products through the verify kernels where
+the guard proved them; "compiled-stockdraft": the same rounds with the
+head's forward and the drafts' logits on the stock path, as before
+kernels/hook.WIDE_N and Drafting.kernel_module), their drafts replaced
 on the device by the same oracle (the reference token at the next
 generated position with probability a per draft, a Bernoulli per round and
 draft position from a seeded generator, else another token; the head still
@@ -68,7 +69,7 @@ from specgate.engines.mlx_spec.ahead import AheadDecoder  # noqa: E402
 from specgate.engines.mlx_spec.ahead_round import CompiledRounds  # noqa: E402
 from specgate.engines.mlx_spec.decoder import SpecDecoder  # noqa: E402
 from specgate.engines.targets import target_for  # noqa: E402
-from specgate.kernels import wiring  # noqa: E402
+from specgate.kernels import hook, wiring  # noqa: E402
 from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate  # noqa: E402
 from specgate.kernels.machine import this_machine  # noqa: E402
 
@@ -146,44 +147,27 @@ def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rou
     return tokens, (len(tokens) - 1) / (time.perf_counter() - t0), (len(tokens) - 1) / rounds_run
 
 
-class OneRowHeadTarget:
-    """The target, except that a one-row lm_head product (the head's drafts)
-    goes through kernels/qmm_mma.py's tensor-core kernel: stock `qmv` takes
-    ~350 us for the 151936 x 4096 product on an H200, the kernel ~190
-    (kernels/README.md). Bench-only experiment: drafts only propose."""
+class StockDrafts:
+    """The target and head with the drafting's products on the stock path
+    (the verify still through the kernels): what a round cost before the
+    head's forward and the drafts' lm_head went through them."""
 
-    def __init__(self, target):
-        self._target = target
-        self._lm_head = target.model.lm_head
-        self._cuda = mx.cuda.is_available()  # (elsewhere, e.g. --tiny on a CPU: stock)
+    def __init__(self, target, head):
+        self._target, self._head = target, head
 
     def __getattr__(self, name):
         return getattr(self._target, name)
 
     def logits(self, hidden):
-        from specgate.kernels.qmm_mma import cuda_qmm_mma
-
-        if hidden.shape[-2] != 1 or not self._cuda:
-            return self._target.logits(hidden)
-        h = self._lm_head
-        return cuda_qmm_mma(hidden, h["weight"], h["scales"], h["biases"], h.group_size, h.bits)
-
-
-class HookedHead:
-    """The MTP head, its multi-row forwards (the last round's pairs) inside
-    hook.kernels() (kernels/wiring.prepare installed the hook on it and
-    proved its shapes). Bench-only experiment."""
-
-    def __init__(self, head):
-        self._head = head
-
-    def __getattr__(self, name):
-        return getattr(self._head, name)
-
-    def __call__(self, x, hidden, cache, step=0):
         from specgate.kernels import hook
 
-        with hook.kernels(x.shape[1] > 1):
+        with hook.kernels(hook.enabled() and hidden.shape[-2] > 1):
+            return self._target.logits(hidden)
+
+    def head(self, x, hidden, cache, step=0):
+        from specgate.kernels import hook
+
+        with hook.kernels(False):
             return self._head(x, hidden, cache, step=step)
 
 
@@ -240,7 +224,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--modes", default="decoder,ahead,compiled",
-                    help="of decoder, ahead, compiled, compiled-h1")
+                    help="of decoder, ahead, compiled, compiled-stockdraft")
     ap.add_argument("--no-phases", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=14)
@@ -264,6 +248,9 @@ def main() -> None:
     t0 = time.perf_counter()
     wired = wiring.prepare(model, a.kernels, range(2, a.depth + 2), guard=guard, fused_guard=fused)
     trunk.kernels = wired.enabled
+    hook.fuse_siblings(head)  # the head as engines/drafting/mtp/proposer.drafting and the engine wire it
+    if wired.enabled:
+        wiring.prepare(head, a.kernels, range(2, a.depth + 2), guard=guard, fused_guard=fused)
     print(f"device {mx.default_device()}, mlx {mx.__version__}; kernels: {wired.reason} "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
     print(f"verdicts keyed {guard.machine}: {json.dumps(this_machine(), sort_keys=True)}")
@@ -310,24 +297,18 @@ def main() -> None:
         decoder_module.mx = mx
 
     compiled = CompiledRounds(trunk, head, oracle_hook(ns.vocab))  # its traces serve every rep
-    h1_target = OneRowHeadTarget(trunk)
-    compiled_h1 = CompiledRounds(h1_target, head, oracle_hook(ns.vocab))
-    hooked_head = HookedHead(head)
-    if "compiled-hh" in a.modes:
-        t0 = time.perf_counter()
-        w = wiring.prepare(head, a.kernels, range(2, a.depth + 2), guard=guard, fused_guard=fused)
-        print(f"the head's kernels: {w.reason} ({time.perf_counter() - t0:.1f} s)")
-    compiled_hh = CompiledRounds(h1_target, hooked_head, oracle_hook(ns.vocab))
+    stock = StockDrafts(trunk, head)
+    compiled_stock = CompiledRounds(stock, stock.head, oracle_hook(ns.vocab))
     everything = {"decoder": decoder_run, "ahead": ahead_run,
                   "compiled": lambda *args, **kw: ahead_run(*args, rounds=compiled, **kw),
-                  "compiled-h1": lambda t, *args, **kw: ahead_run(h1_target, *args, rounds=compiled_h1,
-                                                                  **kw),
-                  "compiled-hh": lambda t, h, *args, **kw: ahead_run(h1_target, hooked_head, *args,
-                                                                     rounds=compiled_hh, **kw)}  # fmt: skip
+                  "compiled-stockdraft": lambda *args, **kw: ahead_run(*args, rounds=compiled_stock,
+                                                                       **kw)}  # fmt: skip
     runs = {m: everything[m] for m in a.modes.split(",")}
     rows = {m: [] for m in runs}
     exact, per_round = {m: True for m in runs}, {}
+    plain_ms = []
     for rep in range(a.reps + 1):  # the first warms up
+        _, tps, _ = plain(model, prompt, a.tokens)  # each repeat against its own plain run
         for mode, run in runs.items():
             tokens, tps_m, pr = run(trunk, head, prompt, a.tokens, a.depth, reference, a.accept,
                                     100 + rep, ns.vocab)  # fmt: skip
@@ -335,9 +316,13 @@ def main() -> None:
             if rep:
                 rows[mode].append(tps_m / tps)
                 per_round.setdefault(mode, []).append(pr)
-    print(f"\ndepth {a.depth}, a={a.accept}: tok/s over generate_step, median [min, max] of {a.reps}")
+        if rep:
+            plain_ms.append(1000 / tps)
+    print(f"\ndepth {a.depth}, a={a.accept}: tok/s over generate_step (run before each repeat: "
+          f"{statistics.median(plain_ms):.2f} ms/token [{min(plain_ms):.2f}, {max(plain_ms):.2f}]), "
+          f"median [min, max] of {a.reps}")  # fmt: skip
     for mode, r in rows.items():
-        print(f"   {mode:11} {statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]  "
+        print(f"   {mode:19} {statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]  "
               f"{statistics.median(per_round[mode]):.2f} tokens/round  exact {exact[mode]}  "
               f"(each: {' '.join(f'{x:.2f}' for x in r)})")
     if a.profile:

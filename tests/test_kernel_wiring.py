@@ -349,3 +349,46 @@ def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
     engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=again)
     assert not engine.kernels_proving and engine.target.kernels and engine.kernel_wiring.enabled
     assert again.checks_run == 0
+
+
+class Weights(Counting):
+    """A correct kernel noting each call's rows and weight (by id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, x, wq, s, b, gs, bits):
+        self.calls.append((x.size // x.shape[-1], id(wq)))
+        return super().__call__(x, wq, s, b, gs, bits)
+
+
+def test_a_quantized_mtp_head_is_wired_with_the_trunk(q4, tmp_path):
+    """The MTP head's forward of the last round's pairs (several rows) goes
+    through the verify kernels too (Drafting.kernel_module), proved with the
+    trunk before the switch; greedy output is still plain greedy."""
+    import mlx.nn as nn
+
+    def quantized_head(loaded, target, drafter=None, settings=None):
+        drafting = mtp.drafting(loaded, target, drafter, settings)
+        nn.quantize(drafting.weights, group_size=64, bits=4)
+        return drafting
+
+    kernel = Weights()
+    guard = counting_guard(tmp_path, kernel)
+    engine = SpecEngine("m", q4, name="mlx_mtp", drafting=quantized_head, max_context=4096,
+                        settings=MTPSettings(depth=3), kernel_guard=guard)  # fmt: skip
+    assert engine.kernels_ready(120) and engine.target.kernels
+    head = engine.drafting.weights
+    hooked = [m for _, m in head.named_modules() if type(m) is hook._KernelQuantizedLinear]
+    assert hooked and all(m.__dict__["_specgate_guard"] is guard for m in hooked)
+    checks = guard.checks_run
+    prompt = prompts(q4.vocab_size)[0]
+    want, margins = greedy_reference(q4.model, prompt, N_TOKENS)
+    kernel.calls.clear()
+    got, accepted = decode(engine, prompt, 3, InjectedDrafts, reference=want, rng=random.Random(1))
+    assert_same_greedy(got, want, margins)
+    weights = {id(m["weight"]) for m in hooked}
+    head_rows = {m for m, w in kernel.calls if w in weights}
+    assert accepted > 0 and head_rows and head_rows <= {2, 3, 4}  # the pairs: accepted + 1 rows
+    assert guard.checks_run == checks  # the head's shapes were proved before the switch

@@ -293,10 +293,10 @@ def test_guard_picks_the_fastest_proven_kernel(tmp_path):
     assert guard.kernel_for(x, wq, s, b, 64, 4) is fast  # listed second, chosen for its time
 
 
-def tiny_qwen3(bits=4, gs=64):
+def tiny_qwen3(bits=4, gs=64, vocab=512):
     args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
                            intermediate_size=256, num_attention_heads=4, rms_norm_eps=1e-6,
-                           vocab_size=512, num_key_value_heads=2, max_position_embeddings=512,
+                           vocab_size=vocab, num_key_value_heads=2, max_position_embeddings=512,
                            head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
     mx.random.seed(3)
     model = qwen3.Model(args)
@@ -329,6 +329,35 @@ def test_hook_routes_quantized_linears_and_output_is_unchanged(tmp_path, bits):
     assert shapes == {(128, 128), (128, 64), (128, 256), (256, 128), (128, 512)}
     hook.uninstall(model)
     assert all(type(m) is not hook._KernelQuantizedLinear for _, m in model.named_modules())
+
+
+def test_a_wide_linear_goes_through_the_kernel_at_one_row_too(tmp_path):
+    """An lm_head over a vocabulary (hook.WIDE_N wide or more) is proved and
+    routed at one row as well (the MTP head's drafts); narrower linears'
+    one-row products stay stock."""
+    from specgate.kernels import wiring
+
+    seen = []
+
+    def wrapping(x, wq, s, b, gs, bits):
+        seen.append((x.size // x.shape[-1], wq.shape[0]))
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+    model = tiny_qwen3(vocab=hook.WIDE_N)
+    tokens = mx.array([[5, 9, 200]])
+    stock = model(tokens[:, :1])
+    one_up = Candidate("wrap", "1", wrapping, lambda m, *_: 1 <= m <= qmm.MAX_M)  # (as qmm_mma's)
+    guard = make_guard(tmp_path, [one_up], margin=float("inf"))
+    wired = wiring.prepare(model, "auto", range(2, 4), guard=guard)
+    assert wired.enabled
+    ones = {tuple(v.shape) for v in guard.verdicts().values() if v.shape[0] == 1}
+    assert ones == {(1, 128, hook.WIDE_N)}  # proved at load, the lm_head's alone
+    seen.clear()
+    assert mx.array_equal(model(tokens[:, :1]), stock) and not seen  # off unless asked
+    with hook.kernels():
+        one = model(tokens[:, :1])
+    assert mx.array_equal(one, stock)
+    assert seen == [(1, hook.WIDE_N)]  # the lm_head only; one-row q/k/v ... stay stock
 
 
 def test_hook_uses_stock_path_where_guard_refused(tmp_path):

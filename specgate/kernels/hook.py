@@ -4,9 +4,11 @@
 instance of *that model* a subclass (as engines/targets/ does for its
 tapes; mlx-lm's classes and other models are untouched) whose __call__,
 while kernels are on for this thread, sends inputs of
-2..16 rows through the kernel the guard proved for that exact shape on this
-machine, and everything else (M = 1, prefill, shapes the guard refused or
-the kernel was not written for) through mlx-lm's own __call__, unchanged.
+2..16 rows (and one row of a linear WIDE_N wide or more: an lm_head)
+through the kernel the guard proved for that exact shape on this machine,
+and everything else (other one-row inputs, prefill, shapes the guard
+refused or the kernel was not written for) through mlx-lm's own __call__,
+unchanged.
 Kernels are off until asked for:
 
     hook.install(model, guard)
@@ -59,6 +61,14 @@ def kernels(on: bool = True):
 _UNKNOWN = object()
 
 
+# A linear at least this wide (an untied lm_head over a vocabulary) goes
+# through the guard at one row too, while kernels are on: there MLX's
+# one-row `qmv` moves ~0.8 TB/s and the tensor-core kernel ~1.7 (an H100,
+# 151936 x 4096 4-bit: 330 against 194 us). The MTP head's drafts are such
+# products, one a draft (engines/mlx_spec/ahead_round.py); narrower one-row
+# products stay stock, where a custom launch's host cost outweighs it.
+WIDE_N = 32768
+
 # Linears of one module that a model calls one after another on the same
 # input: one launch computes the group (kernels/qmm_mma.py's fused kernel).
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -76,7 +86,8 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
         m = math.prod(x.shape[:-1])
         if m == 1 and (siblings := d.get("_specgate_siblings")) is not None:
             return self._siblings(x, siblings)
-        if guard is not None and enabled() and qmm.MIN_M <= m <= qmm.MAX_M:
+        if guard is not None and enabled() and (qmm.MIN_M <= m <= qmm.MAX_M
+                                                or (m == 1 and self["weight"].shape[0] >= WIDE_N)):
             if d.get("_specgate_group"):
                 y = self._fused(x, m)
                 if y is not None:

@@ -13,7 +13,8 @@ guards of its own) calls once when it loads a model:
   dropped for this process, so no later shape tries it again. If none is
   left, the hook is not installed: one log line, the stock path.
 - otherwise the guard proves every (shape, width) the engine can verify
-  (`widths`, M = 2..max depth+1), so no proof lands inside a live request
+  (`widths`, M = 2..max depth+1; an lm_head, hook.WIDE_N, at one row too:
+  the MTP head's drafts), so no proof lands inside a live request
   (verdicts on disk are read back, not re-proved), and kernels/hook.py is
   installed on the model. Widths beyond these are proved at their first use.
   `prove` runs the proofs alone, installing nothing, off an engine's load
@@ -197,7 +198,7 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
     if not fused_keep:
         fused_guard, groups = None, []
     for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
-        for m in widths:
+        for m in (1, *widths) if n >= hook.WIDE_N and widths else widths:  # (hook.WIDE_N: one row too)
             for cand in keep:
                 if stop is not None and stop.is_set():
                     return None

@@ -127,6 +127,10 @@ class Drafting:
     # name per drafter (its weights), None for proposers without state.
     cache_id: str | None = None
     weights: object | None = None  # its own module (head, drafter): memory accounting
+    # Its module whose multi-row forwards run inside the target's verify
+    # kernels (the MTP head's forward of the last round's pairs): the engine
+    # wires and proves it with the trunk (mlx_spec/kernel_proofs.py).
+    kernel_module: object | None = None
 
 
 def drafted(tokens: list[mx.array], q: list[mx.array]) -> Proposal | None:

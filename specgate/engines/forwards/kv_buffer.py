@@ -144,8 +144,9 @@ class DeviceOffsetKV:
         # of the whole buffer (each rewriting an element of the update), so a
         # write cost a pass over the buffer: 17 us a layer on an H100, ~1.1
         # ms of an MTP round's GPU time. The scatter's kernel runs over the
-        # update's elements only.
-        rows = (self.offset + mx.arange(n, dtype=mx.int32)).reshape(1, 1, n, 1)
+        # update's elements only. The row numbers are a constant array (made
+        # from host data, no kernel: `mx.arange` was a launch a layer).
+        rows = (self.offset + mx.array(list(range(n)), dtype=mx.int32)).reshape(1, 1, n, 1)
         self.keys = _write_rows(self.keys, keys, rows)
         self.values = _write_rows(self.values, values, rows)
         self.offset = self.offset + n

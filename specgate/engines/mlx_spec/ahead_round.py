@@ -51,13 +51,16 @@ def round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, standin
     verdict; the caches keep what stands. `hook(drafts, *hook_inputs)`
     replaces the drafts on the device (a bench's oracle, bench/round_phases.py;
     the product has none)."""
-    out = head(target.embed(pairs), hidden, head_cache)
+    with target.verify_kernels():  # the pairs' rows, and the drafts' lm_head (a wide one-row product)
+        out = head(target.embed(pairs), hidden, head_cache)
     head_cache[0].keep(standing)
     stays = head_cache[0].offset
     o = mx.take(out, standing - 1, axis=1)[:, None]
     drafts = []
     for j in range(k):
-        d = mx.argmax(target.logits(o)[0, -1], axis=-1, keepdims=True).astype(mx.int32)
+        with target.verify_kernels():
+            logits = target.logits(o)
+        d = mx.argmax(logits[0, -1], axis=-1, keepdims=True).astype(mx.int32)
         drafts.append(d)
         if j + 1 < k:
             o = head(target.embed(d[None]), o, head_cache, step=j + 1)

@@ -125,7 +125,8 @@ class SpecEngine(WorkerEngine):
         serves on the stock verify path."""
         self.kernel_switch = KernelSwitch(f"{self.model_id} {self.name}", self.loaded,
                                           self.target, self.kernels_setting,
-                                          range(2, max_depth + 2), self.kernel_guard)  # fmt: skip
+                                          range(2, max_depth + 2), self.kernel_guard,
+                                          self.drafting.kernel_module)  # fmt: skip
         self.kernel_switch.start()
 
     @property

@@ -41,9 +41,12 @@ class KernelSwitch:
     """One engine's verify path: stock, proving (stock meanwhile) or kernels."""
 
     def __init__(self, label: str, loaded: LoadedModel, target: Target, setting: str,
-                 widths: range, guard=None):  # fmt: skip
+                 widths: range, guard=None, drafter=None):  # fmt: skip
         self.label = label  # "<model> <engine>", for the log
         self.loaded, self.target, self.setting = loaded, target, setting
+        # Drafting.kernel_module (the MTP head): wired and proved with the
+        # trunk, its multi-row forwards then run inside verify_kernels too.
+        self.drafter = drafter
         self.widths, self.guard = widths, guard  # guard None: SPECGATE_HOME's shared ones
         self.wiring: Wiring | None = None  # set once decided
         self.proving = False
@@ -52,9 +55,14 @@ class KernelSwitch:
         self._thread: threading.Thread | None = None
 
     def _prepare(self) -> Wiring:
+        """The trunk's wiring (what decides kernels on or off), the drafter's
+        beside it where the trunk's kernels are on."""
         from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
 
-        return kernel_wiring.prepare(self.loaded.model, self.setting, self.widths, guard=self.guard)
+        wired = kernel_wiring.prepare(self.loaded.model, self.setting, self.widths, guard=self.guard)
+        if wired.enabled and self.drafter is not None:
+            kernel_wiring.prepare(self.drafter, self.setting, self.widths, guard=self.guard)
+        return wired
 
     def start(self) -> None:
         """Wire the kernels now where every verdict is recorded; else prove
@@ -84,9 +92,10 @@ class KernelSwitch:
 
         try:
             with self.loaded.proving:
-                if not kernel_wiring.prove(self.loaded.model, self.setting, self.widths,
-                                           guard=self.guard, stop=self._stop):  # fmt: skip
-                    return
+                for module in (self.loaded.model, self.drafter):
+                    if module is not None and not kernel_wiring.prove(
+                            module, self.setting, self.widths, guard=self.guard, stop=self._stop):  # fmt: skip
+                        return
                 with self.loaded.lock:
                     try:
                         with recorded_only():

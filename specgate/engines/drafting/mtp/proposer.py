@@ -35,7 +35,8 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None = None,
 
     head = load_mtp_head(loaded)
     hook.fuse_siblings(head)  # its chained drafts are one-row steps, as the trunk's decoding
-    return Drafting("mtp", lambda t: MTPProposer(t, head), cache_id=CACHE_ID, weights=head)
+    return Drafting("mtp", lambda t: MTPProposer(t, head), cache_id=CACHE_ID, weights=head,
+                    kernel_module=head)
 
 
 CACHE_ID = "mtp"  # the head is the checkpoint's own: the model's digest names it
@@ -105,11 +106,17 @@ class MTPProposer:
         hidden = mx.concatenate([*self.owed.hidden, self.h_prev], axis=1)
         self.owed = _HeadInput()
         self.drafted = True
-        out = self.head(self.target.embed(mx.array([tokens])), hidden, self._cache(len(tokens)))
+        # The pairs' forward and each draft's logits (one row of the lm_head)
+        # through the verify kernels where the engine wired them (the hook
+        # sends other one-row products stock).
+        with self.target.verify_kernels():
+            out = self.head(self.target.embed(mx.array([tokens])), hidden, self._cache(len(tokens)))
         out = out[:, -1:]
         drafts, q, state = [], [], context.penalties
         for j in range(depth):
-            d, qj = context.draw(self.target.logits(out)[0, -1], state)
+            with self.target.verify_kernels():
+                logits = self.target.logits(out)
+            d, qj = context.draw(logits[0, -1], state)
             drafts.append(d)
             q += [] if qj is None else [qj]
             if j + 1 < depth:

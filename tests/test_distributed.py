@@ -135,9 +135,9 @@ def test_an_idle_rank_waits_without_polling(spread):
     follower = ranks_of(spread)[1]
     time.sleep(0.5)  # the request's last section ends
     before = cpu_seconds(follower)
-    time.sleep(3)
+    time.sleep(1.5)  # polling took most of a core: over a second of CPU here
     used = cpu_seconds(follower) - before
-    assert used < 0.3, f"rank 1 used {used:.2f} s of CPU in 3 s with nothing to do"
+    assert used < 0.15, f"rank 1 used {used:.2f} s of CPU in 1.5 s with nothing to do"
 
 
 def cpu_seconds(pid: int) -> float:

@@ -35,9 +35,9 @@ from specgate.engines.base import SamplingParams
 from specgate.engines.mlx_spec import decoder as spec_decoder
 from specgate.engines.sampling import PenaltyState, penalised, probabilities
 
-N_FAST = 400
+N_FAST = 300  # the size the wrong rule is shown to fail at (N_WRONG)
 N_PROOF = 4000
-N_WRONG = 300
+N_WRONG = N_FAST
 
 
 # The wrong rule's power in the fast tier on one proposer whose q is a full

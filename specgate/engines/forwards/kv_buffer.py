@@ -144,9 +144,10 @@ class DeviceOffsetKV:
         # of the whole buffer (each rewriting an element of the update), so a
         # write cost a pass over the buffer: 17 us a layer on an H100, ~1.1
         # ms of an MTP round's GPU time. The scatter's kernel runs over the
-        # update's elements only. The row numbers are a constant array (made
-        # from host data, no kernel: `mx.arange` was a launch a layer).
-        rows = (self.offset + mx.array(list(range(n)), dtype=mx.int32)).reshape(1, 1, n, 1)
+        # update's elements only. The row numbers are a constant array (host
+        # data, no kernel: `mx.arange` was a launch a layer), one per n, so
+        # that a compiled round merges the layers' identical `offset + rows`.
+        rows = (self.offset + _counting(n)).reshape(1, 1, n, 1)
         self.keys = _write_rows(self.keys, keys, rows)
         self.values = _write_rows(self.values, values, rows)
         self.offset = self.offset + n
@@ -173,6 +174,17 @@ class DeviceOffsetKV:
         """The host learnt the cache's length before the writes still in
         flight (`in_flight` rows at most): the bound comes down to it."""
         self.bound = length + in_flight
+
+
+_COUNTS: dict[int, mx.array] = {}
+
+
+def _counting(n: int) -> mx.array:
+    """0..n-1 as a constant int32 array, the same object for every n (made
+    from host data: safe to keep across mx.compile traces)."""
+    if n not in _COUNTS:
+        _COUNTS[n] = mx.array(list(range(n)), dtype=mx.int32)
+    return _COUNTS[n]
 
 
 def _write_rows(buffer: mx.array, new: mx.array, rows: mx.array) -> mx.array:

@@ -100,15 +100,15 @@ class CompiledRounds:
         if key not in self._compiled:
             target, head, hook = self.target, self.head, self.hook
 
-            def one_round(pairs, hidden, standing, last, *inputs):
-                hook_inputs, caches = inputs[:n_hook], inputs[n_hook:]
-                trunk = [_traced(*caches[3 * i : 3 * i + 3]) for i in range(n_trunk)]
-                heads = [_traced(*caches[3 * i : 3 * i + 3])
-                         for i in range(n_trunk, len(caches) // 3)]  # fmt: skip
+            def one_round(pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
+                hook_inputs, buffers = inputs[:n_hook], inputs[n_hook:]
+                trunk = [_traced(*buffers[2 * i : 2 * i + 2], trunk_offset) for i in range(n_trunk)]
+                heads = [_traced(*buffers[2 * i : 2 * i + 2], head_offset)
+                         for i in range(n_trunk, len(buffers) // 2)]  # fmt: skip
                 r = round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
                                 hook, hook_inputs)  # fmt: skip
-                return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden,
-                        *[a for c in (*trunk, *heads) for a in (c.keys, c.values, c.offset)])  # fmt: skip
+                return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
+                        heads[0].offset, *[a for c in (*trunk, *heads) for a in (c.keys, c.values)])  # fmt: skip
 
             self._compiled[key] = mx.compile(one_round)
         return self._compiled[key]
@@ -121,11 +121,16 @@ class CompiledRounds:
         for c in head_cache:
             c.room(head_rows)
         fn = self._function(k, bool(self.target.kernels), len(trunk), len(hook_inputs))
-        drafts, accepted, bonus, pairs, hidden, *caches = fn(
-            pairs, hidden, standing, last, *hook_inputs,
-            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values, c.offset)])  # fmt: skip
+        # One offset for the trunk's caches and one for the head's: each
+        # group is written and kept alike, so their offsets are equal, and
+        # one input each lets the trace merge every layer's identical offset
+        # arithmetic (its rows, its keep) into one launch instead of one a layer.
+        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
+            pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset, *hook_inputs,
+            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values)])  # fmt: skip
         for i, c in enumerate((*trunk, *head_cache)):
-            c.keys, c.values, c.offset = caches[3 * i : 3 * i + 3]
+            c.keys, c.values = buffers[2 * i : 2 * i + 2]
+            c.offset = trunk_offset if i < len(trunk) else head_offset
         for c in trunk:
             c.bound += k + 1
         for c in head_cache:

@@ -350,7 +350,7 @@ def section_mtp(a, target, out: dict) -> None:
     from specgate.engines.home import kernel_cache_dir
     from specgate.engines.mlx_spec.ahead_round import CompiledRounds
     from specgate.engines.targets import target_for
-    from specgate.kernels import wiring
+    from specgate.kernels import hook, wiring
     from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate
 
     model, head, vocab = target
@@ -361,6 +361,10 @@ def section_mtp(a, target, out: dict) -> None:
     t0 = time.perf_counter()
     wired = wiring.prepare(model, a.kernels, range(2, max(a.depths) + 2), guard=Guard(cache_dir=cache),
                            fused_guard=Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM))  # fmt: skip
+    hook.fuse_siblings(head)  # the head as the MTP engine wires it (drafting(), KernelSwitch)
+    if wired.enabled:
+        wiring.prepare(head, a.kernels, range(2, max(a.depths) + 2), guard=Guard(cache_dir=cache),
+                       fused_guard=Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM))  # fmt: skip
     print(f"\n[mtp] kernels: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
     kernels = wired.enabled and wired.in_use()
     # "ahead": the product's GPU path (mlx_spec/ahead.py rounds queued one

@@ -30,6 +30,9 @@ the tokens after the first:
   specgate's tensor-core kernel (kernels/qmm_mma.py; q/k/v and gate/up in
   one fused launch each), unproved (no guard: an experiment, CUDA only),
   where stock uses MLX's qmv.
+- mmac: layerc and mma1 together: the kernels' launches inside the
+  compiled halves, so MLX replays them from C++ (mma1 paid their Python
+  launch cost each token).
 Prints tok/s median [min, max] and each variant's ratio to generate_step,
 and whether every variant's tokens equal generate_step's.
 MLX reads MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph) at its start: run the
@@ -62,7 +65,7 @@ from specgate.engines.loading import LoadedModel, prepare_for_decoding  # noqa: 
 from specgate.engines.mlx_plain.engine import MLXPlainEngine  # noqa: E402
 from specgate.kernels import hook  # noqa: E402
 
-VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc", "layerc", "mma1")
+VARIANTS = ("generate_step", "lone", "batch1", "batchgen", "fused", "mlpc", "layerc", "mma1", "mmac")
 
 
 def compile_mlps(model) -> None:
@@ -286,10 +289,14 @@ def main() -> None:
     if "layerc" in variants:
         layerc = quantized()
         compile_layers(layerc)
-    mma1 = None
+    mma1 = mmac = None
     if "mma1" in variants:
         mma1 = quantized()
         mma_one_row(mma1)
+    if "mmac" in variants:
+        mmac = quantized()
+        mma_one_row(mmac)
+        compile_layers(mmac)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, "
           f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')}; "
           f"model built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
@@ -308,9 +315,9 @@ def main() -> None:
             return run_generate_step(mlpc, prompt, a.tokens)
         if v == "layerc":
             return run_generate_step(layerc, prompt, a.tokens)
-        if v == "mma1":
+        if v in ("mma1", "mmac"):
             with hook.kernels(True):
-                return run_generate_step(mma1, prompt, a.tokens)
+                return run_generate_step(mma1 if v == "mma1" else mmac, prompt, a.tokens)
         return engines.run(v == "lone", prompt, a.tokens)
 
     results = {v: [] for v in variants}
@@ -327,10 +334,10 @@ def main() -> None:
     if engines is not None:
         engines.close()
     for name, m in (("stock", model), ("fused", fused), ("mlpc", mlpc), ("layerc", layerc),
-                    ("mma1", mma1)):  # fmt: skip
+                    ("mma1", mma1), ("mmac", mmac)):  # fmt: skip
         if m is None:
             continue
-        with hook.kernels(name == "mma1"):
+        with hook.kernels(name in ("mma1", "mmac")):
             ph = step_phases(m, prompt, a.tokens)
         print(f"generate_step's loop by hand ({name}), ms per token: build {ph['build']:.2f} | "
               f"queue (MLX encodes) {ph['queue']:.2f} | wait {ph['wait']:.2f}")  # fmt: skip

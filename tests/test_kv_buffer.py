@@ -37,13 +37,13 @@ from test_ngram_exactness import (
 from tiny_targets import TinyTarget
 
 from specgate.builders.drafters import build_dflash_drafter
-from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
 from specgate.builders.tiny import build_qwen3_dense
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.dflash.model import check_pairing, load_dflash
 from specgate.engines.drafting.dflash.proposer import DFlashProposer
 from specgate.engines.drafting.ngram.proposer import NgramProposer
 from specgate.engines.forwards import kv_buffer
+from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 
 

@@ -147,7 +147,7 @@ class DeviceOffsetKV:
         # update's elements only. The row numbers are a constant array (host
         # data, no kernel: `mx.arange` was a launch a layer), one per n, so
         # that a compiled round merges the layers' identical `offset + rows`.
-        rows = (self.offset + _counting(n)).reshape(1, 1, n, 1)
+        rows = (self.offset + counting(n)).reshape(1, 1, n, 1)
         self.keys = _write_rows(self.keys, keys, rows)
         self.values = _write_rows(self.values, values, rows)
         self.offset = self.offset + n
@@ -179,7 +179,7 @@ class DeviceOffsetKV:
 _COUNTS: dict[int, mx.array] = {}
 
 
-def _counting(n: int) -> mx.array:
+def counting(n: int) -> mx.array:
     """0..n-1 as a constant int32 array, the same object for every n (made
     from host data: safe to keep across mx.compile traces)."""
     if n not in _COUNTS:

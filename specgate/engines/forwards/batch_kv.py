@@ -108,6 +108,18 @@ class BatchOffsetKV:
         """The host learnt every sequence's length: `bound` comes down to the longest."""
         self.bound = max(lengths)
 
+    def extend(self, other: BatchOffsetKV) -> None:
+        """`other`'s sequences after these (sequences joining the batch)."""
+        size = max(self.keys.shape[2], other.keys.shape[2])
+
+        def padded(a: mx.array) -> mx.array:
+            return mx.pad(a, [(0, 0), (0, 0), (0, size - a.shape[2]), (0, 0)])
+
+        self.keys = mx.concatenate([padded(self.keys), padded(other.keys)])
+        self.values = mx.concatenate([padded(self.values), padded(other.values)])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.bound = max(self.bound, other.bound)
+
     def filter(self, indices: list[int]) -> None:
         """Keep only these sequences, in this order (the others left the batch)."""
         at = mx.array(indices, dtype=mx.int32)

@@ -1,12 +1,15 @@
-"""Greedy speculative rounds over a batch of sequences (specgate/engines/mlx_spec/batch_decoder.py).
+"""Speculative rounds over a batch of sequences (specgate/engines/mlx_spec/batch_decoder.py).
 
 A tiny float32 qwen3 (mlx-lm's model, random weights; its greedy text
-repeats, so copied drafts are often right). Sequences with n-gram drafting
-at different depths, one at depth 0 (a plain step inside the batch), one
-joining mid-way and one leaving mid-way (going on alone from the caches it
-takes with it): every sequence's tokens equal its own plain greedy
-decoding, and drafts were accepted. Streams the batch cannot serve yet
-(sampling, penalties, a hybrid's caches) are refused with a reason.
+repeats, so copied drafts are often right), each sequence a SpecDecoder
+with n-gram drafting: greedy at depths 4, 2 and 0 (a plain step inside the
+batch), seeded sampling, a repetition penalty, one joining mid-way and one
+leaving mid-way (going on alone on the caches it takes with it). Each
+sequence's tokens equal what it produces decoded alone (greedy and seeded:
+its plain decoding, up to a checked near-tie), and drafts were accepted
+inside the batch. Keeping every verified row instead of what each
+sequence accepted (failure injection) is caught. What the batch cannot
+take yet (a hybrid's caches, a decoder mid-way) is refused with a reason.
 """
 
 from __future__ import annotations
@@ -15,17 +18,26 @@ import random
 
 import mlx.core as mx
 import pytest
-from greedy import assert_same_greedy, greedy_reference
+from greedy import assert_same_greedy, greedy_reference, seeded_reference
 from mlx_lm.models import qwen3
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache
 
-from specgate.engines.base import SamplingParams
+from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.ngram.proposer import NgramProposer
-from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder, BatchStream
+from specgate.engines.forwards.batch_kv import BatchOffsetKV
+from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
+from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.targets import target_for
 
 N_TOKENS = 40
 VOCAB = 128
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.8, seed=11)
+PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+# key: (prompt index, sampling, depth)
+STREAMS = {"s0": (0, GREEDY, 4), "s1": (1, GREEDY, 2), "s2": (2, GREEDY, 0),
+           "s3": (3, SEEDED, 3), "s4": (4, PENALISED, 3), "s5": (5, GREEDY, 3)}  # fmt: skip
+JOINS_AT, LEAVES_AT = 3, 5  # s5 joins after round 3; s1 leaves after round 5
 
 
 @pytest.fixture(scope="module")
@@ -43,60 +55,102 @@ def model():
 def prompts() -> list[list[int]]:
     rng = random.Random(4)
     out = []
-    for n in (6, 19, 11, 8):
+    for n in (6, 19, 11, 8, 14, 9):
         seg = [rng.randrange(VOCAB) for _ in range(n)]
         out.append(seg + seg[: n // 2])  # something to copy from the start
     return out
 
 
-def joined(model, decoder, key, prompt):
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([prompt[:-1]]), cache=cache))
-    decoder.join(BatchStream(key, NgramProposer(), list(prompt), len(prompt)), cache)
+def decoder(target, key: str) -> SpecDecoder:
+    i, params, depth = STREAMS[key]
+    request = GenerationRequest(key, "m", prompts()[i], params, N_TOKENS,
+                                Plan("mlx_ngram", "ngram", depth, "spec_on"))  # fmt: skip
+    return SpecDecoder(target, NgramProposer(), request, None, 0, None)
 
 
-def test_batched_rounds_give_each_sequence_its_plain_greedy_text(model):
-    ps = prompts()
-    refs = [greedy_reference(model, p, N_TOKENS + 8) for p in ps]
-    decoder = BatchSpecDecoder(target_for(model))
-    for i in range(3):
-        joined(model, decoder, f"s{i}", ps[i])
-    depths = {"s0": 4, "s1": 2, "s2": 0, "s3": 3}
-    out = {f"s{i}": [] for i in range(4)}
-    accepted, rounds, alone = 0, 0, None
-    while decoder.streams:
-        for key, tokens in decoder.round(depths).items():
-            out[key] += tokens
-            accepted += len(tokens) - 1
+def alone(target, key: str) -> list[int]:
+    d = decoder(target, key)
+    step = d.prefill()
+    tokens = list(step.tokens)
+    while step.finish_reason is None:
+        step = d.round(STREAMS[key][2])
+        tokens += step.tokens
+    return tokens
+
+
+def batched(target) -> tuple[dict[str, list[int]], int]:
+    batch, out, accepted = BatchSpecDecoder(target), {}, 0
+
+    def join(key):
+        d = decoder(target, key)
+        out[key] = list(d.prefill().tokens)
+        batch.join(key, d)
+
+    for key in ("s0", "s1", "s2", "s3", "s4"):
+        join(key)
+    depths = {key: depth for key, (_, _, depth) in STREAMS.items()}
+    rounds, left = 0, None
+    while batch.decoders:
+        for key, step in batch.round(depths).items():
+            out[key] += step.tokens
+            accepted += sum(step.stats.accepted_per_position)
+            if step.finish_reason is not None:
+                batch.leave(key)
         rounds += 1
-        if rounds == 3:
-            joined(model, decoder, "s3", ps[3])  # joins a batch mid-flight
-        if rounds == 5:
-            alone = ("s1", decoder.leave("s1"))  # leaves, goes on alone
-        for s in list(decoder.streams):
-            if len(out[s.key]) >= N_TOKENS:
-                decoder.leave(s.key)
-    key, cache = alone
-    last = ps[1][-1] if not out[key] else out[key][-1]
-    while len(out[key]) < N_TOKENS:  # plain greedy on the caches it took with it
-        logits = model(mx.array([[last]]), cache=cache)
-        last = int(mx.argmax(logits[0, -1]).item())
-        out[key].append(last)
-    for i, (want, margins) in enumerate(refs):
-        assert_same_greedy(out[f"s{i}"][:N_TOKENS], want[:N_TOKENS], margins[:N_TOKENS])
+        if rounds == JOINS_AT:
+            join("s5")
+        if rounds == LEAVES_AT and "s1" in batch.decoders:
+            left = batch.leave("s1")
+    step = None
+    while left is not None and (step is None or step.finish_reason is None):
+        step = left.round(STREAMS["s1"][2])  # alone, on the caches it took with it
+        out["s1"] += step.tokens
+    return out, accepted
+
+
+def test_each_sequence_in_the_batch_decodes_as_it_would_alone(model):
+    target = target_for(model)
+    got, accepted = batched(target)
+    ps = prompts()
+    for key, (i, params, _) in STREAMS.items():
+        if params is GREEDY:
+            want, margins = greedy_reference(model, ps[i], N_TOKENS)
+        elif params is SEEDED:
+            want, margins = seeded_reference(model, ps[i], N_TOKENS, params)
+        else:  # penalised: the same decoder alone (tests/test_exactness_greedy.py holds it to plain)
+            want, margins = alone(target, key), [1.0] * N_TOKENS
+        assert_same_greedy(got[key], want, margins)
     assert accepted > 0  # copies were drafted and accepted inside the batch
 
 
-def test_streams_it_cannot_serve_yet_are_refused(model):
-    with pytest.raises(ValueError, match="greedy without penalties"):
-        BatchStream("t", NgramProposer(), [1, 2], 2, SamplingParams(temperature=0.7))
-    with pytest.raises(ValueError, match="greedy without penalties"):
-        BatchStream("p", NgramProposer(), [1, 2], 2,
-                    SamplingParams(temperature=0.0, repetition_penalty=1.2))  # fmt: skip
-    decoder = BatchSpecDecoder(target_for(model))
-    with pytest.raises(ValueError, match="plain KV caches"):
-        decoder.join(BatchStream("h", NgramProposer(), [1, 2], 2), [ArraysCache(2)])
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+def test_keeping_every_verified_row_is_caught(model, monkeypatch):
+    """Failure injection: each sequence keeps all its rows, the rejected
+    drafts' included; some sequence must then go wrong."""
+    keep = BatchOffsetKV.keep
+    monkeypatch.setattr(BatchOffsetKV, "keep", lambda self, kept: keep(self, mx.full(kept.shape,
+                        int(self._last[1]), dtype=mx.int32)))  # fmt: skip
+    got, _ = batched(target_for(model))
+    ps = prompts()
+    assert any(got[k] != greedy_reference(model, ps[STREAMS[k][0]], N_TOKENS)[0]
+               for k in ("s0", "s1", "s5"))  # fmt: skip
+
+
+def test_what_the_batch_cannot_take_is_refused(model):
+    target = target_for(model)
+    batch = BatchSpecDecoder(target)
+    d = decoder(target, "s0")
+    d.prefill()
+    batch.join("s0", d)
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.join("s0", decoder(target, "s1"))
+    fresh = decoder(target, "s1")  # not prefilled: its caches hold nothing yet
     with pytest.raises(ValueError, match="all its tokens but the last"):
-        decoder.join(BatchStream("x", NgramProposer(), [1, 2, 3], 3), cache)
+        batch.join("s1", fresh)
+    hybrid = decoder(target, "s2")
+    hybrid.cache = [ArraysCache(2)]
+    with pytest.raises(ValueError, match="plain KV caches only"):
+        batch.join("s2", hybrid)
+    assert d.cache is None  # the batch holds it while joined
+    back = batch.leave("s0")
+    assert back is d and [c.offset for c in d.cache] == [len(d.tokens) - 1] * len(d.cache)
+    assert batch.caches is None and not batch.decoders

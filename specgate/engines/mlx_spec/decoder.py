@@ -41,7 +41,7 @@ as an unconstrained one, without waiting for its drafts' values.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -61,6 +61,19 @@ from specgate.engines.sampling import (
     sample,
 )
 from specgate.engines.targets import Forward, Target, Undo
+
+
+@dataclass(frozen=True)
+class PlannedRound:
+    """A round between `begin_round` and `end_round`."""
+
+    t0: float
+    context: int  # tokens before it
+    asked: int  # the depth planned
+    depth: int  # drafts proposed (and kept by a grammar)
+    proposal: Proposal | None
+    grammar: GrammarState | ThinkingState | None  # masking this round
+    rows: mx.array  # (depth + 1,) [last, d_1..d_k]: what the verify feeds
 
 
 @dataclass
@@ -171,6 +184,23 @@ class SpecDecoder:
     # -- rounds ---------------------------------------------------------------------
 
     def round(self, depth: int) -> Step:
+        planned = self.begin_round(depth)
+        # The verify forward (and its logits): the only place the small-M
+        # kernels run, where the engine enabled them (kernels/wiring.py).
+        with self.target.verify_kernels():
+            # A round without drafts keeps its one input: nothing to undo (and a
+            # hybrid's recurrent layers then run mlx-lm's own path, its kernel
+            # on Metal, not the stepwise one a tape needs).
+            forward = self._forward(planned.rows[None], undo=self.undo if planned.depth else None)
+            logits = self.target.logits(forward.hidden)[0]
+        return self.end_round(planned, forward, logits,
+                              lambda kept: self.target.rollback(self.cache, forward, kept))  # fmt: skip
+
+    def begin_round(self, depth: int) -> PlannedRound:
+        """A round up to its verify forward: the drafts, and the rows to
+        verify ([last, d_1..d_k]). `end_round` finishes it; `round` runs
+        both around this sequence's own forward, a batch
+        (batch_decoder.py) around one forward for all its sequences."""
         t0, context = time.perf_counter(), len(self.tokens)
         last = self.tokens[-1]
         if self.cold:
@@ -191,14 +221,16 @@ class SpecDecoder:
         if depth:  # the device drafts while this thread builds the verify graph
             mx.async_eval(proposal.drafts, *([] if proposal.q is None else [proposal.q]))
             verify_arr = mx.concatenate([verify_arr, proposal.drafts.astype(verify_arr.dtype)])
-        # The verify forward (and its logits): the only place the small-M
-        # kernels run, where the engine enabled them (kernels/wiring.py).
-        with self.target.verify_kernels():
-            # A round without drafts keeps its one input: nothing to undo (and a
-            # hybrid's recurrent layers then run mlx-lm's own path, its kernel
-            # on Metal, not the stepwise one a tape needs).
-            forward = self._forward(verify_arr[None], undo=self.undo if depth else None)
-            logits = self.target.logits(forward.hidden)[0]
+        return PlannedRound(t0, context, asked, depth, proposal, grammar, verify_arr)
+
+    def end_round(self, planned: PlannedRound, forward: Forward, logits: mx.array,
+                  cut: Callable[[int], None]) -> Step:  # fmt: skip
+        """The verdict on a planned round, given its verify forward and the
+        logits of its rows (depth + 1, V); `cut(kept)` cuts the trunk's
+        caches back to the first `kept` rows of the forward."""
+        t0, context, asked, depth = planned.t0, planned.context, planned.asked, planned.depth
+        proposal, grammar, verify_arr = planned.proposal, planned.grammar, planned.rows
+        last = self.tokens[-1]
         states = [self.penalties]
         for j in range(depth):
             states.append(advanced(states[-1], verify_arr[j + 1 : j + 2]))
@@ -233,7 +265,7 @@ class SpecDecoder:
         # Undo: keep the inputs that are now history; the last committed
         # token is fed at the next round.
         kept = min(1 + len(step.tokens) - (0 if step.finish_reason == "stop" else 1), n + 1)
-        self.target.rollback(self.cache, forward, kept)
+        cut(kept)
         # The proposer sees what the trunk kept (fewer than accepted where
         # max_tokens or EOS cut the round).
         self.proposer.committed(last, drafts, kept - 1, forward)

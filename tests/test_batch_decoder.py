@@ -10,6 +10,9 @@ its plain decoding, up to a checked near-tie), and drafts were accepted
 inside the batch. Keeping every verified row instead of what each
 sequence accepted (failure injection) is caught. What the batch cannot
 take yet (a hybrid's caches, a decoder mid-way) is refused with a reason.
+On tests/test_ahead.py's bigram trunk, sequences drafting with the MTP
+head (each its own head caches) beside an n-gram one are exact too, and
+most of their drafts stand.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference, seeded_reference
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import ArraysCache
+from test_ahead import trunk  # noqa: F401  (the bigram trunk fixture)
 
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.drafting.ngram.proposer import NgramProposer
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
@@ -154,3 +159,36 @@ def test_what_the_batch_cannot_take_is_refused(model):
     back = batch.leave("s0")
     assert back is d and [c.offset for c in d.cache] == [len(d.tokens) - 1] * len(d.cache)
     assert batch.caches is None and not batch.decoders
+
+
+def test_mtp_streams_draft_with_their_own_head_caches_inside_the_batch(trunk):  # noqa: F811
+    """On tests/test_ahead.py's bigram trunk, whose MTP head drafts well:
+    sequences drafting with the head at depths 3, 2 and 1, beside an
+    n-gram one, each equal their plain greedy decoding, and most drafts
+    stand (the head's state per sequence follows what its row kept)."""
+    from test_ahead import head as bigram_head
+
+    model, args = trunk
+    target, h = target_for(model), bigram_head(args, 0.05)
+    rng = random.Random(9)
+    ps = [[rng.randrange(model.args.vocab_size) for _ in range(n)] for n in (5, 12, 8, 3)]
+    batch, out, depths = BatchSpecDecoder(target), {}, {}
+    drafted = accepted = 0
+    for i, (p, depth) in enumerate(zip(ps, (3, 2, 1, 3), strict=True)):
+        proposer = MTPProposer(target, h) if i < 3 else NgramProposer()
+        request = GenerationRequest(f"m{i}", "m", p, GREEDY, N_TOKENS,
+                                    Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
+        d = SpecDecoder(target, proposer, request, None, 0, None)
+        out[f"m{i}"], depths[f"m{i}"] = list(d.prefill().tokens), depth
+        batch.join(f"m{i}", d)
+    while batch.decoders:
+        for key, step in batch.round(depths).items():
+            out[key] += step.tokens
+            drafted += step.stats.drafted if key != "m3" else 0
+            accepted += sum(step.stats.accepted_per_position) if key != "m3" else 0
+            if step.finish_reason is not None:
+                batch.leave(key)
+    for i, p in enumerate(ps):
+        want, margins = greedy_reference(model, p, N_TOKENS)
+        assert_same_greedy(out[f"m{i}"], want, margins)
+    assert accepted > 0.8 * drafted > 0

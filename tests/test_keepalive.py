@@ -180,3 +180,42 @@ def test_a_20k_token_prompt_gets_a_keepalive_at_least_every_5_s(default_server, 
         assert counts, alive
         assert all(0 < done < total and total >= LONG_PROMPT_TOKENS for done, total in counts), counts
         assert [d for d, _ in counts] == sorted(d for d, _ in counts), counts
+
+
+def test_the_wait_for_a_first_piece_counts_from_the_request_s_arrival():
+    """`first_piece`'s patience (the keep-alive period) counts from the
+    request's arrival, so time spent before it (rendering and tokenizing a
+    long prompt) does not add to the client's silence; it still waits
+    MIN_PATIENCE_S, so an error raised at once gets its status code."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from specgate.gateway.access import access_log
+    from specgate.gateway.api.chat import MIN_PATIENCE_S, first_piece
+
+    async def waited(spent: float, patience: float) -> float:
+        never = asyncio.Event()
+
+        async def receive():  # a client that stays
+            await never.wait()
+
+        async def pieces():
+            await never.wait()
+            yield None
+
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        token = access_log._current.set(access_log.AccessRecord("req-test", time.perf_counter() - spent))
+        try:
+            t0 = time.monotonic()
+            start = await first_piece(request, pieces(), patience)
+            took = time.monotonic() - t0
+            assert not start.done
+            await start.close()
+            return took
+        finally:
+            access_log._current.reset(token)
+
+    assert 0.9 < asyncio.run(waited(0.0, 1.0)) < 1.5  # nothing spent before: the whole period
+    assert asyncio.run(waited(0.8, 1.0)) < 0.7  # 0.8 s spent: what is left (0.25 s at least)
+    assert asyncio.run(waited(5.0, 1.0)) >= MIN_PATIENCE_S - 0.05

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from specgate.engines.base import (
     ThinkingBudget,
     TokenLogprob,
 )
+from specgate.gateway.access import access_log
 from specgate.gateway.api.thinking import UNSAID, OutputStream, ThinkingAsk, plan_thinking
 from specgate.gateway.api.tools import (
     PROMPT_TOOL_FORMAT,
@@ -115,14 +117,28 @@ class FirstPiece:
         await self._pieces.aclose()
 
 
+# The least a stream waits for its first piece before its response starts,
+# however long the request took to get there: an overload or an engine
+# error raised at once still gets its own status code.
+MIN_PATIENCE_S = 0.25
+
+
 async def first_piece(request: Request, pieces: AsyncIterator[Piece],
                       patience_s: float = math.inf) -> FirstPiece:  # fmt: skip
-    """Wait for a stream's first piece up to `patience_s` (FirstPiece).
-    Raises what the generation raised before that, and ClientGone (the
-    stream closed) if the client left."""
+    """Wait for a stream's first piece up to `patience_s` (FirstPiece),
+    counted from the request's arrival (its access record): the time spent
+    reading, rendering and tokenizing a long prompt is silence to the
+    client too (a loaded 2-core machine took ~4.5 s for a 20k-token chat,
+    which put the first keep-alive at 7 s with a 2.5 s period). Raises
+    what the generation raised before that, and ClientGone (the stream
+    closed) if the client left."""
     task = asyncio.ensure_future(anext(pieces, None))
     start = FirstPiece(task, pieces)
     loop = asyncio.get_running_loop()
+    record = access_log.current()
+    if record is not None and patience_s != math.inf:
+        spent = time.perf_counter() - record.started
+        patience_s = max(MIN_PATIENCE_S, patience_s - spent)
     deadline = loop.time() + patience_s
     try:
         while not task.done():

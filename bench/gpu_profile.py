@@ -80,9 +80,28 @@ def short(name: str) -> str:
     return name if len(name) <= 70 else name[:67] + "..."
 
 
-def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int, pyprof: bool):
+def cuda_kernels(run):
+    """run() under PyTorch's profiler: the CUDA kernels it launched (trace
+    events) and what run returned."""
     from torch.profiler import ProfilerActivity, profile
 
+    with tempfile.TemporaryDirectory() as d:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = run()
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_events(trace), out
+
+
+def by_name(kernels: list[dict]) -> dict[str, list[float]]:
+    """Each kernel's (shortened) name -> its calls' device times (us)."""
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_name[short(e["name"])].append(e["dur"])
+    return per_name
+
+
+def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int, pyprof: bool):
     def fwd():
         saved = checkpoint(cache)
         t0 = time.perf_counter()
@@ -110,16 +129,8 @@ def measure(model, cache, tokens, ctx: int, m: int, reps: int, profile_reps: int
         restore(cache, saved)
         pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(12)
     wall = statistics.median(r[1] for r in runs)
-    with tempfile.TemporaryDirectory() as d:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(profile_reps):
-                fwd()
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        ks = kernel_events(trace)
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in ks:
-        per_name[short(e["name"])].append(e["dur"])
+    ks, _ = cuda_kernels(lambda: [fwd() for _ in range(profile_reps)])
+    per_name = by_name(ks)
     return {"built": built, "wall": wall, "sum": sum(e["dur"] for e in ks) / profile_reps,
             "busy": busy_us(ks) / profile_reps, "launches": len(ks) / profile_reps,
             "per_name": per_name}  # fmt: skip

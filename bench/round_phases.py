@@ -173,23 +173,15 @@ class StockDrafts:
 
 def profiled(fn, top: int) -> dict:
     """fn() under PyTorch's profiler: its kernels' count, busy and summed
-    device time, and the top kernels by device time."""
-    from collections import defaultdict
+    device time, and the top kernels by device time and by launches."""
+    from gpu_profile import busy_us, by_name, cuda_kernels
 
-    from gpu_profile import busy_us, kernel_events, short
-    from torch.profiler import ProfilerActivity, profile
+    def timed():
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0
 
-    with tempfile.TemporaryDirectory() as d:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            units = fn()
-            wall = time.perf_counter() - t0
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        ks = kernel_events(trace)
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in ks:
-        per_name[short(e["name"])].append(e["dur"])
+    ks, (units, wall) = cuda_kernels(timed)
+    per_name = by_name(ks)
     return {"units": units, "wall": wall, "busy": busy_us(ks), "sum": sum(e["dur"] for e in ks),
             "launches": len(ks),
             "top": sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top],

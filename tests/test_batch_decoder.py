@@ -22,9 +22,9 @@ import random
 import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy, greedy_reference, seeded_reference
-from mlx_lm.models import qwen3
 from mlx_lm.models.cache import ArraysCache
 from test_ahead import trunk  # noqa: F401  (the bigram trunk fixture)
+from test_batch_kv import tiny_qwen3
 
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.mtp.proposer import MTPProposer
@@ -47,14 +47,7 @@ JOINS_AT, LEAVES_AT = 3, 5  # s5 joins after round 3; s1 leaves after round 5
 
 @pytest.fixture(scope="module")
 def model():
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-6,
-                           vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=1024,
-                           head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
-    mx.random.seed(5)
-    m = qwen3.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return tiny_qwen3(VOCAB, 5)
 
 
 def prompts() -> list[list[int]]:

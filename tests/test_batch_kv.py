@@ -29,16 +29,21 @@ N_TOKENS = 20
 VOCAB = 256
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_qwen3(vocab: int, seed: int):
+    """mlx-lm's qwen3, 2 layers of width 64, float32, random weights."""
     args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
                            intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-6,
-                           vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=1024,
+                           vocab_size=vocab, num_key_value_heads=2, max_position_embeddings=1024,
                            head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
-    mx.random.seed(7)
+    mx.random.seed(seed)
     m = qwen3.Model(args)
     mx.eval(m.parameters())
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3(VOCAB, 7)
 
 
 def prompts() -> list[list[int]]:

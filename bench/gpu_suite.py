@@ -22,6 +22,13 @@ within a repeat, then summarised):
            compiled, mlx_spec/ahead.py and ahead_round.py, with the kernels
            where proved), each over generate_step; every output compared
            with generate_step's.
+- batchspec: speculation inside the decode batch (issue 45): at
+           --spec-streams streams, mlx-lm's BatchGenerator (first in each
+           repeat: its tokens are the oracle's references) and then
+           engines/mlx_spec/batch_decoder.py's BatchSpecDecoder at each of
+           --spec-depths (MTP, acceptance --accept by construction, the
+           kernels proved at the batch's verify widths), aggregate tok/s
+           over BatchGenerator's; every stream compared with its output.
 - ngram:   the agent transcripts (bench/agent_transcripts.json) on
            bench/agent_workloads.py's synthetic copying target, through the
            engines and the policy the gateway would build: per transcript
@@ -70,7 +77,7 @@ sys.path.insert(0, str(HERE))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-SECTIONS = ("plain", "batched", "mtp", "ngram")
+SECTIONS = ("plain", "batched", "mtp", "batchspec", "ngram")
 SHAPES = {  # hidden, layers, mlp, heads, kv heads, head dim, vocab
     "7b": (4096, 28, 12288, 32, 8, 128, 151936),
     "tiny": (64, 2, 128, 2, 1, 32, 512),
@@ -417,6 +424,122 @@ def section_mtp(a, target, out: dict) -> None:
 
 NGRAM_VARIANTS = ("none", "ngram", "policy")  # specgate's plain engine, forced n-gram, the policy
 
+def batch_spec_run(trunk, head, prompts: list[list[int]], refs: list[list[int]], n: int, depth: int,
+                   accept: float, seed: int, vocab: int) -> tuple[list[Run], float, float]:
+    """Every prompt prefilled alone, then decoded together in one
+    BatchSpecDecoder (engines/mlx_spec/batch_decoder.py) at `depth` (0: a
+    plain step each, in the batch), each stream's MTP drafts replaced by its
+    oracle (e2e_mtp_7b.OracleDrafts: its reference token with probability
+    `accept`). The runs, the wall time of the whole, and the mean rows a
+    verify forward carried."""
+    import e2e_mtp_7b
+
+    from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+    from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
+    from specgate.engines.mlx_spec.decoder import SpecDecoder
+
+    batch = BatchSpecDecoder(trunk)
+    t0 = time.perf_counter()
+    runs: dict[str, Run] = {}
+    for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+        request = GenerationRequest(f"b{i}", "suite", prompt, SamplingParams(temperature=0), n,
+                                    Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
+        oracle = e2e_mtp_7b.OracleDrafts(trunk, head, reference=ref, accept=accept, seed=seed + i,
+                                         vocab=vocab)  # fmt: skip
+        decoder = SpecDecoder(trunk, oracle, request, None, 0, None)
+        step = decoder.prefill()
+        runs[request.request_id] = run = Run(t0=t0, tokens=list(step.tokens),
+                                             times=[time.perf_counter()] * len(step.tokens))  # fmt: skip
+        if step.finish_reason is None:
+            batch.join(request.request_id, decoder)
+    rows = verifies = 0
+    while batch.decoders:
+        width = len(batch.decoders)
+        steps = batch.round({key: depth for key in batch.decoders})
+        now = time.perf_counter()
+        rows += width * (1 + max((s.stats.drafted for s in steps.values() if s.stats), default=0))
+        verifies += 1
+        for key, step in steps.items():
+            run = runs[key]
+            run.tokens += step.tokens
+            run.times += [now] * len(step.tokens)
+            if step.finish_reason is not None:
+                batch.leave(key)
+    return list(runs.values()), time.perf_counter() - t0, rows / max(verifies, 1)
+
+
+def section_batchspec(a, target, out: dict) -> None:
+    """Issue 45: speculation inside the decode batch against mlx-lm's
+    BatchGenerator at the same number of streams."""
+    from specgate.engines.home import kernel_cache_dir
+    from specgate.engines.targets import target_for
+    from specgate.kernels import hook, qmm, wiring
+    from specgate.kernels.guard import FUSED_QMM, Guard, cuda_mma_fused_candidate
+
+    model, head, vocab = target
+    rng = random.Random(a.seed + 53)
+    trunk = target_for(model)
+    depths = a.spec_depths
+    # Every verify width a batch forms (streams x (depth + 1) rows, those
+    # the kernels take) and the head's own pair widths.
+    widths = sorted({b * (d + 1) for b in a.spec_streams for d in depths} | set(range(2, max(depths) + 2)))
+    widths = [w for w in widths if qmm.MIN_M <= w <= qmm.MAX_M]
+    cache = kernel_cache_dir(None)
+    t0 = time.perf_counter()
+    guards = dict(guard=Guard(cache_dir=cache),
+                  fused_guard=Guard([cuda_mma_fused_candidate()], cache_dir=cache, op=FUSED_QMM))  # fmt: skip
+    wired = wiring.prepare(model, a.kernels, widths, **guards)
+    hook.fuse_siblings(head)
+    if wired.enabled:
+        wiring.prepare(head, a.kernels, range(2, max(depths) + 2), **guards)
+    print(f"\n[batchspec] kernels at widths {widths}: {wired.reason} ({time.perf_counter() - t0:.1f} s)")
+    trunk.kernels = wired.enabled and wired.in_use()
+    result: dict = {}
+    exact = True
+    try:
+        for b in a.spec_streams:  # untimed: each width's graphs built once
+            warm = prompts_for(rng, vocab, a.prompt, b)
+            refs = [r.tokens for r in batch_generator_runs(model, warm, 8)[0]]
+            for depth in depths:
+                batch_spec_run(trunk, head, warm, refs, 8, depth, a.accept, 1, vocab)
+        for b in a.spec_streams:
+            row = {"BatchGenerator tok/s": [], **{f"d{d} {k}": [] for d in depths
+                                                  for k in ("tok/s", "ratio", "rows")}}  # fmt: skip
+            for rep in range(a.reps):
+                prompts = prompts_for(rng, vocab, a.prompt, b)
+                # BatchGenerator first: its tokens are the oracle's references
+                # (and what every stream must equal).
+                plain_runs, plain_wall = batch_generator_runs(model, prompts, a.tokens)
+                refs = [r.tokens for r in plain_runs]
+                plain_tps = sum(len(r) for r in refs) / plain_wall
+                row["BatchGenerator tok/s"].append(plain_tps)
+                line = [f"BatchGenerator {plain_tps:.0f}"]
+                for depth in depths if rep % 2 == 0 else depths[::-1]:
+                    runs, wall, rows = batch_spec_run(trunk, head, prompts, refs, a.tokens, depth, a.accept,
+                                                      a.seed + 1000 * rep, vocab)  # fmt: skip
+                    exact &= [r.tokens for r in runs] == refs
+                    tps = sum(len(r.tokens) for r in runs) / wall
+                    row[f"d{depth} tok/s"].append(tps)
+                    row[f"d{depth} ratio"].append(tps / plain_tps)
+                    row[f"d{depth} rows"].append(rows)
+                    line.append(f"d{depth} {tps:.0f}")
+                print(f"  {b} streams, repeat {rep + 1}: " + ", ".join(line), flush=True)
+            result[b] = row
+    finally:
+        trunk.kernels = False
+    print(f"\n## batchspec: speculation inside the batch (BatchSpecDecoder, MTP drafts at acceptance "
+          f"{a.accept} by construction, kernels {'on' if wired.enabled and wired.in_use() else 'off'}) "
+          f"vs mlx-lm BatchGenerator, aggregate tok/s ({a.reps} repeats; {a.prompt}-token prompts, "
+          f"{a.tokens} tokens each; prefill included on both sides; d0: plain steps in the batch)")  # fmt: skip
+    table(["streams", "BatchGenerator tok/s"] + [f"d{d} / BatchGenerator" for d in depths]
+          + [f"d{d} rows per verify" for d in depths],
+          [[str(b), summary(r["BatchGenerator tok/s"], ".0f")] + [summary(r[f"d{d} ratio"]) for d in depths]
+           + [f"{statistics.median(r[f'd{d} rows']):.1f}" for d in depths]
+           for b, r in result.items()])  # fmt: skip
+    print(f"outputs token-for-token equal to BatchGenerator's: {'yes' if exact else 'NO'}")
+    out["batchspec"] = {"kernels": wired.reason, "streams": {str(k): v for k, v in result.items()},
+                        "exact": exact}  # fmt: skip
+
 
 def section_ngram(a, out: dict) -> None:
     import agent_workloads as aw
@@ -493,6 +616,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill", type=int, default=None, help="prefill prompt tokens (2048; --tiny 256)")
     ap.add_argument("--streams", default="4,8,16")
     ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--spec-streams", default="2,4,8", help="batchspec's streams")
+    ap.add_argument("--spec-depths", default="0,1,2,3", help="batchspec's depths (0: plain steps)")
     ap.add_argument("--accept", type=float, default=0.8)
     ap.add_argument("--kernels", default="auto", choices=("auto", "off"))
     ap.add_argument("--seed", type=int, default=0)
@@ -512,10 +637,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         a.streams = [int(x) for x in a.streams.split(",")]
         a.depths = [int(x) for x in a.depths.split(",")]
+        a.spec_streams = [int(x) for x in a.spec_streams.split(",")]
+        a.spec_depths = [int(x) for x in a.spec_depths.split(",")]
     except ValueError as e:
         ap.error(f"--streams and --depths take comma-separated integers: {e}")
     if a.reps < 1 or a.tokens < 2 or a.prompt < 1 or a.prefill < 1 or min(a.streams) < 1 \
-            or min(a.depths) < 1 or not 0 <= a.accept <= 1:  # fmt: skip
+            or min(a.depths) < 1 or min(a.spec_streams) < 1 or min(a.spec_depths) < 0 \
+            or not 0 <= a.accept <= 1:  # fmt: skip
         ap.error("--reps, --prompt, --prefill, --streams and --depths must be >= 1, --tokens >= 2, "
                  "--accept in [0, 1]")  # fmt: skip
     return a
@@ -557,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 if target is None:
                     target = bigram_target(a)
-                {"plain": section_plain, "batched": section_batched, "mtp": section_mtp}[name](a, target, out)
+                {"plain": section_plain, "batched": section_batched, "mtp": section_mtp,
+                 "batchspec": section_batchspec}[name](a, target, out)
         except Exception as e:
             tb = traceback.format_exc()
             print(f"\n## {name}: FAILED ({type(e).__name__}: {e})\n" + "".join(tb.splitlines(True)[-12:]))

@@ -12,7 +12,8 @@ The demo writes Python-shaped noise and ends a reply at a blank line (its
 reply_stop). What each agent sends (measured here, 2 cores shared): Claude
 Code ~17.5k prompt tokens (12 tools, max_tokens the launch cap of 8192),
 OpenCode a title request and then ~10k (10 tools), Qwen Code ~20k (10
-tools); the demo prefills ~100-300 tokens/s on a CPU, so each agent's first
+tools; its background memory agents, another ~15k each, off as launch
+sets them); the demo prefills ~100-300 tokens/s on a CPU, so each agent's first
 turn takes one to four minutes here. A later turn with the same system
 prompt and tools reuses their prefill (the prefix cache), as the launch
 test's Claude Code does.
@@ -109,6 +110,11 @@ def test_agent_completes_a_turn(agent, gw, agent_cli, project, homes, tmp_path):
     assert re.search(r"method=POST path=/v1/(messages|chat/completions) .* status=200 outcome=ok",
                      log), log[-2000:]  # fmt: skip
     assert not _refusals(log), _refusals(log)
+    if agent == "qwen":
+        # One request for the turn: launch's settings keep its background
+        # memory agents (a second full prefill per turn) off.
+        posts = re.findall(r"method=POST path=/v1/chat/completions .* prompt_tokens=(\d+)", log)
+        assert len(posts) == 1, posts
 
 
 def test_launch_runs_the_agent(gw, agent_cli, project, homes, tmp_path):

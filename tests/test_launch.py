@@ -107,6 +107,9 @@ def test_each_agent_gets_the_servers_model_and_context(gw, tmp_path):
     assert env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == str(CONTEXT // 4)
     settings = json.loads(files[env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"]])
     assert settings["model"]["generationConfig"]["contextWindowSize"] == CONTEXT
+    # Its background memory agents: a second full prefill per turn, off.
+    assert settings["memory"] == {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
+                                  "enableAutoSkill": False}  # fmt: skip
     assert env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"].startswith(str(tmp_path / "launch"))
     assert not (tmp_path / "launch").exists()  # printed, not written
 

@@ -22,9 +22,10 @@ Named after `ollama launch`. For Claude Code (`claude`), Codex CLI
    most 32000), so a prompt can grow to three quarters of it.
 4. The agent's own configuration, never a file of the user's: environment
    variables and command-line overrides where the agent has them, and a
-   file launch owns where it has none (Qwen Code's context window, in a
-   system-defaults file under $SPECGATE_HOME/launch/qwen/, which the user's
-   own settings still override).
+   file launch owns where it has none (Qwen Code's context window, and its
+   background memory agents off, in a system-defaults file under
+   $SPECGATE_HOME/launch/qwen/, which the user's own settings still
+   override).
 5. The agent itself, found on PATH (its npm install line if missing), in
    place of this process, with what follows `--` as its arguments.
 
@@ -145,19 +146,26 @@ def _opencode(t: Target) -> AgentConfig:
 
 
 def _qwen(t: Target) -> AgentConfig:
+    from specgate.engines.home import launch_dir
+
     env = {"OPENAI_BASE_URL": f"{t.base_url}/v1", "OPENAI_API_KEY": t.key, "OPENAI_MODEL": t.model}
-    files = {}
+    # Launch's own settings go in a system-defaults file (the lowest layer:
+    # the user's settings.json still wins). Its background memory agents
+    # (extraction after every turn, consolidation, skill review) each send
+    # the conversation again under a system prompt of their own, so nothing
+    # of the turn's prefill is shared: on one local box that is a second
+    # full prefill per turn (15k tokens in 0.24.4's, measured) queued beside
+    # everyone's requests. Off unless the user turns them on.
+    settings: dict = {"memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
+                                 "enableAutoSkill": False}}  # fmt: skip
     if t.context:
         env["QWEN_CODE_MAX_OUTPUT_TOKENS"] = str(t.reply_cap)
-        # The window has no variable; a system-defaults file (the lowest
-        # layer: the user's settings.json still wins) is launch's own.
-        from specgate.engines.home import launch_dir
-
-        defaults = launch_dir() / "qwen" / "system-defaults.json"
-        settings = {"model": {"generationConfig": {"contextWindowSize": t.context}}}
-        files[defaults] = json.dumps(settings, indent=2) + "\n"
-        env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"] = str(defaults)
-    return AgentConfig(env, args=["--auth-type", "openai"], files=files)
+        # The window has no variable either.
+        settings["model"] = {"generationConfig": {"contextWindowSize": t.context}}
+    defaults = launch_dir() / "qwen" / "system-defaults.json"
+    env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"] = str(defaults)
+    return AgentConfig(env, args=["--auth-type", "openai"],
+                       files={defaults: json.dumps(settings, indent=2) + "\n"})
 
 
 AGENTS = {a.name: a for a in (

@@ -88,6 +88,8 @@ class LiveCosts:
             return  # not timed (llama-server reports sums)
         if stats.method == "none":
             key = ("none", stats.batch, context_bucket(stats.context_tokens))
+        elif stats.batch > 1:
+            return  # a round inside a batch (issue 45): not what a lone round costs
         elif stats.asked > 0:
             if self._kernels.setdefault(stats.method, stats.kernels) != stats.kernels:
                 # The engine switched to its kernels once proved (engines/mlx_spec/

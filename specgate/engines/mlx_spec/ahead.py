@@ -107,6 +107,11 @@ class AheadDecoder(SpecDecoder):
         self._drop_queued()
         return super().handoff(plan, detokenizer)
 
+    def to_batch(self) -> None:
+        """decoder.py's state again (its caches mlx-lm's KV caches), for a
+        batch's rounds; alone again, its next round queues ahead anew."""
+        self._drop_queued()
+
     # -- entering and leaving --------------------------------------------------------------
 
     def _enter(self) -> None:

@@ -133,6 +133,10 @@ class SpecDecoder:
         self.cold = True
         return self._commit(list(handoff.pending), [])
 
+    def to_batch(self) -> None:
+        """Ready for a batch (batch_decoder.py) to take this sequence between
+        rounds: nothing to settle here (ahead.py's decoder has a round queued)."""
+
     def handoff(self, plan, detokenizer) -> Handoff:
         """This sequence, ready for another engine (between rounds)."""
         mx.eval([c.state for c in self.cache])

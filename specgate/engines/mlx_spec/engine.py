@@ -1,11 +1,15 @@
 """The shell of every in-process speculative engine: MTP, DFlash, DSpark,
 Gemma-4 assistants, n-gram copies and mtp+ngram (engines/drafting/).
 
-Speculation serves one sequence at a time (batching is the plain engine's
-job: a policy sends concurrent load there). A worker thread owns the model
-work; requests queue FIFO behind the one being decoded, and the planner is
-asked for the depth at every round, so it can also switch speculation off
-(depth 0) between rounds. One class serves every method: it is built with
+A worker thread owns the model work, and the planner is asked for the
+depth at every round, so it can also switch speculation off (depth 0)
+between rounds, or move the request to another engine (a handoff: the
+policy sends concurrent load to the plain engine's batch unless measured
+costs say otherwise). Requests that reach this engine while one decodes
+join it in one batch (mlx_spec/batch_decoder.py: one verify forward for
+all, each at its own depth), one prefill chunk of the next per round,
+up to MAX_BATCH; a hybrid's or a split model's requests queue FIFO
+instead. One class serves every method: it is built with
 the method's `Drafting` (engines/drafting/: the loaded drafter or head,
 and how to make one sequence's proposer), loaded with the engine's own
 settings (engines/settings.py: the depth it plans, a method's options), and
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from specgate.engines.base import (
     EngineError,
@@ -34,6 +39,7 @@ from specgate.engines.base import (
     HeldMemory,
     LiveState,
     Method,
+    Plan,
     Planner,
     PrefillProgress,
     RoundStats,
@@ -46,6 +52,7 @@ from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import CompiledRounds
+from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
@@ -69,6 +76,80 @@ class _Job:
 
     def post(self, *items: Any) -> None:
         self.loop.call_soon_threadsafe(deliver, [(self.out, item) for item in items])
+
+
+# Requests decoded together at most (mlx_spec/batch_decoder.py): on an H100 a
+# batch's verify forward through the kernels stays under 16 rows up to 8
+# streams at depth 1 (docs/DESIGN.md, BatchSpecDecoder).
+MAX_BATCH = 8
+
+
+@dataclass
+class _Stream:
+    """A request past its prefill: its decoder and what its events need."""
+
+    job: _Job
+    decoder: SpecDecoder
+    detok: Any
+    cached: int
+
+    @property
+    def key(self) -> str:
+        return self.job.request.request_id
+
+
+class _Joining:
+    """A request's prefill, one chunk per `advance` (the model's lock taken
+    per chunk, a snapshot kept at the prefix cache's points), then its first
+    token: `done`, with `stream` and `step`."""
+
+    def __init__(self, engine: SpecEngine, job: _Job):
+        self.engine, self.job = engine, job
+        request, resume = job.request, job.resume
+        prefix = engine.loaded.prefix_cache
+        cache_id = engine.drafting.cache_id
+        hit = (Hit(resume.cache, 0) if resume
+               else prefix.fetch(request.prompt_tokens, request.cache_scope, cache_id))  # fmt: skip
+        self.cached = hit.cached
+        decoder = engine.make_decoder(request, hit.cache, self.cached)
+        if hit.drafter is not None:
+            decoder.proposer.restore(hit.drafter)
+        detok = resume.detokenizer if resume else engine.tokenizer.detokenizer
+        self.stream = _Stream(job, decoder, detok, self.cached)
+        self.step: Step | None = None
+        self.fed, self.total = self.cached, len(request.prompt_tokens)
+        self.points = [] if resume else prefix.snapshot_points(request, self.cached)
+        self._chunks = None if resume else decoder.prefill_chunks(self.points)
+
+    @property
+    def done(self) -> bool:
+        return self.step is not None
+
+    def advance(self) -> None:
+        engine, decoder, request = self.engine, self.stream.decoder, self.job.request
+        with engine.loaded.lock:
+            if self._chunks is None:  # a handoff: its caches hold the sequence
+                self.step = decoder.resume(self.job.resume)
+                return
+            if self.fed < self.total:
+                self.fed = next(self._chunks)
+            else:
+                self.step = decoder.first_token()
+                return
+        if self.fed < self.total:
+            self.job.post(PrefillProgress(self.fed, self.total, self.cached))
+        if self.fed in self.points:
+            prefix = engine.loaded.prefix_cache
+            prefix.insert(request.prompt_tokens[: self.fed], snapshot(decoder.cache),
+                          prefix.snapshot_scope(request, self.fed), drafter=engine.drafting.cache_id,
+                          drafter_state=engine._drafter_state(decoder))  # fmt: skip
+
+    def log_stop(self) -> None:
+        # A long prompt nobody waits for must not hold the model (or, through
+        # its lock, its plain engine) for minutes: it stops within a chunk.
+        log.info("%s %s: request %s stopped after prefilling %d of %d prompt tokens",
+                 self.engine.model_id, self.engine.name, self.job.request.request_id, self.fed,
+                 self.total)  # fmt: skip
 
 
 class SpecEngine(WorkerEngine):
@@ -113,6 +194,7 @@ class SpecEngine(WorkerEngine):
         self._rounds: CompiledRounds | None = None
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
+        self._batchable: bool | None = None  # decided at the first batch (_batches)
         depth = settings.depth or self.max_drafts or DEFAULT_VERIFY_DEPTH
         self.wire_kernels(depth if self.max_drafts is None else min(depth, self.max_drafts))
 
@@ -289,66 +371,166 @@ class SpecEngine(WorkerEngine):
         return why is not None
 
     def _decode(self, job: _Job, waiting: deque[_Job]) -> None:
-        request, resume = job.request, job.resume
-        prefix, lock = self.loaded.prefix_cache, self.loaded.lock
-        cache_id = self.drafting.cache_id
-        hit = (
-            Hit(resume.cache, 0)
-            if resume
-            else prefix.fetch(request.prompt_tokens, request.cache_scope, cache_id)
-        )
-        cached = hit.cached
-        decoder = self.make_decoder(request, hit.cache, cached)
-        if hit.drafter is not None:
-            decoder.proposer.restore(hit.drafter)
-        detok = resume.detokenizer if resume else self.tokenizer.detokenizer
-        if resume is not None:
-            with lock:
-                step = decoder.resume(resume)
-        else:
-            # The lock is taken per chunk, and a request that went away stops
-            # within one chunk: a long prompt nobody waits for must not hold
-            # the model (or, through its lock, its plain engine) for minutes.
-            points = prefix.snapshot_points(request, cached)
-            chunks, fed, total = decoder.prefill_chunks(points), cached, len(request.prompt_tokens)
-            while fed < total:
-                if self._gone(job):
-                    log.info("%s %s: request %s stopped after prefilling %d of %d prompt tokens",
-                             self.model_id, self.name, request.request_id, fed, total)
-                    return
-                with lock:
-                    fed = next(chunks)
-                if fed < total:
-                    job.post(PrefillProgress(fed, total, cached))
-                if fed in points:
-                    prefix.insert(request.prompt_tokens[:fed], snapshot(decoder.cache),
-                                  prefix.snapshot_scope(request, fed), drafter=cache_id,
-                                  drafter_state=self._drafter_state(decoder))  # fmt: skip
-            with lock:
-                step = decoder.first_token()
+        """One request from its prefill to its end, alone, or in a batch
+        with the requests that come while it decodes (where this engine
+        batches: `_batches`), alone again when the others are gone."""
+        stream = self._start(job)
+        while stream is not None:
+            stream = self._solo(stream, waiting)
+            if stream is not None:  # requests wait: decode together
+                stream = self._batched(stream, waiting)
+
+    def _start(self, job: _Job) -> _Stream | None:
+        """The request prefilled and its first token posted (None: it
+        ended there, finished, left or stopped)."""
+        joining = _Joining(self, job)
+        while not joining.done:
+            if self._gone(job):
+                joining.log_stop()
+                return None
+            joining.advance()
+        return self._first(joining)
+
+    def _first(self, joining: _Joining) -> _Stream | None:
+        stream, step = joining.stream, joining.step
+        if self._ends(stream, step):
+            return None
+        stream.job.post(*self._events(step, stream.detok, stream.cached))
+        return stream
+
+    def _ends(self, stream: _Stream, step: Step) -> bool:
+        """A step that ends the request: its last events posted, its caches
+        kept for the prefix cache."""
+        if step.finish_reason is None:
+            return False
+        job, decoder = stream.job, stream.decoder
+        # Not running any more before the client can hear so: its next
+        # request must not find this one still counted as in flight.
+        self._running = max(0, self._running - 1)
+        job.finished = True  # (after: see WorkerEngine.live_state)
+        job.post(*self._events(step, stream.detok, stream.cached))
+        self.loaded.prefix_cache.insert(decoder.tokens[:-1], decoder.cache, job.request.cache_scope,
+                                        drafter=self.drafting.cache_id,
+                                        drafter_state=self._drafter_state(decoder))  # fmt: skip
+        return True
+
+    def _solo(self, stream: _Stream, waiting: deque[_Job]) -> _Stream | None:
+        """Rounds of one request until it ends (None), or, where this engine
+        batches and other requests wait, its stream for `_batched`."""
+        job, decoder = stream.job, stream.decoder
         while True:
-            if step.finish_reason is not None:
-                # Not running any more before the client can hear so: its next
-                # request must not find this one still counted as in flight.
-                self._running = 0
-                job.finished = True  # (after: see WorkerEngine.live_state)
-                job.post(*self._events(step, detok, cached))
-                prefix.insert(decoder.tokens[:-1], decoder.cache, request.cache_scope,
-                              drafter=cache_id, drafter_state=self._drafter_state(decoder))
-                return
-            job.post(*self._events(step, detok, cached))
             jobs, why, plan = self._share_between_rounds(job, waiting, decoder)
             waiting.extend(jobs)
             if self._ended(job, why):
-                return
+                return None
             if plan.engine != self.name:  # e.g. batching: another request arrived
-                handoff = decoder.handoff(plan, detok)
-                self._running = 0
-                job.post(handoff)
-                return
+                self._hand_off(stream, plan)
+                return None
+            if waiting and self._batches():
+                return stream
             depth = plan.depth if plan.method == self.method else 0
-            with lock:
+            with self.loaded.lock:
                 step = decoder.round(depth)
+            if self._ends(stream, step):
+                return None
+            job.post(*self._events(step, stream.detok, stream.cached))
+
+    def _hand_off(self, stream: _Stream, plan: Plan) -> None:
+        handoff = stream.decoder.handoff(plan, stream.detok)
+        self._running = max(0, self._running - 1)
+        stream.job.post(handoff)
+
+    # -- several requests at once ---------------------------------------------------------
+
+    def _batches(self) -> bool:
+        """Whether requests that come while one decodes join it in one
+        batch (mlx_spec/batch_decoder.py) rather than wait their turn: where
+        every cache is a plain KV cache (a hybrid's recurrent state is not
+        batched yet) and the model is not split across ranks."""
+        if self._batchable is None:
+            self._batchable = self.loaded.lockstep is None and all(
+                type(c) is KVCache for c in self.target.make_cache())
+        return self._batchable
+
+    def _batched(self, first: _Stream, waiting: deque[_Job]) -> _Stream | None:
+        """Requests decoded together: each round, one prefill chunk of the
+        next waiting request (while the batch has room), then every
+        stream's planner asked (a stream planned elsewhere leaves it, handed
+        off), then one round for all at their planned depths. Returns the
+        stream left alone when no other is in or waiting (None: none is)."""
+        batch = BatchSpecDecoder(self.target)
+        streams: dict[str, _Stream] = {}
+        joining: _Joining | None = None
+
+        def join(stream: _Stream) -> None:
+            stream.decoder.to_batch()
+            with self.loaded.lock:
+                batch.join(stream.key, stream.decoder)
+            streams[stream.key] = stream
+
+        def leave(key: str) -> _Stream:
+            stream = streams.pop(key)
+            with self.loaded.lock:
+                stream.decoder = batch.leave(key)
+            return stream
+
+        join(first)
+        self._running = 1
+        while streams or joining is not None:
+            waiting.extend(self._taken_all(self._submitted()))
+            if self._stopping:
+                for stream in [*streams.values(), *([joining.stream] if joining else [])]:
+                    stream.job.post(self.stopped_error())
+                return None
+            if joining is None and waiting and len(streams) < MAX_BATCH:
+                job = waiting.popleft()
+                if not job.cancelled:
+                    joining = _Joining(self, job)
+                    self._running += 1
+            if joining is not None:
+                if joining.job.cancelled:
+                    joining.log_stop()
+                    joining, self._running = None, self._running - 1
+                else:
+                    joining.advance()
+                    if joining.done:
+                        if (stream := self._first(joining)) is not None:
+                            join(stream)
+                        joining = None
+            if not streams:
+                continue
+            if len(streams) == 1 and joining is None and not waiting:
+                return leave(next(iter(streams)))
+            depths = {}
+            for key, stream in list(streams.items()):
+                if stream.job.cancelled:
+                    leave(key)
+                    self._running -= 1
+                    continue
+                live = LiveState(len(streams), len(waiting), len(stream.decoder.tokens))
+                plan = stream.job.planner.plan(live)
+                if plan.engine != self.name:
+                    self._hand_off(leave(key), plan)
+                    continue
+                depths[key] = plan.depth if plan.method == self.method else 0
+            if not streams:
+                continue
+            with self.loaded.lock:
+                steps = batch.round(depths)
+            for key, step in steps.items():
+                stream = streams[key]
+                if step.stats is not None:
+                    step.stats.batch = len(steps)
+                if step.finish_reason is not None:
+                    self._ends(leave(key), step)
+                else:
+                    stream.job.post(*self._events(step, stream.detok, stream.cached))
+        return None
+
+    def _taken_all(self, jobs: list[_Job]) -> list[_Job]:
+        for job in jobs:
+            self._taken(job)
+        return jobs
 
     def _drafter_state(self, decoder: SpecDecoder):
         """The proposer's state for the prefix cache (None: it keeps none)."""

@@ -131,6 +131,25 @@ class Metrics:
             "Speculative rounds planned with drafts that drafted none (nothing to copy)",
             ["model", "method"], registry=r,
         )
+        # Rounds decoded inside a batch of `batch` sequences (issue 45; 1: alone),
+        # each sequence's round counted: its drafts, what stood, and the rows
+        # it verified (a batch's verify forward carries every sequence's).
+        self.batch_rounds = Counter(
+            "specgate_spec_decode_batch_rounds", "Speculative rounds by the decode batch they ran in",
+            ["model", "method", "batch"], registry=r,
+        )
+        self.batch_draft_tokens = Counter(
+            "specgate_spec_decode_batch_draft_tokens", "Draft tokens by decode batch size",
+            ["model", "method", "batch"], registry=r,
+        )
+        self.batch_accepted_tokens = Counter(
+            "specgate_spec_decode_batch_accepted_tokens", "Draft tokens accepted by decode batch size",
+            ["model", "method", "batch"], registry=r,
+        )
+        self.batch_verify_rows = Counter(
+            "specgate_spec_decode_batch_verify_rows", "Rows verified by decode batch size",
+            ["model", "method", "batch"], registry=r,
+        )
         # Per API key, by name.
         self.key_requests = Counter(
             "specgate_key_requests", "Finished requests by API key", ["key", "status"], registry=r
@@ -188,6 +207,12 @@ class Metrics:
         r.register(self)  # collect() below: the scrape-time gauges
 
     def round(self, stats: RoundStats) -> None:
+        if stats.method != "none":
+            by_batch = (stats.model, stats.method, str(stats.batch))
+            self.batch_rounds.labels(*by_batch).inc()
+            self.batch_draft_tokens.labels(*by_batch).inc(stats.drafted)
+            self.batch_accepted_tokens.labels(*by_batch).inc(stats.accepted)
+            self.batch_verify_rows.labels(*by_batch).inc(stats.verify_width)
         if stats.drafted == 0:
             if stats.asked > 0:
                 self.undrafted.labels(stats.model, stats.method).inc()

@@ -1,0 +1,201 @@
+"""The speculative engine decodes concurrent requests in one batch (issue 45).
+
+A SpecEngine (n-gram drafting) on a tiny float32 qwen3 (tests/test_batch_kv.py's),
+driven through its async generate() as the gateway drives it, each request
+held to speculation by a FixedPlanner (as a forced method is): requests
+that arrive while one decodes join it in mlx_spec/batch_decoder.py's
+batch, one prefill chunk per round. Every stream equals its plain greedy
+decoding (seeded: its own solo run, token for token) whatever its depth,
+penalty or length, and whoever joins, leaves or is cancelled mid-way; the
+rounds really were batched (RoundStats.batch); a stream planned onto
+another engine mid-batch leaves with a Handoff that holds its tokens so
+far. A hybrid's requests still queue one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from greedy import assert_same_greedy, greedy_reference
+from test_batch_kv import tiny_qwen3
+
+from specgate.engines.base import (
+    GenerationRequest,
+    Handoff,
+    LiveState,
+    Plan,
+    RoundStats,
+    SamplingParams,
+    TokenEvent,
+)
+from specgate.engines.cache.prefix_cache import PrefixCache
+from specgate.engines.drafting.ngram import proposer as ngram
+from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.engine import SpecEngine
+from specgate.policies.decide import FixedPlanner
+
+VOCAB = 128
+N_TOKENS = 48
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class _Ids:
+    """Token ids only: the tiny model has no text."""
+
+    class _Detok:
+        last_segment = ""
+
+        def add_token(self, token):
+            pass
+
+        def finalize(self):
+            pass
+
+    eos_token_ids: set = set()
+
+    @property
+    def detokenizer(self):
+        return self._Detok()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3(VOCAB, 5)
+
+
+def engine_for(model) -> SpecEngine:
+    loaded = LoadedModel("tiny", model, _Ids(), {"model_type": "qwen3", "vocab_size": VOCAB},
+                         PrefixCache("tiny", 0))  # fmt: skip
+    return SpecEngine("tiny", loaded, name="mlx_ngram", drafting=ngram.drafting, max_context=4096,
+                      kernels="off", prefill_step_size=16)  # fmt: skip
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(9)
+    out = []
+    for i in range(n):
+        seg = [rng.randrange(VOCAB) for _ in range(5 + 7 * i)]
+        out.append(seg + seg[: len(seg) // 2])  # something to copy
+    return out
+
+
+def request(i: int, prompt: list[int], params=GREEDY, depth: int = 3, n: int = N_TOKENS):
+    plan = Plan("mlx_ngram", "ngram", depth, "forced_by_request")
+    return GenerationRequest(f"r{i}", "tiny", prompt, params, n, plan), FixedPlanner(plan)
+
+
+async def collect(engine, req, planner, stop_after: int | None = None):
+    """The request's tokens, its round stats, and a Handoff if it got one;
+    `stop_after` tokens: the client goes away then."""
+    tokens, stats, handoff = [], [], None
+    async for ev in engine.generate(req, planner):
+        if isinstance(ev, RoundStats):
+            stats.append(ev)
+        elif isinstance(ev, TokenEvent):
+            tokens += ev.token_ids
+            if stop_after is not None and len(tokens) >= stop_after:
+                break
+        elif isinstance(ev, Handoff):
+            handoff = ev
+    return tokens, stats, handoff
+
+
+def run(model, jobs, solo_first: bool = False):
+    """jobs: [(request, planner, stop_after)], all in flight at once."""
+
+    async def main():
+        engine = engine_for(model)
+        await engine.start()
+        try:
+            return await asyncio.gather(*(collect(engine, r, p, s) for r, p, s in jobs))
+        finally:
+            await engine.stop()
+
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_concurrent_requests_decode_in_one_batch_each_as_alone(model):
+    ps = prompts(6)
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    # (prompt, sampling, depth, max tokens, client leaves after)
+    spec = [(0, GREEDY, 4, N_TOKENS, None), (1, GREEDY, 2, 20, None), (2, GREEDY, 0, N_TOKENS, None),
+            (3, seeded, 3, N_TOKENS, None), (4, penalised, 3, N_TOKENS, None),
+            (5, GREEDY, 3, N_TOKENS, 9)]  # fmt: skip
+    jobs = [(*request(i, ps[p], params, depth, n), stop) for i, (p, params, depth, n, stop) in enumerate(spec)]
+    got = run(model, jobs)
+    # Each seeded or penalised one alone, through the same engine: the reference.
+    alone = {i: run(model, [jobs[i]])[0][0] for i in (3, 4)}
+    batches = [s.batch for _, stats, _ in got for s in stats]
+    assert max(batches) >= 4, batches  # they decoded together
+    for i, (tokens, _stats, handoff) in enumerate(got):
+        p, params, depth, n, stop = spec[i]
+        assert handoff is None
+        if i in alone:
+            assert tokens == alone[i], i
+        elif stop is not None:
+            assert stop <= len(tokens) < n  # it went away; the others went on
+            want, margins = greedy_reference(model, ps[p], len(tokens))
+            assert_same_greedy(tokens, want, margins)
+        else:
+            assert len(tokens) == n
+            want, margins = greedy_reference(model, ps[p], n)
+            assert_same_greedy(tokens, want, margins)
+    # Drafts stood inside the batch (the greedy text repeats, so copies match).
+    assert sum(s.accepted for _, stats, _ in got[:2] for s in stats if s.batch > 1) > 0
+
+
+class _MovesAfter:
+    """Speculation for `rounds` rounds, then the plain engine's plan."""
+
+    def __init__(self, rounds: int):
+        self.left = rounds
+
+    def plan(self, state: LiveState) -> Plan:
+        self.left -= 1
+        if self.left >= 0:
+            return Plan("mlx_ngram", "ngram", 3, "spec_on")
+        return Plan("mlx_plain", "none", 0, "concurrency")
+
+
+def test_a_stream_planned_elsewhere_leaves_the_batch_with_its_tokens(model):
+    ps = prompts(3)
+    stay = [(*request(i, ps[i]), None) for i in (0, 1)]
+    req, _ = request(2, ps[2])
+    got = run(model, [*stay, (req, _MovesAfter(4), None)])
+    tokens, stats, handoff = got[2]
+    assert handoff is not None and handoff.plan.engine == "mlx_plain"
+    assert handoff.tokens == ps[2] + tokens  # prompt and every token it was sent
+    assert any(s.batch > 1 for s in stats)
+    want, margins = greedy_reference(model, ps[2], len(tokens))
+    assert_same_greedy(tokens, want, margins)
+    # Its caches hold the sequence but its last token, ready for the plain engine.
+    assert all(c.offset == len(handoff.tokens) - 1 for c in handoff.cache)
+    for i in (0, 1):
+        want, margins = greedy_reference(model, ps[i], N_TOKENS)
+        assert_same_greedy(got[i][0], want, margins)
+
+
+def test_rounds_are_counted_by_the_batch_they_ran_in():
+    from types import SimpleNamespace
+
+    from specgate.gateway.serving.metrics import Metrics
+
+    # A model registry with nothing loaded (the scrape-time gauges read it).
+    m = Metrics(SimpleNamespace(models={}, memory_budget=0, models_budget=0, prefix_cache_budget=0))
+    m.round(RoundStats("tiny", "ngram", 3, [True, True, False], verify_width=4, batch=3))
+    m.round(RoundStats("tiny", "ngram", 2, [True, False], verify_width=3, batch=3))
+    m.round(RoundStats("tiny", "ngram", 1, [False], verify_width=2))
+    m.round(RoundStats("tiny", "none", 0, batch=4))  # a plain batch step: not speculation's
+
+    def value(name: str, batch: str) -> float | None:
+        return m.registry.get_sample_value(f"specgate_spec_decode_batch_{name}_total",
+                                           {"model": "tiny", "method": "ngram", "batch": batch})  # fmt: skip
+
+    assert (value("rounds", "3"), value("draft_tokens", "3"), value("accepted_tokens", "3"),
+            value("verify_rows", "3")) == (2, 5, 3, 7)  # fmt: skip
+    assert (value("rounds", "1"), value("accepted_tokens", "1")) == (1, 0)
+    assert m.registry.get_sample_value("specgate_spec_decode_batch_rounds_total",
+                                       {"model": "tiny", "method": "none", "batch": "4"}) is None  # fmt: skip

@@ -19,9 +19,11 @@ its prefill (its caches hold every token but the last) and leaves with
 its caches back, so prefill, the prefix cache, handoffs and the
 single-sequence engine keep working on it as they do.
 
-Not yet here (issue 45): hybrid models' recurrent state (refused), an
-engine that drives it, the policy's per-round choice for the batch, the
-verify kernels at a batch's widths.
+SpecEngine (engine.py) drives it for the requests that reach it while one
+decodes. Not yet here (issue 45): hybrid models' recurrent state
+(refused), the policy's per-round choice for the batch from measured
+costs, the engine proving the verify kernels at a batch's widths (the
+guard's verdicts for widths it did not prove keep the stock path).
 """
 
 from __future__ import annotations

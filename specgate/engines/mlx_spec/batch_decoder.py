@@ -22,8 +22,9 @@ single-sequence engine keep working on it as they do.
 SpecEngine (engine.py) drives it for the requests that reach it while one
 decodes. Not yet here (issue 45): hybrid models' recurrent state
 (refused), the policy's per-round choice for the batch from measured
-costs, the engine proving the verify kernels at a batch's widths (the
-guard's verdicts for widths it did not prove keep the stock path).
+costs, the engine proving the verify kernels at a batch's widths before
+it needs them (today a width the engine's KernelSwitch did not prove is
+proved by the guard at its first use, inside that round).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from specgate.gateway.errors import APIError, install_error_handlers
 from specgate.gateway.operator.history import History
 from specgate.gateway.operator.status import RecentErrors, own_status, read_only, status
 from specgate.gateway.operator.status import page as admin_page_html
+from specgate.gateway.serving.loop_watch import LoopWatch
 from specgate.gateway.serving.metrics import Metrics
 from specgate.gateway.serving.model_card import ModelCards
 from specgate.gateway.serving.models import ModelLeases, ModelRegistry, model_status
@@ -75,10 +76,12 @@ def create_app(config: Config, config_path: str | Path | None = None,
         hangup = _on_sighup(reloader)
         errors.attach()
         sampling = asyncio.create_task(history.run())  # the admin page's last hour
+        watch = LoopWatch(asyncio.get_running_loop()).start()
         await peers.start()
         try:
             yield
         finally:
+            watch.stop()
             sampling.cancel()
             errors.detach()
             hangup()

@@ -139,6 +139,35 @@ def test_a_head_almost_never_accepted_never_wins_on_noise_either():
     assert p.start(RequestFeatures(20, False), IDLE)[0].method == "mtp"
 
 
+def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_batching():
+    """Issue 45: a round inside a speculative engine's batch is measured apart
+    (it is neither a lone round's nor a plain step's cost), and once its
+    shape is measured the policy compares the batch's aggregate with plain
+    batching's: busy no longer means plain by rule. Unmeasured, the rule."""
+    from specgate.policies.decide import decide
+
+    live = LiveCosts(min_samples=1)
+    for _ in range(2):
+        live.observe(step(0.010))
+        live.observe(step(0.012, batch=2))  # plain: 2 sequences in 12 ms
+        live.observe(spec(2, 2, 0.020))  # a lone round: alone, it loses to the batch of 2
+    busy = LiveState(1, 0, 100)
+    accept = {"mtp": [0.9, 0.9, 0.9]}
+    plan = decide(MTP, RequestFeatures(100, False), busy, CostView(live, None), accept)
+    assert (plan.method, plan.reason) == ("none", "concurrency")  # batched rounds unmeasured
+    for _ in range(2):  # two sequences, each drafting 2, verified together in 15 ms
+        live.observe(RoundStats("m", "mtp", 2, [True, True], 3, 0.015, 100, batch=2))
+    assert live.get("mtp", 2, 0).mean == pytest.approx(0.020)  # the lone round's cost unchanged
+    view = CostView(live, None)
+    assert view.batched_round("mtp", 2, 2, 100).seconds == pytest.approx(0.015)
+    assert view.batched_round("mtp", 2, 4, 100) is None
+    plan = decide(MTP, RequestFeatures(100, False), busy, view, accept)
+    assert (plan.method, plan.depth, plan.reason) == ("mtp", 2, "spec_on")
+    # The same rounds at a low acceptance lose to plain batching.
+    plan = decide(MTP, RequestFeatures(100, False), busy, view, {"mtp": [0.1, 0.1, 0.1]})
+    assert plan.method == "none"
+
+
 def test_explorer_tries_what_is_unmeasured_at_once_then_a_capped_share():
     ex = Explorer(every=16, max_every=64, unmeasured_tries=2)
     assert ex.choose("mtp", {"mtp": False, "none": False}) == "none"  # nothing known: try it

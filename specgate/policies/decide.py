@@ -97,8 +97,9 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
                acceptance: Mapping[Method, Sequence[float]]) -> list[Candidate]:
     """Plain decoding (batched with whatever is in flight) and every measured
     speculative method at every depth it allows, those whose costs are known.
-    Speculation decodes one sequence at a time, so its speed is that
-    sequence's."""
+    A lone speculative round's speed is that sequence's; where rounds of
+    this many sequences speculating together were measured (a speculative
+    engine's batch, issue 45), that plan's speed is the batch's aggregate."""
     view = prior_view(costs) if isinstance(costs, CostModel) else costs
     context = max(request.prompt_tokens, live.context_tokens)
     batch = live.active_requests + live.waiting_requests + 1
@@ -115,9 +116,15 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
                   else [policy.depth(method)] if method in policy.fixed_depth or not policy.auto_depth
                   else range(1, cap + 1))  # fmt: skip
         for depth in depths:
+            speeds = []
             if (cost := view.round(method, depth, context)) is not None:
-                speed = expected_tokens(acceptance[method], depth) / cost.seconds
-                out.append(Candidate(method, depth, speed, cost.source))
+                speeds.append((expected_tokens(acceptance[method], depth) / cost.seconds, cost.source))
+            if batch > 1 and (cost := view.batched_round(method, depth, batch, context)) is not None:
+                tokens = batch * expected_tokens(acceptance[method], depth)
+                speeds.append((tokens / cost.seconds, cost.source))
+            if speeds:
+                speed, source = max(speeds)
+                out.append(Candidate(method, depth, speed, source))
     return out
 
 

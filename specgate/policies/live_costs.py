@@ -82,6 +82,10 @@ class LiveCosts:
         # Per method, whether its estimates were measured through the verify
         # kernels (RoundStats.kernels).
         self._kernels: dict[Method, bool] = {}
+        # Rounds inside a decode batch (issue 45): (method, depth, batch,
+        # bucket) -> the batch round's seconds (each sequence's round spans
+        # the one verify forward of all).
+        self._batched: dict[tuple[Method, int, int, int], RunningEstimate] = {}
 
     def observe(self, stats: RoundStats) -> None:
         if stats.seconds <= 0:
@@ -89,7 +93,11 @@ class LiveCosts:
         if stats.method == "none":
             key = ("none", stats.batch, context_bucket(stats.context_tokens))
         elif stats.batch > 1:
-            return  # a round inside a batch (issue 45): not what a lone round costs
+            # A round inside a batch (issue 45): not what a lone round costs.
+            if stats.asked > 0:
+                key4 = (stats.method, stats.asked, stats.batch, context_bucket(stats.context_tokens))
+                self._batched.setdefault(key4, RunningEstimate()).add(stats.seconds, self.alpha)
+            return
         elif stats.asked > 0:
             if self._kernels.setdefault(stats.method, stats.kernels) != stats.kernels:
                 # The engine switched to its kernels once proved (engines/mlx_spec/
@@ -110,6 +118,12 @@ class LiveCosts:
         if e is not None and e.count >= self.min_samples:
             return e
         return self.fallback.get(method, width, bucket) if self.fallback else None
+
+    def batched(self, method: Method, depth: int, batch: int, bucket: int) -> RunningEstimate | None:
+        """The trusted estimate of a round of `batch` sequences speculating
+        at `depth` together (measured only: nothing predicts it yet)."""
+        e = self._batched.get((method, depth, batch, bucket))
+        return e if e is not None and e.count >= self.min_samples else None
 
     def measured(self, method: Method, bucket: int | None = None) -> dict[tuple[int, int], RunningEstimate]:
         """(width, bucket) -> estimate of every trusted one of this method."""
@@ -162,6 +176,16 @@ class CostView:
         if (prior := self._prior("none", batch, context)) is not None:
             return Estimate(prior * self._scale, "tune")
         return self._nearest("none", batch, bucket)
+
+    def batched_round(self, method: Method, depth: int, batch: int, context: int) -> Estimate | None:
+        """One round of `batch` sequences each drafting `depth` tokens of
+        `method`, verified in one forward: live where measured, never less
+        than a plain step of the same batch (the floor `round` keeps)."""
+        e = self.live.batched(method, depth, batch, context_bucket(context))
+        if e is None:
+            return None
+        floor = self.plain(batch, context)
+        return Estimate(max(e.mean, floor.seconds if floor is not None else 0.0), "live")
 
     def round(self, method: Method, depth: int, context: int) -> Estimate | None:
         """One round of `method` drafting `depth` tokens, never less than one

@@ -9,7 +9,9 @@ decoding (seeded: its own solo run, token for token) whatever its depth,
 penalty or length, and whoever joins, leaves or is cancelled mid-way; the
 rounds really were batched (RoundStats.batch); a stream planned onto
 another engine mid-batch leaves with a Handoff that holds its tokens so
-far. A hybrid's requests still queue one after another.
+far. A request that fails to join is told and the batch goes on; a
+batched round that fails tells every request in it, and the engine goes on
+serving (failure injections).
 """
 
 from __future__ import annotations
@@ -199,3 +201,73 @@ def test_rounds_are_counted_by_the_batch_they_ran_in():
     assert (value("rounds", "1"), value("accepted_tokens", "1")) == (1, 0)
     assert m.registry.get_sample_value("specgate_spec_decode_batch_rounds_total",
                                        {"model": "tiny", "method": "none", "batch": "4"}) is None  # fmt: skip
+
+
+async def outcome(engine, req, planner):
+    """The request's tokens, or the error that ended it."""
+    from specgate.engines.base import EngineError
+
+    try:
+        return (await collect(engine, req, planner))[0]
+    except EngineError as e:
+        return e
+
+
+def test_a_request_failing_to_join_is_told_and_the_batch_goes_on(model, monkeypatch):
+    # Failure injection (a fake): one request's decoder cannot be made.
+    real = SpecEngine.make_decoder
+
+    def make_decoder(self, request, cache, cached):
+        if request.request_id == "r2":
+            raise RuntimeError("injected: r2 cannot decode")
+        return real(self, request, cache, cached)
+
+    monkeypatch.setattr(SpecEngine, "make_decoder", make_decoder)
+    ps = prompts(4)
+
+    async def main():
+        engine = engine_for(model)
+        await engine.start()
+        try:
+            return await asyncio.gather(*(outcome(engine, *request(i, ps[i])) for i in range(4)))
+        finally:
+            await engine.stop()
+
+    got = asyncio.run(asyncio.wait_for(main(), 300))
+    assert "injected: r2 cannot decode" in str(got[2])
+    for i in (0, 1, 3):
+        want, margins = greedy_reference(model, ps[i], N_TOKENS)
+        assert_same_greedy(got[i], want, margins)
+
+
+def test_a_batch_round_that_fails_tells_every_request_in_it(model, monkeypatch):
+    # Failure injection (a fake): the third batched round raises.
+    from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
+
+    real, calls = BatchSpecDecoder.round, []
+
+    def round_(self, depths):
+        calls.append(len(depths))
+        if len(calls) == 3:
+            raise RuntimeError("injected: the verify forward failed")
+        return real(self, depths)
+
+    monkeypatch.setattr(BatchSpecDecoder, "round", round_)
+    ps = prompts(3)
+
+    async def main():
+        engine = engine_for(model)
+        await engine.start()
+        try:
+            got = await asyncio.gather(*(outcome(engine, *request(i, ps[i])) for i in range(3)))
+            # ... and the engine serves the next request.
+            return got, await outcome(engine, *request(9, ps[0]))
+        finally:
+            await engine.stop()
+
+    got, after = asyncio.run(asyncio.wait_for(main(), 300))
+    failed = [g for g in got if not isinstance(g, list)]
+    assert failed and all("injected: the verify forward failed" in str(g) for g in failed), got
+    assert len(failed) == calls[2]  # every request in that round was told
+    want, margins = greedy_reference(model, ps[0], N_TOKENS)
+    assert_same_greedy(after, want, margins)

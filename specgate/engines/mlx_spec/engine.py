@@ -26,6 +26,7 @@ import queue
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -474,58 +475,75 @@ class SpecEngine(WorkerEngine):
                 stream.decoder = batch.leave(key)
             return stream
 
-        join(first)
         self._running = 1
-        while streams or joining is not None:
-            waiting.extend(self._taken_all(self._submitted()))
-            if self._stopping:
-                for stream in [*streams.values(), *([joining.stream] if joining else [])]:
-                    stream.job.post(self.stopped_error())
-                return None
-            if joining is None and waiting and len(streams) < MAX_BATCH:
-                job = waiting.popleft()
-                if not job.cancelled:
-                    joining = _Joining(self, job)
-                    self._running += 1
-            if joining is not None:
-                if joining.job.cancelled:
-                    joining.log_stop()
-                    joining, self._running = None, self._running - 1
-                else:
-                    joining.advance()
-                    if joining.done:
+        join(first)  # (raising, the request is told by _serve)
+        try:
+            while streams or joining is not None:
+                waiting.extend(self._taken_all(self._submitted()))
+                if self._stopping:
+                    for stream in [*streams.values(), *([joining.stream] if joining else [])]:
+                        stream.job.post(self.stopped_error())
+                    return None
+                if joining is None and waiting and len(streams) < MAX_BATCH:
+                    job = waiting.popleft()
+                    if not job.cancelled:
+                        self._running += 1
+                        joining = self._guarded(job, partial(_Joining, self, job))[1]
+                if joining is not None:
+                    if joining.job.cancelled:
+                        joining.log_stop()
+                        joining, self._running = None, self._running - 1
+                    elif not self._guarded(joining.job, joining.advance)[0]:
+                        joining = None  # it failed: told so, the batch goes on
+                    elif joining.done:
                         if (stream := self._first(joining)) is not None:
                             join(stream)
                         joining = None
-            if not streams:
-                continue
-            if len(streams) == 1 and joining is None and not waiting:
-                return leave(next(iter(streams)))
-            depths = {}
-            for key, stream in list(streams.items()):
-                if stream.job.cancelled:
-                    leave(key)
-                    self._running -= 1
+                if not streams:
                     continue
-                live = LiveState(len(streams), len(waiting), len(stream.decoder.tokens))
-                plan = stream.job.planner.plan(live)
-                if plan.engine != self.name:
-                    self._hand_off(leave(key), plan)
+                if len(streams) == 1 and joining is None and not waiting:
+                    return leave(next(iter(streams)))
+                depths = {}
+                for key, stream in list(streams.items()):
+                    if stream.job.cancelled:
+                        leave(key)
+                        self._running -= 1
+                        continue
+                    live = LiveState(len(streams), len(waiting), len(stream.decoder.tokens))
+                    plan = stream.job.planner.plan(live)
+                    if plan.engine != self.name:
+                        self._hand_off(leave(key), plan)
+                        continue
+                    depths[key] = plan.depth if plan.method == self.method else 0
+                if not streams:
                     continue
-                depths[key] = plan.depth if plan.method == self.method else 0
-            if not streams:
-                continue
-            with self.loaded.lock:
-                steps = batch.round(depths)
-            for key, step in steps.items():
-                stream = streams[key]
-                if step.stats is not None:
-                    step.stats.batch = len(steps)
-                if step.finish_reason is not None:
-                    self._ends(leave(key), step)
-                else:
-                    stream.job.post(*self._events(step, stream.detok, stream.cached))
+                with self.loaded.lock:
+                    steps = batch.round(depths)
+                for key, step in steps.items():
+                    stream = streams[key]
+                    if step.stats is not None:
+                        step.stats.batch = len(steps)
+                    if step.finish_reason is not None:
+                        self._ends(leave(key), step)
+                    else:
+                        stream.job.post(*self._events(step, stream.detok, stream.cached))
+        except Exception as exc:  # every request in the batch is told; none is left waiting
+            log.exception("%s failed on a batch of %d requests", self.name, len(streams))
+            for stream in [*streams.values(), *([joining.stream] if joining else [])]:
+                stream.job.post(exc)
         return None
+
+    def _guarded(self, job: _Job, work: Callable[[], Any]) -> tuple[bool, Any]:
+        """A joining request's own work (its prefill, its first token):
+        (True, what it returns), or (False, None) where it raised, the
+        request told why and the batch going on without it."""
+        try:
+            return True, work()
+        except Exception as exc:
+            log.exception("%s failed on request %s", self.name, job.request.request_id)
+            self._running -= 1
+            job.post(exc)
+            return False, None
 
     def _taken_all(self, jobs: list[_Job]) -> list[_Job]:
         for job in jobs:

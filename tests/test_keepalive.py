@@ -53,12 +53,11 @@ REQUESTS = {
 
 
 def stalls(gw) -> str:
-    """What the gateway's loop watches (gateway/serving/loop_watch.py)
-    logged: where its event loop was stuck, if it was (its faulthandler
-    dump too, for a thread that held the GIL)."""
+    """What the gateway's loop watch (gateway/serving/loop_watch.py) logged:
+    where its event loop was stuck, if it was."""
     log = gw.log()
-    found = [at for at in (log.find("the event loop has not answered"), log.find("Timeout (")) if at >= 0]
-    return log[min(found) : min(found) + 8000] if found else "(the loop watch saw no stall)"
+    at = log.find("the event loop has not answered")
+    return log[at : at + 6000] if at >= 0 else "(the loop watch saw no stall)"
 
 
 def keepalive(line: bytes) -> bool:

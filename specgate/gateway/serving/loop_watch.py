@@ -2,23 +2,16 @@
 
 The event loop only does I/O (engines' work runs on their threads, CPU work
 in bounded workers); a loop that stops turning stops every stream's
-keep-alives and every other client with it. Two watches:
-- a daemon thread posts a no-op onto the loop every `period_s` and, when
-  one has not run after `lag_s`, logs one warning for the episode with
-  every thread's stack, then one line when the loop answers again, saying
-  how long it was stuck;
-- that thread needs the GIL too, so a C call that holds the GIL (the loop
-  waits for it as well) would stop both: a task on the loop re-arms
-  Python's faulthandler every `period_s`, whose own C thread needs no GIL
-  and writes every thread's stack to stderr (the log) when the loop has not
-  re-armed it for `lag_s` ("Timeout (0:00:02)!"). faulthandler keeps one
-  such timer per process: the gateway's is this one.
+keep-alives and every other client with it. A daemon thread posts a no-op
+onto the loop every `period_s` and, when one has not run after `lag_s`,
+logs one warning for the episode with the loop thread's stack and every
+other thread's (a C call holding the GIL shows as the thread inside it),
+then one line when the loop answers again, saying how long it was stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import sys
 import threading
@@ -42,20 +35,11 @@ class LoopWatch:
 
     def start(self) -> LoopWatch:
         self._thread.start()
-        self._rearming = self.loop.create_task(self._rearm())
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._rearming.cancel()
-        faulthandler.cancel_dump_traceback_later()
         self._thread.join(timeout=self.period_s + self.lag_s + 1)
-
-    async def _rearm(self) -> None:
-        """On the loop: while it turns, the faulthandler timer never fires."""
-        while True:
-            faulthandler.dump_traceback_later(self.lag_s, exit=False)
-            await asyncio.sleep(self.period_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

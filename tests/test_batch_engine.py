@@ -104,18 +104,23 @@ async def collect(engine, req, planner, stop_after: int | None = None):
     return tokens, stats, handoff
 
 
-def run(model, jobs, solo_first: bool = False):
-    """jobs: [(request, planner, stop_after)], all in flight at once."""
+def serving(model, work):
+    """await work(engine) on a started engine over `model`, then stop it."""
 
     async def main():
         engine = engine_for(model)
         await engine.start()
         try:
-            return await asyncio.gather(*(collect(engine, r, p, s) for r, p, s in jobs))
+            return await work(engine)
         finally:
             await engine.stop()
 
     return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def run(model, jobs):
+    """jobs: [(request, planner, stop_after)], all in flight at once."""
+    return serving(model, lambda engine: asyncio.gather(*(collect(engine, r, p, s) for r, p, s in jobs)))
 
 
 def test_concurrent_requests_decode_in_one_batch_each_as_alone(model):
@@ -225,15 +230,8 @@ def test_a_request_failing_to_join_is_told_and_the_batch_goes_on(model, monkeypa
     monkeypatch.setattr(SpecEngine, "make_decoder", make_decoder)
     ps = prompts(4)
 
-    async def main():
-        engine = engine_for(model)
-        await engine.start()
-        try:
-            return await asyncio.gather(*(outcome(engine, *request(i, ps[i])) for i in range(4)))
-        finally:
-            await engine.stop()
-
-    got = asyncio.run(asyncio.wait_for(main(), 300))
+    got = serving(model, lambda engine: asyncio.gather(*(outcome(engine, *request(i, ps[i]))
+                                                         for i in range(4))))  # fmt: skip
     assert "injected: r2 cannot decode" in str(got[2])
     for i in (0, 1, 3):
         want, margins = greedy_reference(model, ps[i], N_TOKENS)
@@ -255,17 +253,12 @@ def test_a_batch_round_that_fails_tells_every_request_in_it(model, monkeypatch):
     monkeypatch.setattr(BatchSpecDecoder, "round", round_)
     ps = prompts(3)
 
-    async def main():
-        engine = engine_for(model)
-        await engine.start()
-        try:
-            got = await asyncio.gather(*(outcome(engine, *request(i, ps[i])) for i in range(3)))
-            # ... and the engine serves the next request.
-            return got, await outcome(engine, *request(9, ps[0]))
-        finally:
-            await engine.stop()
+    async def work(engine):
+        got = await asyncio.gather(*(outcome(engine, *request(i, ps[i])) for i in range(3)))
+        # ... and the engine serves the next request.
+        return got, await outcome(engine, *request(9, ps[0]))
 
-    got, after = asyncio.run(asyncio.wait_for(main(), 300))
+    got, after = serving(model, work)
     failed = [g for g in got if not isinstance(g, list)]
     assert failed and all("injected: the verify forward failed" in str(g) for g in failed), got
     assert len(failed) == calls[2]  # every request in that round was told

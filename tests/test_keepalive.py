@@ -54,10 +54,13 @@ REQUESTS = {
 
 def stalls(gw) -> str:
     """What the gateway's loop watch (gateway/serving/loop_watch.py) logged:
-    where its event loop was stuck, if it was."""
+    where its event loop was stuck, and when the whole process was held up
+    (by a thread holding the GIL, or a machine too busy to run it)."""
     log = gw.log()
+    held = [line for line in log.splitlines() if "the whole process was held up" in line]
     at = log.find("the event loop has not answered")
-    return log[at : at + 6000] if at >= 0 else "(the loop watch saw no stall)"
+    stuck = log[at : at + 6000] if at >= 0 else "(the loop watch saw no stall)"
+    return "\n".join([*held, stuck])
 
 
 def keepalive(line: bytes) -> bool:

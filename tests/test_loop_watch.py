@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
 from specgate.gateway.serving.loop_watch import LoopWatch
@@ -37,3 +38,41 @@ def test_a_blocked_loop_is_reported_with_its_stack(caplog):
     assert "the event loop has not answered for" in text
     assert "-- thread event loop" in text and "_stuck_in_a_blocking_call" in text
     assert "the event loop answered again after" in text
+
+
+def _holds_the_gil(seconds: float) -> None:
+    """The injected hold: a C call that keeps the GIL (the re module's
+    backtracking on a pattern that never matches), longer each time until
+    one lasts `seconds`."""
+    import re
+
+    n = 18
+    while True:
+        t0 = time.monotonic()
+        re.fullmatch(r"(a+)+b", "a" * n)
+        if time.monotonic() - t0 >= seconds:
+            return
+        n += 1
+
+
+def test_a_thread_holding_the_gil_is_reported_as_a_pause_of_the_whole_process(caplog):
+    """The watch cannot run either while another thread holds the GIL: it
+    sees its own wait overrun, and says the time was not spent waiting for
+    a CPU (Linux tells; elsewhere it says it does not know)."""
+
+    async def main():
+        watch = LoopWatch(asyncio.get_running_loop(), period_s=0.05, lag_s=0.3).start()
+        await asyncio.sleep(0.3)
+        quiet = list(watch.pauses)
+        await asyncio.to_thread(_holds_the_gil, 0.8)  # the loop itself only awaits
+        await asyncio.sleep(0.2)
+        watch.stop()
+        return quiet, watch.pauses
+
+    with caplog.at_level(logging.WARNING, logger="specgate.gateway.serving.loop_watch"):
+        quiet, pauses = asyncio.run(main())
+    assert quiet == []
+    assert pauses and max(late for _, late, _ in pauses) > 0.3, pauses
+    assert "the whole process was held up for" in caplog.text
+    if sys.platform == "linux":
+        assert "a thread held the GIL" in caplog.text, caplog.text

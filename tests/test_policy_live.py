@@ -411,3 +411,29 @@ def test_a_burst_counts_requests_not_yet_in_an_engine():
         return served.planning_state()
 
     assert asyncio.run(third()) == LiveState(1, 1, 0)
+
+
+def test_a_burst_counts_requests_still_rendering():
+    """In a burst the first request is planned while the others are still
+    being read, rendered and tokenized (they hold the model, `in_use`, and
+    no slot yet): they count, so it batches with them instead of starting
+    alone on a speculative engine and handing off a round later (the
+    batch_policy bench's 4-stream bursts lost 7 % to that). The request
+    being planned is not one of its own others; nor is one whose answer is
+    being sent after its slot went back."""
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.models import ServedModel
+    from specgate.policies.model_policy import LivePolicy
+
+    served = ServedModel(parse_config({"models": [{"id": "m", "path": "x", "max_concurrent": 4}]}).models[0])
+    policy = LivePolicy(MTP, live_state=served.planning_state)
+    served.in_use = 1  # the request being planned alone
+    assert served.planning_state(arriving=True) == LiveState(0, 0, 0)
+    assert policy.start(RequestFeatures(20, False), served.planning_state(arriving=True))[0].method == "mtp"
+    served.in_use = 3  # two more arrived, still rendering
+    assert served.planning_state(arriving=True) == LiveState(0, 2, 0)
+    plan, _ = policy.start(RequestFeatures(20, False), served.planning_state(arriving=True))
+    assert (plan.method, plan.reason) == ("none", "concurrency")
+    assert served.gate.reserve("k") is None  # one of them takes a slot: holding, not arriving
+    assert served.planning_state(arriving=True) == LiveState(1, 1, 0)
+    assert served.planning_state() == LiveState(1, 2, 0)  # a round's planner: all others count

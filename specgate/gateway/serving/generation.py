@@ -220,7 +220,7 @@ def plan_request(
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content,
                                constrained)  # fmt: skip
     try:
-        plan, planner = served.policy.start(features, served.planning_state())
+        plan, planner = served.policy.start(features, served.planning_state(arriving=True))
     except OverrideError as e:
         raise APIError(400, str(e), param="X-Specgate-Method") from None
     honoured = _honouring(served, plan, sampling)

@@ -160,18 +160,23 @@ class ServedModel:
             finished_requests=sum(s.finished_requests for s in states),
         )
 
-    def planning_state(self) -> LiveState:
+    def planning_state(self, arriving: bool = False) -> LiveState:
         """What the policy plans around: the engines' state, plus requests
-        holding a slot that have not reached an engine yet and those queued
-        for a slot. In a burst, the second request is planned before the
-        first has reached its engine: it must count. One its engine has
-        decoded to the end holds its slot until its answer is sent, and
-        does not count."""
+        holding a slot that have not reached an engine yet, those queued
+        for a slot, and those that have arrived for the model without
+        asking for one yet (reading, rendering, tokenizing: `in_use` counts
+        them). In a burst, the second request is planned before the first
+        has reached its engine, and the first while the others are still
+        rendering: they all decode together, so they must all count. One
+        its engine has decoded to the end holds its slot until its answer
+        is sent, and does not count. `arriving`: the state for planning
+        such a request itself, which is not counted."""
         engines = self.live_state()
         holding = self.gate.running - engines.waiting_requests - engines.finished_requests
+        arrived = self.in_use - self.gate.running - self.gate.waiting - (1 if arriving else 0)
         return LiveState(
             active_requests=max(engines.active_requests, holding),
-            waiting_requests=engines.waiting_requests + self.gate.waiting,
+            waiting_requests=engines.waiting_requests + self.gate.waiting + max(0, arrived),
             context_tokens=0,
         )
 

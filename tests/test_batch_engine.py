@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 from greedy import assert_same_greedy, greedy_reference
@@ -36,6 +37,7 @@ from specgate.engines.cache.prefix_cache import PrefixCache
 from specgate.engines.drafting.ngram import proposer as ngram
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.engine import SpecEngine
+from specgate.engines.settings import NgramSettings
 from specgate.policies.decide import FixedPlanner
 
 VOCAB = 128
@@ -264,3 +266,84 @@ def test_a_batch_round_that_fails_tells_every_request_in_it(model, monkeypatch):
     assert len(failed) == calls[2]  # every request in that round was told
     want, margins = greedy_reference(model, ps[0], N_TOKENS)
     assert_same_greedy(after, want, margins)
+
+
+class _HoldsBatchWidths:
+    """Failure injection: a correct kernel (the stock op) whose proofs of
+    widths only a batch verifies (more rows than `lone`) wait for
+    `release`, as a slow proof on a GPU would; every call's (rows, thread)
+    is noted."""
+
+    def __init__(self, lone: int):
+        self.lone, self.release = lone, threading.Event()
+        self.calls: list[tuple[int, str]] = []
+
+    def __call__(self, x, wq, s, b, gs, bits):
+        from specgate.kernels import qmm
+
+        rows = x.size // x.shape[-1]
+        self.calls.append((rows, threading.current_thread().name))
+        if rows > self.lone and threading.current_thread().name.startswith("kernel-proofs"):
+            assert self.release.wait(30), "the test never released the proofs"
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+
+def test_batch_widths_are_proved_after_the_switch_and_never_inside_a_round(tmp_path):
+    """A quantized trunk with the verify kernels (a correct one): its lone
+    widths (2..depth+1) are proved and switched on first, then the widths
+    only a batch verifies (up to 16 rows) in the background. Meanwhile a
+    batch wider than the proved rows verifies stock: no round proves a
+    shape (on a GPU that stalled every stream in it for seconds). Once
+    proved, batched rounds verify through the kernels. Every stream equals
+    its plain greedy decoding throughout."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from specgate.kernels import qmm
+    from specgate.kernels.guard import Candidate, Guard
+
+    model = tiny_qwen3(VOCAB, 5)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())  # as a load leaves them (the proofs run on their own thread)
+    depth = 3
+    kernel = _HoldsBatchWidths(lone=depth + 1)
+    guard = Guard([Candidate("held", "1", kernel)], cache_dir=tmp_path, machine="test-machine",
+                  reps=1, inner=1, margin=float("inf"))  # fmt: skip
+    loaded = LoadedModel("tiny", model, _Ids(), {"model_type": "qwen3", "vocab_size": VOCAB},
+                         PrefixCache("tiny", 0))  # fmt: skip
+    engine = SpecEngine("tiny", loaded, name="mlx_ngram", drafting=ngram.drafting, max_context=4096,
+                        kernel_guard=guard, prefill_step_size=16,
+                        settings=NgramSettings(depth=depth))  # fmt: skip
+    switch = engine.kernel_switch
+    assert engine.kernels_ready(120) and engine.target.kernels
+    assert switch.rows == depth + 1 and not switch.batch_done.is_set()
+    ps = prompts(3)
+
+    def rounds_through_kernels(got) -> set[int]:
+        worker = {rows for rows, thread in kernel.calls if not thread.startswith("kernel-proofs")}
+        for i, (tokens, _stats, _) in enumerate(got):
+            want, margins = greedy_reference(model, ps[i], N_TOKENS)
+            assert_same_greedy(tokens, want, margins)
+        assert max(s.batch for _, stats, _ in got for s in stats) >= 2
+        return worker
+
+    async def main():
+        await engine.start()
+        try:
+            jobs = [request(i, p, depth=depth) for i, p in enumerate(ps)]
+            got = await asyncio.gather(*(collect(engine, r, p) for r, p in jobs))
+            during = rounds_through_kernels(got)
+            kernel.release.set()
+            assert await asyncio.to_thread(switch.batch_done.wait, 120)
+            kernel.calls.clear()
+            jobs = [request(i + 3, p, depth=depth) for i, p in enumerate(ps)]
+            got = await asyncio.gather(*(collect(engine, r, p) for r, p in jobs))
+            return during, rounds_through_kernels(got)
+        finally:
+            kernel.release.set()
+            await engine.stop()
+
+    during, after = asyncio.run(asyncio.wait_for(main(), 300))
+    assert during and max(during) <= depth + 1, during  # lone rounds only: batches went stock
+    assert switch.rows == qmm.MAX_M
+    assert max(after) > depth + 1, after  # batched rounds, through the kernels now

@@ -150,19 +150,28 @@ def check_equal_to_plain(loaded, engine, kernel: Counting | None = None) -> int:
     return accepted
 
 
+def settled(engine: SpecEngine) -> bool:
+    """Its verify path decided, and its batch widths proved after that (the
+    background thread ended: nothing of it runs into the next test)."""
+    return engine.kernels_ready(120) and engine.kernel_switch.batch_done.wait(120)
+
+
 def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
     kernel = Counting()
     guard = counting_guard(tmp_path, kernel)
     engine = mtp_engine(q4, settings=MTPSettings(depth=max(DEPTHS)), kernel_guard=guard)
-    assert engine.kernels_ready(120)  # proved in the background: nothing was recorded
+    assert settled(engine)  # proved in the background: nothing was recorded
     wired = engine.kernel_wiring
     assert wired.enabled and engine.target.kernels and wired.hooked > 0
     # every verify shape at widths 2..max depth + 1 proved ok before the switch
     assert wired.widths == (2, 3, 4)
     shapes = wiring.model_shapes(q4.model)
-    assert wired.in_use() == len(shapes) * 3 == guard.checks_run
+    assert wired.in_use() == len(shapes) * 3
+    # then the widths only a batch of streams verifies, 5..16 rows
+    assert engine.kernel_switch.rows == qmm.MAX_M
+    assert guard.checks_run == len(shapes) * (qmm.MAX_M - 1)
     saved = json.loads(guard.path.read_text())["verdicts"]
-    assert len(saved) == len(shapes) * 3 and {v["status"] for v in saved.values()} == {"ok"}
+    assert len(saved) == guard.checks_run and {v["status"] for v in saved.values()} == {"ok"}
     checks = guard.checks_run
     assert check_equal_to_plain(q4, engine, kernel) > 0  # partial and full acceptance happened
     assert guard.checks_run == checks  # no proof inside a request
@@ -330,7 +339,7 @@ def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
             assert engine.kernels_proving and set(kernel.threads) == {"kernel-proofs m mlx_mtp"}
             assert seen == []
             kernel.release.set()
-            assert await asyncio.to_thread(engine.kernels_ready, 120)
+            assert await asyncio.to_thread(settled, engine)
             # switched once, after every verdict was recorded ok
             assert seen == [(True, {"ok"}, len(shapes) * 2)]
             assert not engine.kernels_proving and engine.kernel_wiring.enabled
@@ -378,7 +387,7 @@ def test_a_quantized_mtp_head_is_wired_with_the_trunk(q4, tmp_path):
     guard = counting_guard(tmp_path, kernel)
     engine = SpecEngine("m", q4, name="mlx_mtp", drafting=quantized_head, max_context=4096,
                         settings=MTPSettings(depth=3), kernel_guard=guard)  # fmt: skip
-    assert engine.kernels_ready(120) and engine.target.kernels
+    assert settled(engine) and engine.target.kernels
     head = engine.drafting.weights
     hooked = [m for _, m in head.named_modules() if type(m) is hook._KernelQuantizedLinear]
     assert hooked and all(m.__dict__["_specgate_guard"] is guard for m in hooked)

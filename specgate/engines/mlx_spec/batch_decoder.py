@@ -22,14 +22,14 @@ single-sequence engine keep working on it as they do.
 SpecEngine (engine.py) drives it for the requests that reach it while one
 decodes. Not yet here (issue 45): hybrid models' recurrent state
 (refused), the policy's per-round choice for the batch from measured
-costs, the engine proving the verify kernels at a batch's widths before
-it needs them (today a width the engine's KernelSwitch did not prove is
-proved by the guard at its first use, inside that round).
+costs. The engine proves the verify kernels at a batch's widths in the
+background once its lone widths are switched on (kernel_proofs.py); a
+round wider than the rows proved so far verifies stock meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -37,11 +37,16 @@ from mlx_lm.models.cache import KVCache
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets import Forward, Target
+from specgate.kernels import hook
 
 
 class BatchSpecDecoder:
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, kernel_rows: Callable[[], int] | None = None):
+        """`kernel_rows`: how many verify rows the kernels are proved for
+        now (engine.py: its KernelSwitch's `rows`); a round wider verifies
+        stock rather than prove a shape inside it. None: as the target says."""
         self.target = target
+        self.kernel_rows = kernel_rows
         self.decoders: dict[str, SpecDecoder] = {}  # in batch order
         self.caches: list[BatchOffsetKV] | None = None
 
@@ -90,7 +95,8 @@ class BatchSpecDecoder:
         width = 1 + max(p.depth for p in planned)
         rows = mx.stack([mx.pad(p.rows.astype(mx.int32), [(0, width - 1 - p.depth)]) for p in planned])
         layers = sorted({i for _, d in decoders for i in d.proposer.layers})
-        with self.target.verify_kernels():
+        unproved = self.kernel_rows is not None and len(decoders) * width > self.kernel_rows()
+        with hook.kernels(False) if unproved else self.target.verify_kernels():
             forward = self.target.forward(rows, self.caches, layers=layers)
             logits = self.target.logits(forward.hidden)
         kept = [0] * len(decoders)

@@ -59,6 +59,7 @@ from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
 from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, default_prefill_step, deliver
+from specgate.kernels import qmm
 
 log = logging.getLogger(__name__)
 
@@ -205,11 +206,13 @@ class SpecEngine(WorkerEngine):
         width 2..max_depth+1 proved before a round uses it. Verdicts recorded
         for this machine wire them now; missing ones are proved in the
         background (engines/mlx_spec/kernel_proofs.py) while the engine
-        serves on the stock verify path."""
+        serves on the stock verify path; then the widths only a batch of
+        streams verifies, up to the hook's 16 rows."""
         self.kernel_switch = KernelSwitch(f"{self.model_id} {self.name}", self.loaded,
                                           self.target, self.kernels_setting,
                                           range(2, max_depth + 2), self.kernel_guard,
-                                          self.drafting.kernel_module)  # fmt: skip
+                                          self.drafting.kernel_module,
+                                          range(max_depth + 2, qmm.MAX_M + 1))  # fmt: skip
         self.kernel_switch.start()
 
     @property
@@ -459,7 +462,7 @@ class SpecEngine(WorkerEngine):
         stream's planner asked (a stream planned elsewhere leaves it, handed
         off), then one round for all at their planned depths. Returns the
         stream left alone when no other is in or waiting (None: none is)."""
-        batch = BatchSpecDecoder(self.target)
+        batch = BatchSpecDecoder(self.target, lambda: self.kernel_switch.rows if self.kernel_switch else 0)
         streams: dict[str, _Stream] = {}
         joining: _Joining | None = None
 

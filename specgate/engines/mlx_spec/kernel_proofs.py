@@ -14,7 +14,13 @@ background thread (one at a time per model: LoadedModel.proving):
    swaps the linears' classes), and JIT-warms one verify forward per width
    through the kernels, each under the model lock, between rounds;
 3. switches the target to the kernels under the model lock (so between two
-   rounds), logs one line and lowers `proving`.
+   rounds), logs one line and lowers `proving`;
+4. then proves, and warms, the widths only a batch of streams verifies
+   (`batch_widths`: depth+2 up to the hook's 16 rows, engine.py's batched
+   rounds) the same way. Until they are, `rows` says how many rows the
+   kernels are proved for, and a batched round wider than that verifies
+   stock (mlx_spec/batch_decoder.py): a round never proves a shape inside
+   it, which on a GPU stalls every stream in it for seconds.
 While `proving`, the policy plans plain decoding for the engine's method
 (engines/registry.proving, policies/decide.py: reason `kernels_proving`):
 on a GPU, speculation on the stock verify path loses. Where no kernel
@@ -41,16 +47,21 @@ class KernelSwitch:
     """One engine's verify path: stock, proving (stock meanwhile) or kernels."""
 
     def __init__(self, label: str, loaded: LoadedModel, target: Target, setting: str,
-                 widths: range, guard=None, drafter=None):  # fmt: skip
+                 widths: range, guard=None, drafter=None, batch_widths: range = range(0)):  # fmt: skip
         self.label = label  # "<model> <engine>", for the log
         self.loaded, self.target, self.setting = loaded, target, setting
         # Drafting.kernel_module (the MTP head): wired and proved with the
         # trunk, its multi-row forwards then run inside verify_kernels too.
         self.drafter = drafter
         self.widths, self.guard = widths, guard  # guard None: SPECGATE_HOME's shared ones
+        self.batch_widths = batch_widths
         self.wiring: Wiring | None = None  # set once decided
         self.proving = False
+        # Verify rows the kernels are proved for up to: the lone widths' once
+        # switched, the batch widths' too once those are.
+        self.rows = 0
         self.done = threading.Event()  # decided: `wiring` is set (or the proofs failed or stopped)
+        self.batch_done = threading.Event()  # `rows` is final: batch widths proved, or never will be
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -72,30 +83,66 @@ class KernelSwitch:
                 wired = self._prepare()
         except Unproved:
             self.proving = True
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name=f"kernel-proofs {self.label}")  # fmt: skip
-            self._thread.start()
+            self._background(self._run)
             log.info("%s: verify stock while its kernels are proved in the background", self.label)
             return
         self._use(wired)
         log.info("%s: verify %s", self.label,
                  "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
+        if wired.enabled and self.batch_widths and not self._recorded(self.batch_widths):
+            self._background(self._run_batch)
+            return
+        if wired.enabled and self.batch_widths:
+            self.rows = self.batch_widths[-1]
+        self.batch_done.set()
+
+    def _background(self, run) -> None:
+        self._thread = threading.Thread(target=run, daemon=True, name=f"kernel-proofs {self.label}")
+        self._thread.start()
 
     def _use(self, wired: Wiring) -> None:
         self.wiring = wired
         self.target.kernels = wired.enabled
+        self.rows = wired.widths[-1] if wired.enabled and wired.widths else 0
         self.proving = False
         self.done.set()
 
-    def _run(self) -> None:
+    def _modules(self):
+        return [m for m in (self.loaded.model, self.drafter) if m is not None]
+
+    def _recorded(self, widths: range) -> bool:
+        """Whether every verdict for `widths` is recorded for this machine."""
         from specgate.engines import kernel_wiring
 
         try:
+            with recorded_only():
+                for module in self._modules():
+                    kernel_wiring.prove(module, self.setting, widths, guard=self.guard)
+        except Unproved:
+            return False
+        return True
+
+    def _prove(self, widths: range) -> bool:
+        """Proves `widths` for the trunk and the drafter (False: stopped)."""
+        from specgate.engines import kernel_wiring
+
+        return all(kernel_wiring.prove(module, self.setting, widths, guard=self.guard,
+                                       stop=self._stop)  # fmt: skip
+                   for module in self._modules())
+
+    def _run(self) -> None:
+        self._run_lone()
+        if self.target.kernels and self.batch_widths and not self._stop.is_set():
+            self._run_batch()
+        else:
+            self.batch_done.set()
+
+    def _run_lone(self) -> None:
+        """Steps 1-3."""
+        try:
             with self.loaded.proving:
-                for module in (self.loaded.model, self.drafter):
-                    if module is not None and not kernel_wiring.prove(
-                            module, self.setting, self.widths, guard=self.guard, stop=self._stop):  # fmt: skip
-                        return
+                if not self._prove(self.widths):
+                    return
                 with self.loaded.lock:
                     try:
                         with recorded_only():
@@ -118,6 +165,27 @@ class KernelSwitch:
         finally:
             self.proving = False
             self.done.set()
+
+    def _run_batch(self) -> None:
+        """Step 4: the batch widths, after the switch (the lone stream's
+        speculation does not wait for them)."""
+        try:
+            with self.loaded.proving:
+                if not self._prove(self.batch_widths):
+                    return
+            for width in self.batch_widths:
+                if self._stop.is_set():
+                    return
+                with self.loaded.lock:
+                    self._warm(width)
+            self.rows = self.batch_widths[-1]
+            log.info("%s: kernels proved for batches too (verify rows up to %d)", self.label,
+                     self.rows)  # fmt: skip
+        except Exception:
+            log.exception("%s: proving its kernels for batches failed; batches wider than %d "
+                          "rows verify stock", self.label, self.rows)  # fmt: skip
+        finally:
+            self.batch_done.set()
 
     def _warm(self, width: int) -> None:
         """One verify forward (and its logits) of `width` rows through the

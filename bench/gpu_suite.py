@@ -29,6 +29,14 @@ within a repeat, then summarised):
            --spec-depths (MTP, acceptance --accept by construction, the
            kernels proved at the batch's verify widths), aggregate tok/s
            over BatchGenerator's; every stream compared with its output.
+- batchengine: the same through the engines the gateway serves (issue
+           45): at --spec-streams concurrent requests, specgate's plain
+           engine (continuous batching; first in each repeat: its tokens
+           are the oracle's references) and then its MTP SpecEngine at each
+           of --spec-depths (oracle drafts, every request held to the
+           depth; the engine proves its verify kernels itself, lone widths
+           then batch widths, before the timed runs), aggregate tok/s over
+           the plain engine's; every stream compared with its output.
 - ngram:   the agent transcripts (bench/agent_transcripts.json) on
            bench/agent_workloads.py's synthetic copying target, through the
            engines and the policy the gateway would build: per transcript
@@ -60,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import math
 import random
@@ -77,7 +86,7 @@ sys.path.insert(0, str(HERE))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-SECTIONS = ("plain", "batched", "mtp", "batchspec", "ngram")
+SECTIONS = ("plain", "batched", "mtp", "batchspec", "batchengine", "ngram")
 SHAPES = {  # hidden, layers, mlp, heads, kv heads, head dim, vocab
     "7b": (4096, 28, 12288, 32, 8, 128, 151936),
     "tiny": (64, 2, 128, 2, 1, 32, 512),
@@ -167,34 +176,30 @@ def batch_generator_runs(model, prompts: list[list[int]], n: int) -> tuple[list[
 # ---------------------------------------------------------------- specgate's plain engine
 
 
-class PlainEngine:
-    """specgate's MLXPlainEngine on an in-memory model, driven through its
-    async generate() on an event loop of its own, as the gateway does."""
+class Driven:
+    """A specgate engine on an in-memory model, driven through its async
+    generate() on an event loop of its own, as the gateway does."""
 
-    def __init__(self, model, vocab: int, max_concurrent: int):
-        from agent_workloads import _NoTokenizer
-
-        from specgate.engines.cache.prefix_cache import PrefixCache
-        from specgate.engines.loading import LoadedModel
-        from specgate.engines.mlx_plain import MLXPlainEngine
-
-        loaded = LoadedModel("suite", model, _NoTokenizer(), {"model_type": "qwen3", "vocab_size": vocab},
-                             PrefixCache("suite", 0))  # fmt: skip
-        # No prefix cache: every repeat pays its whole prefill, as mlx-lm's side does.
-        self.engine = MLXPlainEngine("suite", loaded, max_context=32768, max_concurrent=max_concurrent,
-                                     prefix_cache_size=0)  # fmt: skip
+    def __init__(self, engine):
+        self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.engine.start())
         self._n = 0
 
+    def request(self, rid: str, prompt: list[int], n: int):
+        """(GenerationRequest, planner) for one prompt."""
+        from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+
+        plan = Plan(*GREEDY_PLAN)
+        return GenerationRequest(rid, "suite", prompt, SamplingParams(temperature=0), n, plan), None
+
     async def _one(self, prompt: list[int], n: int) -> Run:
-        from specgate.engines.base import GenerationRequest, Plan, SamplingParams, TokenEvent
+        from specgate.engines.base import TokenEvent
 
         self._n += 1
-        request = GenerationRequest(f"suite-{self._n}", "suite", prompt, SamplingParams(temperature=0),
-                                    n, Plan(*GREEDY_PLAN))  # fmt: skip
+        request, planner = self.request(f"suite-{self._n}", prompt, n)
         run = Run(t0=time.perf_counter())
-        async for event in self.engine.generate(request, None):
+        async for event in self.engine.generate(request, planner):
             if isinstance(event, TokenEvent) and event.token_ids:
                 now = time.perf_counter()
                 run.times += [now] * len(event.token_ids)
@@ -216,6 +221,70 @@ class PlainEngine:
         self.loop.run_until_complete(self.engine.stop())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
+
+
+def loaded_model(model, vocab: int):
+    from agent_workloads import _NoTokenizer
+
+    from specgate.engines.cache.prefix_cache import PrefixCache
+    from specgate.engines.loading import LoadedModel
+
+    return LoadedModel("suite", model, _NoTokenizer(), {"model_type": "qwen3", "vocab_size": vocab},
+                       PrefixCache("suite", 0))  # fmt: skip
+
+
+class PlainEngine(Driven):
+    """specgate's MLXPlainEngine."""
+
+    def __init__(self, model, vocab: int, max_concurrent: int):
+        from specgate.engines.mlx_plain import MLXPlainEngine
+
+        # No prefix cache: every repeat pays its whole prefill, as mlx-lm's side does.
+        super().__init__(MLXPlainEngine("suite", loaded_model(model, vocab), max_context=32768,
+                                        max_concurrent=max_concurrent, prefix_cache_size=0))  # fmt: skip
+
+
+class OracleSpecEngine(Driven):
+    """specgate's SpecEngine for MTP (its batching: concurrent requests
+    decode in one BatchSpecDecoder, engine.py), each request's drafts its
+    oracle's (e2e_mtp_7b.OracleDrafts at acceptance `accept`, against the
+    reference set for its prompt), held to `depth` by a FixedPlanner as a
+    forced method is. The engine proves and switches its verify kernels
+    itself (kernel_proofs.py, the batch widths after the lone ones)."""
+
+    def __init__(self, model, head, vocab: int, accept: float, max_depth: int, seed: int):
+        import e2e_mtp_7b
+
+        from specgate.engines.drafting.base import Drafting
+        from specgate.engines.drafting.mtp.proposer import MTPProposer
+        from specgate.engines.mlx_spec.decoder import SpecDecoder
+        from specgate.engines.mlx_spec.engine import SpecEngine
+        from specgate.engines.settings import MTPSettings
+
+        refs: dict[tuple[int, ...], list[int]] = {}
+        self.refs, self.depth = refs, 1
+        seeds = itertools.count(seed)
+
+        def drafting(loaded, target, drafter=None, settings=None):
+            return Drafting("mtp", lambda t: MTPProposer(t, head), weights=head, kernel_module=head)
+
+        class Engine(SpecEngine):
+            def make_decoder(self, request, cache, cached_tokens):
+                oracle = e2e_mtp_7b.OracleDrafts(self.target, head, reference=refs[tuple(request.prompt_tokens)],
+                                                 accept=accept, seed=next(seeds), vocab=vocab)  # fmt: skip
+                return SpecDecoder(self.target, oracle, request, cache, cached_tokens, self.tokenizer,
+                                   self.prefill_step_size)  # fmt: skip
+
+        super().__init__(Engine("suite", loaded_model(model, vocab), name="mlx_mtp", drafting=drafting,
+                                max_context=32768, settings=MTPSettings(depth=max_depth)))  # fmt: skip
+
+    def request(self, rid: str, prompt: list[int], n: int):
+        from specgate.engines.base import GenerationRequest, Plan, SamplingParams
+        from specgate.policies.decide import FixedPlanner
+
+        plan = Plan("mlx_mtp", "mtp", self.depth, "forced_by_request")
+        return (GenerationRequest(rid, "suite", prompt, SamplingParams(temperature=0), n, plan),
+                FixedPlanner(plan))  # fmt: skip
 
 
 # ---------------------------------------------------------------- the target
@@ -542,6 +611,70 @@ def section_batchspec(a, target, out: dict) -> None:
                         "exact": exact}  # fmt: skip
 
 
+def section_batchengine(a, target, out: dict) -> None:
+    """Issue 45 through the served engines: SpecEngine's batched speculation
+    against MLXPlainEngine's continuous batching, both driven through
+    generate() with that many requests in flight."""
+    _, head, vocab = target
+    model = served_model(a)
+    rng = random.Random(a.seed + 71)
+    depths = a.spec_depths
+    plain = PlainEngine(model, vocab, max_concurrent=max(a.spec_streams))
+    t0 = time.perf_counter()
+    spec = OracleSpecEngine(model, head, vocab, a.accept, max(max(depths), 1), a.seed)
+    switch = spec.engine.kernel_switch
+    decided = switch.done.wait(900) and switch.batch_done.wait(900)
+    print(f"\n[batchengine] verify kernels {'on' if spec.engine.target.kernels else 'off'}, proved for "
+          f"up to {switch.rows} rows{'' if decided else ' (still proving)'}, "
+          f"{time.perf_counter() - t0:.1f} s after the engine's load")  # fmt: skip
+    result: dict = {}
+    exact = True
+
+    def spec_run(prompts: list[list[int]], n: int, depth: int) -> tuple[list[Run], float]:
+        spec.depth = depth
+        return spec.many(prompts, n)
+
+    try:
+        for b in a.spec_streams:  # untimed: each shape's graphs built once
+            warm = prompts_for(rng, vocab, a.prompt, b)
+            refs, _ = plain.many(warm, 8)
+            spec.refs.update({tuple(p): r.tokens for p, r in zip(warm, refs, strict=True)})
+            for depth in depths:
+                spec_run(warm, 8, depth)
+        for b in a.spec_streams:
+            row = {"plain tok/s": [], **{f"d{d} {k}": [] for d in depths for k in ("tok/s", "ratio")}}
+            for rep in range(a.reps):
+                prompts = prompts_for(rng, vocab, a.prompt, b)
+                plain_runs, plain_wall = plain.many(prompts, a.tokens)
+                refs = [r.tokens for r in plain_runs]
+                spec.refs.update({tuple(p): r for p, r in zip(prompts, refs, strict=True)})
+                plain_tps = sum(len(r) for r in refs) / plain_wall
+                row["plain tok/s"].append(plain_tps)
+                line = [f"plain {plain_tps:.0f}"]
+                for depth in depths if rep % 2 == 0 else depths[::-1]:
+                    runs, wall = spec_run(prompts, a.tokens, depth)
+                    exact &= [r.tokens for r in runs] == refs
+                    tps = sum(len(r.tokens) for r in runs) / wall
+                    row[f"d{depth} tok/s"].append(tps)
+                    row[f"d{depth} ratio"].append(tps / plain_tps)
+                    line.append(f"d{depth} {tps:.0f}")
+                print(f"  {b} streams, repeat {rep + 1}: " + ", ".join(line), flush=True)
+            result[b] = row
+    finally:
+        spec.close()
+        plain.close()
+    print(f"\n## batchengine: specgate's MTP SpecEngine (requests batched, oracle drafts at acceptance "
+          f"{a.accept}, verify kernels {'on' if spec.engine.target.kernels else 'off'}) vs its plain "
+          f"engine's continuous batching, aggregate tok/s ({a.reps} repeats; {a.prompt}-token "
+          f"prompts, {a.tokens} tokens each; prefill included; d0: plain steps in the spec batch)")  # fmt: skip
+    table(["streams", "plain engine tok/s"] + [f"d{d} / plain engine" for d in depths],
+          [[str(b), summary(r["plain tok/s"], ".0f")] + [summary(r[f"d{d} ratio"]) for d in depths]
+           for b, r in result.items()])  # fmt: skip
+    print(f"outputs token-for-token equal to the plain engine's: {'yes' if exact else 'NO'}")
+    out["batchengine"] = {"kernels": spec.engine.target.kernels, "rows": switch.rows,
+                          "streams": {str(k): v for k, v in result.items()}, "exact": exact}  # fmt: skip
+
+
 def section_ngram(a, out: dict) -> None:
     import agent_workloads as aw
 
@@ -687,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
                 if target is None:
                     target = bigram_target(a)
                 {"plain": section_plain, "batched": section_batched, "mtp": section_mtp,
-                 "batchspec": section_batchspec}[name](a, target, out)
+                 "batchspec": section_batchspec, "batchengine": section_batchengine}[name](a, target, out)
         except Exception as e:
             tb = traceback.format_exc()
             print(f"\n## {name}: FAILED ({type(e).__name__}: {e})\n" + "".join(tb.splitlines(True)[-12:]))

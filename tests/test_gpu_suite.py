@@ -46,13 +46,13 @@ def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     out = r.stdout
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in out, out
-    for title in ("## plain:", "## batched:", "## mtp:", "## batchspec:", "## ngram:"):
+    for title in ("## plain:", "## batched:", "## mtp:", "## batchspec:", "## batchengine:", "## ngram:"):
         assert title in out, out
     for row in ("decode tok/s", "prefill tok/s", "TTFT ms", "copy-heavy, ngram / generate_step",
                 "prose under the policy: lowest single request"):  # fmt: skip
         assert row in out, out
     equal = [line for line in out.splitlines() if line.startswith("outputs token-for-token equal")]
-    assert len(equal) == 5 and all(line.endswith("yes") for line in equal), equal
+    assert len(equal) == 6 and all(line.endswith("yes") for line in equal), equal
     assert " NO" not in "\n".join(equal)
     numbers = json.loads(raw.read_text())
     assert numbers["failed"] == {}
@@ -60,6 +60,9 @@ def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     # Speculation inside the batch: every stream count and depth measured.
     assert set(numbers["batchspec"]["streams"]) == {"2", "4", "8"}
     assert len(numbers["batchspec"]["streams"]["2"]["d3 ratio"]) == 2
+    # ... and through the served engines
+    assert set(numbers["batchengine"]["streams"]) == {"2", "4", "8"}
+    assert len(numbers["batchengine"]["streams"]["8"]["d1 ratio"]) == 2
 
 
 def test_a_failing_section_is_reported_and_the_run_goes_on_to_exit_0(tmp_path):

@@ -347,3 +347,17 @@ def test_batch_widths_are_proved_after_the_switch_and_never_inside_a_round(tmp_p
     assert during and max(during) <= depth + 1, during  # lone rounds only: batches went stock
     assert switch.rows == qmm.MAX_M
     assert max(after) > depth + 1, after  # batched rounds, through the kernels now
+
+    # A later process on this machine: every verdict recorded, the kernels
+    # wired at load for every width at once; its background thread only
+    # warms each lone width and batch shape (no proof), so no first round
+    # builds a shape's kernels.
+    checks = guard.checks_run
+    kernel.calls.clear()
+    again = SpecEngine("tiny", loaded, name="mlx_ngram", drafting=ngram.drafting, max_context=4096,
+                       kernel_guard=guard, settings=NgramSettings(depth=depth))  # fmt: skip
+    assert again.target.kernels and again.kernel_switch.rows == qmm.MAX_M
+    assert again.kernel_switch.batch_done.wait(120)
+    warmed = {rows for rows, thread in kernel.calls if thread.startswith("kernel-proofs")}
+    assert warmed >= {2, 3, 4, *again.kernel_switch.batch_widths}, warmed
+    assert guard.checks_run == checks

@@ -167,9 +167,11 @@ def test_verify_through_a_proved_kernel_equals_plain_greedy(q4, tmp_path):
     assert wired.widths == (2, 3, 4)
     shapes = wiring.model_shapes(q4.model)
     assert wired.in_use() == len(shapes) * 3
-    # then the widths only a batch of streams verifies, 5..16 rows
+    # then the widths only a batch of streams verifies: 2..8 streams of 1..4
+    # rows, up to 16 rows in all (11 and 13 are no such product)
+    assert engine.kernel_switch.batch_widths == [5, 6, 7, 8, 9, 10, 12, 14, 15, 16]
     assert engine.kernel_switch.rows == qmm.MAX_M
-    assert guard.checks_run == len(shapes) * (qmm.MAX_M - 1)
+    assert guard.checks_run == len(shapes) * 13
     saved = json.loads(guard.path.read_text())["verdicts"]
     assert len(saved) == guard.checks_run and {v["status"] for v in saved.values()} == {"ok"}
     checks = guard.checks_run
@@ -357,6 +359,7 @@ def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
     again = counting_guard(tmp_path, Counting())
     engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=again)
     assert not engine.kernels_proving and engine.target.kernels and engine.kernel_wiring.enabled
+    assert settled(engine)  # its widths warmed in the background, with no proof
     assert again.checks_run == 0
 
 

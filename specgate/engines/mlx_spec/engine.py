@@ -59,7 +59,6 @@ from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target, target_for
 from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, default_prefill_step, deliver
-from specgate.kernels import qmm
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +206,14 @@ class SpecEngine(WorkerEngine):
         for this machine wire them now; missing ones are proved in the
         background (engines/mlx_spec/kernel_proofs.py) while the engine
         serves on the stock verify path; then the widths only a batch of
-        streams verifies, up to the hook's 16 rows."""
+        streams verifies (up to MAX_BATCH streams at any depth to
+        max_depth), up to the hook's 16 rows."""
         self.kernel_switch = KernelSwitch(f"{self.model_id} {self.name}", self.loaded,
                                           self.target, self.kernels_setting,
                                           range(2, max_depth + 2), self.kernel_guard,
                                           self.drafting.kernel_module,
-                                          range(max_depth + 2, qmm.MAX_M + 1))  # fmt: skip
+                                          [(streams, rows) for streams in range(2, MAX_BATCH + 1)
+                                           for rows in range(1, max_depth + 2)])  # fmt: skip
         self.kernel_switch.start()
 
     @property

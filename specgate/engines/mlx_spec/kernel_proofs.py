@@ -15,12 +15,17 @@ background thread (one at a time per model: LoadedModel.proving):
    through the kernels, each under the model lock, between rounds;
 3. switches the target to the kernels under the model lock (so between two
    rounds), logs one line and lowers `proving`;
-4. then proves, and warms, the widths only a batch of streams verifies
-   (`batch_widths`: depth+2 up to the hook's 16 rows, engine.py's batched
-   rounds) the same way. Until they are, `rows` says how many rows the
-   kernels are proved for, and a batched round wider than that verifies
-   stock (mlx_spec/batch_decoder.py): a round never proves a shape inside
-   it, which on a GPU stalls every stream in it for seconds.
+4. then proves the widths only a batch of streams verifies (`batch_shapes`,
+   engine.py's batched rounds: streams x rows each, up to the hook's 16
+   rows) and warms one batched verify forward per shape. Until they are
+   proved, `rows` says how many rows the kernels are proved for, and a
+   batched round wider than that verifies stock
+   (mlx_spec/batch_decoder.py): a round never proves a shape inside it,
+   which on a GPU stalls every stream in it for seconds.
+Where every verdict is recorded, the kernels are wired at load and the
+same thread only warms (each lone width, each batch shape): a new
+process builds a shape's kernels at its first use, seconds on a GPU,
+which a user's first burst would otherwise wait for.
 While `proving`, the policy plans plain decoding for the engine's method
 (engines/registry.proving, policies/decide.py: reason `kernels_proving`):
 on a GPU, speculation on the stock verify path loses. Where no kernel
@@ -31,12 +36,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
+from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.loading import LoadedModel
 from specgate.engines.targets import Target
-from specgate.kernels import hook
+from specgate.kernels import hook, qmm
 from specgate.kernels.guard import Unproved, recorded_only
 from specgate.kernels.wiring import Wiring
 
@@ -47,21 +55,28 @@ class KernelSwitch:
     """One engine's verify path: stock, proving (stock meanwhile) or kernels."""
 
     def __init__(self, label: str, loaded: LoadedModel, target: Target, setting: str,
-                 widths: range, guard=None, drafter=None, batch_widths: range = range(0)):  # fmt: skip
+                 widths: range, guard=None, drafter=None,
+                 batch_shapes: Sequence[tuple[int, int]] = ()):  # fmt: skip
         self.label = label  # "<model> <engine>", for the log
         self.loaded, self.target, self.setting = loaded, target, setting
         # Drafting.kernel_module (the MTP head): wired and proved with the
         # trunk, its multi-row forwards then run inside verify_kernels too.
         self.drafter = drafter
         self.widths, self.guard = widths, guard  # guard None: SPECGATE_HOME's shared ones
-        self.batch_widths = batch_widths
+        # (streams, rows each) of the batched verify forwards the engine runs,
+        # and the widths (rows in all) only those verify, up to the hook's
+        self.batch_shapes = list(batch_shapes)
+        self.batch_widths = sorted({b * n for b, n in self.batch_shapes if b * n <= qmm.MAX_M}
+                                   - set(widths))  # fmt: skip
         self.wiring: Wiring | None = None  # set once decided
         self.proving = False
         # Verify rows the kernels are proved for up to: the lone widths' once
         # switched, the batch widths' too once those are.
         self.rows = 0
         self.done = threading.Event()  # decided: `wiring` is set (or the proofs failed or stopped)
-        self.batch_done = threading.Event()  # `rows` is final: batch widths proved, or never will be
+        # `rows` is final (batch widths proved, or never will be) and the batch
+        # shapes are warmed
+        self.batch_done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,12 +104,13 @@ class KernelSwitch:
         self._use(wired)
         log.info("%s: verify %s", self.label,
                  "through kernels/hook.py" if self.target.kernels else "stock")  # fmt: skip
-        if wired.enabled and self.batch_widths and not self._recorded(self.batch_widths):
+        if not wired.enabled:
+            self.batch_done.set()
+        elif self._recorded(self.batch_widths):
+            self.rows = max([*self.batch_widths, self.rows])
+            self._background(self._warm_recorded)
+        else:
             self._background(self._run_batch)
-            return
-        if wired.enabled and self.batch_widths:
-            self.rows = self.batch_widths[-1]
-        self.batch_done.set()
 
     def _background(self, run) -> None:
         self._thread = threading.Thread(target=run, daemon=True, name=f"kernel-proofs {self.label}")
@@ -173,12 +189,8 @@ class KernelSwitch:
             with self.loaded.proving:
                 if not self._prove(self.batch_widths):
                     return
-            for width in self.batch_widths:
-                if self._stop.is_set():
-                    return
-                with self.loaded.lock:
-                    self._warm(width)
-            self.rows = self.batch_widths[-1]
+            self.rows = max([*self.batch_widths, self.rows])
+            self._warm_batches()
             log.info("%s: kernels proved for batches too (verify rows up to %d)", self.label,
                      self.rows)  # fmt: skip
         except Exception:
@@ -186,6 +198,46 @@ class KernelSwitch:
                           "rows verify stock", self.label, self.rows)  # fmt: skip
         finally:
             self.batch_done.set()
+
+    def _warm_recorded(self) -> None:
+        """Verdicts recorded at load: each width's and batch shape's kernels
+        built now, in the background, rather than in the first rounds."""
+        try:
+            for width in self.widths:
+                if self._stop.is_set():
+                    return
+                with self.loaded.lock:
+                    self._warm(width)
+            self._warm_batches()
+        except Exception:
+            log.exception("%s: warming its verify kernels failed (they build at first use)",
+                          self.label)  # fmt: skip
+        finally:
+            self.batch_done.set()
+
+    def _warm_batches(self) -> None:
+        """One batched verify forward per (streams, rows each) shape, each
+        stream a one-token sequence, through the kernels where the rows are
+        proved (a wider one runs stock, as its round would)."""
+        if not self.batch_shapes or not all(type(c) is KVCache for c in self.target.make_cache()):
+            return  # the engine does not batch this model (mlx_spec/engine.py)
+        for streams in sorted({b for b, _ in self.batch_shapes}):
+            with self.loaded.lock:
+                caches = [self.target.make_cache() for _ in range(streams)]
+                for cache in caches:
+                    mx.eval(self.target.forward(mx.zeros((1, 1), dtype=mx.int32), cache).hidden)
+            for b, n in self.batch_shapes:
+                if b != streams:
+                    continue
+                if self._stop.is_set():
+                    return
+                with self.loaded.lock:
+                    batch = [BatchOffsetKV.from_caches([c[i] for c in caches])
+                             for i in range(len(caches[0]))]  # fmt: skip
+                    tokens = mx.zeros((b, n), dtype=mx.int32)
+                    with hook.kernels(b * n <= self.rows):
+                        forward = self.target.forward(tokens, batch)
+                        mx.eval(self.target.logits(forward.hidden))
 
     def _warm(self, width: int) -> None:
         """One verify forward (and its logits) of `width` rows through the

@@ -7,7 +7,9 @@ corrupted at one position, often into a token the grammar refuses), DSpark
 (a random drafter drawing under the mask), ngram (injected copies, likewise
 corrupted) and mtp+ngram. Each equals plain mlx-lm
 greedy decoding whose logits are masked by a separate llguidance matcher,
-token for token, and the output is valid JSON of the schema.
+token for token, and the output is valid JSON of the schema. In a batch
+(mlx_spec/batch_decoder.py, a tiny dense qwen3 with the same tokenizer),
+streams held to the schema beside free ones are each exact the same way.
 
 Sampled: the 12-token hybrid of test_mtp_distribution, its tokens spelled
 "a".."k" and an EOS, held to /[a-k][degjk][a-k]/; from one prefix, the two
@@ -41,7 +43,7 @@ from test_mtp_distribution import PARAMS, PROMPT, tv
 from test_ngram_exactness import InjectedNgram
 
 from specgate.builders.drafters import build_dflash_drafter, build_dspark_drafter
-from specgate.builders.tiny import build_qwen35_hybrid
+from specgate.builders.tiny import build_qwen3_dense, build_qwen35_hybrid
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.cache.prefix_cache import PrefixCache
 from specgate.engines.drafting.base import Proposal
@@ -52,8 +54,10 @@ from specgate.engines.drafting.dspark.proposer import DSparkProposer
 from specgate.engines.drafting.mtp.loading import load_mtp_head
 from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.drafting.mtp_ngram import MTPNgramProposer
+from specgate.engines.drafting.ngram.proposer import NgramProposer
 from specgate.engines.grammar.matcher import GrammarState, json_constraint, lark_constraint
 from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.sampling import probabilities
 from specgate.engines.targets import target_for
@@ -333,3 +337,67 @@ def test_grammars_build_from_the_checkpoint_tokenizer(hybrid):
     opening = hybrid.tokenizer.encode("{", add_special_tokens=False)
     assert allowed[opening[0]] and allowed.sum() < len(allowed) / 10
     assert hybrid.grammars.state(None) is None
+
+
+# -- streams under a grammar inside a batch (issue 45) ---------------------------------
+
+
+class Dense(Hybrid):
+    """A tiny dense qwen3 with a real byte-level tokenizer: all KV caches,
+    so the batch takes it (mlx_spec/batch_decoder.py); no drafter."""
+
+    def __init__(self, root):  # Hybrid's references and constraint, on another target
+        path = build_qwen3_dense(root / "dense")
+        model, config = load_model(path)
+        model.set_dtype(mx.float32)
+        self.model, self.trunk = model, target_for(model)
+        self.tokenizer = load_tokenizer(path)
+        self.grammars = LoadedModel(str(path), model, self.tokenizer, config, PrefixCache(str(path))).grammars
+        self.eos = frozenset(self.tokenizer.eos_token_ids)
+        self.constraint = json_constraint(SCHEMA, "response_format")
+        self._references = {}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return Dense(tmp_path_factory.mktemp("grammar-dense"))
+
+
+def test_streams_under_a_grammar_decode_in_a_batch_each_as_alone(dense):
+    """Four streams in one BatchSpecDecoder, two held to the JSON schema
+    (n-gram drafts, cut where the grammar refuses them, at depths 3 and 1)
+    beside two free ones (depths 2 and 0): each constrained stream equals
+    plain greedy decoding masked by its own llguidance matcher, each free
+    one plain greedy, token for token, whoever finishes first."""
+    h = dense
+    free = SamplingParams(temperature=0)
+    held = SamplingParams(temperature=0, constraint=h.constraint)
+    streams = {"g3": (held, 3), "f2": (free, 2), "g1": (held, 1), "f0": (free, 0)}
+    ps = dict(zip(streams, prompts(4, seed=5), strict=True))
+    batch, out, drafted = BatchSpecDecoder(h.trunk), {}, 0
+    for key, (params, depth) in streams.items():
+        request = GenerationRequest(key, "m", ps[key], params, MAX_TOKENS,
+                                    Plan("e", "ngram", depth, "spec_on"), h.eos)  # fmt: skip
+        decoder = SpecDecoder(h.trunk, NgramProposer(), request, None, 0, None,
+                              grammar=h.grammars.state(params.constraint))  # fmt: skip
+        step = decoder.prefill()
+        out[key] = [list(step.tokens), step.finish_reason]
+        batch.join(key, decoder)
+    widths = []
+    while batch.decoders:
+        widths.append(len(batch.decoders))
+        for key, step in batch.round({k: d for k, (_, d) in streams.items()}).items():
+            out[key][0] += step.tokens
+            drafted += step.stats.drafted if key.startswith("g") else 0
+            if step.finish_reason is not None:
+                out[key][1] = step.finish_reason
+                batch.leave(key)
+    assert max(widths) == 4
+    for key, (params, _) in streams.items():
+        tokens, finish = out[key]
+        if params.constraint is not None:
+            check(h, ps[key], tokens, finish)
+        else:
+            want, margins = greedy_reference(h.model, ps[key], MAX_TOKENS, h.eos)
+            assert_same_greedy(tokens, want, margins)
+    assert drafted > 0  # the constrained streams did speculate

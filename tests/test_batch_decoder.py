@@ -22,7 +22,7 @@ import random
 import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy, greedy_reference, seeded_reference
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from test_ahead import trunk  # noqa: F401  (the bigram trunk fixture)
 from test_batch_kv import tiny_qwen3
 
@@ -59,11 +59,11 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def decoder(target, key: str) -> SpecDecoder:
+def decoder(target, key: str, proposer=None) -> SpecDecoder:
     i, params, depth = STREAMS[key]
     request = GenerationRequest(key, "m", prompts()[i], params, N_TOKENS,
                                 Plan("mlx_ngram", "ngram", depth, "spec_on"))  # fmt: skip
-    return SpecDecoder(target, NgramProposer(), request, None, 0, None)
+    return SpecDecoder(target, proposer or NgramProposer(), request, None, 0, None)
 
 
 def alone(target, key: str) -> list[int]:
@@ -76,11 +76,12 @@ def alone(target, key: str) -> list[int]:
     return tokens
 
 
-def batched(target) -> tuple[dict[str, list[int]], int]:
+def batched(target, proposer=None) -> tuple[dict[str, list[int]], int]:
+    """`proposer(key)`: each stream's (default: n-gram)."""
     batch, out, accepted = BatchSpecDecoder(target), {}, 0
 
     def join(key):
-        d = decoder(target, key)
+        d = decoder(target, key, proposer(key) if proposer else None)
         out[key] = list(d.prefill().tokens)
         batch.join(key, d)
 
@@ -121,6 +122,53 @@ def test_each_sequence_in_the_batch_decodes_as_it_would_alone(model):
     assert accepted > 0  # copies were drafted and accepted inside the batch
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Qwen3.5 hybrid (GatedDeltaNet layers beside attention, every
+    second layer), float32, random weights."""
+    from mlx_lm.utils import load_model
+
+    from specgate.builders.tiny import build_qwen35_hybrid
+
+    path = build_qwen35_hybrid(tmp_path_factory.mktemp("hybrid"), vocab_size=VOCAB, hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=4, full_attention_interval=2,
+                               tokenizer=False, with_mtp=False, seed=3)  # fmt: skip
+    model, _ = load_model(path)
+    model.set_dtype(mx.float32)
+    return model
+
+
+def test_a_hybrid_s_sequences_decode_in_the_batch_each_as_alone(hybrid):
+    """The same streams on a hybrid: each row's conv window and recurrent
+    state after its own kept steps, picked from the verify forward's tape
+    (HybridTarget.keep_rows), beside the attention layers' own rows; one
+    joining and one leaving mid-way (going on alone on the state it takes)."""
+    from test_ngram_exactness import InjectedNgram
+
+    target = target_for(hybrid)
+    assert any(type(c) is ArraysCache for c in target.make_cache())
+    ps = prompts()
+    # A random hybrid's text rarely repeats: each stream's n-gram index
+    # first sees its own continuation (decoded alone), every 7th token
+    # corrupted, so drafts stand in part and are cut in the batch.
+    truth = {key: alone(target, key) for key in STREAMS}
+
+    def injected(key):
+        wrong = [(t + 1) % VOCAB if j % 7 == 6 else t for j, t in enumerate(truth[key])]
+        return InjectedNgram(ps[STREAMS[key][0]] + wrong)
+
+    got, accepted = batched(target, injected)
+    for key, (i, params, _) in STREAMS.items():
+        if params is GREEDY:
+            want, margins = greedy_reference(hybrid, ps[i], N_TOKENS)
+        elif params is SEEDED:
+            want, margins = seeded_reference(hybrid, ps[i], N_TOKENS, params)
+        else:
+            want, margins = alone(target, key), [1.0] * N_TOKENS
+        assert_same_greedy(got[key], want, margins)
+    assert accepted > 0
+
+
 def test_keeping_every_verified_row_is_caught(model, monkeypatch):
     """Failure injection: each sequence keeps all its rows, the rejected
     drafts' included; some sequence must then go wrong."""
@@ -131,6 +179,19 @@ def test_keeping_every_verified_row_is_caught(model, monkeypatch):
     ps = prompts()
     assert any(got[k] != greedy_reference(model, ps[STREAMS[k][0]], N_TOKENS)[0]
                for k in ("s0", "s1", "s5"))  # fmt: skip
+
+
+class _Rotating:
+    """A target whose caches are a sliding window's (as Gemma-4's are)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def make_cache(self):
+        return [RotatingKVCache(8)]
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
 
 
 def test_what_the_batch_cannot_take_is_refused(model):
@@ -144,10 +205,11 @@ def test_what_the_batch_cannot_take_is_refused(model):
     fresh = decoder(target, "s1")  # not prefilled: its caches hold nothing yet
     with pytest.raises(ValueError, match="all its tokens but the last"):
         batch.join("s1", fresh)
-    hybrid = decoder(target, "s2")
-    hybrid.cache = [ArraysCache(2)]
-    with pytest.raises(ValueError, match="plain KV caches only"):
-        batch.join("s2", hybrid)
+    rotating = decoder(target, "s2")
+    rotating.cache = [RotatingKVCache(8)]  # Gemma-4's sliding windows: not batched
+    with pytest.raises(ValueError, match=r"caches \(RotatingKVCache\) are not batched"):
+        rotating.target = _Rotating(target)
+        BatchSpecDecoder(rotating.target).join("s2", rotating)
     assert d.cache is None  # the batch holds it while joined
     back = batch.leave("s0")
     assert back is d and [c.offset for c in d.cache] == [len(d.tokens) - 1] * len(d.cache)

@@ -22,6 +22,7 @@ import threading
 
 import pytest
 from greedy import assert_same_greedy, greedy_reference
+from test_batch_decoder import hybrid  # noqa: F401  (the tiny hybrid fixture)
 from test_batch_kv import tiny_qwen3
 
 from specgate.engines.base import (
@@ -361,3 +362,17 @@ def test_batch_widths_are_proved_after_the_switch_and_never_inside_a_round(tmp_p
     warmed = {rows for rows, thread in kernel.calls if thread.startswith("kernel-proofs")}
     assert warmed >= {2, 3, 4, *again.kernel_switch.batch_widths}, warmed
     assert guard.checks_run == checks
+
+
+def test_a_hybrid_s_requests_decode_in_one_batch_each_as_alone(hybrid):  # noqa: F811
+    """A Qwen3.5 hybrid (tests/test_batch_decoder.py's): its recurrent
+    layers are batched too, so concurrent requests join one batch rather
+    than queue, and each equals its plain greedy decoding."""
+    ps = prompts(4)
+    jobs = [(*request(i, ps[i], depth=depth), None) for i, depth in enumerate((3, 2, 0, 4))]
+    got = run(hybrid, jobs)
+    assert max(s.batch for _, stats, _ in got for s in stats) >= 3, "they queued"
+    for i, (tokens, _stats, handoff) in enumerate(got):
+        assert handoff is None and len(tokens) == N_TOKENS
+        want, margins = greedy_reference(hybrid, ps[i], N_TOKENS)
+        assert_same_greedy(tokens, want, margins)

@@ -12,19 +12,25 @@ greedy decoding; seeded: its plain seeded sampling, token for token;
 sampled: exactly its target's distribution), whatever the others in the
 batch draft, keep, join or leave.
 
-The trunk's caches are one `forwards.batch_kv.BatchOffsetKV` per layer,
-so each sequence keeps its own accepted drafts plus one (what
-`end_round` says to keep) without moving any data. A decoder joins after
-its prefill (its caches hold every token but the last) and leaves with
-its caches back, so prefill, the prefix cache, handoffs and the
-single-sequence engine keep working on it as they do.
+The trunk's caches are one `forwards.batch_kv.BatchOffsetKV` per
+attention layer, so each sequence keeps its own accepted drafts plus one
+(what `end_round` says to keep) without moving any data. A hybrid's
+recurrent layers (Qwen3.5/3.6's GatedDeltaNet: an mlx-lm ArraysCache of
+conv window and state, batched along its first axis) are undone by the
+tape their verify forward records (targets/qwen3_5.py): each row's
+window and state after its own kept steps, picked on the device
+(`keep_rows`). Caches of other kinds (Gemma-4's rotating windows) are
+refused: `unbatchable` says why, and the engine then queues requests.
+A decoder joins after its prefill (its caches hold every token but the
+last) and leaves with its caches back, so prefill, the prefix cache,
+handoffs and the single-sequence engine keep working on it as they do.
 
 SpecEngine (engine.py) drives it for the requests that reach it while one
-decodes. Not yet here (issue 45): hybrid models' recurrent state
-(refused), the policy's per-round choice for the batch from measured
-costs. The engine proves the verify kernels at a batch's widths in the
-background once its lone widths are switched on (kernel_proofs.py); a
-round wider than the rows proved so far verifies stock meanwhile.
+decodes. Not yet here (issue 45): the policy's per-round choice for the
+batch from measured costs. The engine proves the verify kernels at a
+batch's widths in the background once its lone widths are switched on
+(kernel_proofs.py); a round wider than the rows proved so far verifies
+stock meanwhile.
 """
 
 from __future__ import annotations
@@ -32,12 +38,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets import Forward, Target
 from specgate.kernels import hook
+
+
+def unbatchable(target: Target) -> str | None:
+    """Why `target`'s sequences cannot decode in one batch; None: they can."""
+    kinds = {type(c) for c in target.make_cache()}
+    if kinds <= {KVCache} or (kinds <= {KVCache, ArraysCache} and hasattr(target, "keep_rows")):
+        return None
+    names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
+    return f"its caches ({names}) are not batched: only KV caches and a hybrid's recurrent state"
 
 
 class BatchSpecDecoder:
@@ -48,7 +63,10 @@ class BatchSpecDecoder:
         self.target = target
         self.kernel_rows = kernel_rows
         self.decoders: dict[str, SpecDecoder] = {}  # in batch order
-        self.caches: list[BatchOffsetKV] | None = None
+        self.caches: list[BatchOffsetKV | ArraysCache] | None = None
+        self.refused = unbatchable(target)
+        # recurrent layers: verify forwards record their tape, rows keep by it
+        self.recurrent = any(type(c) is ArraysCache for c in target.make_cache())
 
     def join(self, key: str, decoder: SpecDecoder) -> None:
         """A decoder after its prefill (its caches hold all its tokens but
@@ -58,12 +76,12 @@ class BatchSpecDecoder:
         if decoder.target is not self.target:
             raise ValueError(f"{key}: decodes another target")
         cache = decoder.cache
-        if any(type(c) is not KVCache for c in cache):
-            raise ValueError(f"{key}: batched speculation takes plain KV caches only "
-                             "(a hybrid's recurrent state is not batched yet)")  # fmt: skip
-        if any(c.offset != len(decoder.tokens) - 1 for c in cache):
+        if self.refused is not None:
+            raise ValueError(f"{key}: {self.refused}")
+        if any(type(c) is KVCache and c.offset != len(decoder.tokens) - 1 for c in cache) or any(
+                type(c) is ArraysCache and c[1] is None for c in cache):  # fmt: skip
             raise ValueError(f"{key}: its caches must hold all its tokens but the last")
-        joined = [BatchOffsetKV.from_caches([c]) for c in cache]
+        joined = [BatchOffsetKV.from_caches([c]) if type(c) is KVCache else _arrays(c) for c in cache]
         if self.caches is None:
             self.caches = joined
         else:
@@ -77,11 +95,12 @@ class BatchSpecDecoder:
         keys = list(self.decoders)
         b = keys.index(key)
         decoder = self.decoders.pop(key)
-        decoder.cache = [c.sequence(b, len(decoder.tokens) - 1) for c in self.caches]
+        decoder.cache = [c.sequence(b, len(decoder.tokens) - 1) if isinstance(c, BatchOffsetKV)
+                         else _arrays(c, b) for c in self.caches]  # fmt: skip
         stay = [i for i in range(len(keys)) if i != b]
         if stay:
             for c in self.caches:
-                c.filter(stay)
+                c.filter(stay if isinstance(c, BatchOffsetKV) else mx.array(stay))
         else:
             self.caches = None
         return decoder
@@ -97,7 +116,8 @@ class BatchSpecDecoder:
         layers = sorted({i for _, d in decoders for i in d.proposer.layers})
         unproved = self.kernel_rows is not None and len(decoders) * width > self.kernel_rows()
         with hook.kernels(False) if unproved else self.target.verify_kernels():
-            forward = self.target.forward(rows, self.caches, layers=layers)
+            forward = self.target.forward(rows, self.caches, layers=layers,
+                                          undo="tape" if self.recurrent else None)  # fmt: skip
             logits = self.target.logits(forward.hidden)
         kept = [0] * len(decoders)
         steps = {}
@@ -108,6 +128,33 @@ class BatchSpecDecoder:
             steps[key] = d.end_round(p, row, logits[b, :n], lambda k, b=b: kept.__setitem__(b, k))
         kept_arr = mx.array(kept, dtype=mx.int32)
         for c in self.caches:
-            c.keep(kept_arr)
-            c.settle([h + k for h, k in zip(held, kept, strict=True)])
+            if isinstance(c, BatchOffsetKV):
+                c.keep(kept_arr)
+                c.settle([h + k for h, k in zip(held, kept, strict=True)])
+        if self.recurrent:
+            self.target.keep_rows(self.caches, forward, kept_arr)
         return steps
+
+
+def batched_caches(sequences: list[list]) -> list:
+    """Several sequences' caches (each per layer, as make_cache gives them)
+    as one batch's, in order."""
+    layers = []
+    for per_layer in zip(*sequences, strict=True):
+        if type(per_layer[0]) is KVCache:
+            layers.append(BatchOffsetKV.from_caches(list(per_layer)))
+        else:
+            joined = _arrays(per_layer[0])
+            for other in per_layer[1:]:
+                joined.extend(other)
+            layers.append(joined)
+    return layers
+
+
+def _arrays(cache: ArraysCache, row: int | None = None) -> ArraysCache:
+    """A recurrent layer's arrays as a cache of its own: all of them (a
+    sequence joining: the batch's to extend), or one row of a batch's (a
+    sequence leaving)."""
+    own = ArraysCache(len(cache.cache))
+    own.cache = list(cache.cache) if row is None else [a[row : row + 1] for a in cache.cache]
+    return own

@@ -30,7 +30,6 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from specgate.engines.base import (
     EngineError,
@@ -53,7 +52,7 @@ from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import CompiledRounds
-from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
+from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder, unbatchable
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
 from specgate.engines.settings import DraftSettings
@@ -450,11 +449,11 @@ class SpecEngine(WorkerEngine):
     def _batches(self) -> bool:
         """Whether requests that come while one decodes join it in one
         batch (mlx_spec/batch_decoder.py) rather than wait their turn: where
-        every cache is a plain KV cache (a hybrid's recurrent state is not
-        batched yet) and the model is not split across ranks."""
+        the batch takes its caches (KV caches, a hybrid's recurrent state;
+        not Gemma-4's rotating windows) and the model is not split across
+        ranks."""
         if self._batchable is None:
-            self._batchable = self.loaded.lockstep is None and all(
-                type(c) is KVCache for c in self.target.make_cache())
+            self._batchable = self.loaded.lockstep is None and unbatchable(self.target) is None
         return self._batchable
 
     def _batched(self, first: _Stream, waiting: deque[_Job]) -> _Stream | None:

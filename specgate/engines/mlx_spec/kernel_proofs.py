@@ -39,10 +39,10 @@ import threading
 from collections.abc import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache
 
-from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_spec.batch_decoder import batched_caches, unbatchable
 from specgate.engines.targets import Target
 from specgate.kernels import hook, qmm
 from specgate.kernels.guard import Unproved, recorded_only
@@ -219,8 +219,9 @@ class KernelSwitch:
         """One batched verify forward per (streams, rows each) shape, each
         stream a one-token sequence, through the kernels where the rows are
         proved (a wider one runs stock, as its round would)."""
-        if not self.batch_shapes or not all(type(c) is KVCache for c in self.target.make_cache()):
+        if not self.batch_shapes or unbatchable(self.target) is not None:
             return  # the engine does not batch this model (mlx_spec/engine.py)
+        recurrent = any(type(c) is ArraysCache for c in self.target.make_cache())  # as its rounds, by tape
         for streams in sorted({b for b, _ in self.batch_shapes}):
             with self.loaded.lock:
                 caches = [self.target.make_cache() for _ in range(streams)]
@@ -232,11 +233,10 @@ class KernelSwitch:
                 if self._stop.is_set():
                     return
                 with self.loaded.lock:
-                    batch = [BatchOffsetKV.from_caches([c[i] for c in caches])
-                             for i in range(len(caches[0]))]  # fmt: skip
+                    batch = batched_caches(caches)
                     tokens = mx.zeros((b, n), dtype=mx.int32)
                     with hook.kernels(b * n <= self.rows):
-                        forward = self.target.forward(tokens, batch)
+                        forward = self.target.forward(tokens, batch, undo="tape" if recurrent else None)
                         mx.eval(self.target.logits(forward.hidden))
 
     def _warm(self, width: int) -> None:

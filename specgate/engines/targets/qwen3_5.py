@@ -135,5 +135,20 @@ class HybridTarget(TransformerTarget):
             else:
                 c.keep(kept)
 
+    def keep_rows(self, cache: list, forward, kept: mx.array) -> None:
+        """`keep` for a batch of sequences (mlx_spec/batch_decoder.py): row
+        b's conv window and recurrent state after its own `kept[b]` steps
+        (kept: (B,) on the device). Its attention layers keep their own
+        rows (forwards/batch_kv.py)."""
+        layers = iter(forward.undo[1])
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                lt = next(layers)
+                window = lt.conv_input.shape[1] - len(lt.states)
+                at = kept[:, None] + mx.arange(window)[None]  # (B, window)
+                c[0] = mx.take_along_axis(lt.conv_input, at[..., None], axis=1)
+                states = mx.stack(lt.states, axis=1)  # (B, T, Hv, Dv, Dk)
+                c[1] = mx.take_along_axis(states, (kept - 1).reshape(-1, 1, 1, 1, 1), axis=1)[:, 0]
+
 
 Adapter = HybridTarget

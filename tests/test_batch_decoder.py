@@ -12,7 +12,9 @@ sequence accepted (failure injection) is caught. What the batch cannot
 take yet (a hybrid's caches, a decoder mid-way) is refused with a reason.
 On tests/test_ahead.py's bigram trunk, sequences drafting with the MTP
 head (each its own head caches) beside an n-gram one are exact too, and
-most of their drafts stand.
+most of their drafts stand. On a tiny Qwen3.5 hybrid (GatedDeltaNet
+layers, each row's state kept by the verify forward's tape) the same
+streams, and MTP streams on its own head, are exact as well.
 """
 
 from __future__ import annotations
@@ -247,3 +249,43 @@ def test_mtp_streams_draft_with_their_own_head_caches_inside_the_batch(trunk):  
         want, margins = greedy_reference(model, p, N_TOKENS)
         assert_same_greedy(out[f"m{i}"], want, margins)
     assert accepted > 0.8 * drafted > 0
+
+
+def test_a_hybrid_s_mtp_head_drafts_inside_the_batch(tmp_path):
+    """A Qwen3.5 hybrid drafting with its own MTP head (random: few drafts
+    stand) at depths 3, 2 and 1 beside an n-gram stream, in one batch whose
+    recurrent layers each row keeps by the tape: every stream equals its
+    plain greedy decoding."""
+    from mlx_lm.utils import load_model
+
+    from specgate.builders.tiny import build_qwen35_hybrid
+    from specgate.engines.drafting.mtp.loading import load_mtp_head
+    from specgate.engines.loading import load_mlx_model
+
+    path = build_qwen35_hybrid(tmp_path / "hybrid-mtp", vocab_size=512, hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=4, full_attention_interval=2,
+                               seed=5)  # fmt: skip  (512: room for its tokenizer, which loading wants)
+    model, _ = load_model(path)
+    model.set_dtype(mx.float32)
+    head = load_mtp_head(load_mlx_model(str(path)))
+    head.set_dtype(mx.float32)
+    target = target_for(model)
+    ps = prompts()[:4]
+    batch, out, depths, drafted = BatchSpecDecoder(target), {}, {}, 0
+    for i, (p, depth) in enumerate(zip(ps, (3, 2, 1, 3), strict=True)):
+        proposer = MTPProposer(target, head) if i < 3 else NgramProposer()
+        request = GenerationRequest(f"m{i}", "m", p, GREEDY, N_TOKENS,
+                                    Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
+        d = SpecDecoder(target, proposer, request, None, 0, None)
+        out[f"m{i}"], depths[f"m{i}"] = list(d.prefill().tokens), depth
+        batch.join(f"m{i}", d)
+    while batch.decoders:
+        for key, step in batch.round(depths).items():
+            out[key] += step.tokens
+            drafted += step.stats.drafted if key != "m3" else 0
+            if step.finish_reason is not None:
+                batch.leave(key)
+    for i, p in enumerate(ps):
+        want, margins = greedy_reference(model, p, N_TOKENS)
+        assert_same_greedy(out[f"m{i}"], want, margins)
+    assert drafted > 0

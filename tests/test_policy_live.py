@@ -168,6 +168,37 @@ def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_bat
     assert plan.method == "none"
 
 
+def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
+    """Before any batched round ran, `specgate tune`'s curve prices one: a
+    forward of batch x (depth + 1) rows plus each sequence's drafting. Where
+    verify rows are nearly free (a GPU through the kernels) a busy model
+    speculates in a batch from the start; where they cost what they
+    compute (a CPU) it batches plainly; past the widths tune measured the
+    prior says nothing."""
+    from specgate.policies.costs import DraftCost
+    from specgate.policies.decide import decide
+
+    def prior(verify_row: float) -> CostModel:
+        curve = {m: 1 + verify_row * (m - 1) for m in range(1, 17)}
+        return CostModel(verify={64: curve, 4096: curve}, draft={"mtp": DraftCost(0.1, 0.05)},
+                         batched={b: b / (1 + 0.05 * (b - 1)) for b in range(1, 17)},
+                         plain_step=1.1, c1_seconds=0.010)  # fmt: skip
+
+    busy, accept = LiveState(3, 0, 100), {"mtp": [0.8, 0.8, 0.8]}  # a batch of 4 with this one
+    gpu = CostView(LiveCosts(), prior(0.02))
+    est = gpu.batched_round("mtp", 2, 4, 100)
+    assert est.source == "tune"
+    assert est.seconds == pytest.approx(0.010 * (1 + 0.02 * 11 + 4 * 0.2))
+    assert gpu.batched_round("mtp", 4, 4, 100) is None  # 20 rows: past the 16 measured
+    assert gpu.batched_round("ngram", 2, 4, 100) is None  # its rounds were never timed
+    plan = decide(MTP, RequestFeatures(100, False), busy, gpu, accept)
+    assert (plan.method, plan.reason, plan.source) == ("mtp", "spec_on", "tune")
+    cpu = CostView(LiveCosts(), prior(0.5))  # alone, speculation would still win
+    assert decide(MTP, RequestFeatures(100, False), LiveState(0, 0, 100), cpu, accept).method == "mtp"
+    plan = decide(MTP, RequestFeatures(100, False), busy, cpu, accept)
+    assert (plan.method, plan.reason) == ("none", "concurrency")
+
+
 def test_explorer_tries_what_is_unmeasured_at_once_then_a_capped_share():
     ex = Explorer(every=16, max_every=64, unmeasured_tries=2)
     assert ex.choose("mtp", {"mtp": False, "none": False}) == "none"  # nothing known: try it

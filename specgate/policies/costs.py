@@ -95,6 +95,17 @@ class CostModel:
         """One speculative round at this depth: its verify and its drafting."""
         return self.verify_cost(depth + 1, context) + self.draft.get(method, DraftCost())(depth)
 
+    def batched_round_cost(self, method: str, depth: int, batch: int, context: int) -> float | None:
+        """One round of `batch` sequences each drafting `depth` tokens, all
+        verified in one forward (a speculative engine's batch, issue 45):
+        that forward of batch x (depth + 1) rows, and each sequence's own
+        drafting and fixed work; None past the widths measured (the curve
+        is flat only as far as it was timed)."""
+        rows = batch * (depth + 1)
+        if rows > self.max_width():
+            return None
+        return self.verify_cost(rows, context) + batch * self.draft.get(method, DraftCost())(depth)
+
 
 def _at(curve: Mapping[int, float], x: int) -> float:
     """curve at x, linear between measured points, held beyond the last."""

@@ -179,13 +179,18 @@ class CostView:
 
     def batched_round(self, method: Method, depth: int, batch: int, context: int) -> Estimate | None:
         """One round of `batch` sequences each drafting `depth` tokens of
-        `method`, verified in one forward: live where measured, never less
-        than a plain step of the same batch (the floor `round` keeps)."""
-        e = self.live.batched(method, depth, batch, context_bucket(context))
-        if e is None:
+        `method`, verified in one forward: live where measured, else the
+        tune prior's (its verify curve at batch x (depth + 1) rows), never
+        less than a plain step of the same batch (the floor `round` keeps)."""
+        if (e := self.live.batched(method, depth, batch, context_bucket(context))) is not None:
+            est = Estimate(e.mean, "live")
+        elif self.prior is not None and method in self.prior.draft and (
+                prior := self.prior.batched_round_cost(method, depth, batch, context)) is not None:  # fmt: skip
+            est = Estimate(self.prior.c1_seconds * prior * self._scale, "tune")
+        else:
             return None
         floor = self.plain(batch, context)
-        return Estimate(max(e.mean, floor.seconds if floor is not None else 0.0), "live")
+        return Estimate(max(est.seconds, floor.seconds if floor is not None else 0.0), est.source)
 
     def round(self, method: Method, depth: int, context: int) -> Estimate | None:
         """One round of `method` drafting `depth` tokens, never less than one

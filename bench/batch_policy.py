@@ -4,14 +4,15 @@
 
 Starts `specgate serve` on loopback with the demo model on its plain and
 MTP engines (the policy deciding between them), then at each number of
-concurrent streams sends that many streaming chat requests at once, twice
-per repeat in alternating order: with `X-Specgate-Method: none` (plain
-continuous batching) and without (the policy's plan for every request and
-every round). Prints, per stream count, aggregate completion tokens/s of
-each and their ratio (policy / plain), median [min, max] over the repeats,
-and the plans decided (the gateway's /metrics). Issue 45 asks
-that the policy never make a batch slower than plain batching by more
-than 3 % on a CPU.
+concurrent streams sends that many streaming chat requests at once, three
+times per repeat in rotating order: with `X-Specgate-Method: none` (plain
+continuous batching), without (the policy's plan for every request and
+every round), and with `X-Specgate-Method: mtp` (speculation in the MTP
+engine's batch, every request held to it). Prints, per stream count,
+aggregate completion tokens/s of each and their ratios over plain, median
+[min, max] over the repeats, and the plans decided (the gateway's
+/metrics). Issue 45 asks that the policy never make a batch slower than
+plain batching by more than 3 % on a CPU.
 
 Each request gets its own prompt (code-like text with its stream, repeat
 and side in it), so neither side is served from the other's prefill.
@@ -37,16 +38,18 @@ sys.path.insert(0, str(HERE))
 from serving import serving  # noqa: E402
 
 
-def prompt(i: int, rep: int, plain: bool) -> str:
-    """Its own text per request, repeat and side: neither side finds the
-    other's prompt in the prefix cache."""
-    side = "p" if plain else "q"
+def prompt(i: int, rep: int, side: str) -> str:
+    """Its own text per request, repeat and side: no side finds another's
+    prompt in the prefix cache."""
     return (f"def handler_{side}{rep}_{i}(request):\n    # parse the body and answer\n"
             f"    body = request.json()\n    for item in body['items'][{i}:]:\n")  # fmt: skip
 
 
-async def one(client: openai.AsyncOpenAI, text: str, tokens: int, plain: bool) -> int:
-    headers = {"X-Specgate-Method": "none"} if plain else {}
+SIDES = ("plain", "policy", "mtp")  # X-Specgate-Method none, nothing, mtp
+
+
+async def one(client: openai.AsyncOpenAI, text: str, tokens: int, side: str) -> int:
+    headers = {} if side == "policy" else {"X-Specgate-Method": "none" if side == "plain" else side}
     stream = await client.chat.completions.create(
         model="specgate-demo", messages=[{"role": "user", "content": text}], max_tokens=tokens,
         temperature=0, stream=True, stream_options={"include_usage": True}, extra_headers=headers)  # fmt: skip
@@ -57,11 +60,11 @@ async def one(client: openai.AsyncOpenAI, text: str, tokens: int, plain: bool) -
     return used
 
 
-async def burst(url: str, streams: int, rep: int, tokens: int, plain: bool) -> float:
+async def burst(url: str, streams: int, rep: int, tokens: int, side: str) -> float:
     """Aggregate completion tokens/s of `streams` requests sent at once."""
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600) as client:
         t0 = time.perf_counter()
-        used = await asyncio.gather(*(one(client, prompt(i, rep, plain), tokens, plain) for i in range(streams)))
+        used = await asyncio.gather(*(one(client, prompt(i, rep, side), tokens, side) for i in range(streams)))
         return sum(used) / (time.perf_counter() - t0)
 
 
@@ -80,27 +83,26 @@ def main() -> int:
     model = {"id": "specgate-demo", "path": "builtin:demo", "engines": ["mlx_plain", "mlx_mtp"]}
     with tempfile.TemporaryDirectory() as tmp, serving([model], Path(tmp), home=Path(tmp) / "home") as (url, _):
         for n in counts:  # untimed: each batch width's graphs built once
-            asyncio.run(burst(url, n, -1, 8, True))
-            asyncio.run(burst(url, n, -1, 8, False))
+            for side in SIDES:
+                asyncio.run(burst(url, n, -1, 8, side))
         for n in counts:
-            plain, policy, ratio = [], [], []
+            got = {side: [] for side in SIDES}
             for rep in range(a.reps):
-                sides = [True, False] if rep % 2 == 0 else [False, True]
-                got = {side: asyncio.run(burst(url, n, rep, a.tokens, side)) for side in sides}
-                plain.append(got[True])
-                policy.append(got[False])
-                ratio.append(got[False] / got[True])
-                print(f"  {n} streams, repeat {rep + 1}: plain {got[True]:.1f}, policy {got[False]:.1f} tok/s",
-                      flush=True)  # fmt: skip
-            rows[n] = (plain, policy, ratio)
+                for side in SIDES[rep % 3 :] + SIDES[: rep % 3]:  # each goes first in turn
+                    got[side].append(asyncio.run(burst(url, n, rep, a.tokens, side)))
+                print(f"  {n} streams, repeat {rep + 1}: "
+                      + ", ".join(f"{side} {got[side][-1]:.1f}" for side in SIDES) + " tok/s", flush=True)
+            rows[n] = got
         # Every plan decided, warm-up included (the gateway's /metrics).
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         plans = re.findall(r'^specgate_plan_decisions_total\{(.*)\} (\S+)$', metrics, re.M)
     print(f"\n## the policy vs plain batching (demo model, this machine; {a.reps} repeats, "
           f"{a.tokens} tokens a request)")  # fmt: skip
-    print("streams | plain tok/s | policy tok/s | policy / plain")
-    for n, (plain, policy, ratio) in rows.items():
-        print(f"{n} | {summary(plain, '.1f')} | {summary(policy, '.1f')} | {summary(ratio)}")
+    print("streams | plain tok/s | policy tok/s | mtp tok/s | policy / plain | mtp / plain")
+    for n, got in rows.items():
+        ratios = [[x / p for x, p in zip(got[side], got["plain"], strict=True)] for side in ("policy", "mtp")]
+        print(f"{n} | " + " | ".join(summary(got[side], ".1f") for side in SIDES) + " | "
+              + " | ".join(summary(r) for r in ratios))
     print("plans decided (requests and rounds, both sides, warm-up included):")
     for labels, count in plans:
         print(f"  {labels}: {float(count):.0f}")

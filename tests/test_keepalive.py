@@ -63,6 +63,42 @@ def stalls(gw) -> str:
     return "\n".join([*held, stuck])
 
 
+def starved(gw) -> list[tuple[float, float]]:
+    """(start, end), on this machine's monotonic clock, of each time the
+    gateway's loop watch saw its whole process wait for a CPU most of the
+    time (gateway/serving/loop_watch.py): the OS ran none of it then, so no
+    server could have sent a byte. A CI machine running agents, builds and
+    proofs beside this test had load 15 on 2 cores and left the gateway
+    runnable but unrun for 22 s at a stretch."""
+    found = re.finditer(r"held up for ([\d.]+) s \(from monotonic ([\d.]+)\), ([\d.]+) s of it "
+                        r"waiting for a CPU", gw.log())  # fmt: skip
+    return [(float(m[2]), float(m[2]) + float(m[1])) for m in found if float(m[3]) > float(m[1]) / 2]
+
+
+def cpu_wait() -> float:
+    """Seconds this thread has been runnable without a CPU (schedstat)."""
+    import threading
+
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def silences(arrivals: list[tuple[float, float, bytes]], start: float, until: float, gw) -> list[float]:
+    """The waits between keep-alives, from the request's `start` until the
+    first token at `until` (arrivals: (monotonic time, this thread's CPU
+    wait, line)), each less the time in it that the OS ran neither side:
+    the gateway's process (`starved`) or this client (its own wait for a
+    CPU between the two lines)."""
+    away = starved(gw)
+    marks = [(start, 0.0)] + [(t, w) for t, w, line in arrivals if keepalive(line) and t < until]
+    end = next((w for t, w, _ in arrivals if t >= until), marks[-1][1])
+    out = []
+    for (a, wa), (b, wb) in zip(marks, [*marks[1:], (until, end)], strict=True):
+        server = sum(max(0.0, min(b, e) - max(a, s)) for s, e in away)
+        out.append(b - a - max(server, wb - wa))
+    return out
+
+
 def keepalive(line: bytes) -> bool:
     return line.startswith(b": keepalive") or line == b"event: ping"
 
@@ -80,19 +116,21 @@ def test_a_slow_first_token_is_preceded_by_keepalives(server, api):
     path, body = REQUESTS[api]
     body = body | {"model": "tiny", "stream": True, "temperature": 0,
                    ("max_output_tokens" if api == "responses" else "max_tokens"): 4}  # fmt: skip
-    arrivals: list[tuple[float, bytes]] = []
-    t0 = time.monotonic()
+    arrivals: list[tuple[float, float, bytes]] = []  # (at, this thread's CPU wait then, line)
+    t0, w0 = time.monotonic(), cpu_wait()
     with httpx.stream("POST", server.base_url + path, json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()[:300]
         for line in r.iter_lines():
-            arrivals.append((time.monotonic() - t0, line.encode()))
-    alive = [t for t, line in arrivals if keepalive(line)]
-    first = next(t for t, line in arrivals if first_token(line) and not keepalive(line))
+            arrivals.append((time.monotonic(), cpu_wait() - w0, line.encode()))
+    alive = [t for t, _, line in arrivals if keepalive(line)]
+    first = next(t for t, _, line in arrivals if first_token(line) and not keepalive(line))
     assert [t for t in alive if t < first], (first, alive)
     # Every wait before the first token is bounded by the period (the issue
-    # asks for one at least every 5 s; the period here is 0.2 s).
-    gaps = [b - a for a, b in zip([0.0, *alive], [*alive, first], strict=True) if a < first]
-    assert max(gaps) < 5.0, (gaps, stalls(server))
+    # asks for one at least every 5 s; the period here is 0.2 s), but for
+    # the time the OS ran neither the gateway nor this client.
+    gaps = silences(arrivals, t0, first, server)
+    raw = [b - a for a, b in zip([t0, *alive], [*alive, first], strict=True) if a < first]
+    assert max(gaps) < 5.0, (gaps, raw, stalls(server))
 
 
 def test_a_client_leaving_during_the_keepalives_stops_the_prefill(server):
@@ -170,21 +208,23 @@ def test_a_20k_token_prompt_gets_a_keepalive_at_least_every_5_s(default_server, 
     body = ({"input": text, "max_output_tokens": 2} if api == "responses" else
             {"messages": [{"role": "user", "content": text}], "max_tokens": 2})  # fmt: skip
     body |= {"model": "tiny", "stream": True, "temperature": 0}
-    arrivals: list[tuple[float, bytes]] = []
-    t0 = time.monotonic()
+    arrivals: list[tuple[float, float, bytes]] = []  # (at, this thread's CPU wait then, line)
+    t0, w0 = time.monotonic(), cpu_wait()
     with httpx.stream("POST", default_server.base_url + path, json=body, timeout=600) as r:
         assert r.status_code == 200, r.read()[:300]
         for line in r.iter_lines():
-            arrivals.append((time.monotonic() - t0, line.encode()))
+            arrivals.append((time.monotonic(), cpu_wait() - w0, line.encode()))
             if first_token(line.encode()):
                 break
     first = arrivals[-1][0]
-    alive = [(t, line) for t, line in arrivals if keepalive(line)]
-    gaps = [b - a for a, b in zip([0.0, *(t for t, _ in alive)], [*(t for t, _ in alive), first],
-                                  strict=True)]  # fmt: skip
+    alive = [(t, line) for t, _, line in arrivals if keepalive(line)]
     # The prefill must outlast a period, or this measures nothing.
-    assert first > 5.0 and alive, (first, alive)
-    assert max(gaps) < 5.0, (gaps, stalls(default_server))
+    assert first - t0 > 5.0 and alive, (first - t0, alive)
+    # At least every 5 s, but for the time the OS ran neither side.
+    gaps = silences(arrivals, t0, first, default_server)
+    raw = [b - a for a, b in zip([t0, *(t for t, _ in alive)], [*(t for t, _ in alive), first],
+                                 strict=True)]  # fmt: skip
+    assert max(gaps) < 5.0, (gaps, raw, stalls(default_server))
     if api != "messages":  # Anthropic's ping carries nothing; the comments say how far
         counts = [tuple(map(int, line.split()[-1].split(b"/"))) for _, line in alive
                   if re.fullmatch(rb": keepalive \d+/\d+", line)]  # fmt: skip

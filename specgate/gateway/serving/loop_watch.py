@@ -88,7 +88,8 @@ class LoopWatch:
         elif cpu_wait > late / 2:
             why = f"{cpu_wait:.1f} s of it waiting for a CPU: the machine is overloaded (load {_load()})"
         else:
-            why = f"only {cpu_wait:.1f} s of it waiting for a CPU: a thread held the GIL"
+            why = (f"only {cpu_wait:.1f} s of it waiting for a CPU: a thread held the GIL "
+                   "(or the process was stopped)")
         log.warning("the whole process was held up for %.1f s (from monotonic %.3f), %s",
                     late, since, why)  # fmt: skip
 

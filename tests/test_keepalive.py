@@ -76,11 +76,15 @@ def starved(gw) -> list[tuple[float, float]]:
 
 
 def cpu_wait() -> float:
-    """Seconds this thread has been runnable without a CPU (schedstat)."""
+    """Seconds this thread has been runnable without a CPU (Linux's
+    schedstat; 0 where the kernel does not say, as on macOS)."""
     import threading
 
-    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-        return int(f.read().split()[1]) / 1e9
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 
 
 def silences(arrivals: list[tuple[float, float, bytes]], start: float, until: float, gw) -> list[float]:

@@ -126,7 +126,7 @@ class KernelSwitch:
     def _modules(self):
         return [m for m in (self.loaded.model, self.drafter) if m is not None]
 
-    def _recorded(self, widths: range) -> bool:
+    def _recorded(self, widths: Sequence[int]) -> bool:
         """Whether every verdict for `widths` is recorded for this machine."""
         from specgate.engines import kernel_wiring
 
@@ -138,7 +138,7 @@ class KernelSwitch:
             return False
         return True
 
-    def _prove(self, widths: range) -> bool:
+    def _prove(self, widths: Sequence[int]) -> bool:
         """Proves `widths` for the trunk and the drafter (False: stopped)."""
         from specgate.engines import kernel_wiring
 

@@ -193,6 +193,10 @@ def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
     assert gpu.batched_round("ngram", 2, 4, 100) is None  # its rounds were never timed
     plan = decide(MTP, RequestFeatures(100, False), busy, gpu, accept)
     assert (plan.method, plan.reason, plan.source) == ("mtp", "spec_on", "tune")
+    # 16 streams: even one draft each is 32 rows, past what tune measured
+    # (and past the engine's batch of 8): plain batching, by the same rule.
+    plan = decide(MTP, RequestFeatures(100, False), LiveState(15, 0, 100), gpu, accept)
+    assert (plan.method, plan.reason) == ("none", "concurrency")
     cpu = CostView(LiveCosts(), prior(0.5))  # alone, speculation would still win
     assert decide(MTP, RequestFeatures(100, False), LiveState(0, 0, 100), cpu, accept).method == "mtp"
     plan = decide(MTP, RequestFeatures(100, False), busy, cpu, accept)

@@ -285,7 +285,7 @@ class _HoldsBatchWidths:
         rows = x.size // x.shape[-1]
         self.calls.append((rows, threading.current_thread().name))
         if rows > self.lone and threading.current_thread().name.startswith("kernel-proofs"):
-            assert self.release.wait(30), "the test never released the proofs"
+            assert self.release.wait(120), "the test never released the proofs"
         return qmm.reference_qmm(x, wq, s, b, gs, bits)
 
 

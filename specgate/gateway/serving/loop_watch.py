@@ -83,15 +83,8 @@ class LoopWatch:
         """This watch woke `late` s after it should have: the process did not run."""
         cpu_wait = None if waited is None else _cpu_wait_s() - waited
         self.pauses.append((since, late, cpu_wait))
-        if cpu_wait is None:
-            why = "the kernel does not say why"
-        elif cpu_wait > late / 2:
-            why = f"{cpu_wait:.1f} s of it waiting for a CPU: the machine is overloaded (load {_load()})"
-        else:
-            why = (f"only {cpu_wait:.1f} s of it waiting for a CPU: a thread held the GIL "
-                   "(or the process was stopped)")
         log.warning("the whole process was held up for %.1f s (from monotonic %.3f), %s",
-                    late, since, why)  # fmt: skip
+                    late, since, pause_cause(late, cpu_wait))  # fmt: skip
 
     def _stacks(self) -> str:
         names = {t.ident: t.name for t in threading.enumerate()}
@@ -102,6 +95,17 @@ class LoopWatch:
             which = "event loop" if ident == self.loop_thread else names.get(ident, "?")
             out.append(f"-- thread {which} ({ident}):\n" + "".join(traceback.format_stack(frame)))
         return "\n".join(out)
+
+
+def pause_cause(late: float, cpu_wait: float | None) -> str:
+    """Why a pause of `late` s happened, given how much of it this thread
+    spent runnable without a CPU."""
+    if cpu_wait is None:
+        return "the kernel does not say why"
+    if cpu_wait > late / 2:
+        return f"{cpu_wait:.1f} s of it waiting for a CPU: the machine is overloaded (load {_load()})"
+    return (f"only {cpu_wait:.1f} s of it waiting for a CPU: a thread held the GIL "
+            "(or the process was stopped)")
 
 
 def _cpu_wait_s() -> float | None:

@@ -107,6 +107,10 @@ def test_each_agent_gets_the_servers_model_and_context(gw, tmp_path):
     assert env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == str(CONTEXT // 4)
     settings = json.loads(files[env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"]])
     assert settings["model"]["generationConfig"]["contextWindowSize"] == CONTEXT
+    # Its stream guards: a long prefill (keep-alives are comments to its SDK)
+    # is not given up at 240 s and sent again.
+    assert settings["model"]["generationConfig"]["streamIdleTimeoutMs"] == 3_600_000
+    assert settings["model"]["generationConfig"]["streamMaxLifetimeMs"] == 0
     # Its background memory agents: a second full prefill per turn, off.
     assert settings["memory"] == {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
                                   "enableAutoSkill": False}  # fmt: skip

@@ -145,6 +145,9 @@ def _opencode(t: Target) -> AgentConfig:
     return AgentConfig({"OPENCODE_CONFIG_CONTENT": json.dumps(config)})
 
 
+STREAM_IDLE_MS = 3_600_000  # Qwen Code's stream idle guard under launch (its own: 240 s)
+
+
 def _qwen(t: Target) -> AgentConfig:
     from specgate.engines.home import launch_dir
 
@@ -158,10 +161,18 @@ def _qwen(t: Target) -> AgentConfig:
     # everyone's requests. Off unless the user turns them on.
     settings: dict = {"memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
                                  "enableAutoSkill": False}}  # fmt: skip
+    # Its stream guards: a stream that sends no chunk for 4 minutes is given
+    # up and the whole request sent again, and none may last 15. specgate's
+    # keep-alives during a long prefill are SSE comments, which its SDK does
+    # not count as chunks: a 250 s prefill on a busy CI box was cancelled
+    # and retried. A local box's long prompt may take that long, and its
+    # answer longer: the idle guard at an hour, the lifetime guard off.
+    generation: dict = {"streamIdleTimeoutMs": STREAM_IDLE_MS, "streamMaxLifetimeMs": 0}
     if t.context:
         env["QWEN_CODE_MAX_OUTPUT_TOKENS"] = str(t.reply_cap)
         # The window has no variable either.
-        settings["model"] = {"generationConfig": {"contextWindowSize": t.context}}
+        generation["contextWindowSize"] = t.context
+    settings["model"] = {"generationConfig": generation}
     defaults = launch_dir() / "qwen" / "system-defaults.json"
     env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"] = str(defaults)
     return AgentConfig(env, args=["--auth-type", "openai"],

@@ -226,13 +226,21 @@ def test_mtp_streams_draft_with_their_own_head_caches_inside_the_batch(trunk):  
     from test_ahead import head as bigram_head
 
     model, args = trunk
-    target, h = target_for(model), bigram_head(args, 0.05)
     rng = random.Random(9)
     ps = [[rng.randrange(model.args.vocab_size) for _ in range(n)] for n in (5, 12, 8, 3)]
+    drafted, accepted = mtp_beside_ngram(model, bigram_head(args, 0.05), ps)
+    assert accepted > 0.8 * drafted > 0
+
+
+def mtp_beside_ngram(model, head, ps: list[list[int]]) -> tuple[int, int]:
+    """Four streams in one batch, the first three drafting with `head` at
+    depths 3, 2 and 1, the last with n-grams at 3; each must equal its plain
+    greedy decoding. Returns the MTP streams' (drafted, accepted)."""
+    target = target_for(model)
     batch, out, depths = BatchSpecDecoder(target), {}, {}
     drafted = accepted = 0
     for i, (p, depth) in enumerate(zip(ps, (3, 2, 1, 3), strict=True)):
-        proposer = MTPProposer(target, h) if i < 3 else NgramProposer()
+        proposer = MTPProposer(target, head) if i < 3 else NgramProposer()
         request = GenerationRequest(f"m{i}", "m", p, GREEDY, N_TOKENS,
                                     Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
         d = SpecDecoder(target, proposer, request, None, 0, None)
@@ -248,7 +256,7 @@ def test_mtp_streams_draft_with_their_own_head_caches_inside_the_batch(trunk):  
     for i, p in enumerate(ps):
         want, margins = greedy_reference(model, p, N_TOKENS)
         assert_same_greedy(out[f"m{i}"], want, margins)
-    assert accepted > 0.8 * drafted > 0
+    return drafted, accepted
 
 
 def test_a_hybrid_s_mtp_head_drafts_inside_the_batch(tmp_path):
@@ -269,23 +277,5 @@ def test_a_hybrid_s_mtp_head_drafts_inside_the_batch(tmp_path):
     model.set_dtype(mx.float32)
     head = load_mtp_head(load_mlx_model(str(path)))
     head.set_dtype(mx.float32)
-    target = target_for(model)
-    ps = prompts()[:4]
-    batch, out, depths, drafted = BatchSpecDecoder(target), {}, {}, 0
-    for i, (p, depth) in enumerate(zip(ps, (3, 2, 1, 3), strict=True)):
-        proposer = MTPProposer(target, head) if i < 3 else NgramProposer()
-        request = GenerationRequest(f"m{i}", "m", p, GREEDY, N_TOKENS,
-                                    Plan("mlx_mtp", "mtp", depth, "spec_on"))  # fmt: skip
-        d = SpecDecoder(target, proposer, request, None, 0, None)
-        out[f"m{i}"], depths[f"m{i}"] = list(d.prefill().tokens), depth
-        batch.join(f"m{i}", d)
-    while batch.decoders:
-        for key, step in batch.round(depths).items():
-            out[key] += step.tokens
-            drafted += step.stats.drafted if key != "m3" else 0
-            if step.finish_reason is not None:
-                batch.leave(key)
-    for i, p in enumerate(ps):
-        want, margins = greedy_reference(model, p, N_TOKENS)
-        assert_same_greedy(out[f"m{i}"], want, margins)
+    drafted, _ = mtp_beside_ngram(model, head, prompts()[:4])
     assert drafted > 0

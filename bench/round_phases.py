@@ -113,19 +113,15 @@ class OracleAhead(AheadDecoder):
         self.reference = mx.array(reference + [0] * 64, dtype=mx.int32)
         self.accept, self.vocab = accept, vocab
         self.rng = random.Random(seed)
-        self.position: mx.array | None = None
 
-    def _hook_inputs(self, k):
-        if self.position is None:
-            self.position = mx.array(self.generated, dtype=mx.int32)
+    def _hook_inputs(self, k, in_flight):
+        # The round starts where the one in flight (if any) leaves the sequence.
+        position = mx.array(self.generated, dtype=mx.int32)
+        if in_flight is not None:
+            position = position + in_flight + 1
         ok = mx.array([self.rng.random() < self.accept for _ in range(k)])
         wrong = mx.array([1 + self.rng.randrange(self.vocab - 1) for _ in range(k)], dtype=mx.int32)
-        return (self.reference, self.position, ok, wrong)
-
-    def _queue(self, k):
-        queued = super()._queue(k)
-        self.position = self.position + queued.accepted + 1
-        return queued
+        return (self.reference, position, ok, wrong)
 
 
 def ahead_run(trunk, head, prompt, n, depth, reference, accept, seed, vocab, rounds=None,

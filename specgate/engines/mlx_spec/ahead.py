@@ -153,7 +153,7 @@ class AheadDecoder(SpecDecoder):
         before = ([_Buffers(c) for c in trunk], [_Buffers(c) for c in heads])
         t0 = time.perf_counter()
         args = (k, self._pairs, self._hidden, self._standing, self._last, trunk, heads)
-        hook_inputs = self._hook_inputs(k)
+        hook_inputs = self._hook_inputs(k, None if self._queued is None else self._queued.accepted)
         if self.rounds is not None and compilable(trunk, heads):
             r = self.rounds(*args, hook_inputs)
         else:
@@ -167,7 +167,9 @@ class AheadDecoder(SpecDecoder):
     # drafts, and its inputs for round k; the product's rounds have none.
     rounds_hook = None
 
-    def _hook_inputs(self, k: int) -> tuple:
+    def _hook_inputs(self, k: int, in_flight: mx.array | None) -> tuple:
+        """The hook's inputs for a round at depth k queued after the one
+        in flight, which accepts `in_flight` drafts (None: none is)."""
         return ()
 
     def _read(self, queued: _Queued, following: _Queued) -> Step:

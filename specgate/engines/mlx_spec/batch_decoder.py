@@ -25,9 +25,14 @@ A decoder joins after its prefill (its caches hold every token but the
 last) and leaves with its caches back, so prefill, the prefix cache,
 handoffs and the single-sequence engine keep working on it as they do.
 
+Where every stream is a greedy MTP AheadDecoder at one depth (a GPU's
+engine), the rounds are queued one ahead (batch_ahead.py): the next
+round's graph is built while the device runs this one. A join, a leave, a
+depth of 0 or a stream of another kind first drops the round queued
+ahead, and the batch goes on with these rounds.
+
 SpecEngine (engine.py) drives it for the requests that reach it while one
-decodes. Not yet here (issue 45): the policy's per-round choice for the
-batch from measured costs. The engine proves the verify kernels at a
+decodes. The engine proves the verify kernels at a
 batch's widths in the background once its lone widths are switched on
 (kernel_proofs.py); a round wider than the rows proved so far verifies
 stock meanwhile.
@@ -41,6 +46,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
+from specgate.engines.mlx_spec.batch_ahead import BatchAhead
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets import Forward, Target
 from specgate.kernels import hook
@@ -56,12 +62,17 @@ def unbatchable(target: Target) -> str | None:
 
 
 class BatchSpecDecoder:
-    def __init__(self, target: Target, kernel_rows: Callable[[], int] | None = None):
+    def __init__(self, target: Target, kernel_rows: Callable[[], int] | None = None,
+                 ahead: bool = False):  # fmt: skip
         """`kernel_rows`: how many verify rows the kernels are proved for
         now (engine.py: its KernelSwitch's `rows`); a round wider verifies
-        stock rather than prove a shape inside it. None: as the target says."""
+        stock rather than prove a shape inside it. None: as the target says.
+        `ahead`: greedy MTP streams' rounds run ahead where they all fit
+        (batch_ahead.py; the engine's choice on a GPU)."""
         self.target = target
         self.kernel_rows = kernel_rows
+        self.ahead = ahead
+        self._ahead: BatchAhead | None = None  # running ahead now
         self.decoders: dict[str, SpecDecoder] = {}  # in batch order
         self.caches: list[BatchOffsetKV | ArraysCache] | None = None
         self.refused = unbatchable(target)
@@ -73,6 +84,7 @@ class BatchSpecDecoder:
         the last); the batch holds its caches until it leaves."""
         if key in self.decoders:
             raise ValueError(f"{key}: already in the batch")
+        self._settle()
         if decoder.target is not self.target:
             raise ValueError(f"{key}: decodes another target")
         cache = decoder.cache
@@ -92,6 +104,7 @@ class BatchSpecDecoder:
 
     def leave(self, key: str) -> SpecDecoder:
         """Takes the sequence out, its caches back in its decoder."""
+        self._settle()
         keys = list(self.decoders)
         b = keys.index(key)
         decoder = self.decoders.pop(key)
@@ -108,14 +121,20 @@ class BatchSpecDecoder:
     def round(self, depths: Mapping[str, int]) -> dict[str, Step]:
         """One round for the whole batch: each sequence drafts up to
         depths[key] (missing: 0); returns each one's Step."""
+        ks = [depths.get(key, 0) for key in self.decoders]
+        if self._ahead is not None and (len(set(ks)) > 1 or ks[0] == 0):
+            self._settle()
+        if self._ahead is None and self.ahead and BatchAhead.fits(list(self.decoders.values()), ks):
+            self._ahead = BatchAhead(self.target, list(self.decoders.values()), self.caches)
+        if self._ahead is not None:
+            return dict(zip(self.decoders, self._ahead.round(ks[0], self._kernels), strict=True))
         decoders = list(self.decoders.items())
         held = [len(d.tokens) - 1 for _, d in decoders]
-        planned = [d.begin_round(depths.get(key, 0)) for key, d in decoders]
+        planned = [d.begin_round(k) for (_, d), k in zip(decoders, ks, strict=True)]
         width = 1 + max(p.depth for p in planned)
         rows = mx.stack([mx.pad(p.rows.astype(mx.int32), [(0, width - 1 - p.depth)]) for p in planned])
         layers = sorted({i for _, d in decoders for i in d.proposer.layers})
-        unproved = self.kernel_rows is not None and len(decoders) * width > self.kernel_rows()
-        with hook.kernels(False) if unproved else self.target.verify_kernels():
+        with self._kernels(len(decoders) * width):
             forward = self.target.forward(rows, self.caches, layers=layers,
                                           undo="tape" if self.recurrent else None)  # fmt: skip
             logits = self.target.logits(forward.hidden)
@@ -134,6 +153,19 @@ class BatchSpecDecoder:
         if self.recurrent:
             self.target.keep_rows(self.caches, forward, kept_arr)
         return steps
+
+    def _kernels(self, rows: int):
+        """The verify kernels' context for a forward of `rows` rows: stock
+        past the rows proved so far."""
+        if self.kernel_rows is not None and rows > self.kernel_rows():
+            return hook.kernels(False)
+        return self.target.verify_kernels()
+
+    def _settle(self) -> None:
+        """Out of running ahead: the round queued past the last one read dropped."""
+        if self._ahead is not None:
+            self._ahead.drop()
+            self._ahead = None
 
 
 def batched_caches(sequences: list[list]) -> list:

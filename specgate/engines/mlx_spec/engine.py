@@ -191,6 +191,8 @@ class SpecEngine(WorkerEngine):
         self.ahead = mx.default_device() == mx.gpu
         # ... each round compiled once per shape and replayed (ahead_round.py)
         self.compiled_rounds = self.ahead
+        # ... as are a batch's, where its streams all fit (mlx_spec/batch_ahead.py)
+        self.batch_decoder = BatchSpecDecoder
         self._rounds: CompiledRounds | None = None
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
@@ -462,7 +464,8 @@ class SpecEngine(WorkerEngine):
         stream's planner asked (a stream planned elsewhere leaves it, handed
         off), then one round for all at their planned depths. Returns the
         stream left alone when no other is in or waiting (None: none is)."""
-        batch = BatchSpecDecoder(self.target, lambda: self.kernel_switch.rows if self.kernel_switch else 0)
+        batch = self.batch_decoder(self.target, lambda: self.kernel_switch.rows if self.kernel_switch else 0,
+                                   ahead=self.ahead)  # fmt: skip
         streams: dict[str, _Stream] = {}
         joining: _Joining | None = None
 

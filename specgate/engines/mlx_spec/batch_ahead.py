@@ -1,0 +1,237 @@
+"""A batch's greedy MTP rounds queued one ahead: ahead.py's pipelining for
+batch_decoder.py.
+
+Why: a batched round (batch_decoder.py) reads its verdict before it builds
+the next round's graph, so on a GPU, where a 7B round is bound by the
+host's work (the head's drafting and the verify forward, ~600 kernel
+launches), the device idles while the host builds and the host idles while
+the device runs. Plain continuous batching (mlx-lm's BatchGenerator)
+queues step n+1 before it reads step n; a batch of speculative streams
+paid the whole host time on top of the device's (an H100, 2 streams at
+depth 3: 1.6x plain batching where the rows' costs allow ~2.5x).
+
+How: every quantity the next round depends on stays on the device, one
+row per stream, as ahead.py keeps them for one sequence: each stream's
+accepted count and bonus token ((B,) arrays), the trunk's lengths (the
+batch's `BatchOffsetKV` offsets already are device arrays; a hybrid's
+recurrent layers keep each row's state from the verify's tape,
+`keep_rows`), and the MTP head's next input, the pairs (token, trunk
+hidden before it) of the last round, padded to one width, with how many
+of each row's stand. The head's cache is batched the same way (a
+`BatchOffsetKV` of every stream's). The host reads round n (one wait for
+all streams) while round n+1 runs, commits each stream's tokens and
+queues round n+2.
+
+Where: every stream in the batch is an AheadDecoder (the engine made it
+one: greedy, no penalties, grammar or logprobs, the MTP head of one
+layer) and every stream asks the same depth k > 0. Anything else, a stream
+joining or leaving (ending, cancelled, handed off) drops the round queued
+past the last one read and hands the batch back to its ordinary rounds:
+the trunk's lengths as the host knows them, each stream's head cache and
+owed pairs back in its proposer (`drop`), as ahead.py's `_drop_queued`
+does for one sequence.
+
+Exactness: each stream's tokens are the trunk's argmax at each position
+over the same rows as batch_decoder.py's rounds (hidden columns weigh
+exactly 0), so each is its plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from specgate.engines.base import RoundStats
+from specgate.engines.drafting.mtp.proposer import _HeadInput
+from specgate.engines.forwards.batch_kv import BatchOffsetKV
+from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.decoder import Step
+
+
+@dataclass
+class BatchRound:
+    """One batched round's outputs, on the device."""
+
+    drafts: mx.array  # (B, k)
+    accepted: mx.array  # (B,) drafts that stand
+    bonus: mx.array  # (B,) the target's token after them
+    pairs: mx.array  # (B, k + 1) the head's next input tokens
+    hidden: mx.array  # (B, k + 1, H) the trunk's at the verify rows
+
+
+def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
+                      last: mx.array, trunk: list, head_cache: list,
+                      kernels: Callable[[], AbstractContextManager],
+                      hooks: list | None = None) -> BatchRound:  # fmt: skip
+    """ahead_round.round_graph for B sequences: the head fed every row's
+    pairs at once (row b's first standing[b] stand), its k chained drafts,
+    the verify forward over [last_b, d_b1..d_bk] and each row's greedy
+    verdict; the caches keep what stands. `kernels()`: the verify kernels'
+    context for this round's rows. `hooks[b](drafts_b)` replaces row b's
+    drafts on the device (a bench's oracle; the product has none)."""
+    recurrent = any(type(c) is ArraysCache for c in trunk)
+    with kernels():
+        out = head(target.embed(pairs), hidden, head_cache)  # (B, P, H)
+        head_cache[0].keep(standing)
+        stays = head_cache[0].offset
+        o = mx.take_along_axis(out, (standing - 1)[:, None, None], axis=1)  # (B, 1, H)
+        drafts = []
+        for j in range(k):
+            d = mx.argmax(target.logits(o)[:, -1], axis=-1).astype(mx.int32)  # (B,)
+            drafts.append(d)
+            if j + 1 < k:
+                o = head(target.embed(d[:, None]), o, head_cache, step=j + 1)
+        head_cache[0].offset = stays  # the chain's self-fed rows are dropped
+        drafts = mx.stack(drafts, axis=1)  # (B, k)
+        if hooks is not None:
+            drafts = mx.stack([d if h is None else h(d) for d, h in zip(drafts, hooks, strict=True)])
+        rows = mx.concatenate([last[:, None], drafts], axis=1)
+        forward = target.forward(rows, trunk, undo="tape" if recurrent else None)
+        chosen = mx.argmax(target.logits(forward.hidden), axis=-1).astype(mx.int32)  # (B, k + 1)
+    accepted = mx.cumprod((drafts == chosen[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+    bonus = mx.take_along_axis(chosen, accepted[:, None], axis=1)[:, 0]
+    kept = accepted + 1
+    for c in trunk:
+        if isinstance(c, BatchOffsetKV):
+            c.keep(kept)
+    if recurrent:
+        target.keep_rows(trunk, forward, kept)
+    # The next round's head pairs: (d_j, the trunk's hidden before it) for
+    # each accepted draft, then (bonus, the last accepted row's).
+    following = mx.concatenate([drafts, bonus[:, None]], axis=1)
+    pairs = mx.where(mx.arange(k + 1)[None] < accepted[:, None], following, bonus[:, None])
+    return BatchRound(drafts, accepted, bonus, pairs, forward.hidden)
+
+
+@dataclass
+class _Queued:
+    """One round sent to the device, not yet read."""
+
+    depth: int
+    out: BatchRound
+    head_rows: int  # rows it writes into the head's cache (its pairs, then its chain)
+    recurrent: list  # each recurrent layer's arrays before it (to drop it)
+    queued_at: float
+
+
+class BatchAhead:
+    """The batch's rounds while they run ahead: the device-side state, the
+    round in flight, and the host's counts of what stands."""
+
+    @staticmethod
+    def fits(decoders: list, depths: list[int]) -> bool:
+        """Every stream an AheadDecoder at one depth k > 0, with a drafter
+        that has seen its context (a resumed one starts with a plain step)
+        and a head cache to batch."""
+        return (len(set(depths)) == 1 and depths[0] > 0
+                and all(isinstance(d, AheadDecoder) and not d.cold and d.proposer.h_prev is not None
+                        and d.proposer.cache[0].offset > 0 for d in decoders))  # fmt: skip
+
+    def __init__(self, target, decoders: list, trunk: list):
+        """Takes the streams' head caches and owed pairs (their proposers
+        hold none while it runs; `drop` gives them back)."""
+        self.target, self.decoders, self.trunk = target, decoders, trunk
+        proposers = [d.proposer for d in decoders]
+        self.head = proposers[0].head
+        self.head_cache = [BatchOffsetKV.from_caches([p.cache[0] for p in proposers])]
+        self.head_length = [p.cache[0].offset for p in proposers]  # the host's, as of the last round read
+        inputs = [([*p.owed.tokens, d.tokens[-1]], mx.concatenate([*p.owed.hidden, p.h_prev], axis=1))
+                  for d, p in zip(decoders, proposers, strict=True)]  # fmt: skip
+        width = max(len(t) for t, _ in inputs)
+        # Padded to one width; a row's pad is fed but not kept (its standing count).
+        self.pairs = mx.array([t + [t[-1]] * (width - len(t)) for t, _ in inputs], dtype=mx.int32)
+        self.hidden = mx.concatenate([mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]) for _, h in inputs])
+        self.fed = [len(t) for t, _ in inputs]  # each row's pairs that stand, in the oldest unread round
+        self.standing = mx.array(self.fed, dtype=mx.int32)
+        self.last = mx.array([d.tokens[-1] for d in decoders], dtype=mx.int32)
+        for p in proposers:
+            p.owed, p.h_prev, p.cache = _HeadInput(), None, None
+        self.queued: _Queued | None = None
+        self.read_last: _Queued | None = None
+        self.read_at: float | None = None
+
+    def round(self, k: int, kernels: Callable[[int], AbstractContextManager]) -> list[Step]:
+        """Round n read, round n+1 queued (and round n first, when none is).
+        `kernels(rows)`: the verify kernels' context for a round of `rows`."""
+        if self.queued is None:
+            self.queued = self._queue(k, kernels)
+        following = self._queue(k, kernels)  # built while the device runs the queued one
+        steps = self._read(self.queued, following)
+        self.queued = following
+        return steps
+
+    def _queue(self, k: int, kernels: Callable[[int], AbstractContextManager]) -> _Queued:
+        t0 = time.perf_counter()
+        recurrent = [list(c.cache) for c in self.trunk if type(c) is ArraysCache]
+        width = max(self.pairs.shape[1], k + 1)  # the widest forward's rows, a stream
+        head_rows = self.pairs.shape[1] + k - 1
+        in_flight = None if self.queued is None else self.queued.out.accepted
+        hooks = [d.rounds_hook and _bound(d.rounds_hook, d._hook_inputs(k, None if in_flight is None else in_flight[b]))
+                 for b, d in enumerate(self.decoders)]  # fmt: skip
+        out = batch_round_graph(self.target, self.head, k, self.pairs, self.hidden, self.standing,
+                                self.last, self.trunk, self.head_cache,
+                                lambda: kernels(len(self.decoders) * width),
+                                hooks if any(hooks) else None)  # fmt: skip
+        self.pairs, self.hidden, self.standing, self.last = out.pairs, out.hidden, out.accepted + 1, out.bonus
+        mx.async_eval(out.drafts, out.accepted, out.bonus, out.pairs, out.hidden,
+                      [c.state for c in (*self.trunk, *self.head_cache)])  # fmt: skip
+        return _Queued(k, out, head_rows, recurrent, t0)
+
+    def _read(self, queued: _Queued, following: _Queued) -> list[Step]:
+        """Round n's verdicts (round n+1 queued already): each stream commits its tokens."""
+        out = queued.out
+        mx.eval(out.drafts, out.accepted, out.bonus)
+        drafts, accepted, bonus = out.drafts.tolist(), out.accepted.tolist(), out.bonus.tolist()
+        now = time.perf_counter()
+        seconds = now - (self.read_at if self.read_at is not None else queued.queued_at)
+        steps = []
+        for b, d in enumerate(self.decoders):
+            context, n = len(d.tokens), accepted[b]
+            step = d._commit([*drafts[b][:n], bonus[b]], [])
+            # The head kept the pairs it was fed; the trunk the committed tokens' rows.
+            self.head_length[b] += self.fed[b]
+            self.fed[b] = len(d.tokens) - context
+            step.stats = RoundStats(
+                model=d.request.model, method=d.method, drafted=queued.depth,
+                accepted_per_position=[j < n for j in range(queued.depth)],
+                verify_width=queued.depth + 1, seconds=seconds, context_tokens=context,
+                depth=queued.depth, constrained=False, kernels=bool(self.target.kernels))  # fmt: skip
+            steps.append(step)
+        # The most any offset can be: what the host knows, plus the round in flight.
+        for c in self.trunk:
+            if isinstance(c, BatchOffsetKV):
+                c.bound = max(len(d.tokens) - 1 for d in self.decoders) + following.depth + 1
+        self.head_cache[0].bound = max(self.head_length) + following.head_rows
+        self.read_last, self.read_at = queued, now
+        return steps
+
+    def drop(self) -> None:
+        """Back to batch_decoder.py's state: the round queued past the last
+        one read is dropped (the trunk at the lengths the host knows, a
+        recurrent layer's arrays as they were before it), and each stream's
+        head cache and owed pairs go back to its proposer."""
+        queued, last = self.queued, self.read_last
+        lengths = [len(d.tokens) - 1 for d in self.decoders]
+        recurrent = iter(queued.recurrent)
+        for c in self.trunk:
+            if isinstance(c, BatchOffsetKV):
+                c.offset, c.bound = mx.array(lengths, dtype=mx.int32), max(lengths)
+            else:
+                c.cache = next(recurrent)
+        heads = self.head_cache[0]
+        for b, d in enumerate(self.decoders):
+            p, n = d.proposer, self.fed[b]  # n: the last read round's committed tokens
+            p.cache = [heads.sequence(b, self.head_length[b])]
+            p.owed = _HeadInput(last.out.pairs[b, : n - 1].tolist(), [last.out.hidden[b : b + 1, : n - 1]])
+            p.h_prev = last.out.hidden[b : b + 1, n - 1 : n]
+            p.drafted = False
+        self.queued = self.read_last = None
+
+
+def _bound(hook, inputs: tuple):
+    return lambda drafts: hook(drafts, *inputs)

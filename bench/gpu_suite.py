@@ -250,10 +250,15 @@ class OracleSpecEngine(Driven):
     oracle's (e2e_mtp_7b.OracleDrafts at acceptance `accept`, against the
     reference set for its prompt), held to `depth` by a FixedPlanner as a
     forced method is. The engine proves and switches its verify kernels
-    itself (kernel_proofs.py, the batch widths after the lone ones)."""
+    itself (kernel_proofs.py, the batch widths after the lone ones).
+    `ahead`: on a GPU, each request an OracleAhead (bench/round_phases.py)
+    as the engine makes greedy MTP requests AheadDecoders, so a batch's
+    rounds run ahead (mlx_spec/batch_ahead.py); off, each reads its round
+    before the next is built (decoder.py's rounds, alone and batched)."""
 
     def __init__(self, model, head, vocab: int, accept: float, max_depth: int, seed: int):
         import e2e_mtp_7b
+        from round_phases import OracleAhead
 
         from specgate.engines.drafting.base import Drafting
         from specgate.engines.drafting.mtp.proposer import MTPProposer
@@ -262,14 +267,20 @@ class OracleSpecEngine(Driven):
         from specgate.engines.settings import MTPSettings
 
         refs: dict[tuple[int, ...], list[int]] = {}
-        self.refs, self.depth = refs, 1
+        self.refs, self.depth, self.ahead = refs, 1, True
         seeds = itertools.count(seed)
+        outer = self
 
         def drafting(loaded, target, drafter=None, settings=None):
             return Drafting("mtp", lambda t: MTPProposer(t, head), weights=head, kernel_module=head)
 
         class Engine(SpecEngine):
             def make_decoder(self, request, cache, cached_tokens):
+                reference = refs[tuple(request.prompt_tokens)]
+                if self.ahead and outer.ahead:
+                    return OracleAhead(self.target, MTPProposer(self.target, head), request, cache, cached_tokens,
+                                       self.tokenizer, self.prefill_step_size, reference=reference,
+                                       accept=accept, seed=next(seeds), vocab=vocab)  # fmt: skip
                 oracle = e2e_mtp_7b.OracleDrafts(self.target, head, reference=refs[tuple(request.prompt_tokens)],
                                                  accept=accept, seed=next(seeds), vocab=vocab)  # fmt: skip
                 return SpecDecoder(self.target, oracle, request, cache, cached_tokens, self.tokenizer,
@@ -630,8 +641,15 @@ def section_batchengine(a, target, out: dict) -> None:
     result: dict = {}
     exact = True
 
-    def spec_run(prompts: list[list[int]], n: int, depth: int) -> tuple[list[Run], float]:
-        spec.depth = depth
+    # Each depth twice on a GPU: rounds run ahead (the engine's way there),
+    # and rounds read before the next is built (this bench's first runs).
+    # (--tiny on the CPU: both too, as a check of the ahead path's oracle.)
+    spec.engine.ahead |= a.tiny
+    sides = ["ahead", "first"] if spec.engine.ahead else ["first"]
+    columns = [(d, side) for d in depths for side in (sides if d else sides[-1:])]  # d0: no rounds to run ahead
+
+    def spec_run(prompts: list[list[int]], n: int, depth: int, side: str) -> tuple[list[Run], float]:
+        spec.depth, spec.ahead = depth, side == "ahead"
         return spec.many(prompts, n)
 
     try:
@@ -639,10 +657,10 @@ def section_batchengine(a, target, out: dict) -> None:
             warm = prompts_for(rng, vocab, a.prompt, b)
             refs, _ = plain.many(warm, 8)
             spec.refs.update({tuple(p): r.tokens for p, r in zip(warm, refs, strict=True)})
-            for depth in depths:
-                spec_run(warm, 8, depth)
+            for depth, side in columns:
+                spec_run(warm, 8, depth, side)
         for b in a.spec_streams:
-            row = {"plain tok/s": [], **{f"d{d} {k}": [] for d in depths for k in ("tok/s", "ratio")}}
+            row = {"plain tok/s": [], **{f"d{d} {side} {k}": [] for d, side in columns for k in ("tok/s", "ratio")}}
             for rep in range(a.reps):
                 prompts = prompts_for(rng, vocab, a.prompt, b)
                 plain_runs, plain_wall = plain.many(prompts, a.tokens)
@@ -651,13 +669,13 @@ def section_batchengine(a, target, out: dict) -> None:
                 plain_tps = sum(len(r) for r in refs) / plain_wall
                 row["plain tok/s"].append(plain_tps)
                 line = [f"plain {plain_tps:.0f}"]
-                for depth in depths if rep % 2 == 0 else depths[::-1]:
-                    runs, wall = spec_run(prompts, a.tokens, depth)
+                for depth, side in columns if rep % 2 == 0 else columns[::-1]:
+                    runs, wall = spec_run(prompts, a.tokens, depth, side)
                     exact &= [r.tokens for r in runs] == refs
                     tps = sum(len(r.tokens) for r in runs) / wall
-                    row[f"d{depth} tok/s"].append(tps)
-                    row[f"d{depth} ratio"].append(tps / plain_tps)
-                    line.append(f"d{depth} {tps:.0f}")
+                    row[f"d{depth} {side} tok/s"].append(tps)
+                    row[f"d{depth} {side} ratio"].append(tps / plain_tps)
+                    line.append(f"d{depth} {side} {tps:.0f}")
                 print(f"  {b} streams, repeat {rep + 1}: " + ", ".join(line), flush=True)
             result[b] = row
     finally:
@@ -666,9 +684,11 @@ def section_batchengine(a, target, out: dict) -> None:
     print(f"\n## batchengine: specgate's MTP SpecEngine (requests batched, oracle drafts at acceptance "
           f"{a.accept}, verify kernels {'on' if spec.engine.target.kernels else 'off'}) vs its plain "
           f"engine's continuous batching, aggregate tok/s ({a.reps} repeats; {a.prompt}-token "
-          f"prompts, {a.tokens} tokens each; prefill included; d0: plain steps in the spec batch)")  # fmt: skip
-    table(["streams", "plain engine tok/s"] + [f"d{d} / plain engine" for d in depths],
-          [[str(b), summary(r["plain tok/s"], ".0f")] + [summary(r[f"d{d} ratio"]) for d in depths]
+          f"prompts, {a.tokens} tokens each; prefill included; d0: plain steps in the spec batch; "
+          f"ahead: rounds queued one ahead (batch_ahead.py), first: each round read before the next "
+          f"is built)")  # fmt: skip
+    table(["streams", "plain engine tok/s"] + [f"d{d} {side} / plain engine" for d, side in columns],
+          [[str(b), summary(r["plain tok/s"], ".0f")] + [summary(r[f"d{d} {side} ratio"]) for d, side in columns]
            for b, r in result.items()])  # fmt: skip
     print(f"outputs token-for-token equal to the plain engine's: {'yes' if exact else 'NO'}")
     out["batchengine"] = {"kernels": spec.engine.target.kernels, "rows": switch.rows,

@@ -62,7 +62,8 @@ def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     assert len(numbers["batchspec"]["streams"]["2"]["d3 ratio"]) == 2
     # ... and through the served engines
     assert set(numbers["batchengine"]["streams"]) == {"2", "4", "8"}
-    assert len(numbers["batchengine"]["streams"]["8"]["d1 ratio"]) == 2
+    assert len(numbers["batchengine"]["streams"]["8"]["d1 ahead ratio"]) == 2
+    assert len(numbers["batchengine"]["streams"]["8"]["d1 first ratio"]) == 2
 
 
 def test_a_failing_section_is_reported_and_the_run_goes_on_to_exit_0(tmp_path):

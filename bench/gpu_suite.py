@@ -124,6 +124,10 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     t0: float = 0.0
     times: list[float] = field(default_factory=list)
+    drafted: int = 0  # a speculative engine's rounds: drafts, and those that stood
+    accepted: int = 0
+    batched: int = 0  # rounds that ran in a batch of 2 or more
+    rounds: int = 0
 
     @property
     def ttft(self) -> float:
@@ -194,7 +198,7 @@ class Driven:
         return GenerationRequest(rid, "suite", prompt, SamplingParams(temperature=0), n, plan), None
 
     async def _one(self, prompt: list[int], n: int) -> Run:
-        from specgate.engines.base import TokenEvent
+        from specgate.engines.base import RoundStats, TokenEvent
 
         self._n += 1
         request, planner = self.request(f"suite-{self._n}", prompt, n)
@@ -204,6 +208,11 @@ class Driven:
                 now = time.perf_counter()
                 run.times += [now] * len(event.token_ids)
                 run.tokens += event.token_ids
+            elif isinstance(event, RoundStats):
+                run.drafted += event.drafted
+                run.accepted += event.accepted
+                run.batched += event.batch > 1
+                run.rounds += 1
         return run
 
     def one(self, prompt: list[int], n: int) -> Run:
@@ -675,7 +684,10 @@ def section_batchengine(a, target, out: dict) -> None:
                     tps = sum(len(r.tokens) for r in runs) / wall
                     row[f"d{depth} {side} tok/s"].append(tps)
                     row[f"d{depth} {side} ratio"].append(tps / plain_tps)
-                    line.append(f"d{depth} {side} {tps:.0f}")
+                    drafted, rounds = sum(r.drafted for r in runs), sum(r.rounds for r in runs)
+                    shown = (f" (a {sum(r.accepted for r in runs) / drafted:.2f}, "
+                             f"{sum(r.batched for r in runs) / max(rounds, 1):.0%} batched)") if drafted else ""  # fmt: skip
+                    line.append(f"d{depth} {side} {tps:.0f}{shown}")
                 print(f"  {b} streams, repeat {rep + 1}: " + ", ".join(line), flush=True)
             result[b] = row
     finally:

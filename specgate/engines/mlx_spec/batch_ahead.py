@@ -50,6 +50,7 @@ from specgate.engines.base import RoundStats
 from specgate.engines.drafting.mtp.proposer import _HeadInput
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.ahead_round import DraftsHook
 from specgate.engines.mlx_spec.decoder import Step
 
 
@@ -66,14 +67,15 @@ class BatchRound:
 
 def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
                       last: mx.array, trunk: list, head_cache: list,
-                      kernels: Callable[[], AbstractContextManager],
-                      hooks: list | None = None) -> BatchRound:  # fmt: skip
+                      kernels: Callable[[], AbstractContextManager], hook: DraftsHook | None = None,
+                      hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
     """ahead_round.round_graph for B sequences: the head fed every row's
     pairs at once (row b's first standing[b] stand), its k chained drafts,
     the verify forward over [last_b, d_b1..d_bk] and each row's greedy
     verdict; the caches keep what stands. `kernels()`: the verify kernels'
-    context for this round's rows. `hooks[b](drafts_b)` replaces row b's
-    drafts on the device (a bench's oracle; the product has none)."""
+    context for this round's rows. `hook(drafts_b, *hook_inputs[b])`
+    replaces row b's drafts on the device (a bench's oracle; the product
+    has none)."""
     recurrent = any(type(c) is ArraysCache for c in trunk)
     with kernels():
         out = head(target.embed(pairs), hidden, head_cache)  # (B, P, H)
@@ -88,8 +90,8 @@ def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, s
                 o = head(target.embed(d[:, None]), o, head_cache, step=j + 1)
         head_cache[0].offset = stays  # the chain's self-fed rows are dropped
         drafts = mx.stack(drafts, axis=1)  # (B, k)
-        if hooks is not None:
-            drafts = mx.stack([d if h is None else h(d) for d, h in zip(drafts, hooks, strict=True)])
+        if hook is not None:
+            drafts = mx.stack([hook(drafts[b], *inputs) for b, inputs in enumerate(hook_inputs)])
         rows = mx.concatenate([last[:, None], drafts], axis=1)
         forward = target.forward(rows, trunk, undo="tape" if recurrent else None)
         chosen = mx.argmax(target.logits(forward.hidden), axis=-1).astype(mx.int32)  # (B, k + 1)
@@ -170,13 +172,14 @@ class BatchAhead:
         recurrent = [list(c.cache) for c in self.trunk if type(c) is ArraysCache]
         width = max(self.pairs.shape[1], k + 1)  # the widest forward's rows, a stream
         head_rows = self.pairs.shape[1] + k - 1
-        in_flight = None if self.queued is None else self.queued.out.accepted
-        hooks = [d.rounds_hook and _bound(d.rounds_hook, d._hook_inputs(k, None if in_flight is None else in_flight[b]))
-                 for b, d in enumerate(self.decoders)]  # fmt: skip
+        hook, hook_inputs = self.decoders[0].rounds_hook, []
+        if hook is not None:  # a bench's oracle: each row's inputs its decoder's
+            in_flight = None if self.queued is None else self.queued.out.accepted
+            hook_inputs = [d._hook_inputs(k, None if in_flight is None else in_flight[b])
+                           for b, d in enumerate(self.decoders)]  # fmt: skip
         out = batch_round_graph(self.target, self.head, k, self.pairs, self.hidden, self.standing,
                                 self.last, self.trunk, self.head_cache,
-                                lambda: kernels(len(self.decoders) * width),
-                                hooks if any(hooks) else None)  # fmt: skip
+                                lambda: kernels(len(self.decoders) * width), hook, hook_inputs)  # fmt: skip
         self.pairs, self.hidden, self.standing, self.last = out.pairs, out.hidden, out.accepted + 1, out.bonus
         mx.async_eval(out.drafts, out.accepted, out.bonus, out.pairs, out.hidden,
                       [c.state for c in (*self.trunk, *self.head_cache)])  # fmt: skip
@@ -231,7 +234,3 @@ class BatchAhead:
             p.h_prev = last.out.hidden[b : b + 1, n - 1 : n]
             p.drafted = False
         self.queued = self.read_last = None
-
-
-def _bound(hook, inputs: tuple):
-    return lambda drafts: hook(drafts, *inputs)

@@ -267,10 +267,12 @@ class OracleSpecEngine(Driven):
 
     def __init__(self, model, head, vocab: int, accept: float, max_depth: int, seed: int):
         import e2e_mtp_7b
-        from round_phases import OracleAhead
+        from round_phases import OracleAhead, oracle_hook
 
         from specgate.engines.drafting.base import Drafting
         from specgate.engines.drafting.mtp.proposer import MTPProposer
+        from specgate.engines.mlx_spec.ahead_round import CompiledRounds
+        from specgate.engines.mlx_spec.batch_ahead import CompiledBatchRounds
         from specgate.engines.mlx_spec.decoder import SpecDecoder
         from specgate.engines.mlx_spec.engine import SpecEngine
         from specgate.engines.settings import MTPSettings
@@ -289,7 +291,8 @@ class OracleSpecEngine(Driven):
                 if self.ahead and outer.ahead:
                     return OracleAhead(self.target, MTPProposer(self.target, head), request, cache, cached_tokens,
                                        self.tokenizer, self.prefill_step_size, reference=reference,
-                                       accept=accept, seed=next(seeds), vocab=vocab)  # fmt: skip
+                                       accept=accept, seed=next(seeds), vocab=vocab,
+                                       rounds=self._rounds if self.compiled_rounds else None)  # fmt: skip
                 oracle = e2e_mtp_7b.OracleDrafts(self.target, head, reference=refs[tuple(request.prompt_tokens)],
                                                  accept=accept, seed=next(seeds), vocab=vocab)  # fmt: skip
                 return SpecDecoder(self.target, oracle, request, cache, cached_tokens, self.tokenizer,
@@ -297,6 +300,10 @@ class OracleSpecEngine(Driven):
 
         super().__init__(Engine("suite", loaded_model(model, vocab), name="mlx_mtp", drafting=drafting,
                                 max_context=32768, settings=MTPSettings(depth=max_depth)))  # fmt: skip
+        # The engine's compiled rounds (alone and batched), with the oracle's hook.
+        e = self.engine
+        e._rounds = CompiledRounds(e.target, head, oracle_hook(vocab))
+        e._batch_rounds = CompiledBatchRounds(e.target, head, oracle_hook(vocab))
 
     def request(self, rid: str, prompt: list[int], n: int):
         from specgate.engines.base import GenerationRequest, Plan, SamplingParams
@@ -652,8 +659,9 @@ def section_batchengine(a, target, out: dict) -> None:
 
     # Each depth twice on a GPU: rounds run ahead (the engine's way there),
     # and rounds read before the next is built (this bench's first runs).
-    # (--tiny on the CPU: both too, as a check of the ahead path's oracle.)
+    # (--tiny on the CPU: both too, compiled, as a check of the ahead path's oracle.)
     spec.engine.ahead |= a.tiny
+    spec.engine.compiled_rounds |= a.tiny
     sides = ["ahead", "first"] if spec.engine.ahead else ["first"]
     columns = [(d, side) for d in depths for side in (sides if d else sides[-1:])]  # d0: no rounds to run ahead
 

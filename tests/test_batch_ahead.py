@@ -11,6 +11,8 @@ every draft stands, through every switch. On the demo model (a Qwen3.5 hybrid:
 each row's recurrent state kept from the tape, and restored when a round
 is dropped; a trained head that reads its own cache) at one depth, the
 rounds run ahead accept what the ordinary batch's accept, round for round.
+Compiled batched rounds (CompiledBatchRounds, with a head whose attention
+reads its cache) give the rounds built in Python across buffer growth.
 And through SpecEngine with concurrent requests.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import mlx.core as mx
 import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -28,6 +31,7 @@ from test_ahead import trunk  # noqa: F401  (the bigram trunk fixture)
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.mlx_spec.ahead import AheadDecoder
+from specgate.engines.mlx_spec.batch_ahead import CompiledBatchRounds
 from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
 from specgate.engines.targets import target_for
 
@@ -37,13 +41,13 @@ SCHEDULE = [3, 3, 3, 2, 2, 0, 4, 4, "mixed", 4, 1, 1, 3, 3, 3, 3, 2, 4, 4, 4, 4,
 
 
 def run(model, mtp, prompts: dict[str, list[int]], lengths: dict[str, int], ahead: bool,
-        schedule: list = SCHEDULE):  # fmt: skip
+        schedule: list = SCHEDULE, rounds: CompiledBatchRounds | None = None):  # fmt: skip
     """s0-s2 decode from the start, s3 joins at round 4, s2 leaves at round
     9 and ends alone; each stream ends at its own length. Returns each
     stream's tokens, each round's (accepted, drafted) counts, and how many
     rounds ran ahead."""
     target = target_for(model)
-    batch = BatchSpecDecoder(target, ahead=ahead)
+    batch = BatchSpecDecoder(target, ahead=ahead, rounds=rounds and (lambda head: rounds))
     decoders, out, counts, ran_ahead = {}, {}, [], 0
 
     def start(key: str) -> None:
@@ -101,6 +105,30 @@ def test_batched_rounds_run_ahead_and_each_stream_decodes_as_plain_greedy(trunk,
         assert all(a == d for a, d in every), counts
     else:
         assert {0, 4} <= {a for a, _ in every} and any(0 < a < d for a, d in every)  # mixed verdicts
+
+
+def test_compiled_batched_rounds_give_the_same_rounds_across_buffer_growth(trunk):  # noqa: F811
+    """CompiledBatchRounds: the same tokens and accepted counts as batched
+    rounds built in Python, with streams whose caches grow past 256
+    columns (new traces), depths that change, joins, leaves and ends. The
+    head's attention is switched on (its output projection random), so
+    its drafts read its own cache: a wrong offset or row shows."""
+    model, args = trunk
+    mtp = bigram_head(args, 0.25)
+    o_proj = mtp.layers[0].self_attn.o_proj
+    o_proj.weight = 0.5 * mx.random.normal(o_proj.weight.shape, key=mx.random.key(3))
+    rng = random.Random(5)
+    vocab = model.args.vocab_size
+    prompts = {f"s{i}": [rng.randrange(vocab) for _ in range(n)] for i, n in enumerate((120, 30, 200, 9))}
+    lengths = {"s0": 150, "s1": 90, "s2": 80, "s3": 60}
+    rounds = CompiledBatchRounds(target_for(model), mtp)
+    got, counts, ran_ahead = run(model, mtp, prompts, lengths, True, rounds=rounds)
+    ref, ref_counts, _ = run(model, mtp, prompts, lengths, True)
+    assert got == ref and counts == ref_counts
+    assert ran_ahead >= 30 and len(rounds._compiled) >= 4  # (depth, batch) shapes traced
+    for key, prompt in prompts.items():
+        want, margins = greedy_reference(model, prompt, lengths[key])
+        assert_same_greedy(got[key], want, margins)
 
 
 def test_the_demo_hybrid_s_batch_runs_ahead_exactly_with_its_head_s_own_drafts():

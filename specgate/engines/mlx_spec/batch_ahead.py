@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -52,6 +53,7 @@ from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import DraftsHook
 from specgate.engines.mlx_spec.decoder import Step
+from specgate.kernels import hook as kernel_hook
 
 
 @dataclass
@@ -134,10 +136,12 @@ class BatchAhead:
                 and all(isinstance(d, AheadDecoder) and not d.cold and d.proposer.h_prev is not None
                         and d.proposer.cache[0].offset > 0 for d in decoders))  # fmt: skip
 
-    def __init__(self, target, decoders: list, trunk: list):
+    def __init__(self, target, decoders: list, trunk: list, rounds: CompiledBatchRounds | None = None):
         """Takes the streams' head caches and owed pairs (their proposers
-        hold none while it runs; `drop` gives them back)."""
-        self.target, self.decoders, self.trunk = target, decoders, trunk
+        hold none while it runs; `drop` gives them back). `rounds`: the
+        engine's compiled rounds, for a batch whose caches are all
+        BatchOffsetKVs (None: each round's graph built in Python)."""
+        self.target, self.decoders, self.trunk, self.rounds = target, decoders, trunk, rounds
         proposers = [d.proposer for d in decoders]
         self.head = proposers[0].head
         self.head_cache = [BatchOffsetKV.from_caches([p.cache[0] for p in proposers])]
@@ -157,9 +161,9 @@ class BatchAhead:
         self.read_last: _Queued | None = None
         self.read_at: float | None = None
 
-    def round(self, k: int, kernels: Callable[[int], AbstractContextManager]) -> list[Step]:
+    def round(self, k: int, kernels: Callable[[int], bool]) -> list[Step]:
         """Round n read, round n+1 queued (and round n first, when none is).
-        `kernels(rows)`: the verify kernels' context for a round of `rows`."""
+        `kernels(rows)`: whether a round of `rows` rows verifies through the kernels."""
         if self.queued is None:
             self.queued = self._queue(k, kernels)
         following = self._queue(k, kernels)  # built while the device runs the queued one
@@ -167,19 +171,24 @@ class BatchAhead:
         self.queued = following
         return steps
 
-    def _queue(self, k: int, kernels: Callable[[int], AbstractContextManager]) -> _Queued:
+    def _queue(self, k: int, kernels: Callable[[int], bool]) -> _Queued:
         t0 = time.perf_counter()
         recurrent = [list(c.cache) for c in self.trunk if type(c) is ArraysCache]
         width = max(self.pairs.shape[1], k + 1)  # the widest forward's rows, a stream
         head_rows = self.pairs.shape[1] + k - 1
-        hook, hook_inputs = self.decoders[0].rounds_hook, []
+        on = kernels(len(self.decoders) * width)
+        compiled = self.rounds is not None and compilable(self.trunk, self.head_cache)
+        hook, hook_inputs = self.rounds.hook if compiled else self.decoders[0].rounds_hook, []
         if hook is not None:  # a bench's oracle: each row's inputs its decoder's
             in_flight = None if self.queued is None else self.queued.out.accepted
             hook_inputs = [d._hook_inputs(k, None if in_flight is None else in_flight[b])
                            for b, d in enumerate(self.decoders)]  # fmt: skip
-        out = batch_round_graph(self.target, self.head, k, self.pairs, self.hidden, self.standing,
-                                self.last, self.trunk, self.head_cache,
-                                lambda: kernels(len(self.decoders) * width), hook, hook_inputs)  # fmt: skip
+        args = (k, self.pairs, self.hidden, self.standing, self.last, self.trunk, self.head_cache)
+        if compiled:
+            out = self.rounds(*args, on, hook_inputs)
+        else:
+            out = batch_round_graph(self.target, self.head, *args, partial(kernel_hook.kernels, on), hook,
+                                    hook_inputs)  # fmt: skip
         self.pairs, self.hidden, self.standing, self.last = out.pairs, out.hidden, out.accepted + 1, out.bonus
         mx.async_eval(out.drafts, out.accepted, out.bonus, out.pairs, out.hidden,
                       [c.state for c in (*self.trunk, *self.head_cache)])  # fmt: skip
@@ -234,3 +243,68 @@ class BatchAhead:
             p.h_prev = last.out.hidden[b : b + 1, n - 1 : n]
             p.drafted = False
         self.queued = self.read_last = None
+
+
+def compilable(trunk: list, head_cache: list) -> bool:
+    """Every cache a BatchOffsetKV (a hybrid's recurrent layers keep their
+    rows from a tape whose shape is the target's business: uncompiled)."""
+    return all(type(c) is BatchOffsetKV for c in (*trunk, *head_cache))
+
+
+class CompiledBatchRounds:
+    """`batch_round_graph` compiled (`mx.compile`), as ahead_round.
+    CompiledRounds compiles one sequence's round: traced once per (depth,
+    kernels on or off, batch, pairs width, buffer sizes) and replayed from
+    C++ until a buffer grows or the batch changes, so a batched round pays
+    no Python module calls. One per engine: the traces serve every batch."""
+
+    def __init__(self, target, head, hook: DraftsHook | None = None):
+        self.target, self.head, self.hook = target, head, hook
+        self._compiled: dict[tuple, object] = {}
+
+    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int, batch: int):
+        key = (k, kernels, n_trunk, n_hook, batch)
+        if key not in self._compiled:
+            target, head, hook = self.target, self.head, self.hook
+
+            def one_round(pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
+                flat, buffers = inputs[: n_hook * batch], inputs[n_hook * batch :]
+                hook_inputs = [tuple(flat[b * n_hook : (b + 1) * n_hook]) for b in range(batch)]
+                caches = [BatchOffsetKV(buffers[2 * i], buffers[2 * i + 1], trunk_offset if i < n_trunk
+                                        else head_offset, bound=0)  # fmt: skip  (grown already)
+                          for i in range(len(buffers) // 2)]
+                trunk, heads = caches[:n_trunk], caches[n_trunk:]
+                r = batch_round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
+                                      partial(kernel_hook.kernels, kernels), hook, hook_inputs)  # fmt: skip
+                return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
+                        heads[0].offset, *[a for c in caches for a in (c.keys, c.values)])  # fmt: skip
+
+            self._compiled[key] = mx.compile(one_round)
+        return self._compiled[key]
+
+    def __call__(self, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array, last: mx.array,
+                 trunk: list, head_cache: list, kernels: bool,
+                 hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
+        head_rows = pairs.shape[1] + k - 1  # the pairs, then the chain's k - 1
+        for c in trunk:
+            c.room(k + 1)
+        for c in head_cache:
+            c.room(head_rows)
+        batch = pairs.shape[0]
+        n_hook = len(hook_inputs[0]) if hook_inputs else 0
+        fn = self._function(k, kernels, len(trunk), n_hook, batch)
+        # One offset input for the trunk's caches and one for the head's
+        # (each group is written and kept alike), as CompiledRounds does.
+        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
+            pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
+            *[a for inputs in hook_inputs for a in inputs],
+            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values)])  # fmt: skip
+        for i, c in enumerate((*trunk, *head_cache)):
+            c.keys, c.values = buffers[2 * i : 2 * i + 2]
+            c.offset = trunk_offset if i < len(trunk) else head_offset
+        for c in trunk:
+            c.bound += k + 1
+        for c in head_cache:
+            c.bound += head_rows
+        return BatchRound(drafts, accepted, bonus, pairs, hidden)
+

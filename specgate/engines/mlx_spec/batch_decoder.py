@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
-from specgate.engines.mlx_spec.batch_ahead import BatchAhead
+from specgate.engines.mlx_spec.batch_ahead import BatchAhead, CompiledBatchRounds
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.targets import Forward, Target
 from specgate.kernels import hook
@@ -63,15 +63,16 @@ def unbatchable(target: Target) -> str | None:
 
 class BatchSpecDecoder:
     def __init__(self, target: Target, kernel_rows: Callable[[], int] | None = None,
-                 ahead: bool = False):  # fmt: skip
+                 ahead: bool = False, rounds: Callable[[object], CompiledBatchRounds | None] | None = None):  # fmt: skip
         """`kernel_rows`: how many verify rows the kernels are proved for
         now (engine.py: its KernelSwitch's `rows`); a round wider verifies
         stock rather than prove a shape inside it. None: as the target says.
         `ahead`: greedy MTP streams' rounds run ahead where they all fit
-        (batch_ahead.py; the engine's choice on a GPU)."""
+        (batch_ahead.py; the engine's choice on a GPU); `rounds(head)`: the
+        engine's compiled rounds for that MTP head (None: built in Python)."""
         self.target = target
         self.kernel_rows = kernel_rows
-        self.ahead = ahead
+        self.ahead, self.rounds = ahead, rounds
         self._ahead: BatchAhead | None = None  # running ahead now
         self.decoders: dict[str, SpecDecoder] = {}  # in batch order
         self.caches: list[BatchOffsetKV | ArraysCache] | None = None
@@ -125,16 +126,18 @@ class BatchSpecDecoder:
         if self._ahead is not None and (len(set(ks)) > 1 or ks[0] == 0):
             self._settle()
         if self._ahead is None and self.ahead and BatchAhead.fits(list(self.decoders.values()), ks):
-            self._ahead = BatchAhead(self.target, list(self.decoders.values()), self.caches)
+            decoders = list(self.decoders.values())
+            rounds = self.rounds and self.rounds(decoders[0].proposer.head)
+            self._ahead = BatchAhead(self.target, decoders, self.caches, rounds)
         if self._ahead is not None:
-            return dict(zip(self.decoders, self._ahead.round(ks[0], self._kernels), strict=True))
+            return dict(zip(self.decoders, self._ahead.round(ks[0], self._kernels_on), strict=True))
         decoders = list(self.decoders.items())
         held = [len(d.tokens) - 1 for _, d in decoders]
         planned = [d.begin_round(k) for (_, d), k in zip(decoders, ks, strict=True)]
         width = 1 + max(p.depth for p in planned)
         rows = mx.stack([mx.pad(p.rows.astype(mx.int32), [(0, width - 1 - p.depth)]) for p in planned])
         layers = sorted({i for _, d in decoders for i in d.proposer.layers})
-        with self._kernels(len(decoders) * width):
+        with hook.kernels(self._kernels_on(len(decoders) * width)):
             forward = self.target.forward(rows, self.caches, layers=layers,
                                           undo="tape" if self.recurrent else None)  # fmt: skip
             logits = self.target.logits(forward.hidden)
@@ -154,12 +157,10 @@ class BatchSpecDecoder:
             self.target.keep_rows(self.caches, forward, kept_arr)
         return steps
 
-    def _kernels(self, rows: int):
-        """The verify kernels' context for a forward of `rows` rows: stock
-        past the rows proved so far."""
-        if self.kernel_rows is not None and rows > self.kernel_rows():
-            return hook.kernels(False)
-        return self.target.verify_kernels()
+    def _kernels_on(self, rows: int) -> bool:
+        """Whether a verify forward of `rows` rows runs through the kernels:
+        where the target's are on, and not past the rows proved so far."""
+        return bool(self.target.kernels) and (self.kernel_rows is None or rows <= self.kernel_rows())
 
     def _settle(self) -> None:
         """Out of running ahead: the round queued past the last one read dropped."""

@@ -52,6 +52,7 @@ from specgate.engines.grammar.thinking import decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import CompiledRounds
+from specgate.engines.mlx_spec.batch_ahead import CompiledBatchRounds
 from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder, unbatchable
 from specgate.engines.mlx_spec.decoder import SpecDecoder, Step
 from specgate.engines.mlx_spec.kernel_proofs import KernelSwitch
@@ -194,6 +195,7 @@ class SpecEngine(WorkerEngine):
         # ... as are a batch's, where its streams all fit (mlx_spec/batch_ahead.py)
         self.batch_decoder = BatchSpecDecoder
         self._rounds: CompiledRounds | None = None
+        self._batch_rounds: CompiledBatchRounds | None = None
         self.kernel_guard = kernel_guard  # None: specgate.engines.kernel_wiring.shared_guard()
         self.kernel_switch: KernelSwitch | None = None  # set by wire_kernels
         self._batchable: bool | None = None  # decided at the first batch (_batches)
@@ -458,6 +460,13 @@ class SpecEngine(WorkerEngine):
             self._batchable = self.loaded.lockstep is None and unbatchable(self.target) is None
         return self._batchable
 
+    def _batch_rounds_for(self, head) -> CompiledBatchRounds | None:
+        """The engine's compiled batched rounds for its MTP head (one for
+        every batch: their traces are kept), where rounds are compiled."""
+        if self.compiled_rounds and self._batch_rounds is None:
+            self._batch_rounds = CompiledBatchRounds(self.target, head)
+        return self._batch_rounds if self.compiled_rounds else None
+
     def _batched(self, first: _Stream, waiting: deque[_Job]) -> _Stream | None:
         """Requests decoded together: each round, one prefill chunk of the
         next waiting request (while the batch has room), then every
@@ -465,7 +474,7 @@ class SpecEngine(WorkerEngine):
         off), then one round for all at their planned depths. Returns the
         stream left alone when no other is in or waiting (None: none is)."""
         batch = self.batch_decoder(self.target, lambda: self.kernel_switch.rows if self.kernel_switch else 0,
-                                   ahead=self.ahead)  # fmt: skip
+                                   ahead=self.ahead, rounds=self._batch_rounds_for)  # fmt: skip
         streams: dict[str, _Stream] = {}
         joining: _Joining | None = None
 

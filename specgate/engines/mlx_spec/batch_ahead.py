@@ -24,9 +24,13 @@ queues round n+2.
 
 Where: every stream in the batch is an AheadDecoder (the engine made it
 one: greedy, no penalties, grammar or logprobs, the MTP head of one
-layer) and every stream asks the same depth k > 0. Anything else, a stream
-joining or leaving (ending, cancelled, handed off) drops the round queued
-past the last one read and hands the batch back to its ordinary rounds:
+layer) and some stream asks a depth > 0. Streams may ask different
+depths: the round drafts k, the deepest asked, for every row, and a row
+asked for fewer accepts none past its own depth (its extra rows are
+verified, as a batch's pad rows are, and never kept), so the planner's
+per-stream choice, a plain step included, never stops the pipeline.
+Anything else, a stream joining or leaving (ending, cancelled, handed off)
+drops the round queued past the last one read and hands the batch back to its ordinary rounds:
 the trunk's lengths as the host knows them, each stream's head cache and
 owed pairs back in its proposer (`drop`), as ahead.py's `_drop_queued`
 does for one sequence.
@@ -67,14 +71,14 @@ class BatchRound:
     hidden: mx.array  # (B, k + 1, H) the trunk's at the verify rows
 
 
-def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
-                      last: mx.array, trunk: list, head_cache: list,
+def batch_round_graph(target, head, k: int, limit: mx.array, pairs: mx.array, hidden: mx.array,
+                      standing: mx.array, last: mx.array, trunk: list, head_cache: list,
                       kernels: Callable[[], AbstractContextManager], hook: DraftsHook | None = None,
                       hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
     """ahead_round.round_graph for B sequences: the head fed every row's
     pairs at once (row b's first standing[b] stand), its k chained drafts,
     the verify forward over [last_b, d_b1..d_bk] and each row's greedy
-    verdict; the caches keep what stands. `kernels()`: the verify kernels'
+    verdict, at most limit[b] drafts standing; the caches keep what stands. `kernels()`: the verify kernels'
     context for this round's rows. `hook(drafts_b, *hook_inputs[b])`
     replaces row b's drafts on the device (a bench's oracle; the product
     has none)."""
@@ -97,7 +101,8 @@ def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, s
         rows = mx.concatenate([last[:, None], drafts], axis=1)
         forward = target.forward(rows, trunk, undo="tape" if recurrent else None)
         chosen = mx.argmax(target.logits(forward.hidden), axis=-1).astype(mx.int32)  # (B, k + 1)
-    accepted = mx.cumprod((drafts == chosen[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+    asked = mx.arange(k)[None] < limit[:, None]  # (B, k): the drafts each row was planned for
+    accepted = mx.cumprod(((drafts == chosen[:, :k]) & asked).astype(mx.int32), axis=1).sum(axis=1)
     bonus = mx.take_along_axis(chosen, accepted[:, None], axis=1)[:, 0]
     kept = accepted + 1
     for c in trunk:
@@ -116,7 +121,7 @@ def batch_round_graph(target, head, k: int, pairs: mx.array, hidden: mx.array, s
 class _Queued:
     """One round sent to the device, not yet read."""
 
-    depth: int
+    depths: list[int]  # each row's asked (the round drafts the deepest)
     out: BatchRound
     head_rows: int  # rows it writes into the head's cache (its pairs, then its chain)
     recurrent: list  # each recurrent layer's arrays before it (to drop it)
@@ -129,10 +134,10 @@ class BatchAhead:
 
     @staticmethod
     def fits(decoders: list, depths: list[int]) -> bool:
-        """Every stream an AheadDecoder at one depth k > 0, with a drafter
-        that has seen its context (a resumed one starts with a plain step)
-        and a head cache to batch."""
-        return (len(set(depths)) == 1 and depths[0] > 0
+        """Every stream an AheadDecoder, some asking a depth > 0, each with
+        a drafter that has seen its context (a resumed one starts with a
+        plain step) and a head cache to batch."""
+        return (max(depths) > 0
                 and all(isinstance(d, AheadDecoder) and not d.cold and d.proposer.h_prev is not None
                         and d.proposer.cache[0].offset > 0 for d in decoders))  # fmt: skip
 
@@ -161,18 +166,20 @@ class BatchAhead:
         self.read_last: _Queued | None = None
         self.read_at: float | None = None
 
-    def round(self, k: int, kernels: Callable[[int], bool]) -> list[Step]:
-        """Round n read, round n+1 queued (and round n first, when none is).
-        `kernels(rows)`: whether a round of `rows` rows verifies through the kernels."""
+    def round(self, depths: list[int], kernels: Callable[[int], bool]) -> list[Step]:
+        """Round n read, round n+1 queued at `depths` (each stream's; round
+        n first, when none is queued). `kernels(rows)`: whether a round of
+        `rows` rows verifies through the kernels."""
         if self.queued is None:
-            self.queued = self._queue(k, kernels)
-        following = self._queue(k, kernels)  # built while the device runs the queued one
+            self.queued = self._queue(depths, kernels)
+        following = self._queue(depths, kernels)  # built while the device runs the queued one
         steps = self._read(self.queued, following)
         self.queued = following
         return steps
 
-    def _queue(self, k: int, kernels: Callable[[int], bool]) -> _Queued:
+    def _queue(self, depths: list[int], kernels: Callable[[int], bool]) -> _Queued:
         t0 = time.perf_counter()
+        k = max(depths)
         recurrent = [list(c.cache) for c in self.trunk if type(c) is ArraysCache]
         width = max(self.pairs.shape[1], k + 1)  # the widest forward's rows, a stream
         head_rows = self.pairs.shape[1] + k - 1
@@ -183,7 +190,8 @@ class BatchAhead:
             in_flight = None if self.queued is None else self.queued.out.accepted
             hook_inputs = [d._hook_inputs(k, None if in_flight is None else in_flight[b])
                            for b, d in enumerate(self.decoders)]  # fmt: skip
-        args = (k, self.pairs, self.hidden, self.standing, self.last, self.trunk, self.head_cache)
+        limit = mx.array(depths, dtype=mx.int32)
+        args = (k, limit, self.pairs, self.hidden, self.standing, self.last, self.trunk, self.head_cache)
         if compiled:
             out = self.rounds(*args, on, hook_inputs)
         else:
@@ -192,7 +200,7 @@ class BatchAhead:
         self.pairs, self.hidden, self.standing, self.last = out.pairs, out.hidden, out.accepted + 1, out.bonus
         mx.async_eval(out.drafts, out.accepted, out.bonus, out.pairs, out.hidden,
                       [c.state for c in (*self.trunk, *self.head_cache)])  # fmt: skip
-        return _Queued(k, out, head_rows, recurrent, t0)
+        return _Queued(depths, out, head_rows, recurrent, t0)
 
     def _read(self, queued: _Queued, following: _Queued) -> list[Step]:
         """Round n's verdicts (round n+1 queued already): each stream commits its tokens."""
@@ -208,16 +216,17 @@ class BatchAhead:
             # The head kept the pairs it was fed; the trunk the committed tokens' rows.
             self.head_length[b] += self.fed[b]
             self.fed[b] = len(d.tokens) - context
+            asked = queued.depths[b]
             step.stats = RoundStats(
-                model=d.request.model, method=d.method, drafted=queued.depth,
-                accepted_per_position=[j < n for j in range(queued.depth)],
-                verify_width=queued.depth + 1, seconds=seconds, context_tokens=context,
-                depth=queued.depth, constrained=False, kernels=bool(self.target.kernels))  # fmt: skip
+                model=d.request.model, method=d.method, drafted=asked,
+                accepted_per_position=[j < n for j in range(asked)], verify_width=asked + 1,
+                seconds=seconds, context_tokens=context, depth=asked, constrained=False,
+                kernels=bool(self.target.kernels) and asked > 0)  # fmt: skip
             steps.append(step)
         # The most any offset can be: what the host knows, plus the round in flight.
         for c in self.trunk:
             if isinstance(c, BatchOffsetKV):
-                c.bound = max(len(d.tokens) - 1 for d in self.decoders) + following.depth + 1
+                c.bound = max(len(d.tokens) - 1 for d in self.decoders) + max(following.depths) + 1
         self.head_cache[0].bound = max(self.head_length) + following.head_rows
         self.read_last, self.read_at = queued, now
         return steps
@@ -267,14 +276,14 @@ class CompiledBatchRounds:
         if key not in self._compiled:
             target, head, hook = self.target, self.head, self.hook
 
-            def one_round(pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
+            def one_round(limit, pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
                 flat, buffers = inputs[: n_hook * batch], inputs[n_hook * batch :]
                 hook_inputs = [tuple(flat[b * n_hook : (b + 1) * n_hook]) for b in range(batch)]
                 caches = [BatchOffsetKV(buffers[2 * i], buffers[2 * i + 1], trunk_offset if i < n_trunk
                                         else head_offset, bound=0)  # fmt: skip  (grown already)
                           for i in range(len(buffers) // 2)]
                 trunk, heads = caches[:n_trunk], caches[n_trunk:]
-                r = batch_round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
+                r = batch_round_graph(target, head, k, limit, pairs, hidden, standing, last, trunk, heads,
                                       partial(kernel_hook.kernels, kernels), hook, hook_inputs)  # fmt: skip
                 return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
                         heads[0].offset, *[a for c in caches for a in (c.keys, c.values)])  # fmt: skip
@@ -282,8 +291,8 @@ class CompiledBatchRounds:
             self._compiled[key] = mx.compile(one_round)
         return self._compiled[key]
 
-    def __call__(self, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array, last: mx.array,
-                 trunk: list, head_cache: list, kernels: bool,
+    def __call__(self, k: int, limit: mx.array, pairs: mx.array, hidden: mx.array, standing: mx.array,
+                 last: mx.array, trunk: list, head_cache: list, kernels: bool,
                  hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
         head_rows = pairs.shape[1] + k - 1  # the pairs, then the chain's k - 1
         for c in trunk:
@@ -296,7 +305,7 @@ class CompiledBatchRounds:
         # One offset input for the trunk's caches and one for the head's
         # (each group is written and kept alike), as CompiledRounds does.
         drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
-            pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
+            limit, pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
             *[a for inputs in hook_inputs for a in inputs],
             *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values)])  # fmt: skip
         for i, c in enumerate((*trunk, *head_cache)):

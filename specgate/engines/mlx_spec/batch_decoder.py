@@ -25,11 +25,11 @@ A decoder joins after its prefill (its caches hold every token but the
 last) and leaves with its caches back, so prefill, the prefix cache,
 handoffs and the single-sequence engine keep working on it as they do.
 
-Where every stream is a greedy MTP AheadDecoder at one depth (a GPU's
-engine), the rounds are queued one ahead (batch_ahead.py): the next
-round's graph is built while the device runs this one. A join, a leave, a
-depth of 0 or a stream of another kind first drops the round queued
-ahead, and the batch goes on with these rounds.
+Where every stream is a greedy MTP AheadDecoder (a GPU's engine), the
+rounds are queued one ahead (batch_ahead.py): the next round's graph is
+built while the device runs this one. A join, a leave, every depth 0 or a
+stream of another kind first drops the round queued ahead, and the batch
+goes on with these rounds.
 
 SpecEngine (engine.py) drives it for the requests that reach it while one
 decodes. The engine proves the verify kernels at a
@@ -123,14 +123,14 @@ class BatchSpecDecoder:
         """One round for the whole batch: each sequence drafts up to
         depths[key] (missing: 0); returns each one's Step."""
         ks = [depths.get(key, 0) for key in self.decoders]
-        if self._ahead is not None and (len(set(ks)) > 1 or ks[0] == 0):
+        if self._ahead is not None and max(ks) == 0:
             self._settle()
         if self._ahead is None and self.ahead and BatchAhead.fits(list(self.decoders.values()), ks):
             decoders = list(self.decoders.values())
             rounds = self.rounds and self.rounds(decoders[0].proposer.head)
             self._ahead = BatchAhead(self.target, decoders, self.caches, rounds)
         if self._ahead is not None:
-            return dict(zip(self.decoders, self._ahead.round(ks[0], self._kernels_on), strict=True))
+            return dict(zip(self.decoders, self._ahead.round(ks, self._kernels_on), strict=True))
         decoders = list(self.decoders.items())
         held = [len(d.tokens) - 1 for _, d in decoders]
         planned = [d.begin_round(k) for (_, d), k in zip(decoders, ks, strict=True)]

@@ -168,9 +168,11 @@ def test_the_demo_hybrid_s_batch_runs_ahead_exactly_with_its_head_s_own_drafts()
 
 
 def test_the_engine_runs_concurrent_requests_ahead_in_one_batch(trunk):  # noqa: F811
-    """Through SpecEngine.generate() with ahead forced on (as on a GPU):
-    four concurrent greedy MTP requests decode in one batch whose rounds
-    run ahead, and each equals its plain greedy decoding."""
+    """Through SpecEngine.generate() with ahead and compiled rounds forced
+    on (as on a GPU): five concurrent greedy MTP requests decode in one
+    batch whose rounds run ahead, one client goes away after 12 tokens,
+    and each of the others equals its plain greedy decoding (the one that
+    left, up to where it left)."""
     from test_batch_engine import _Ids, collect
 
     from specgate.engines.cache.prefix_cache import PrefixCache
@@ -183,11 +185,12 @@ def test_the_engine_runs_concurrent_requests_ahead_in_one_batch(trunk):  # noqa:
     mtp = bigram_head(args, 0.25)
     vocab = model.args.vocab_size
     rng = random.Random(8)
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (6, 9, 4, 12)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (6, 9, 4, 12, 7)]
+    leaves = {4: 12}  # request 4's client goes away after 12 tokens
     plan = Plan("mlx_mtp", "mtp", 3, "forced_by_request")
     loaded = LoadedModel("bigram", model, _Ids(), {"model_type": "qwen3", "vocab_size": vocab},
                          PrefixCache("bigram", 0))  # fmt: skip
-    ahead_rounds = []
+    ahead_rounds, engine_rounds = [], []
 
     class Batch(BatchSpecDecoder):  # counts the rounds that ran ahead
         def round(self, depths):
@@ -201,17 +204,22 @@ def test_the_engine_runs_concurrent_requests_ahead_in_one_batch(trunk):  # noqa:
     async def main():
         engine = SpecEngine("bigram", loaded, name="mlx_mtp", drafting=drafting, max_context=4096,
                             kernels="off", prefill_step_size=16)  # fmt: skip
-        engine.ahead, engine.batch_decoder = True, Batch
+        engine.ahead, engine.compiled_rounds, engine.batch_decoder = True, True, Batch
+        engine_rounds.append(engine._batch_rounds_for(mtp))
         await engine.start()
         try:
             return await asyncio.gather(*(collect(engine, GenerationRequest(f"r{i}", "bigram", p, GREEDY, 50, plan),
-                                                  FixedPlanner(plan)) for i, p in enumerate(prompts)))  # fmt: skip
+                                                  FixedPlanner(plan), leaves.get(i)) for i, p in enumerate(prompts)))  # fmt: skip
         finally:
             await engine.stop()
 
     outs = asyncio.run(asyncio.wait_for(main(), 120))
-    for prompt, (got, _, _) in zip(prompts, outs, strict=True):
+    for i, (prompt, (got, _, _)) in enumerate(zip(prompts, outs, strict=True)):
         want, margins = greedy_reference(model, prompt, 50)
+        if i in leaves:
+            assert leaves[i] <= len(got) < 50
+            want, margins = want[: len(got)], margins[: len(got)]
         assert_same_greedy(got, want, margins)
     assert max(s.batch for _, stats, _ in outs for s in stats) >= 3
     assert sum(ahead_rounds) >= 10, ahead_rounds
+    assert engine_rounds and engine_rounds[0]._compiled  # the batch's rounds ran compiled

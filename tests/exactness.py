@@ -48,6 +48,7 @@ from specgate.engines.cache.prefix_cache import PrefixCache, snapshot
 from specgate.engines.drafting.base import Proposal
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec import acceptance as speculative
+from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.sampling import probabilities
 
@@ -433,14 +434,17 @@ class Sample:
     support_ok: bool  # no pair the target truncated away
 
 
-def sample_rounds(s: Subject, n: int) -> Sample:
+def sample_rounds(s: Subject, n: int, batched: bool = False) -> Sample:
     """n unseeded requests (rejection sampling; MLX's random state seeded
     before each, so the run repeats) for the copy prefix, each resumed from
     one prefilled state as the engine resumes a cached prompt
     (specgate/engines/mlx_spec/engine.py: the prefix cache's entry before the
     prompt's last token, the drafter's state restored): the last prompt token, the first sampled token, then a depth-2
     round. The round's two tokens are counted given the commonest first token
-    and compared with the target's exact p(a) p(b | a)."""
+    and compared with the target's exact p(a) p(b | a). `batched`: each
+    request's rounds run in a BatchSpecDecoder beside a greedy request of
+    the same engine at depth 1 on another prompt (issue 45: a stream's
+    distribution in a batch is its target's)."""
     prefix = copy_prefix(s.model)
     cache_id = s.engine.drafting.cache_id
     entries = PrefixCache(f"sampling {s.engine_name}")
@@ -451,6 +455,7 @@ def sample_rounds(s: Subject, n: int) -> Sample:
                            drafter_state=None if cache_id is None else first.proposer.snapshot())
     by_first: dict[int, Counter] = {}
     drafted = accepted = 0
+    companion = prompts(s.vocab)[5]
     for seed in range(n):
         mx.random.seed(seed)
         hit = entries.fetch(prefix, drafter=cache_id)
@@ -461,8 +466,15 @@ def sample_rounds(s: Subject, n: int) -> Sample:
             decoder.proposer.restore(hit.drafter)
         step = decoder.prefill()
         tokens = list(step.tokens)
+        batch = None
+        if batched:
+            other = s.engine.make_decoder(_request(s, companion, GREEDY, 1, 8), None, 0)
+            other.prefill()
+            batch = BatchSpecDecoder(s.engine.target)
+            batch.join("other", other)
+            batch.join("sampled", decoder)
         while step.finish_reason is None:
-            step = decoder.round(2)
+            step = decoder.round(2) if batch is None else batch.round({"sampled": 2, "other": 1})["sampled"]
             tokens += step.tokens
             drafted, accepted = drafted + step.stats.drafted, accepted + step.stats.accepted
         by_first.setdefault(tokens[0], Counter())[tuple(tokens[1:3])] += 1

@@ -18,6 +18,8 @@ target, is checked for the wiring around it:
   sqrt(m/n); McDiarmid: a correct sampler fails with probability < exp(-2m)
   for a random seed; the seeds are fixed). The fast tier draws N_FAST
   samples, the proof tier (`pytest -m proof`) N_PROOF;
+- the same sampled rounds with each request in a batch beside a greedy
+  one (issue 45), for every engine whose target batches;
 - a deliberately wrong rule (failure injection: the residual with p and q
   swapped) fails the same check at the fast tier's size, so that size has
   the power to see a real slip (run in the fast tier for MTP and DFlash,
@@ -33,6 +35,7 @@ from exactness import copy_prefix, decode, sample_rounds, wrong_rule
 
 from specgate.engines.base import SamplingParams
 from specgate.engines.mlx_spec import decoder as spec_decoder
+from specgate.engines.mlx_spec.batch_decoder import unbatchable
 from specgate.engines.sampling import PenaltyState, penalised, probabilities
 
 N_FAST = 300  # the size the wrong rule is shown to fail at (N_WRONG)
@@ -109,6 +112,20 @@ def test_sampled_rounds_follow_the_target(subject, n, capsys):
               f"accepted]", end=" ")  # fmt: skip
     assert got.accepted > 0  # accepted drafts and bonus tokens are in the sample
     assert got.support_ok  # never a pair the target truncated away
+    assert got.distance < got.bound
+
+
+def test_sampled_rounds_in_a_batch_follow_the_target(subject, capsys):
+    """The same check with each request's rounds in a BatchSpecDecoder beside
+    a greedy request on another prompt (issue 45): the batch's one verify
+    forward hands each row's rule its target's distribution."""
+    if (why := unbatchable(subject.engine.target)) is not None:
+        pytest.skip(f"{subject.family} does not batch: {why}")
+    got = sample_rounds(subject, N_FAST, batched=True)
+    with capsys.disabled():
+        print(f"[batched, {subject.engine_name} on {subject.family}: TV {got.distance:.4f}, bound "
+              f"{got.bound:.4f}, {got.drafted} drafted, {got.accepted} accepted]", end=" ")  # fmt: skip
+    assert got.accepted > 0 and got.support_ok
     assert got.distance < got.bound
 
 

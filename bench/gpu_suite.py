@@ -662,7 +662,7 @@ def section_batchengine(a, target, out: dict) -> None:
     # (--tiny on the CPU: both too, compiled, as a check of the ahead path's oracle.)
     spec.engine.ahead |= a.tiny
     spec.engine.compiled_rounds |= a.tiny
-    sides = ["ahead", "first"] if spec.engine.ahead else ["first"]
+    sides = [x for x in a.sides if x == "first" or spec.engine.ahead] or ["first"]
     columns = [(d, side) for d in depths for side in (sides if d else sides[-1:])]  # d0: no rounds to run ahead
 
     def spec_run(prompts: list[list[int]], n: int, depth: int, side: str) -> tuple[list[Run], float]:
@@ -792,6 +792,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--spec-streams", default="2,4,8", help="batchspec's streams")
     ap.add_argument("--spec-depths", default="0,1,2,3", help="batchspec's depths (0: plain steps)")
+    ap.add_argument("--sides", default="ahead,first",
+                    help="batchengine's sides: its batched rounds run ahead, read first, or both")
     ap.add_argument("--accept", type=float, default=0.8)
     ap.add_argument("--kernels", default="auto", choices=("auto", "off"))
     ap.add_argument("--seed", type=int, default=0)
@@ -813,6 +815,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.depths = [int(x) for x in a.depths.split(",")]
         a.spec_streams = [int(x) for x in a.spec_streams.split(",")]
         a.spec_depths = [int(x) for x in a.spec_depths.split(",")]
+        a.sides = [x for x in a.sides.split(",") if x]
     except ValueError as e:
         ap.error(f"--streams and --depths take comma-separated integers: {e}")
     if a.reps < 1 or a.tokens < 2 or a.prompt < 1 or a.prefill < 1 or min(a.streams) < 1 \
@@ -820,6 +823,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             or not 0 <= a.accept <= 1:  # fmt: skip
         ap.error("--reps, --prompt, --prefill, --streams and --depths must be >= 1, --tokens >= 2, "
                  "--accept in [0, 1]")  # fmt: skip
+    if not a.sides or not set(a.sides) <= {"ahead", "first"}:
+        ap.error(f"--sides takes ahead, first or both, not {','.join(a.sides) or 'nothing'}")
     return a
 
 

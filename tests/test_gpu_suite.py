@@ -83,6 +83,7 @@ def test_a_failing_section_is_reported_and_the_run_goes_on_to_exit_0(tmp_path):
     (["--only", "plain,nonsense"], "unknown section(s) nonsense"),
     (["--tokens", "1"], "--tokens >= 2"),
     (["--streams", "4,x"], "comma-separated integers"),
+    (["--sides", "ahead,sideways"], "--sides takes ahead, first or both"),
 ])  # fmt: skip
 def test_bad_arguments_exit_2(tmp_path, args, says):
     r = suite(*args, home=tmp_path)

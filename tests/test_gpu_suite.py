@@ -39,10 +39,11 @@ def suite(*args: str, home: Path, before: str = "") -> subprocess.CompletedProce
                           text=True, timeout=240)  # fmt: skip
 
 
-@pytest.mark.proof  # 13-30 s: the fast tier runs two sections in the next test
+@pytest.mark.proof  # 30-80 s: the fast tier runs two sections in the next test
 def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     raw = tmp_path / "suite.json"
-    r = suite("--tiny", "--reps", "2", "--json", str(raw), home=tmp_path)
+    # Two speculative depths for the batch sections (each of batchengine's twice: run ahead, read first).
+    r = suite("--tiny", "--reps", "2", "--spec-depths", "1,3", "--json", str(raw), home=tmp_path)
     out = r.stdout
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in out, out

@@ -115,11 +115,7 @@ class CompiledRounds:
 
     def __call__(self, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
                  last: mx.array, trunk: list, head_cache: list, hook_inputs: tuple = ()) -> RoundOut:  # fmt: skip
-        head_rows = pairs.shape[1] + k - 1  # the pairs, then the chain's k - 1
-        for c in trunk:
-            c.room(k + 1)
-        for c in head_cache:
-            c.room(head_rows)
+        head_rows = make_room(trunk, head_cache, k, pairs.shape[1])
         fn = self._function(k, bool(self.target.kernels), len(trunk), len(hook_inputs))
         # One offset for the trunk's caches and one for the head's: each
         # group is written and kept alike, so their offsets are equal, and
@@ -127,15 +123,39 @@ class CompiledRounds:
         # arithmetic (its rows, its keep) into one launch instead of one a layer.
         drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
             pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset, *hook_inputs,
-            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values)])  # fmt: skip
-        for i, c in enumerate((*trunk, *head_cache)):
-            c.keys, c.values = buffers[2 * i : 2 * i + 2]
-            c.offset = trunk_offset if i < len(trunk) else head_offset
-        for c in trunk:
-            c.bound += k + 1
-        for c in head_cache:
-            c.bound += head_rows
+            *buffers_of(trunk, head_cache))  # fmt: skip
+        took_back(trunk, head_cache, buffers, trunk_offset, head_offset, k, head_rows)
         return RoundOut(drafts, accepted, bonus, pairs, hidden)
+
+
+def make_room(trunk: list, head_cache: list, k: int, pairs: int) -> int:
+    """Before a compiled round at depth k fed `pairs` head pairs: every
+    buffer grown for the most rows it can write (inside the trace nothing
+    grows). Returns the head's rows: the pairs, then the chain's k - 1."""
+    head_rows = pairs + k - 1
+    for c in trunk:
+        c.room(k + 1)
+    for c in head_cache:
+        c.room(head_rows)
+    return head_rows
+
+
+def buffers_of(trunk: list, head_cache: list) -> list[mx.array]:
+    """The caches' buffers as a compiled round's inputs, in order."""
+    return [a for c in (*trunk, *head_cache) for a in (c.keys, c.values)]
+
+
+def took_back(trunk: list, head_cache: list, buffers: list, trunk_offset: mx.array,
+              head_offset: mx.array, k: int, head_rows: int) -> None:  # fmt: skip
+    """After a compiled round: the caches take its buffers and offsets, and
+    the host counts the rows it wrote into each cache's bound."""
+    for i, c in enumerate((*trunk, *head_cache)):
+        c.keys, c.values = buffers[2 * i : 2 * i + 2]
+        c.offset = trunk_offset if i < len(trunk) else head_offset
+    for c in trunk:
+        c.bound += k + 1
+    for c in head_cache:
+        c.bound += head_rows
 
 
 def _traced(keys: mx.array, values: mx.array, offset: mx.array) -> DeviceOffsetKV:

@@ -55,7 +55,7 @@ from specgate.engines.base import RoundStats
 from specgate.engines.drafting.mtp.proposer import _HeadInput
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.ahead import AheadDecoder
-from specgate.engines.mlx_spec.ahead_round import DraftsHook
+from specgate.engines.mlx_spec.ahead_round import DraftsHook, buffers_of, make_room, took_back
 from specgate.engines.mlx_spec.decoder import Step
 from specgate.kernels import hook as kernel_hook
 
@@ -294,11 +294,7 @@ class CompiledBatchRounds:
     def __call__(self, k: int, limit: mx.array, pairs: mx.array, hidden: mx.array, standing: mx.array,
                  last: mx.array, trunk: list, head_cache: list, kernels: bool,
                  hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
-        head_rows = pairs.shape[1] + k - 1  # the pairs, then the chain's k - 1
-        for c in trunk:
-            c.room(k + 1)
-        for c in head_cache:
-            c.room(head_rows)
+        head_rows = make_room(trunk, head_cache, k, pairs.shape[1])
         batch = pairs.shape[0]
         n_hook = len(hook_inputs[0]) if hook_inputs else 0
         fn = self._function(k, kernels, len(trunk), n_hook, batch)
@@ -306,14 +302,7 @@ class CompiledBatchRounds:
         # (each group is written and kept alike), as CompiledRounds does.
         drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
             limit, pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
-            *[a for inputs in hook_inputs for a in inputs],
-            *[a for c in (*trunk, *head_cache) for a in (c.keys, c.values)])  # fmt: skip
-        for i, c in enumerate((*trunk, *head_cache)):
-            c.keys, c.values = buffers[2 * i : 2 * i + 2]
-            c.offset = trunk_offset if i < len(trunk) else head_offset
-        for c in trunk:
-            c.bound += k + 1
-        for c in head_cache:
-            c.bound += head_rows
+            *[a for inputs in hook_inputs for a in inputs], *buffers_of(trunk, head_cache))  # fmt: skip
+        took_back(trunk, head_cache, buffers, trunk_offset, head_offset, k, head_rows)
         return BatchRound(drafts, accepted, bonus, pairs, hidden)
 

@@ -59,7 +59,9 @@ def watch():
     else:
         answered = None
     loaded = sorted(m for m in sys.modules if m == "specgate.builders" or m.startswith("specgate.builders."))
-    print(json.dumps({"answered": answered, "builders": loaded}), file=sys.stderr, flush=True)
+    # One write, marked: the server's threads log to the same stderr meanwhile.
+    sys.stderr.write("PROBE-REPORT " + json.dumps({"answered": answered, "builders": loaded}) + "\\n")
+    sys.stderr.flush()
     os._exit(0)
 
 threading.Thread(target=watch, daemon=True).start()
@@ -76,7 +78,10 @@ def test_serve_never_imports_the_builders(tmp_path):
     env = os.environ | {"SPECGATE_HOME": str(tmp_path / "home")}
     proc = subprocess.run([sys.executable, "-c", _SERVE_PROBE, str(port)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)  # fmt: skip
-    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    # (ci13: an access-log line landed on the report's line; the marker finds it wherever it is.)
+    at = proc.stderr.rfind("PROBE-REPORT ")
+    assert at >= 0, proc.stderr[-3000:]
+    report, _ = json.JSONDecoder().raw_decode(proc.stderr, at + len("PROBE-REPORT "))
     assert report["answered"], proc.stderr[-3000:]
     assert report["builders"] == [], f"specgate serve imported {report['builders']}"
 

@@ -21,3 +21,9 @@ the one direction their imports go:
 
 See docs/DESIGN.md, "Layers".
 """
+
+# Before anything imports MLX: its CPU matmuls through OpenBLAS where the
+# machine has it (kernels/cpu_blas.py says why).
+from specgate.kernels import cpu_blas as _cpu_blas  # noqa: E402
+
+_cpu_blas.bind()

@@ -67,7 +67,9 @@ def test_rollback_after_the_window_wrapped_equals_feeding_the_kept_tokens(pair):
     for tokens in ([[11]], [[12, 13, 14]]):
         a = trunk.forward(mx.array(tokens), cut).hidden
         b = trunk.forward(mx.array(tokens), fed).hidden
-        assert mx.allclose(a, b, atol=1e-5).item()
+        # The same entries in another order in a rotating buffer: in float32
+        # (engines/precision.py) the sums differ by ~2e-5; a wrong cut by ~1.
+        assert mx.allclose(a, b, atol=1e-4).item()
     assert [c.offset for c in cut] == [c.offset for c in fed]
 
 

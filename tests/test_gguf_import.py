@@ -385,8 +385,9 @@ def test_served_imported_gguf_answers_as_mlx_lm_does(smol_gw, smollm2_gguf):
 
 def test_dequantized_load_is_dense_and_drafting_stays_exact(smol_gw):
     """`dequantize: true` (MLX's CPU backend verifies dense weights cheaper):
-    the model's quantized layers load as bfloat16 ones, and n-gram drafting
-    on them still writes what plain decoding does."""
+    the model's quantized layers load as bfloat16 ones (computed in float32
+    where OpenBLAS runs them: engines/precision.py), and n-gram drafting on
+    them still writes what plain decoding does."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -399,7 +400,8 @@ def test_dequantized_load_is_dense_and_drafting_stays_exact(smol_gw):
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in stored.model.named_modules())
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                    for _, m in dense.model.named_modules())  # fmt: skip
-    assert {v.dtype for _, v in tree_flatten(dense.model.parameters())} == {mx.bfloat16}
+    want = mx.float32 if dense.upcast else mx.bfloat16
+    assert {v.dtype for _, v in tree_flatten(dense.model.parameters())} == {want}
     client = openai.OpenAI(base_url=smol_gw.api, api_key="none", max_retries=0, timeout=300)
     copy = "alpha beta gamma delta alpha beta gamma delta alpha beta"
     plain = _ids(client, copy, "none", 12, model="smol-dense")

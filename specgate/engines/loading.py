@@ -19,6 +19,7 @@ from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.fair_lock import FairLock
 from specgate.engines.forwards.one_row import compile_one_row
 from specgate.engines.grammar.matcher import Grammars
+from specgate.engines.precision import upcast_on_cpu
 from specgate.kernels import hook
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class LoadedModel:
     # A model over several ranks (engines/distributed/lockstep.py): its lock, and the
     # decisions its engines share with the other ranks. None on one machine.
     lockstep: Any = None
+    # Cast to float32 on a CPU with OpenBLAS (engines/precision.py): its
+    # drafters and heads follow, and its prefix-cache files are its own.
+    upcast: bool = False
 
     @property
     def text_config(self) -> dict:
@@ -117,14 +121,16 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
         loaded = _loaded.get(memo)
         if loaded is None:
             model, tokenizer, config = load(path, distribution, dequantize)
+            upcast = upcast_on_cpu(model, key)
             if chat_template is not None:
                 # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
                 tokenizer.chat_template = chat_template
             if distribution is None:
                 # A rank's shard has sharded linears: neither applies to it.
                 prepare_for_decoding(model)
-                prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize)
-                loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix)
+                prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast)
+                loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
+                                                     upcast=upcast)  # fmt: skip
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
 
@@ -132,7 +138,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 prefix.resize(0)
                 lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
-                                                     lock=lockstep, lockstep=lockstep)  # fmt: skip
+                                                     lock=lockstep, lockstep=lockstep,
+                                                     upcast=upcast)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends
                 weakref.finalize(loaded, prefix.disk.close)
             weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS
@@ -140,7 +147,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
 
 
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
-                  dequantize: bool = False) -> PrefixCache:  # fmt: skip
+                  dequantize: bool = False, upcast: bool = False) -> PrefixCache:  # fmt: skip
     from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
     from specgate.engines.mlx_load import downloaded_checkpoint
@@ -157,8 +164,11 @@ def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
 
         try:
             digest = prefix_digest(root)
-            if dequantize:  # other weights, other states: never each other's files
-                digest = hashlib.sha256(f"{digest}#dequantized".encode()).hexdigest()[:16]
+            # Other weights or another compute type, other states: never
+            # each other's files.
+            for variant, on in (("dequantized", dequantize), ("float32", upcast)):
+                if on:
+                    digest = hashlib.sha256(f"{digest}#{variant}".encode()).hexdigest()[:16]
             disk = DiskTier(prefix_cache_dir(), digest, settings.disk_bytes,
                             settings.disk_min_tokens)  # fmt: skip
         except OSError as e:  # an unreadable checkpoint file or cache directory

@@ -24,6 +24,7 @@ from specgate.engines.drafting.assistant.gemma4 import (
 )
 from specgate.engines.drafting.base import Context, Drafting, Proposal, drafted
 from specgate.engines.loading import LoadedModel
+from specgate.engines.precision import follow
 from specgate.engines.sampling import advanced
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
@@ -35,6 +36,7 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
     if drafter is None:
         raise ValueError("assistant needs a `drafter` directory (a Gemma-4 -assistant checkpoint)")
     d = load_assistant(drafter)
+    follow(d, loaded.upcast)  # computes in its target's type (engines/precision.py)
     check_pairing(d, target)
     return Drafting("gemma4_assistant", lambda t: AssistantProposer(t, d), weights=d)
 

@@ -30,6 +30,7 @@ from specgate.engines.drafting.dflash.model import (
 )
 from specgate.engines.forwards import kv_buffer
 from specgate.engines.loading import LoadedModel
+from specgate.engines.precision import follow
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Forward, Target
 
@@ -42,6 +43,7 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
     if drafter is None:
         raise ValueError("dflash needs a `drafter` directory")
     d = load_dflash(drafter)
+    follow(d, loaded.upcast)  # computes in its target's type (engines/precision.py)
     check_pairing(d, target)
     # The block's first position is the last committed token.
     return Drafting("dflash", lambda t: DFlashProposer(t, d), max_drafts=d.args.block_size - 1,

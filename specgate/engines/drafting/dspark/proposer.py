@@ -16,6 +16,7 @@ from specgate.engines.drafting.dflash.model import check_pairing
 from specgate.engines.drafting.dflash.proposer import BlockProposer
 from specgate.engines.drafting.dspark.model import DSparkDrafter, load_dspark
 from specgate.engines.loading import LoadedModel
+from specgate.engines.precision import follow
 from specgate.engines.sampling import advanced
 from specgate.engines.settings import DraftSettings
 from specgate.engines.targets import Target
@@ -27,6 +28,7 @@ def drafting(loaded: LoadedModel, target: Target, drafter: str | None,
     if drafter is None:
         raise ValueError("dspark needs a `drafter` directory")
     d = load_dspark(drafter)
+    follow(d, loaded.upcast)  # computes in its target's type (engines/precision.py)
     check_pairing(d, target, min_block=1)
     # One proposal per block position.
     return Drafting("dspark", lambda t: DSparkProposer(t, d), max_drafts=d.args.block_size,

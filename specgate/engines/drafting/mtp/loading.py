@@ -46,6 +46,7 @@ from specgate.engines.checkpoints.reader import (
 )
 from specgate.engines.drafting.mtp.head import ZERO_CENTRED_NORMS, MTPHead
 from specgate.engines.loading import LoadedModel
+from specgate.engines.precision import follow
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def load_mtp_head(loaded: LoadedModel) -> MTPHead:
     quantized = _quantize(head, weights, loaded, info)
     _check_fit(head, weights, info)
     head.load_weights(list(weights.items()), strict=True)
+    follow(head, loaded.upcast)  # computes in the trunk's type (engines/precision.py)
     mx.eval(head.parameters())
     head.eval()
     log.info(

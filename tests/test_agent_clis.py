@@ -13,8 +13,9 @@ reply_stop). What each agent sends (measured here, 2 cores shared): Claude
 Code ~17.5k prompt tokens (12 tools, max_tokens the launch cap of 8192),
 OpenCode a title request and then ~10k (10 tools), Qwen Code ~20k (10
 tools; its background memory agents, another ~15k each, off as launch
-sets them); the demo prefills ~100-300 tokens/s on a CPU, so each agent's first
-turn takes one to four minutes here. A later turn with the same system
+sets them); the demo prefills ~400-500 tokens/s on this CPU (float32 through
+OpenBLAS: kernels/cpu_blas.py; ~100-300 in bfloat16), so each agent's first
+turn takes one to two minutes here (ci14: 63-99 s, against 124-432 s). A later turn with the same system
 prompt and tools reuses their prefill (the prefix cache), as the launch
 test's Claude Code does.
 """

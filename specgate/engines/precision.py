@@ -18,6 +18,8 @@ named with the type (engines/loading.py), as its states differ.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,12 +37,18 @@ _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 def upcast_on_cpu(module: nn.Module, name: str = "", limit: int = HALF_LIMIT_BYTES) -> bool:
     """Cast `module`'s half-precision weights to float32 where that is the
     faster way to compute it (see the module docstring); whether it did."""
-    if mx.default_device() != mx.cpu or cpu_blas.LIBRARY is None:
+    if mx.default_device() != mx.cpu:
         return False
     if any(isinstance(m, _QUANTIZED) for _, m in module.named_modules()):
         return False
     half = sum(v.nbytes for _, v in tree_flatten(module.parameters()) if v.dtype in _HALF)
     if half == 0 or half > limit:
+        return False
+    if cpu_blas.LIBRARY is None:
+        if sys.platform == "linux" and os.environ.get("SPECGATE_SYSTEM_BLAS") != "0":
+            log.info("%s: computing in half precision on MLX's own CPU loops; with OpenBLAS "
+                     "installed (Debian: libopenblas0) it would compute in float32 through it, "
+                     "2-3x faster (kernels/cpu_blas.py)", name or type(module).__name__)  # fmt: skip
         return False
     cast(module)
     log.info("%s: computing in float32 on the CPU (%s), %.0f MB of half-precision weights cast",

@@ -74,6 +74,18 @@ def test_the_key_changes_with_what_decides_a_verdict():
     assert key not in keys and len(keys) == len(others)
 
 
+def test_a_cpus_key_names_the_blas_its_matmuls_run_on():
+    """OpenBLAS or the mlx wheel's own (kernels/cpu_blas.py): other costs,
+    other tune curves."""
+    cpu = dict(backend="cpu", device_info={}, mlx_version="0.32.4", packages={}, read=files(),
+               run=no_commands)  # fmt: skip
+    openblas = machine.describe(**cpu, blas="libopenblas.so.0")
+    assert openblas["blas"] == "libopenblas.so.0"
+    assert machine.key(openblas) == machine.key(machine.describe(**cpu, blas="libopenblas.so.0"))
+    assert machine.key(openblas) != machine.key(machine.describe(**cpu, blas="bundled"))
+    assert "blas" not in cuda_machine()  # a GPU's verdicts are its kernels'
+
+
 def test_what_cannot_be_read_is_unknown_and_nvidia_smi_is_the_fallback():
     bare = cuda_machine(read=lambda path: None, device_info={}, packages={})
     assert bare["driver"] == bare["device"] == bare["mlx_cuda"] == "unknown"

@@ -12,6 +12,8 @@ description names:
   versions: runtime, NVRTC, which compiles the kernels, cuBLAS, cuDNN) and
   the toolkit under CUDA_HOME whose headers NVRTC reads;
 - Metal: the macOS version (the Metal compiler comes with it);
+- CPU: the BLAS MLX's matmuls run on (kernels/cpu_blas.py: OpenBLAS or the
+  wheel's own), which changes what a verify costs;
 - the host CPU's model (every launch costs host time: at small shapes it
   decides faster or slower) and the MLX version.
 What cannot be read is `unknown`, never an error. The hostname is not in it:
@@ -35,6 +37,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import mlx.core as mx
+
+from specgate.kernels import cpu_blas
 
 UNKNOWN = "unknown"
 COMMAND_TIMEOUT_S = 5.0
@@ -115,7 +119,8 @@ def cuda_versions(packages: Mapping[str, str], read: Callable[[str], str | None]
 def describe(*, backend: str | None = None, device_info: Mapping | None = None,
              mlx_version: str | None = None, packages: Mapping[str, str] | None = None,
              read: Callable[[str], str | None] = _read,
-             run: Callable[[list[str]], str | None] = _run) -> dict[str, str]:  # fmt: skip
+             run: Callable[[list[str]], str | None] = _run,
+             blas: str | None = None) -> dict[str, str]:  # fmt: skip
     """This machine as far as kernels care (see the module docstring); any
     source may be handed in instead of read here."""
     backend = backend or _backend()
@@ -132,6 +137,11 @@ def describe(*, backend: str | None = None, device_info: Mapping | None = None,
         out["mlx_cuda"] = ", ".join(mlx_cuda) or UNKNOWN
     elif backend == "metal":
         out["os"] = f"macOS {platform.mac_ver()[0] or UNKNOWN}"
+    elif backend == "cpu":
+        # The BLAS MLX's CPU matmuls bind to (kernels/cpu_blas.py): OpenBLAS
+        # made a verify of 9 demo rows cost 2.5 steps instead of 3.5, so a
+        # CPU's tune curves are its own.
+        out["blas"] = blas or cpu_blas.LIBRARY or "bundled"
     out["cpu"] = cpu_model(read, run)
     out["mlx"] = mlx_version
     return out

@@ -136,3 +136,23 @@ def test_openblas_computes_on_the_callers_thread_unless_told_otherwise():
 
     assert threads() == 1
     assert threads(OPENBLAS_NUM_THREADS="2") == 2
+
+
+def test_the_memory_budget_counts_what_the_cast_holds():
+    """The estimate before a load (gateway/serving/footprint.py) follows the
+    same rule: the demo's bfloat16 weights and KV count twice where it
+    computes in float32, and the estimate then matches the load."""
+    from specgate.engines.checkpoints.inspect import inspect_checkpoint
+    from specgate.engines.memory import parameter_bytes
+    from specgate.gateway.config import ModelConfig
+    from specgate.gateway.serving.footprint import estimate
+
+    if cpu_blas.LIBRARY is None:
+        pytest.skip("no OpenBLAS bound in this test process")
+    demo = ModelConfig(id="d", path="builtin:demo", max_context=1024)
+    est = estimate(demo)
+    loaded = load_mlx_model(str(default_model_path()))
+    # The MTP head is counted in the target's weights and loaded apart.
+    head = inspect_checkpoint(str(default_model_path())).memory.mtp_head_bytes
+    assert abs(est.weights - (parameter_bytes(loaded.model) + 2 * head)) < 1 << 16
+    assert any("float32" in n for n in est.notes)

@@ -11,8 +11,9 @@ are MLX's own quantized kernels, which a cast does not speed up. On a GPU
 nothing changes.
 
 Every part of one model computes in one type: its drafters and heads
-follow the target (`follow`), and its prefix cache's files on disk are
-named with the type (engines/loading.py), as its states differ.
+follow the target (`follow`), its prefix cache's files on disk are named
+with the type (engines/loading.py), as its states differ, and the memory
+budget counts the cast bytes before the load (`upcast_applies`).
 """
 
 from __future__ import annotations
@@ -34,26 +35,31 @@ _HALF = (mx.bfloat16, mx.float16)
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
+def upcast_applies(half_bytes: int, quantized: bool, limit: int = HALF_LIMIT_BYTES) -> bool:
+    """The rule, for a model of `half_bytes` of half-precision weights: also
+    what the memory budget reads before a load (gateway/serving/footprint.py)."""
+    return (mx.default_device() == mx.cpu and cpu_blas.LIBRARY is not None and not quantized
+            and 0 < half_bytes <= limit)  # fmt: skip
+
+
 def upcast_on_cpu(module: nn.Module, name: str = "", limit: int = HALF_LIMIT_BYTES) -> bool:
     """Cast `module`'s half-precision weights to float32 where that is the
     faster way to compute it (see the module docstring); whether it did."""
-    if mx.default_device() != mx.cpu:
-        return False
-    if any(isinstance(m, _QUANTIZED) for _, m in module.named_modules()):
-        return False
+    quantized = any(isinstance(m, _QUANTIZED) for _, m in module.named_modules())
     half = sum(v.nbytes for _, v in tree_flatten(module.parameters()) if v.dtype in _HALF)
-    if half == 0 or half > limit:
-        return False
-    if cpu_blas.LIBRARY is None:
-        if sys.platform == "linux" and os.environ.get("SPECGATE_SYSTEM_BLAS") != "0":
-            log.info("%s: computing in half precision on MLX's own CPU loops; with OpenBLAS "
-                     "installed (Debian: libopenblas0) it would compute in float32 through it, "
-                     "2-3x faster (kernels/cpu_blas.py)", name or type(module).__name__)  # fmt: skip
-        return False
-    cast(module)
-    log.info("%s: computing in float32 on the CPU (%s), %.0f MB of half-precision weights cast",
-             name or type(module).__name__, cpu_blas.LIBRARY, half / 1e6)  # fmt: skip
-    return True
+    name = name or type(module).__name__
+    if upcast_applies(half, quantized, limit):
+        cast(module)
+        log.info("%s: computing in float32 on the CPU (%s), %.0f MB of half-precision weights "
+                 "cast", name, cpu_blas.LIBRARY, half / 1e6)  # fmt: skip
+        return True
+    if (cpu_blas.LIBRARY is None and mx.default_device() == mx.cpu and not quantized
+            and 0 < half <= limit and sys.platform == "linux"
+            and os.environ.get("SPECGATE_SYSTEM_BLAS") != "0"):  # fmt: skip
+        log.info("%s: computing in half precision on MLX's own CPU loops; with OpenBLAS "
+                 "installed (Debian: libopenblas0) it would compute in float32 through it, "
+                 "2-3x faster (kernels/cpu_blas.py)", name)  # fmt: skip
+    return False
 
 
 def follow(module: nn.Module, upcast: bool) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specgate.engines import registry
 from specgate.engines.checkpoints.inspect import UsageError, inspect_checkpoint
+from specgate.engines.precision import upcast_applies
 from specgate.gateway.config import ModelConfig
 
 # An MLX model's KV cache grows with what it holds; with no max_context
@@ -87,10 +88,23 @@ def estimate(mc: ModelConfig) -> Footprint | None:
     per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
     kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
     weights = memory.weights_bytes
+    half = sum(n for dtype, n in report.bytes_by_dtype.items() if dtype in _HALF_DTYPES)
     if mc.dequantize:  # every parameter in bfloat16 (inspect counts packed weights unpacked)
-        weights = 2 * report.params
+        weights = half = 2 * report.params
         notes.append("weights dequantized to bfloat16 (`dequantize`)")
+    quantized = report.quantization is not None and not mc.dequantize
+    if upcast_applies(half, quantized):
+        # Its half weights, its KV and its drafter in float32, twice the bytes
+        # (a GDN layer's recurrent state is float32 already).
+        weights += half
+        kv += per_1k * tokens // 1024 + (memory.sliding_kv_bytes or 0) * mc.max_concurrent
+        drafter *= 2
+        notes.append("computed in float32 on this CPU (engines/precision.py): half-precision "
+                     "weights and the KV cache take twice their stored bytes")  # fmt: skip
     return Footprint(weights, drafter, kv, tuple(notes))
+
+
+_HALF_DTYPES = ("BF16", "F16", "bfloat16", "float16")  # safetensors' names, and MLX's
 
 
 def measured(engines) -> dict[str, int]:

@@ -3,8 +3,8 @@
 On MLX's CPU backend a float32 matmul goes to BLAS, and where that is
 OpenBLAS (kernels/cpu_blas.py) it ran 25-50x faster than the bfloat16 and
 float16 ones, which MLX loops over itself. The demo model then prefilled
-2.7x faster (8192 tokens: 50 s -> 18 s) and a coding agent's first turn
-took 42 s instead of 174. So a model stored in half precision is cast to
+2.6x and decoded 1.6x as fast as mlx-lm's own load of it (bench/cpu_blas.py)
+and a coding agent's first turn took 42 s instead of 174. So a model stored in half precision is cast to
 float32 when it loads on such a CPU, up to HALF_LIMIT_BYTES of half weights
 (the cast doubles them). A quantized model is left as it is: its matmuls
 are MLX's own quantized kernels, which a cast does not speed up. On a GPU

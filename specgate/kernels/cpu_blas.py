@@ -51,8 +51,9 @@ def bind() -> str | None:
             lib = ctypes.CDLL(name, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
         except OSError:
             continue
+        told = {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"} & os.environ.keys()
         set_threads = getattr(lib, "openblas_set_num_threads", None)  # in every OpenBLAS we know
-        if set_threads is not None and not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"} & os.environ.keys():
+        if set_threads is not None and not told:
             set_threads(1)
         LIBRARY = name
         return name

@@ -162,7 +162,10 @@ def test_metrics_count_hits(served):
                 {"role": "user", "content": "x = 1\n"}]  # fmt: skip
     chat(c, "demo", messages, "none", max_tokens=2)
     chat(c, "demo", messages, "none", max_tokens=2)
-    text = httpx.get(gw.base_url + "/metrics").text
+    # httpx's 5 s default is shorter than a CPU wait on a loaded CI machine:
+    # ci17's gateway logged "held up for 5.8 s, 5.8 s of it waiting for a CPU
+    # (load 11.8)" at this GET, which then timed out. Bounded, not a timing.
+    text = httpx.get(gw.base_url + "/metrics", timeout=60).text
 
     def value(name, **labels):
         sel = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))

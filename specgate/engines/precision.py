@@ -35,11 +35,15 @@ _HALF = (mx.bfloat16, mx.float16)
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
+def _castable(half_bytes: int, quantized: bool, limit: int) -> bool:
+    """A model the cast would speed up on MLX's CPU backend, given a BLAS."""
+    return mx.default_device() == mx.cpu and not quantized and 0 < half_bytes <= limit
+
+
 def upcast_applies(half_bytes: int, quantized: bool, limit: int = HALF_LIMIT_BYTES) -> bool:
     """The rule, for a model of `half_bytes` of half-precision weights: also
     what the memory budget reads before a load (gateway/serving/footprint.py)."""
-    return (mx.default_device() == mx.cpu and cpu_blas.LIBRARY is not None and not quantized
-            and 0 < half_bytes <= limit)  # fmt: skip
+    return cpu_blas.LIBRARY is not None and _castable(half_bytes, quantized, limit)
 
 
 def upcast_on_cpu(module: nn.Module, name: str = "", limit: int = HALF_LIMIT_BYTES) -> bool:
@@ -53,8 +57,7 @@ def upcast_on_cpu(module: nn.Module, name: str = "", limit: int = HALF_LIMIT_BYT
         log.info("%s: computing in float32 on the CPU (%s), %.0f MB of half-precision weights "
                  "cast", name, cpu_blas.LIBRARY, half / 1e6)  # fmt: skip
         return True
-    if (cpu_blas.LIBRARY is None and mx.default_device() == mx.cpu and not quantized
-            and 0 < half <= limit and sys.platform == "linux"
+    if (cpu_blas.LIBRARY is None and _castable(half, quantized, limit) and sys.platform == "linux"
             and os.environ.get("SPECGATE_SYSTEM_BLAS") != "0"):  # fmt: skip
         log.info("%s: computing in half precision on MLX's own CPU loops; with OpenBLAS "
                  "installed (Debian: libopenblas0) it would compute in float32 through it, "

@@ -15,6 +15,8 @@ from specgate.gateway.config import ModelConfig
 # the model's whole window times max_concurrent (which would refuse most
 # large models outright).
 MLX_KV_RESERVE_TOKENS = 32768
+# Half-precision weights in a checkpoint report, as safetensors and MLX name them.
+_HALF_DTYPES = ("BF16", "F16", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,6 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         notes.append("computed in float32 on this CPU (engines/precision.py): half-precision "
                      "weights and the KV cache take twice their stored bytes")  # fmt: skip
     return Footprint(weights, drafter, kv, tuple(notes))
-
-
-_HALF_DTYPES = ("BF16", "F16", "bfloat16", "float16")  # safetensors' names, and MLX's
 
 
 def measured(engines) -> dict[str, int]:

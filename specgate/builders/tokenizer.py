@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sysconfig
+import tempfile
 from pathlib import Path
 
 from tokenizers import (
@@ -163,8 +164,10 @@ def corpus_files() -> list[Path]:
 
 
 @functools.cache
-def _trained_json(vocab_size: int, thinking: bool = False) -> str:
-    """tokenizer.json text; cached because training dominates a tiny build."""
+def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...] = ()) -> str:
+    """tokenizer.json text; cached because training dominates a tiny build.
+    `words`: each learnt as one token of the vocabulary (trained on a
+    corpus that repeats them), as a real vocabulary has common words."""
     added = THINKING_TOKENS if thinking else ()
     tok = Tokenizer(models.BPE())
     # Exactly the pipeline transformers' Qwen3_5Tokenizer builds: in a
@@ -186,7 +189,13 @@ def _trained_json(vocab_size: int, thinking: bool = False) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train([str(p) for p in corpus_files()], trainer)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [str(p) for p in corpus_files()]
+        if words:
+            extra = Path(tmp) / "words.txt"
+            extra.write_text((" ".join(words) + "\n") * 20000, encoding="utf-8")
+            files.append(str(extra))
+        tok.train(files, trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -200,12 +209,14 @@ def _trained_json(vocab_size: int, thinking: bool = False) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = False) -> None:
+def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = False,
+                    words: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json;
-    `thinking`: with `<think>` and `</think>` added, as a reasoning model's."""
+    `thinking`: with `<think>` and `</think>` added, as a reasoning model's;
+    `words`: each one token (_trained_json)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    tok_json = _trained_json(vocab_size, thinking)
+    tok_json = _trained_json(vocab_size, thinking, tuple(words))
     (dest / "tokenizer.json").write_text(tok_json, encoding="utf-8")
 
     ids = special_token_ids(vocab_size)

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from specgate.engines.base import CacheSettings
 from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
+from specgate.engines.embedding.pooling import Pooling, read_pooling
 from specgate.engines.fair_lock import FairLock
 from specgate.engines.forwards.one_row import compile_one_row
 from specgate.engines.grammar.matcher import Grammars
@@ -47,6 +48,10 @@ class LoadedModel:
     # Cast to float32 on a CPU with OpenBLAS (engines/precision.py): its
     # drafters and heads follow, and its prefix-cache files are its own.
     upcast: bool = False
+    # How its checkpoint pools hidden states into a vector, where it says so
+    # (sentence-transformers' modules.json: an embedding model); None: a
+    # generating model, or an embedding model that declares nothing.
+    pooling: Pooling | None = None
 
     @property
     def text_config(self) -> dict:
@@ -105,7 +110,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
     """
     # lazily: mlx-lm pulls in transformers
     from specgate.engines.checkpoints.gguf_pick import is_gguf_file
-    from specgate.engines.mlx_load import imported_gguf, load
+    from specgate.engines.mlx_load import imported_gguf, load, local_checkpoint
 
     # A GGUF (by its magic: an Ollama blob has no suffix) is served from its
     # MLX import, made on first use.
@@ -121,6 +126,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
         loaded = _loaded.get(memo)
         if loaded is None:
             model, tokenizer, config = load(path, distribution, dequantize)
+            pooling = read_pooling(local_checkpoint(path))  # (PoolingError: refused by name)
             upcast = upcast_on_cpu(model, key)
             if chat_template is not None:
                 # Set on the Hugging Face tokenizer mlx-lm's wrapper renders with.
@@ -130,7 +136,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 prepare_for_decoding(model)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
-                                                     upcast=upcast)  # fmt: skip
+                                                     upcast=upcast, pooling=pooling)  # fmt: skip
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
 
@@ -139,7 +145,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
                                                      lock=lockstep, lockstep=lockstep,
-                                                     upcast=upcast)  # fmt: skip
+                                                     upcast=upcast, pooling=pooling)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends
                 weakref.finalize(loaded, prefix.disk.close)
             weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS

@@ -17,6 +17,10 @@
   evaluates the parameters only; the rest stays a lazy graph on the loading
   thread's stream, and the engine thread that first runs the model fails
   with "There is no Stream(cpu, 0) in current thread".
+- A decoder saved without its head (transformers' AutoModel save, the
+  layout of Qwen3-Embedding: `embed_tokens.*`, `layers.*`, no `model.`
+  prefix, no `lm_head`) loads with the family's model, its weights named as
+  mlx-lm names them, through a subclass made for this one load.
 - `dequantize`: the quantized layers are dequantized (mlx-lm's own
   dequantize_model) and every floating weight cast to bfloat16, for the
   model setting `dequantize` (gateway/config.py says when it pays).
@@ -52,8 +56,11 @@ def load(path: str, distribution=None, dequantize: bool = False) -> tuple[Any, A
     use_mlx_kernel_cache(mx.__version__)
     root = local_checkpoint(path)
     _check_tokenizer(root)
-    model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),
-                                           return_config=True, lazy=distribution is not None)
+    if _headless(root):
+        model, tokenizer, config = _load_headless(root, _model_config(root), distribution is not None)
+    else:
+        model, tokenizer, config = mlx_lm.load(str(root), model_config=_model_config(root),
+                                               return_config=True, lazy=distribution is not None)
     if distribution is not None:
         from specgate.engines.distributed.lockstep import shard_model
 
@@ -74,6 +81,54 @@ def load(path: str, distribution=None, dequantize: bool = False) -> tuple[Any, A
     if not tokenizer.encode("Hello, world"):
         raise CheckpointLoadError(f"{root}: its tokenizer encodes text to no tokens; "
                                   "copy the original model's tokenizer files into it")
+    return model, tokenizer, config
+
+
+def weight_names(root: Path) -> list[str]:
+    """The tensor names of a checkpoint's safetensors (its index's, or each
+    file's header), without reading a tensor."""
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text()).get("weight_map", {}))
+        except (OSError, ValueError, AttributeError):
+            return []
+    names: list[str] = []
+    for file in sorted(root.glob("model*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                names += list(f.keys())
+        except Exception:  # mlx-lm's own load says what is wrong with the file
+            return []
+    return names
+
+
+def _headless(root: Path) -> bool:
+    """Saved as a bare decoder (AutoModel): no `model.` prefix, no head."""
+    names = weight_names(root)
+    return (any(n.startswith(("embed_tokens.", "layers.")) for n in names)
+            and not any(n.startswith(("model.", "lm_head.")) for n in names))  # fmt: skip
+
+
+def _load_headless(root: Path, model_config: dict | None, lazy: bool) -> tuple[Any, Any, dict]:
+    from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights: dict) -> dict:
+            weights = {f"model.{k}": v for k, v in weights.items()}
+            return model_class.sanitize(self, weights) if hasattr(model_class, "sanitize") else weights
+
+        # Its family stays the module it comes from (engines/targets/ picks by it).
+        made = type(f"Headless{model_class.__name__}", (model_class,),
+                    {"sanitize": sanitize, "__module__": model_class.__module__})  # fmt: skip
+        return made, args_class
+
+    model, config = load_model(root, lazy, model_config=model_config, get_model_classes=classes)
+    tokenizer = load_tokenizer(root, eos_token_ids=config.get("eos_token_id", None))
     return model, tokenizer, config
 
 

@@ -39,12 +39,14 @@ from specgate.engines.base import (
 )
 from specgate.engines.settings import (
     BlockSettings,
+    EmbeddingSettings,
     EngineSettings,
     LlamaCppNgramSettings,
     LlamaServerSettings,
     MTPNgramSettings,
     MTPSettings,
     NgramSettings,
+    Task,
 )
 
 if TYPE_CHECKING:
@@ -102,6 +104,8 @@ class BuildContext:
     llama_server: LlamaServerSettings = field(default_factory=LlamaServerSettings)
     llama_server_binary: str | None = None  # None: PATH, then `specgate install-llama-server`'s
     chat_template: str | None = None  # the config's template text, instead of the checkpoint's
+    task: Task | None = None  # generate | embed | rerank; None: from the checkpoint (worker.py)
+    embedding: EmbeddingSettings = field(default_factory=EmbeddingSettings)
     distribution: Any = None  # engines/distributed/lockstep.Distribution: this rank's shard of the model
     loaded: LoadedModel | None = None
 
@@ -183,7 +187,8 @@ def _plain(ctx: BuildContext) -> Engine:
 
     return MLXPlainEngine(ctx.model_id, ctx.mlx_model(), max_context=ctx.context_length(),
                           max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
-                          prefix_cache_size=ctx.prefix_cache_size)  # fmt: skip
+                          prefix_cache_size=ctx.prefix_cache_size, task=ctx.task,
+                          embedding=ctx.embedding)  # fmt: skip
 
 
 def spec_engine(name: str, proposers: str) -> Builder:

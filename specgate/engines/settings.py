@@ -98,6 +98,33 @@ class LlamaCppNgramSettings(NgramSettings):
         return self.lookup or NGRAM_LOOKUP_DEFAULT
 
 
+Task = Literal["generate", "embed", "rerank"]
+
+
+class EmbeddingSettings(BaseModel):
+    """A model that answers /v1/embeddings (task embed) or /v1/rerank (task
+    rerank) rather than generating (engines/embedding/). Each value left
+    unset is the checkpoint's: its sentence-transformers files
+    (modules.json's pooling and Normalize), its config's Matryoshka sizes;
+    a decoder that declares none pools its last token and normalizes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None, description="hidden states to one vector: the last token's, the mean, or the first "
+        "token's; default: the checkpoint's modules.json, else last")
+    normalize: bool | None = Field(None, description="vectors of unit length; default: the "
+                                   "checkpoint's (a Normalize module), else true")  # fmt: skip
+    matryoshka: bool | None = Field(
+        None, description="a request's `dimensions` may cut vectors to a prefix (Matryoshka "
+        "training); default: config.json's matryoshka_dimensions or is_matryoshka")
+    instruction: str | None = Field(None, min_length=1, max_length=1024, description="rerank: "
+                                    "the Instruct line of each pair's prompt; default: "
+                                    "Qwen3-Reranker's web-search one")  # fmt: skip
+    max_batch_tokens: int | None = Field(None, gt=0, le=1 << 20, description="padded tokens "
+                                         "per forward; default 16384 on a GPU, 2048 on a CPU")  # fmt: skip
+
+
 class LlamaServerSettings(BaseModel):
     """How specgate runs llama-server for one GGUF model (the model's
     `llamacpp:` section; every llama.cpp engine of the model shares it)."""

@@ -30,8 +30,11 @@ from specgate.engines.base import (
     TokenEvent,
 )
 from specgate.engines.cpu import run_cpu
+from specgate.engines.embedding.embedder import Embedder
+from specgate.engines.embedding.pooling import configured
 from specgate.engines.grammar.sandbox import SANDBOX
 from specgate.engines.loading import LoadedModel
+from specgate.engines.settings import EmbeddingSettings, Task
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,10 @@ def thinking_format(tokenizer, template: str | None) -> ThinkingFormat | None:
 class WorkerEngine:
     name = "worker"
 
-    def __init__(self, model_id: str, loaded: LoadedModel, *, max_context: int):
+    def __init__(self, model_id: str, loaded: LoadedModel, *, max_context: int,
+                 task: Task | None = None, embedding: EmbeddingSettings | None = None):  # fmt: skip
+        """task: the model config's (None: embed for a checkpoint that
+        declares its pooling, else generate); embedding: its settings."""
         self.model_id = model_id
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -141,6 +147,20 @@ class WorkerEngine:
         self._jobs: dict[int, object] = {}
         if loaded.lockstep is not None:
             loaded.lockstep.when_broken(self._answer_all)
+        self.task: Task = task or ("embed" if loaded.pooling is not None else "generate")
+        self.embedding = embedding or EmbeddingSettings()
+        self._embedder: Embedder | None = None
+
+    def embedder(self) -> Embedder:
+        """The model's embedding and rerank worker (engines/embedding/),
+        started on first use, stopped with this engine."""
+        if self._embedder is None:
+            s = self.embedding
+            pooling = configured(self.loaded.pooling, self.loaded.text_config, mode=s.pooling,
+                                 normalize=s.normalize, matryoshka=s.matryoshka)  # fmt: skip
+            self._embedder = Embedder(self.model_id, self.loaded, pooling,
+                                      max_batch_tokens=s.max_batch_tokens)  # fmt: skip
+        return self._embedder
 
     # -- the model's tokenizer ------------------------------------------------------
 
@@ -196,6 +216,9 @@ class WorkerEngine:
         """End every request in the engine (EngineStopped) and the worker,
         within one step of its work (a thread cannot be killed: the grace
         does not shorten the wait for that step)."""
+        embedder, self._embedder = self._embedder, None
+        if embedder is not None:
+            await embedder.stop()
         if self._thread is not None:
             self._stopping = True
             self._inbox.put(("stop", None))

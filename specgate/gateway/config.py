@@ -38,7 +38,7 @@ from specgate.engines.checkpoints.builtin import (
     BUILTIN_PREFIX,
     DEFAULT_MODEL_ID,
 )
-from specgate.engines.settings import EngineSettings, LlamaServerSettings
+from specgate.engines.settings import EmbeddingSettings, EngineSettings, LlamaServerSettings, Task
 from specgate.policies.config import PolicyConfig
 
 
@@ -340,6 +340,15 @@ class _ModelConfig(_Strict):
     # MLX engines and llama-server (--chat-template-file) both use it.
     chat_template: str | None = Field(None, min_length=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    # What it answers: generation (chat, completions, messages, responses),
+    # embeddings (/v1/embeddings, Ollama's /api/embed) or rerank scores
+    # (/v1/rerank), on its in-process plain engine's weights
+    # (engines/embedding/). Default: embed for a checkpoint that declares its
+    # pooling (sentence-transformers' modules.json), else generate.
+    task: Task | None = Field(None, description="generate, embed or rerank; default: embed for "
+                              "a checkpoint with sentence-transformers' modules.json, else generate")
+    embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings,
+                                         description=EmbeddingSettings.__doc__)
     thinking: ThinkingConfig = Field(default_factory=ThinkingConfig, description=ThinkingConfig.__doc__)
     # Tools for a model whose chat template has no tool support. null (the
     # default): a request with `tools` is a 400. "default": specgate lists
@@ -406,6 +415,7 @@ class _ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engines_fit_the_format(self) -> _ModelConfig:
+        _task_fits(self)
         if self.is_gguf and self.engines:
             _gguf_engines_fit(self)
         fmt = self.format
@@ -450,6 +460,24 @@ class _ModelConfig(_Strict):
     def engine_settings(self) -> dict[str, EngineSettings]:
         """Each listed engine's own settings, as validated."""
         return {name: getattr(self, name) for name in self.engines if name in _ENGINE_FIELDS}
+
+
+def _task_fits(mc: _ModelConfig) -> None:
+    """Embeddings and rerank run on the weights of the in-process plain
+    engine (always built for an MLX checkpoint; a GGUF is imported): no
+    speculative engine, no llama-server, one machine."""
+    if mc.task in (None, "generate"):
+        if "embedding" in mc.model_fields_set and mc.task == "generate":
+            raise ValueError("`embedding` settings go with task embed or rerank")
+        return
+    plain = [r.name for r in registry.records(registry.MLX) if r.always]
+    if not mc.engines:
+        mc.engines = plain
+    if mc.engines != plain:
+        raise ValueError(f"task {mc.task} runs on {' / '.join(plain)} alone (the model's own "
+                         f"forward, no drafting); engines lists {', '.join(mc.engines)}")  # fmt: skip
+    if mc.distributed is not None:
+        raise ValueError(f"task {mc.task}: a model over several ranks serves generation only")
 
 
 # One field per registry record with settings of its own, named after the

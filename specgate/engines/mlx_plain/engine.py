@@ -61,6 +61,7 @@ from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_plain.lone import LoneSequence, feed
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
+from specgate.engines.settings import EmbeddingSettings, Task
 from specgate.engines.worker import WorkerEngine, default_prefill_step, deliver
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,12 @@ class MLXPlainEngine(WorkerEngine):
         prefill_step_size: int | None = None,
         prefill_step_while_decoding: int = 128,
         lone: bool = True,
+        task: Task | None = None,
+        embedding: EmbeddingSettings | None = None,
     ):
         """lone: a sequence alone decodes outside the batch (lone.py); off,
         it stays in the batch of one (what the bench compares it with)."""
-        super().__init__(model_id, loaded, max_context=max_context)
+        super().__init__(model_id, loaded, max_context=max_context, task=task, embedding=embedding)
         self.lone = lone
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
         self.max_concurrent = max_concurrent

@@ -12,9 +12,10 @@ nanoseconds), tool calls with their arguments as an object, errors as
 `{"error": "..."}` (gateway/errors.py), and after a stream began, a last
 line of that shape (ollama-python raises it as its ResponseError).
 
-Not served: embeddings, and model management (pull, push, create, copy,
-delete), since specgate serves the models its config names. Those routes
-answer a 400 that says so, in Ollama's shape. A name with Ollama's default
+Embeddings (/api/embed, /api/embeddings) are answered by
+gateway/api/retrieval/. Not served: model management (pull, push, create,
+copy, delete), since specgate serves the models its config names. Those
+routes answer a 400 that says so, in Ollama's shape. A name with Ollama's default
 tag (`tiny:latest`) is the model of that id. `GET /` stays specgate's
 admin page (Ollama's "Ollama is running" text lives there); `HEAD /`
 answers 200 as Ollama's does.
@@ -91,7 +92,7 @@ LATEST = ":latest"  # Ollama's default tag
 FOREVER = timedelta(days=292 * 365)
 
 
-def _model_id(request: Request, name: str) -> str:
+def ollama_model_id(request: Request, name: str) -> str:
     models = request.app.state.registry.models
     if name not in models and name.endswith(LATEST):
         return name.removesuffix(LATEST)
@@ -180,7 +181,7 @@ async def show(body: ShowRequest, request: Request):
     """What Ollama's show says, read without loading the model: its context
     (the engine's once loaded) and whether it takes tools, which Continue and
     Open WebUI read from here."""
-    served = find_model(request.app.state.registry, _model_id(request, body.model_name))
+    served = find_model(request.app.state.registry, ollama_model_id(request, body.model_name))
     card = await request.app.state.model_cards.of(served.config)
     engine = served.engine
     template = await engine.chat_template() if engine is not None else card.chat_template
@@ -229,9 +230,6 @@ for _path, _methods, _what in (
 ):
     router.add_api_route(_path, _refusal(f"{_what} is not supported: {_MANAGED}"),
                          methods=_methods, include_in_schema=False)  # fmt: skip
-for _path in ("/api/embed", "/api/embeddings"):
-    router.add_api_route(_path, _refusal("embeddings are not served by specgate yet"),
-                         methods=["POST"], include_in_schema=False)  # fmt: skip
 
 
 # -- generation --------------------------------------------------------------------------
@@ -450,7 +448,7 @@ async def _resolve(body: ChatRequest | GenerateRequest, request: Request
                    ) -> tuple[_Clock, str, ServedModel, Engine]:  # fmt: skip
     """The request's model, loaded if need be, with the clock that times the load."""
     clock = _Clock(time.perf_counter())
-    model_id = _model_id(request, body.model)
+    model_id = ollama_model_id(request, body.model)
     served, engine = await resolve_model(request.app.state.registry, model_id)
     clock.loaded = time.perf_counter()
     return clock, model_id, served, engine

@@ -106,7 +106,10 @@ def find_model(registry: ModelRegistry, model_id: str) -> ServedModel:
     return served
 
 
-async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedModel, Engine]:
+async def resolve_model(registry: ModelRegistry, model_id: str,
+                        task: str | None = "generate") -> tuple[ServedModel, Engine]:  # fmt: skip
+    """The model, loaded and held until the response ends; for a generation
+    (`task`), a 400 if the model serves embeddings or rerank scores."""
     if registry.draining and current_principal().may_use(model_id):
         raise shutting_down()
     served = find_model(registry, model_id)
@@ -114,6 +117,11 @@ async def resolve_model(registry: ModelRegistry, model_id: str) -> tuple[ServedM
     if served.engine is None:  # unloaded by an admin just now
         raise APIError(503, f"model '{model_id}' was unloaded by an admin; retry",
                        code="model_stopped", headers={"Retry-After": "1"})  # fmt: skip
+    has = getattr(served.engine, "task", "generate")
+    if task is not None and has != task:
+        route = {"embed": "/v1/embeddings", "rerank": "/v1/rerank"}.get(has, has)
+        raise APIError(400, f"model '{model_id}' serves {route} (task: {has}), not generation",
+                       param="model", code="model_not_supported")  # fmt: skip
     return served, served.engine
 
 
@@ -290,7 +298,7 @@ def plan_headers(plan: Plan) -> dict[str, str]:
 QUEUE_TIMEOUT_RETRY_S = 5
 
 
-async def _admit(served: ServedModel, principal: Principal, metrics: Metrics,
+async def admit(served: ServedModel, principal: Principal, metrics: Metrics,
                  request_id: str | None = None) -> None:  # fmt: skip
     """Wait for a decoding slot on the model, or raise APIError: 429 when the
     key is over a quota or the model's queue is full, 503 after the longest
@@ -371,7 +379,7 @@ async def run(
     admitted = False
     try:
         try:
-            await _admit(served, principal, metrics, request.request_id)
+            await admit(served, principal, metrics, request.request_id)
         except APIError:
             status = "rejected"
             raise

@@ -83,6 +83,11 @@ class Metrics:
         self.generation_tokens = Counter(
             "specgate_generation_tokens", "Tokens generated", ["model", "method"], registry=r
         )
+        self.vector_inputs = Counter(
+            "specgate_embedding_inputs",
+            "Inputs embedded (kind embed) or documents scored (kind rerank)",
+            ["model", "kind"], registry=r,
+        )
         self.plan_decisions = Counter(
             "specgate_plan_decisions",
             "Plans chosen (at a request's start and at every switch), with why and where the "
@@ -260,6 +265,18 @@ class Metrics:
         if ttft is not None:
             self.ttft.labels(model, plan.method).observe(ttft)
         self.e2e.labels(model, plan.method).observe(seconds)
+
+    def vectors_finished(self, model: str, kind: str, status: str, tokens: int, inputs: int,
+                         seconds: float, key: str = "anonymous") -> None:  # fmt: skip
+        """An embeddings (kind "embed") or rerank request's end: counted
+        with the generations' requests, prompt tokens and latency, its
+        method label the kind."""
+        self.requests.labels(model, kind, status).inc()
+        self.key_requests.labels(key, status).inc()
+        self.prompt_tokens.labels(model).inc(tokens)
+        self.e2e.labels(model, kind).observe(seconds)
+        if status == "ok":
+            self.vector_inputs.labels(model, kind).inc(inputs)
 
     def key_prompt_tokens(self, key: str, count: int) -> None:
         self.key_prompt.labels(key).inc(count)

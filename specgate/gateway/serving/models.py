@@ -200,7 +200,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,
                                    pc.snapshot_interval),
         llama_server=mc.llamacpp, llama_server_binary=llama_server.binary,
-        chat_template=mc.chat_template_text(),
+        chat_template=mc.chat_template_text(), task=mc.task, embedding=mc.embedding,
     )
 
 

@@ -1,0 +1,137 @@
+"""/v1/embeddings (OpenAI), /v1/rerank (Jina and Cohere's shape), and
+Ollama's /api/embed and /api/embeddings, over one model's Embedder.
+
+A model answers embeddings when its task is embed and rerank when it is
+rerank (gateway/config.py: `task`); any other asks gets a 400 saying so. A
+client that leaves stops its work at the next forward (until_disconnect).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from specgate.engines.cpu import run_cpu
+from specgate.engines.embedding import rerank
+from specgate.gateway.api.chat import ClientGone, until_disconnect
+from specgate.gateway.api.ollama_api import ollama_model_id
+from specgate.gateway.api.retrieval.schema import (
+    EmbeddingRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    RerankRequest,
+)
+from specgate.gateway.serving.generation import new_id, resolve_model
+from specgate.gateway.serving.vectors import (
+    as_float_list,
+    bounded,
+    check_dimensions,
+    embedder_of,
+    encode_all,
+    rerank_prompts,
+    run_vectors,
+)
+
+router = APIRouter()
+
+
+async def _vectors(request: Request, model: str, texts_or_ids: list, dimensions: int | None,
+                   *, param: str, truncate: bool = False) -> tuple[np.ndarray, int] | Response:  # fmt: skip
+    """(vectors, tokens) of each input, or the 499 of a client gone."""
+    served, engine = await resolve_model(request.app.state.registry, model, task=None)
+    embedder = embedder_of(served, engine, "embed", "embeddings")
+    check_dimensions(served, embedder, dimensions)
+    if texts_or_ids and isinstance(texts_or_ids[0], str):
+        inputs = await encode_all(engine, texts_or_ids)
+    else:
+        inputs = [list(ids) for ids in texts_or_ids]
+    inputs = bounded(inputs, engine.max_context, engine.vocab_size, param=param, truncate=truncate)
+    tokens = sum(map(len, inputs))
+    try:
+        vectors = await until_disconnect(request, run_vectors(
+            served, "embed", tokens, len(inputs), request.app.state.metrics,
+            lambda: embedder.embed(inputs, dimensions)))  # fmt: skip
+    except ClientGone:
+        return Response(status_code=499)
+    return vectors, tokens
+
+
+def _base64(vector: np.ndarray) -> str:
+    """As OpenAI sends `encoding_format: base64`: little-endian float32 bytes."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    got = await _vectors(request, body.model, body.items(), body.dimensions, param="input")
+    if isinstance(got, Response):
+        return got
+    vectors, tokens = got
+    if body.encoding_format == "base64":
+        encoded = [_base64(v) for v in vectors]
+    else:
+        encoded = await run_cpu(as_float_list, vectors)
+    return {"object": "list", "model": body.model,
+            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank", include_in_schema=False)
+async def rerank_documents(body: RerankRequest, request: Request):
+    served, engine = await resolve_model(request.app.state.registry, body.model, task=None)
+    embedder = embedder_of(served, engine, "rerank", "rerank")
+    texts = body.texts()
+    answers = await run_cpu(rerank.answers, engine.tokenizer)
+    instruction = engine.embedding.instruction or rerank.DEFAULT_INSTRUCTION
+    prompts = await run_cpu(rerank_prompts, engine.tokenizer, instruction, body.query, texts,
+                            body.max_tokens_per_doc)  # fmt: skip
+    prompts = bounded(prompts, engine.max_context, engine.vocab_size, param="documents")
+    tokens = sum(map(len, prompts))
+    try:
+        scores = await until_disconnect(request, run_vectors(
+            served, "rerank", tokens, len(prompts), request.app.state.metrics,
+            lambda: embedder.score(prompts, answers)))  # fmt: skip
+    except ClientGone:
+        return Response(status_code=499)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or len(scores)]
+    results = []
+    for i in order:
+        result = {"index": i, "relevance_score": scores[i]}
+        if body.return_documents:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
+    return {"id": new_id("rerank"), "model": body.model, "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+# -- Ollama's shapes (errors in Ollama's {"error": ...}: gateway/errors.py picks by path) ----
+
+
+@router.post("/api/embed", include_in_schema=False)
+async def ollama_embed(body: OllamaEmbedRequest, request: Request):
+    start = time.perf_counter()
+    got = await _vectors(request, ollama_model_id(request, body.model), body.items(), body.dimensions, param="input",
+                         truncate=body.truncate)  # fmt: skip
+    if isinstance(got, Response):
+        return got
+    vectors, tokens = got
+    return JSONResponse({"model": body.model, "embeddings": await run_cpu(as_float_list, vectors),
+                         "total_duration": int((time.perf_counter() - start) * 1e9),
+                         "load_duration": 0, "prompt_eval_count": tokens})  # fmt: skip
+
+
+@router.post("/api/embeddings", include_in_schema=False)
+async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request):
+    if not body.prompt:  # Ollama answers an empty prompt with an empty vector
+        await resolve_model(request.app.state.registry, ollama_model_id(request, body.model), task=None)
+        return {"embedding": []}
+    got = await _vectors(request, ollama_model_id(request, body.model), [body.prompt], None, param="prompt", truncate=True)
+    if isinstance(got, Response):
+        return got
+    vectors, _ = got
+    return {"embedding": (await run_cpu(as_float_list, vectors))[0]}

@@ -197,6 +197,10 @@ async def show(body: ShowRequest, request: Request):
     takes_tools = tool_format(template) or (served.config.tool_prompt and template
                                             and not template_mentions_tools(template))
     capabilities = ["completion"] + (["tools"] if takes_tools else [])
+    # An embedding model (gateway/api/retrieval/) says so, as Ollama's do; one
+    # whose task is found in its checkpoint says it once loaded.
+    if (getattr(engine, "task", None) or served.config.task) == "embed":
+        capabilities = ["embedding"]
     parameters = f"num_ctx {context}" if context else ""
     modelfile = (f"# {served.id} is served from specgate's config\nFROM {served.id}\n"
                  + (f"PARAMETER {parameters}\n" if parameters else ""))  # fmt: skip

@@ -102,3 +102,17 @@ def test_the_config_types_task_and_embedding_settings(tmp_path):
         model(task="embed", embedding={"pooling": "max"})
     fields = json_schema()["$defs"]["ModelConfig"]["properties"]
     assert {"task", "embedding"} <= set(fields)
+
+
+def test_an_embedding_model_reserves_one_forward_not_a_kv_cache():
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.serving.footprint import estimate
+
+    def reserve(**fields) -> int:
+        mc = parse_config({"models": [{"id": "m", "path": "builtin:demo", "max_context": 4096,
+                                       **fields}]}).models[0]  # fmt: skip
+        return estimate(mc).kv_reserve
+
+    generate = reserve()
+    embed = reserve(task="embed", embedding={"max_batch_tokens": 1024})
+    assert 0 < embed < generate / 8  # 1k tokens against 8 x 4k

@@ -15,6 +15,10 @@ from specgate.gateway.config import ModelConfig
 # the model's whole window times max_concurrent (which would refuse most
 # large models outright).
 MLX_KV_RESERVE_TOKENS = 32768
+# An embedding or rerank model keeps no cache: its reserve is one forward's
+# keys and values, at most this many padded tokens (engines/embedding/
+# embedder.py's GPU default; a CPU's forwards are smaller).
+EMBEDDING_FORWARD_TOKENS = 16384
 # Half-precision weights in a checkpoint report, as safetensors and MLX name them.
 _HALF_DTYPES = ("BF16", "F16", "bfloat16", "float16")
 
@@ -79,7 +83,10 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         notes.append(f"{processes} llama-server process(es), each with the weights and "
                      f"{tokens} tokens of KV")  # fmt: skip
         return Footprint(memory.weights_bytes * processes, 0, kv * processes, tuple(notes))
-    if mc.max_context:
+    if mc.task in ("embed", "rerank"):
+        tokens = mc.embedding.max_batch_tokens or EMBEDDING_FORWARD_TOKENS
+        notes.append(f"task {mc.task}: no KV cache kept, one forward of {tokens} tokens reserved")
+    elif mc.max_context:
         tokens = mc.max_context * mc.max_concurrent
     else:
         tokens = MLX_KV_RESERVE_TOKENS

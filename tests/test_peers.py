@@ -17,6 +17,7 @@ import pytest
 from conftest import serve_in_process, start_gateway, stop_gateway
 from test_access_log import line_of
 
+from specgate.builders.embedding import build_qwen3_embedding
 from specgate.gateway.access.keys import add_key
 from specgate.gateway.cluster.peers import (
     Candidate,
@@ -134,13 +135,15 @@ def cluster(tiny_model, tmp_path_factory):
     "brief" (2 requests a minute)."""
     root = tmp_path_factory.mktemp("peers")
     model = {"path": str(tiny_model), "max_context": 2048, "max_concurrent": 2}
+    embedding = build_qwen3_embedding(root / "embedding-model", seed=1)
     started, nodes = [], {}
     try:
         for name in ("a", "b"):
             work = root / name
             work.mkdir()
             node_key = add_key(work / "keys", "front")
-            extra = [{"id": "only-a", **model}] if name == "a" else []
+            extra = [{"id": "only-a", **model}, {"id": "emb", "path": str(embedding)}] \
+                if name == "a" else []
             gw = start_gateway({"auth": {"keys_file": str(work / "keys")},
                                 "models": [{"id": "tiny", **model}, *extra]}, work)  # fmt: skip
             started.append(gw)
@@ -198,7 +201,7 @@ def wait_idle(gw, model="tiny", timeout=20) -> None:
 def test_peer_models_are_listed_and_served_unchanged(cluster):
     front = cluster
     alice = client(front)
-    assert {m.id for m in alice.models.list()} == {"tiny", "only-a"}
+    assert {m.id for m in alice.models.list()} == {"tiny", "only-a", "emb"}
     assert [m.id for m in client(front, "bob").models.list()] == ["only-a"]
 
     msgs = [{"role": "user", "content": "Write a loop in Python."}]
@@ -246,6 +249,17 @@ def test_peer_models_are_listed_and_served_unchanged(cluster):
     with pytest.raises(openai.NotFoundError):  # another key does not see alice's responses
         client(front, "brief").responses.create(model="tiny", previous_response_id=first.id,
                                                 input="Mine?", max_output_tokens=4)  # fmt: skip
+
+
+def test_embeddings_are_relayed_to_the_peer_that_serves_them(cluster):
+    front = cluster
+    raw = client(front).embeddings.with_raw_response.create(model="emb", input=["a", "bc"])
+    assert node_of(raw) == "a"
+    peer = front.peers["a"]
+    direct = openai.OpenAI(base_url=peer.api, api_key=peer.node_key, max_retries=0)
+    want = direct.embeddings.create(model="emb", input=["a", "bc"])
+    assert [d.embedding for d in raw.parse().data] == [d.embedding for d in want.data]
+    assert line_of(front, raw.headers["x-request-id"])["node"] == "a"
 
 
 def test_keys_are_checked_at_the_front(cluster):

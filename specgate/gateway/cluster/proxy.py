@@ -66,7 +66,8 @@ from specgate.gateway.serving.models import ModelRegistry
 log = logging.getLogger(__name__)
 
 PROXIED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
-                           "/v1/messages", "/v1/messages/count_tokens"})  # fmt: skip
+                           "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings",
+                           "/v1/rerank"})  # fmt: skip
 NODE_HEADER = b"x-specgate-node"
 # Request headers that are the hop's own, or the client's credentials.
 _DROP_REQUEST = frozenset({b"host", b"content-length", b"authorization", b"x-api-key", b"cookie",

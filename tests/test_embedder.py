@@ -116,3 +116,30 @@ def test_an_embedding_model_reserves_one_forward_not_a_kv_cache():
     generate = reserve()
     embed = reserve(task="embed", embedding={"max_batch_tokens": 1024})
     assert 0 < embed < generate / 8  # 1k tokens against 8 x 4k
+
+
+def test_a_real_model_s_vectors_place_a_paraphrase_nearer_than_another_topic(smollm2_gguf):
+    """SmolLM2-135M-Instruct (a real pretrained chat model, as `task: embed`
+    serves any decoder): last-token vectors of a batch equal each text's
+    forward alone, and a paraphrase is nearer than a sentence on another topic."""
+    import numpy as np
+
+    from specgate.engines.embedding.pooling import configured
+
+    loaded = load_mlx_model(str(smollm2_gguf))
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.",
+             "Stock markets fell sharply today after the bank raised rates."]  # fmt: skip
+    ids = [loaded.tokenizer.encode(t) for t in texts]
+
+    async def main():
+        embedder = Embedder("smollm2", loaded, configured(None, loaded.text_config))
+        together = await embedder.embed(ids)
+        alone = [await embedder.embed([i]) for i in ids]
+        await embedder.stop()
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    for row, single in zip(together, alone, strict=True):
+        np.testing.assert_allclose(row, single[0], atol=1e-4)
+    similarity = together @ together.T
+    assert similarity[0, 1] > similarity[0, 2] + 0.05, similarity

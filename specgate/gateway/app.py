@@ -40,6 +40,7 @@ from specgate.gateway.api import ollama_api, openai_api
 from specgate.gateway.api.anthropic_api import router as anthropic_router
 from specgate.gateway.api.responses_api import ResponseStore
 from specgate.gateway.api.responses_api import router as responses_router
+from specgate.gateway.api.retrieval.routes import ollama_router as ollama_retrieval_router
 from specgate.gateway.api.retrieval.routes import router as retrieval_router
 from specgate.gateway.cluster.peers import Peers, peer_status
 from specgate.gateway.cluster.proxy import PeerRouter
@@ -145,6 +146,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     app.include_router(anthropic_router)
     app.include_router(ollama_api.router)
     app.include_router(retrieval_router)
+    app.include_router(ollama_retrieval_router)
 
     @app.get("/health")
     async def health():

@@ -65,7 +65,7 @@ from specgate.gateway.serving.model_card import ModelCard
 from specgate.gateway.serving.models import ServedModel
 
 
-class _JsonBodies(APIRoute):
+class JsonBodies(APIRoute):
     """Every body read as JSON, whatever its Content-Type: Ollama's docs
     and clients send JSON without saying so (`curl -d`, the docs' own
     examples, says form-urlencoded), and Ollama reads it all the same."""
@@ -81,7 +81,7 @@ class _JsonBodies(APIRoute):
         return as_json
 
 
-router = APIRouter(route_class=_JsonBodies)
+router = APIRouter(route_class=JsonBodies)
 
 # The Ollama release whose API this mirrors (tools, `format` schemas,
 # `think`, logprobs): clients compare it to enable features.

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from specgate.engines.cpu import run_cpu
 from specgate.engines.embedding import rerank
 from specgate.gateway.api.chat import ClientGone, until_disconnect
-from specgate.gateway.api.ollama_api import ollama_model_id
+from specgate.gateway.api.ollama_api import JsonBodies, ollama_model_id
 from specgate.gateway.api.retrieval.schema import (
     EmbeddingRequest,
     OllamaEmbeddingsRequest,
@@ -37,6 +37,8 @@ from specgate.gateway.serving.vectors import (
 )
 
 router = APIRouter()
+# Ollama's routes read every body as JSON, whatever its Content-Type (ollama_api.py).
+ollama_router = APIRouter(route_class=JsonBodies)
 
 
 async def _vectors(request: Request, model: str, texts_or_ids: list, dimensions: int | None,
@@ -112,7 +114,7 @@ async def rerank_documents(body: RerankRequest, request: Request):
 # -- Ollama's shapes (errors in Ollama's {"error": ...}: gateway/errors.py picks by path) ----
 
 
-@router.post("/api/embed", include_in_schema=False)
+@ollama_router.post("/api/embed", include_in_schema=False)
 async def ollama_embed(body: OllamaEmbedRequest, request: Request):
     start = time.perf_counter()
     got = await _vectors(request, ollama_model_id(request, body.model), body.items(), body.dimensions, param="input",
@@ -125,7 +127,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request):
                          "load_duration": 0, "prompt_eval_count": tokens})  # fmt: skip
 
 
-@router.post("/api/embeddings", include_in_schema=False)
+@ollama_router.post("/api/embeddings", include_in_schema=False)
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request):
     if not body.prompt:  # Ollama answers an empty prompt with an empty vector
         await resolve_model(request.app.state.registry, ollama_model_id(request, body.model), task=None)

@@ -46,6 +46,7 @@ from specgate.engines import registry
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.cache.prefix_cache import PrefixCache, snapshot
 from specgate.engines.drafting.base import Proposal
+from specgate.engines.forwards.quantized_kv import group_size_for, quantize_caches
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec import acceptance as speculative
 from specgate.engines.mlx_spec.batch_decoder import BatchSpecDecoder
@@ -197,40 +198,47 @@ class Subject:
 
 
 class _Family:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kv_bits: int | None = None):
         model, config = load_model(path)
         model.set_dtype(mx.float32)
+        if kv_bits is not None:  # every cache of this model quantized, the references' too
+            quantize_caches(model, kv_bits, group_size_for(config.get("text_config", config)))
         self.path, self.model = path, model
-        self.loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)))
+        self.loaded = LoadedModel(str(path), model, None, config, PrefixCache(str(path)),
+                                  kv_bits=kv_bits)  # fmt: skip
         self.references: dict = {}
 
 
-_families: dict[tuple[Path, str], _Family] = {}
+_families: dict[tuple[Path, str, int | None], _Family] = {}
 
 
-def _family(root: Path, name: str) -> _Family:
-    key = (root, name)
+def _family(root: Path, name: str, kv_bits: int | None = None) -> _Family:
+    key = (root, name, kv_bits)
     if key not in _families:
-        _families[key] = _Family(FAMILIES[name](root / name))
+        path = root / name
+        _families[key] = _Family(path if path.exists() else FAMILIES[name](path), kv_bits)
     return _families[key]
 
 
 _subjects: dict[tuple, Subject] = {}
 
 
-def subject(root: Path, engine_name: str, family: str, sampled: bool = False) -> Subject:
+def subject(root: Path, engine_name: str, family: str, sampled: bool = False,
+            kv_bits: int | None = None) -> Subject:  # fmt: skip
     """The engine `engine_name` built over `family` (models and drafters under
-    `root`), once per process."""
-    key = (root, engine_name, family, sampled)
+    `root`), once per process; `kv_bits`: the family's model with its KV
+    cache quantized (engines/forwards/quantized_kv.py), its references too."""
+    key = (root, engine_name, family, sampled, kv_bits)
     if key not in _subjects:
-        _subjects[key] = _build(root, engine_name, family, sampled)
+        _subjects[key] = _build(root, engine_name, family, sampled, kv_bits)
     return _subjects[key]
 
 
-def _build(root: Path, engine_name: str, family: str, sampled: bool) -> Subject:
+def _build(root: Path, engine_name: str, family: str, sampled: bool,
+           kv_bits: int | None = None) -> Subject:  # fmt: skip
     record = registry.record(engine_name)
     needs = needs_of(record)
-    fam = _family(root, family)
+    fam = _family(root, family, kv_bits)
     drafter = None
     if record.needs == "drafter":
         make = needs.small_drafter if sampled else needs.drafter

@@ -19,6 +19,7 @@ from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.embedding.pooling import Pooling, read_pooling
 from specgate.engines.fair_lock import FairLock
 from specgate.engines.forwards.one_row import compile_one_row
+from specgate.engines.forwards.quantized_kv import group_size_for, quantize_caches
 from specgate.engines.grammar.matcher import Grammars
 from specgate.engines.precision import upcast_on_cpu
 from specgate.kernels import hook
@@ -52,6 +53,9 @@ class LoadedModel:
     # (sentence-transformers' modules.json: an embedding model); None: a
     # generating model, or an embedding model that declares nothing.
     pooling: Pooling | None = None
+    # Its attention layers' KV cache quantized to this many bits (the model
+    # setting `kv_bits`; engines/forwards/quantized_kv.py), None: as computed.
+    kv_bits: int | None = None
 
     @property
     def text_config(self) -> dict:
@@ -90,7 +94,8 @@ def prepare_for_decoding(model: nn.Module) -> None:
 
 
 def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=None,
-                   chat_template: str | None = None, dequantize: bool = False) -> LoadedModel:  # fmt: skip
+                   chat_template: str | None = None, dequantize: bool = False,
+                   kv_bits: int | None = None, kv_group_size: int = 64) -> LoadedModel:  # fmt: skip
     """mlx-lm load, memoised by resolved path.
 
     `path` is a local directory, a hub repo id or a GGUF file (imported to
@@ -106,7 +111,9 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
     load with another template (or none) of the same path is another load,
     so one model's template never reaches another's. `dequantize`: the model
     setting (engines/mlx_load.py): another load of the path,
-    with prefix-cache files of its own (its KV differs).
+    with prefix-cache files of its own (its KV differs). `kv_bits`: its KV
+    cache quantized (engines/forwards/quantized_kv.py), likewise another load
+    with files of its own.
     """
     # lazily: mlx-lm pulls in transformers
     from specgate.engines.checkpoints.gguf_pick import is_gguf_file
@@ -122,6 +129,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
         memo += "#chat_template:" + hashlib.sha256(chat_template.encode()).hexdigest()[:16]
     if dequantize:
         memo += "#dequantized"
+    if kv_bits is not None:
+        memo += f"#kv{kv_bits}g{kv_group_size}"
     with _lock:
         loaded = _loaded.get(memo)
         if loaded is None:
@@ -134,26 +143,41 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
             if distribution is None:
                 # A rank's shard has sharded linears: neither applies to it.
                 prepare_for_decoding(model)
-                prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast)
+                kv = _quantized_kv(model, config, kv_bits, kv_group_size)
+                prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast, kv)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
-                                                     upcast=upcast, pooling=pooling)  # fmt: skip
+                                                     upcast=upcast, pooling=pooling,
+                                                     kv_bits=kv_bits)  # fmt: skip
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
 
+                _quantized_kv(model, config, kv_bits, kv_group_size)
                 prefix = _prefix_cache(key, model, CacheSettings(disk_bytes=0))
                 prefix.resize(0)
                 lockstep = Lockstep(distribution.group, distribution.rank_timeout_s)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
                                                      lock=lockstep, lockstep=lockstep,
-                                                     upcast=upcast, pooling=pooling)  # fmt: skip
+                                                     upcast=upcast, pooling=pooling,
+                                                     kv_bits=kv_bits)  # fmt: skip
             if prefix.disk is not None:  # its queued writes finish, then its thread ends
                 weakref.finalize(loaded, prefix.disk.close)
             weakref.finalize(loaded, mx.clear_cache)  # MLX's freed buffers back to the OS
         return loaded
 
 
+def _quantized_kv(model: nn.Module, config: dict, bits: int | None, group_size: int) -> str | None:
+    """Hook the model's caches to quantize (None: no kv_bits); the variant's
+    name, which its prefix-cache files are kept under."""
+    if bits is None:
+        return None
+    size = group_size_for(config.get("text_config", config), group_size)
+    quantize_caches(model, bits, size)
+    return f"kv{bits}g{size}"
+
+
 def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
-                  dequantize: bool = False, upcast: bool = False) -> PrefixCache:  # fmt: skip
+                  dequantize: bool = False, upcast: bool = False,
+                  kv: str | None = None) -> PrefixCache:  # fmt: skip
     from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
     from specgate.engines.mlx_load import downloaded_checkpoint
@@ -172,7 +196,7 @@ def _prefix_cache(key: str, model: nn.Module, settings: CacheSettings,
             digest = prefix_digest(root)
             # Other weights or another compute type, other states: never
             # each other's files.
-            for variant, on in (("dequantized", dequantize), ("float32", upcast)):
+            for variant, on in (("dequantized", dequantize), ("float32", upcast), (kv, kv)):
                 if on:
                     digest = hashlib.sha256(f"{digest}#{variant}".encode()).hexdigest()[:16]
             disk = DiskTier(prefix_cache_dir(), digest, settings.disk_bytes,

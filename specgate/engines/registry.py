@@ -97,6 +97,8 @@ class BuildContext:
     prefix_cache: CacheSettings = field(default_factory=CacheSettings)
     kernels: str = "auto"  # "auto" | "off" (kernels/wiring.py)
     dequantize: bool = False  # quantized layers loaded as bfloat16 (engines/mlx_load.py)
+    kv_bits: int | None = None  # the KV cache quantized (engines/forwards/quantized_kv.py)
+    kv_group_size: int = 64
     # Engine name -> its settings (its record's `settings` class); an engine
     # not named gets its record's defaults (settings_of).
     settings: Mapping[str, EngineSettings] = field(default_factory=dict)
@@ -114,7 +116,8 @@ class BuildContext:
             from specgate.engines.loading import load_mlx_model
 
             self.loaded = load_mlx_model(self.path, self.prefix_cache, self.distribution,
-                                         self.chat_template, self.dequantize)  # fmt: skip
+                                         self.chat_template, self.dequantize, self.kv_bits,
+                                         self.kv_group_size)  # fmt: skip
         return self.loaded
 
     def settings_of(self, name: str) -> EngineSettings:

@@ -324,6 +324,17 @@ class _ModelConfig(_Strict):
     dequantize: bool = Field(False, description="MLX engines: quantized layers loaded as dense "
                              "bfloat16 (for MLX's CPU backend, where a quantized verify costs "
                              "one forward per token)")
+    # The KV cache quantized to 4 or 8 bits (mlx-lm's quantized cache; MLX
+    # engines: engines/forwards/quantized_kv.py; llama.cpp engines: its
+    # --cache-type-k/-v q8_0 or q4_0): about 0.53x (8) or 0.28x (4) the
+    # memory of a bfloat16 cache, for long contexts on a shared box. Every
+    # engine decodes over the same quantized cache, so speculation stays
+    # exact against plain decoding with it.
+    kv_bits: Literal[4, 8] | None = Field(None, description="KV cache quantized to 4 or 8 bits; "
+                                          "default: not quantized")  # fmt: skip
+    kv_group_size: Literal[32, 64, 128] = Field(64, description="kv_bits: values per scale and "
+                                                "bias (a smaller one where the head dimension "
+                                                "needs it)")  # fmt: skip
     # When the model loads: at start ("boot"), or at its first request
     # ("on_demand"; the request waits, as in the admission queue).
     load: Literal["boot", "on_demand"] = "boot"

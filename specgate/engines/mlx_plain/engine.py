@@ -56,6 +56,7 @@ from specgate.engines.distributed.lockstep import (
     LockstepBroken,
     pin_seed,
 )
+from specgate.engines.forwards.quantized_kv import batchable
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
@@ -449,10 +450,12 @@ class MLXPlainEngine(WorkerEngine):
         """Queue the slot's sequence in the batch: `segments` to feed after
         the `known` tokens its cache holds."""
         slot.in_cache = len(known)
+        if cache is None and self.loaded.kv_bits is not None:
+            cache = make_prompt_cache(self.loaded.model)  # quantized (quantized_kv.py)
         (slot.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[slot.request.max_tokens - slot.generated],
-            caches=[cache],
+            caches=[batchable(cache)],
             all_tokens=[known],
             samplers=[slot.sampler],
             logits_processors=[slot.processors],

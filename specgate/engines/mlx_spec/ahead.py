@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from specgate.engines.base import GenerationRequest, RoundStats
 from specgate.engines.drafting.mtp.proposer import MTPProposer, _HeadInput
@@ -231,4 +231,7 @@ def _keeps_on_device(target) -> bool:
     def owner(name: str) -> type:
         return next(c for c in type(target).__mro__ if name in vars(c))
 
-    return isinstance(target, TransformerTarget) and owner("keep") is owner("cut")
+    # A quantized KV cache (kv_bits) keeps tuples of arrays, which
+    # DeviceOffsetKV does not wrap: its rounds are read one at a time.
+    quantized = any(type(c) is QuantizedKVCache for c in target.make_cache())
+    return isinstance(target, TransformerTarget) and owner("keep") is owner("cut") and not quantized

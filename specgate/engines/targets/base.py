@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from specgate.engines.forwards import kv_buffer
 from specgate.kernels import hook
@@ -127,6 +127,11 @@ def swap_class(module: nn.Module, subclasses: dict[type, type], make) -> None:
     module.__class__ = subclasses[cls]
 
 
+# A plain KV cache, or one quantized (the model's `kv_bits`: engines/forwards/
+# quantized_kv.py): either is cut back by moving its offset.
+KV_CACHES = (KVCache, QuantizedKVCache)
+
+
 class TransformerTarget:
     """A model whose caches are all KVCaches: hidden states, logits,
     embeddings, named-layer capture; rollback trims."""
@@ -155,7 +160,7 @@ class TransformerTarget:
         self.check_caches()
 
     def check_caches(self) -> None:
-        bad = {type(c).__name__ for c in self.make_cache() if type(c) is not KVCache}
+        bad = {type(c).__name__ for c in self.make_cache() if type(c) not in KV_CACHES}
         if bad:
             raise ValueError(f"{type(self.model).__module__}: caches {sorted(bad)} cannot be "
                              "cut back exactly after a verify (no target adapter for them)")

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from specgate.engines.targets.base import Forward, TransformerTarget, Undo
+from specgate.engines.targets.base import KV_CACHES, Forward, TransformerTarget, Undo
 
 
 class Gemma4Target(TransformerTarget):
@@ -41,7 +41,7 @@ class Gemma4Target(TransformerTarget):
 
     def check_caches(self) -> None:
         bad = {type(c).__name__ for c in self.make_cache()
-               if type(c) not in (KVCache, RotatingKVCache)}  # fmt: skip
+               if type(c) not in (*KV_CACHES, RotatingKVCache)}  # fmt: skip
         if bad:
             raise ValueError(f"{type(self.model).__module__}: caches {sorted(bad)} cannot be "
                              "cut back exactly after a verify")
@@ -88,6 +88,10 @@ class Gemma4Target(TransformerTarget):
                 pos = _slot_positions(c)
                 seen = (pos >= max(0, n - window + 1)) & (pos < n)
                 out[kind] = (c.keys, c.values, seen)
+            elif type(c) is QuantizedKVCache:  # (kv_bits) read back at the model's precision
+                keys, values = (mx.dequantize(*(x[..., :n, :] for x in parts), group_size=c.group_size,
+                                              bits=c.bits) for parts in (c.keys, c.values))  # fmt: skip
+                out[kind] = (keys, values, None)
             else:
                 out[kind] = (c.keys[..., :n, :], c.values[..., :n, :], None)
         return out

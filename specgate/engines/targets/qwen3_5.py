@@ -22,9 +22,9 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta, qwen3_5
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache
 
-from specgate.engines.targets.base import TransformerTarget, recording, swap_class
+from specgate.engines.targets.base import KV_CACHES, TransformerTarget, recording, swap_class
 
 
 class LayerTape:
@@ -103,7 +103,7 @@ class HybridTarget(TransformerTarget):
                     swap_class(module.conv1d, _conv_classes, None)
 
     def check_caches(self) -> None:
-        bad = {type(c).__name__ for c in self.make_cache() if type(c) not in (KVCache, ArraysCache)}
+        bad = {type(c).__name__ for c in self.make_cache() if type(c) not in (*KV_CACHES, ArraysCache)}
         if bad:
             raise ValueError(f"{type(self.model).__module__}: caches {sorted(bad)} cannot be "
                              "cut back exactly after a verify")

@@ -194,7 +194,7 @@ def build_context(mc: ModelConfig, llama_server: LlamaServerConfig,
         prefix_cache_size=mc.prefix_cache_size,
         # Proving kernels runs forwards at load, before the ranks follow each other.
         kernels="off" if mc.distributed else mc.kernels, distribution=distribution(mc),
-        dequantize=mc.dequantize,
+        dequantize=mc.dequantize, kv_bits=mc.kv_bits, kv_group_size=mc.kv_group_size,
         settings=mc.engine_settings(),
         drafter=resolve_builtin(mc.drafter) if mc.drafter else None,
         prefix_cache=CacheSettings(pc.ram_bytes, pc.disk_bytes, pc.disk_min_tokens,

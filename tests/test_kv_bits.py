@@ -28,3 +28,93 @@ def test_speculation_equals_plain_decoding_over_the_same_quantized_cache(engine_
     depth = s.depths[min(2, len(s.depths) - 1)]
     sweep = exactness.greedy_sweep(s, depth)
     assert set(range(depth + 1)) <= set(sweep.lengths), sweep.lengths
+
+
+# -- the plain engine: continuous batching over BatchQuantizedKV, and alone ----------------
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model):
+    """The session's tiny hybrid (attention and recurrent layers), its KV at 4 bits."""
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    return load_mlx_model(str(tiny_model), CacheSettings(disk_bytes=0), kv_bits=4)
+
+
+def test_plain_batches_and_lone_steps_equal_generate_step_over_the_same_quantized_cache(
+        quantized, tiny_model):  # fmt: skip
+    import asyncio
+
+    from greedy import assert_same_greedy, greedy_reference
+    from test_plain_lone import collect, request
+
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+    from specgate.engines.mlx_plain.engine import MLXPlainEngine
+
+    prompts = [[5, 17, 99, 3, 250, 41, 7, 7, 300, 12], [8, 1, 2], list(range(40, 70)), [9] * 5]
+    lengths = [40, 12, 30, 20]  # they end apart: sequences leave the batch, the last goes alone
+
+    async def main():
+        engine = MLXPlainEngine("q", quantized, max_context=2048, prefix_cache_size=0)
+        await engine.start()
+        try:
+            first = await collect(engine, request("first", prompts[0], 8))  # alone from the start
+            # The first decodes alone a while, then goes back into the batch
+            # with its cache when the others come (a merge with history).
+            started = asyncio.Event()
+            lead = asyncio.ensure_future(collect(engine, request("r0", prompts[0], lengths[0]),
+                                                 started, after=6))  # fmt: skip
+            await started.wait()
+            rest = await asyncio.gather(*(collect(engine, request(f"r{i}", p, n))
+                                          for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)) if i))  # fmt: skip
+            return first[0], [(await lead)[0]] + [t for t, _ in rest], engine.lone_tokens
+        finally:
+            await engine.stop()
+
+    first, together, lone = asyncio.run(asyncio.wait_for(main(), 300))
+    assert lone >= 8 + 6
+    assert type(quantized.model.make_cache()[3]).__name__ == "QuantizedKVCache"
+    for prompt, n, got in zip(prompts, lengths, together, strict=True):
+        want, margins = greedy_reference(quantized.model, prompt, n)
+        assert_same_greedy(got, want, margins)
+    assert first == together[0][:8]
+    # The quantization is real: the same model unquantized decodes otherwise.
+    plain = load_mlx_model(str(tiny_model), CacheSettings(disk_bytes=0))
+    assert any(greedy_reference(plain.model, p, n)[0] != greedy_reference(quantized.model, p, n)[0]
+               for p, n in zip(prompts, lengths, strict=True))  # fmt: skip
+
+
+def test_a_batch_of_quantized_caches_merges_and_gives_each_back_unchanged():
+    """Sequences of other lengths joined in one BatchQuantizedKV (each
+    right-aligned behind its left padding) and taken out again: the same
+    quantized rows, and the same attention output as alone."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from specgate.engines.forwards.quantized_kv import BatchQuantizedKV
+
+    def filled(n: int, seed: int) -> QuantizedKVCache:
+        c = QuantizedKVCache(32, 4)
+        k, v = (mx.random.normal((1, 2, n, 32), key=mx.random.key(seed + i)) for i in (0, 1))
+        c.update_and_fetch(k, v)
+        return c
+
+    caches = [filled(5, 0), filled(9, 10), filled(1, 20)]
+    batch = BatchQuantizedKV.merge(caches)
+    q = mx.random.normal((3, 2, 1, 32), key=mx.random.key(99))
+    k_new, v_new = (mx.random.normal((3, 2, 1, 32), key=mx.random.key(s)) for s in (7, 8))
+    mask = batch.make_mask(1, return_array=True)  # (as a model makes it: before the layers' writes)
+    keys, values = batch.update_and_fetch(k_new, v_new)
+    # (mlx-lm's quantized attention scales its queries in place: each call gets its own copy)
+    together = scaled_dot_product_attention(q + 0, keys, values, cache=batch, scale=0.2, mask=mask)
+    for i, c in enumerate(caches):
+        back = batch.extract(i)
+        assert back.offset == c.offset + 1
+        for got, want in zip((*back.keys, *back.values), (*c.keys, *c.values), strict=True):
+            assert mx.array_equal(got[..., : c.offset, :], want[..., : c.offset, :])
+        ck, cv = c.update_and_fetch(k_new[i: i + 1], v_new[i: i + 1])
+        alone = scaled_dot_product_attention(q[i: i + 1] + 0, ck, cv, cache=c, scale=0.2, mask=None)
+        assert mx.allclose(together[i: i + 1], alone, atol=1e-5)

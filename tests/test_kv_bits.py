@@ -118,3 +118,46 @@ def test_a_batch_of_quantized_caches_merges_and_gives_each_back_unchanged():
         ck, cv = c.update_and_fetch(k_new[i: i + 1], v_new[i: i + 1])
         alone = scaled_dot_product_attention(q[i: i + 1] + 0, ck, cv, cache=c, scale=0.2, mask=None)
         assert mx.allclose(together[i: i + 1], alone, atol=1e-5)
+
+
+def test_the_budget_counts_the_smaller_cache_and_specgate_models_shows_it(tiny_model, tmp_path_factory,
+                                                                        capsys):  # fmt: skip
+    import httpx
+    from conftest import start_gateway, stop_gateway
+
+    from specgate.gateway.config import parse_config
+    from specgate.gateway.operator.cli import main
+    from specgate.gateway.serving.footprint import estimate
+
+    def reserve(**fields) -> int:
+        mc = parse_config({"models": [{"id": "m", "path": str(tiny_model), "max_context": 8192,
+                                       "max_concurrent": 4, **fields}]}).models[0]  # fmt: skip
+        return estimate(mc).kv_reserve
+
+    full, eight, four = reserve(), reserve(kv_bits=8), reserve(kv_bits=4)
+    assert four < eight < full * 0.7 and four < full * 0.45, (full, eight, four)
+    work = tmp_path_factory.mktemp("kv-bits-gateway")
+    models = [{"id": "kv4", "path": str(tiny_model), "kv_bits": 4, "max_context": 8192},
+              {"id": "full", "path": str(tiny_model), "max_context": 8192}]  # fmt: skip
+    config = {"models": models, "prefix_cache": {"disk_min_tokens": 16}}
+    gw = start_gateway(config, work)
+    try:
+        body = httpx.get(gw.base_url + "/admin/models", timeout=60).json()
+        memory = {m["id"]: m["memory"]["kv_reserve"] for m in body["models"]}
+        assert memory["kv4"] < memory["full"] * 0.45
+        assert main(["models", "--url", gw.base_url]) == 0
+        out = capsys.readouterr().out
+        assert "KV 4-bit" in out.splitlines()[1] + out.splitlines()[2]
+        ask = {"model": "kv4", "prompt": "def handler(request):\n    body = request.json()\n" * 8,
+               "max_tokens": 12, "temperature": 0}  # fmt: skip
+        first = httpx.post(gw.api + "/completions", json=ask, timeout=120).json()
+    finally:
+        stop_gateway(gw)
+    # A restart reads the quantized prompt's state back from the prefix cache's disk tier.
+    gw = start_gateway(config, work)
+    try:
+        again = httpx.post(gw.api + "/completions", json=ask, timeout=120).json()
+    finally:
+        stop_gateway(gw)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]

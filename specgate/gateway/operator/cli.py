@@ -407,9 +407,10 @@ def _model_table(models: list[dict]) -> str:
     for m in models:
         policy = "pinned" if m["pin"] else (f"ttl {m['idle_ttl_s']:g}s" if m["idle_ttl_s"] else "-")
         rss = m.get("resident")
-        rows.append((m["id"], m["state"], _memory_cell(m["memory"]),
+        rows.append((m["id"], m["state"], _memory_cell(m["memory"], m.get("kv_bits")),
                      _bytes(rss) if rss else "-",
-                     ",".join(m["engines"]), str(m["in_flight"]), f"{m['idle_s']:g}s",
+                     ",".join(m["engines"]) + _task_note(m.get("task")), str(m["in_flight"]),
+                     f"{m['idle_s']:g}s",
                      f"{m['load']}, {policy}"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -426,13 +427,20 @@ def _bytes(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
-def _memory_cell(memory: dict) -> str:
-    """Its total and, apart, each kind: `0.27 GiB (weights 92 MiB, KV 180 MiB)`."""
+def _memory_cell(memory: dict, kv_bits: int | None = None) -> str:
+    """Its total and, apart, each kind: `0.27 GiB (weights 92 MiB, KV 180 MiB)`;
+    a quantized KV cache says its bits (`KV 4-bit 50 MiB`)."""
     total = sum(memory.values())
     if not total:
         return "-"
-    parts = [f"{_MEMORY_KINDS.get(k, k)} {_bytes(n)}" for k, n in memory.items() if n]
+    kinds = _MEMORY_KINDS | ({"kv_reserve": f"KV {kv_bits}-bit"} if kv_bits else {})
+    parts = [f"{kinds.get(k, k)} {_bytes(n)}" for k, n in memory.items() if n]
     return f"{_bytes(total)} ({', '.join(parts)})"
+
+
+def _task_note(task: str | None) -> str:
+    """` (embed)`, ` (rerank)`: a model that does not generate says what it serves."""
+    return f" ({task})" if task and task != "generate" else ""
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specgate.engines import registry
 from specgate.engines.checkpoints.inspect import UsageError, inspect_checkpoint
+from specgate.engines.forwards.quantized_kv import bytes_per_value
 from specgate.engines.precision import upcast_applies
 from specgate.gateway.config import ModelConfig
 
@@ -95,7 +96,8 @@ def estimate(mc: ModelConfig) -> Footprint | None:
     uses_head = any(registry.record(e).needs == "mtp_head" for e in mc.engines)
     per_1k += (memory.mtp_kv_cache_bytes_per_1k_tokens or 0) if uses_head else 0
     per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
-    kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
+    attention_kv = per_1k * tokens // 1024  # in the checkpoint's half precision
+    kv = attention_kv + per_sequence * mc.max_concurrent
     weights = memory.weights_bytes
     half = sum(n for dtype, n in report.bytes_by_dtype.items() if dtype in _HALF_DTYPES)
     if mc.dequantize:  # every parameter in bfloat16 (inspect counts packed weights unpacked)
@@ -110,6 +112,14 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         drafter *= 2
         notes.append("computed in float32 on this CPU (engines/precision.py): half-precision "
                      "weights and the KV cache take twice their stored bytes")  # fmt: skip
+    if mc.kv_bits is not None:
+        # Its attention layers' keys and values quantized (a sliding window
+        # and recurrent state are not): packed bits, and a scale and a bias
+        # of the compute type per group.
+        element = 4 if upcast_applies(half, quantized) else 2
+        full = attention_kv * element // 2
+        kv -= full - int(full * bytes_per_value(mc.kv_bits, mc.kv_group_size, element) / element)
+        notes.append(f"KV cache quantized to {mc.kv_bits} bits (kv_bits)")
     return Footprint(weights, drafter, kv, tuple(notes))
 
 

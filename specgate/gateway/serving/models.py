@@ -611,6 +611,7 @@ def model_status(served: ServedModel) -> dict:
         "resident": served.resident(), "notes": served.notes(),
         "in_flight": served.in_use, "idle_s": round(time.monotonic() - served.last_used, 1),
         "load": mc.load, "pin": served.pin, "idle_ttl_s": served.idle_ttl_s,
+        "task": getattr(served.engine, "task", None) or mc.task or "generate", "kv_bits": mc.kv_bits,
         # What the config file says, where an admin changed it while serving.
         "configured": {k: v for k, v in (("pin", mc.pin), ("idle_ttl_s", mc.idle_ttl_s))
                        if v != getattr(served, k)},

@@ -226,6 +226,7 @@ def _llamacpp(ctx: BuildContext, names: tuple[str, ...]) -> Built:
         binary=ctx.llama_server_binary, max_context=ctx.max_context,
         max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
         drafter=Path(ctx.drafter) if ctx.drafter else None, chat_template=ctx.chat_template,
+        kv_bits=ctx.kv_bits,
     )
 
 

@@ -116,6 +116,11 @@ def check_assistant_gguf(drafter: Path, target: GgufFacts) -> None:
         raise ValueError(f"drafter {drafter} does not fit the model: " + "; ".join(wrong))
 
 
+# kv_bits -> llama.cpp's cache block type, and its bytes per value over f16's
+# (q8_0: 32 values in 34 bytes; q4_0: 32 in 18).
+CACHE_TYPES = {8: ("q8_0", 34 / 64), 4: ("q4_0", 18 / 64)}
+
+
 def build_llamacpp_engines(
     model_id: str,
     gguf: Path,
@@ -129,6 +134,7 @@ def build_llamacpp_engines(
     max_queue: int,
     drafter: Path | None = None,
     chat_template: str | None = None,
+    kv_bits: int | None = None,
 ) -> tuple[dict[str, Engine], dict[str, str]]:
     """The model's engines by name, and the engines refused with why: one
     process per speculation mode (`llamacpp` none, `llamacpp_mtp` draft-mtp,
@@ -141,6 +147,7 @@ def build_llamacpp_engines(
     drafts with that instead (`-md`), checked against the model first.
     The engines tokenize through each other's processes when their own hangs.
     `chat_template`: the model config's (Jinja), instead of the GGUF's.
+    `kv_bits`: the KV cache in llama.cpp's q8_0 or q4_0 blocks (CACHE_TYPES).
     """
     speculation = {}
     if "llamacpp_mtp" in engines:
@@ -175,6 +182,7 @@ def build_llamacpp_engines(
             extra_args=list(server.extra_args),
             draft_model=drafter if name == "llamacpp_mtp" else None,
             chat_template_file=template_file,
+            cache_type=CACHE_TYPES[kv_bits][0] if kv_bits else None,
             **({"threads": server.threads} if server.threads else {}),
         )
         process = LlamaServer(spec, binary=binary, ttl=server.idle_ttl_s,
@@ -188,7 +196,8 @@ def build_llamacpp_engines(
             read_timeout=server.read_timeout_s, progress_timeout=server.progress_timeout_s,
             reproducible=server.reproducible,
             weights_bytes=facts.weights_bytes,
-            kv_bytes=(facts.kv_bytes_per_token * slot + facts.sliding_kv_bytes) * max_concurrent,
+            kv_bytes=int((facts.kv_bytes_per_token * slot + facts.sliding_kv_bytes) * max_concurrent
+                         * (CACHE_TYPES[kv_bits][1] if kv_bits else 1)),
             has_chat_template=facts.has_chat_template or template_file is not None,
         )
     if not built:

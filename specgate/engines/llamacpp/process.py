@@ -131,6 +131,8 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     draft_model: Path | None = None  # draft-mtp's separate drafter GGUF (-md): Gemma-4's assistant
     chat_template_file: Path | None = None  # --chat-template-file: the model config's chat_template
+    # --cache-type-k/-v: the model's kv_bits as llama.cpp's block types (None: f16)
+    cache_type: str | None = None
     no_repack: bool = False  # SAFE_FLAG: set after a crash while loading (LlamaServer)
 
     def __post_init__(self) -> None:
@@ -168,6 +170,10 @@ class ServerSpec:
             argv += ["-md", str(self.draft_model)]
         if self.chat_template_file is not None:
             argv += ["--chat-template-file", str(self.chat_template_file)]
+        if self.cache_type is not None:
+            # A quantized V cache needs flash attention, which llama-server's
+            # default (auto) turns on wherever it runs.
+            argv += ["--cache-type-k", self.cache_type, "--cache-type-v", self.cache_type]
         if self.no_repack and not self.chose_repack:
             argv.append(SAFE_FLAG)
         return argv + list(self.extra_args)

@@ -81,6 +81,12 @@ def estimate(mc: ModelConfig) -> Footprint | None:
         processes = len(mc.engines)
         per_sequence = (memory.recurrent_state_bytes or 0) + (memory.sliding_kv_bytes or 0)
         kv = per_1k * tokens // 1024 + per_sequence * mc.max_concurrent
+        if mc.kv_bits is not None:
+            from specgate.engines.llamacpp.build import CACHE_TYPES
+
+            block, ratio = CACHE_TYPES[mc.kv_bits]
+            kv = int(kv * ratio)
+            notes.append(f"KV cache in llama.cpp's {block} blocks (kv_bits)")
         notes.append(f"{processes} llama-server process(es), each with the weights and "
                      f"{tokens} tokens of KV")  # fmt: skip
         return Footprint(memory.weights_bytes * processes, 0, kv * processes, tuple(notes))

@@ -161,3 +161,38 @@ def test_the_budget_counts_the_smaller_cache_and_specgate_models_shows_it(tiny_m
         stop_gateway(gw)
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+
+
+def test_a_gguf_model_s_llama_server_keeps_its_cache_in_q8_0(smollm2_gguf, llama_server_binary,
+                                                              tmp_path_factory):  # fmt: skip
+    """llama.cpp engines take kv_bits as llama-server's cache block type."""
+    from pathlib import Path
+
+    import httpx
+    from conftest import start_gateway, stop_gateway
+
+    def cmdlines() -> list[list[str]]:
+        out = []
+        for proc in Path("/proc").iterdir():
+            try:
+                out.append((proc / "cmdline").read_bytes().decode(errors="replace").split("\0"))
+            except OSError:
+                continue
+        return out
+
+    model = {"id": "smol", "path": str(smollm2_gguf), "engines": ["llamacpp"], "kv_bits": 8,
+             "max_concurrent": 1, "max_context": 1024,
+             "llamacpp": {"threads": 1, "extra_args": ["--no-repack"]}}  # fmt: skip
+    gw = start_gateway({"llama_server": {"binary": str(llama_server_binary)}, "models": [model]},
+                       tmp_path_factory.mktemp("kv-bits-llamacpp"))  # fmt: skip
+    try:
+        r = httpx.post(gw.api + "/completions", json={"model": "smol", "prompt": "The capital of France is",
+                                                      "max_tokens": 8, "temperature": 0}, timeout=300)  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+        mine = [c for c in cmdlines() if any(a.endswith("llama-server") for a in c[:1])
+                and str(smollm2_gguf) in c]  # fmt: skip
+        assert mine and all(
+            c[c.index("--cache-type-k") + 1] == "q8_0" and c[c.index("--cache-type-v") + 1] == "q8_0"
+            for c in mine), mine  # fmt: skip
+    finally:
+        stop_gateway(gw)

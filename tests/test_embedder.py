@@ -100,6 +100,8 @@ def test_the_config_types_task_and_embedding_settings(tmp_path):
         model(task="generate", embedding={"pooling": "mean"})
     with pytest.raises(ConfigError, match="pooling"):
         model(task="embed", embedding={"pooling": "max"})
+    with pytest.raises(ConfigError, match="keeps no KV cache"):
+        model(task="embed", kv_bits=8)
     fields = json_schema()["$defs"]["ModelConfig"]["properties"]
     assert {"task", "embedding"} <= set(fields)
 

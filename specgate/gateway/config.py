@@ -489,6 +489,8 @@ def _task_fits(mc: _ModelConfig) -> None:
                          f"forward, no drafting); engines lists {', '.join(mc.engines)}")  # fmt: skip
     if mc.distributed is not None:
         raise ValueError(f"task {mc.task}: a model over several ranks serves generation only")
+    if mc.kv_bits is not None:
+        raise ValueError(f"kv_bits: a task {mc.task} model keeps no KV cache (one forward a batch)")
 
 
 # One field per registry record with settings of its own, named after the

@@ -103,6 +103,8 @@ def server(checkpoints, tmp_path_factory):
              {"id": "emb-mean", "path": str(checkpoints["mean"])},
              {"id": "rr", "path": str(checkpoints["rerank"]), "task": "rerank"},
              {"id": "gen", "path": str(checkpoints["rerank"])},
+             # A vocabulary that writes "yes" in two tokens cannot be scored.
+             {"id": "rr-two-token-yes", "path": str(checkpoints["mean"]), "task": "rerank"},
          ]},
         tmp_path_factory.mktemp("embeddings-gateway"),
     )  # fmt: skip
@@ -237,6 +239,9 @@ def test_each_model_answers_its_own_task_only(server):
     r = httpx.post(server.api + "/rerank", json={"model": "emb", "query": "q", "documents": ["d"]},
                    timeout=30)  # fmt: skip
     assert r.status_code == 400 and "rerank" in r.json()["error"]["message"]
+    r = httpx.post(server.api + "/rerank", json={"model": "rr-two-token-yes", "query": "q",
+                                                 "documents": ["d"]}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "'yes' as 2 tokens" in r.json()["error"]["message"], r.text
     out = client.chat.completions.create(model="gen", max_tokens=4, temperature=0,
                                          messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     assert out.usage.completion_tokens > 0

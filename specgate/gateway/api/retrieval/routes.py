@@ -25,6 +25,7 @@ from specgate.gateway.api.retrieval.schema import (
     OllamaEmbedRequest,
     RerankRequest,
 )
+from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import new_id, resolve_model
 from specgate.gateway.serving.vectors import (
     as_float_list,
@@ -88,7 +89,11 @@ async def rerank_documents(body: RerankRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model, task=None)
     embedder = embedder_of(served, engine, "rerank", "rerank")
     texts = body.texts()
-    answers = await run_cpu(rerank.answers, engine.tokenizer)
+    try:
+        answers = await run_cpu(rerank.answers, engine.tokenizer)
+    except ValueError as e:  # a vocabulary without one-token answers
+        raise APIError(400, f"model '{served.id}' cannot rerank: {e}", param="model",
+                       code="model_not_supported") from None  # fmt: skip
     instruction = engine.embedding.instruction or rerank.DEFAULT_INSTRUCTION
     prompts = await run_cpu(rerank_prompts, engine.tokenizer, instruction, body.query, texts,
                             body.max_tokens_per_doc)  # fmt: skip

@@ -34,6 +34,8 @@ from specgate.engines.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
+_STOP = object()  # in the inbox: the worker ends
+
 
 def default_batch_tokens() -> int:
     """Padded tokens per forward: a CPU's forward of 2,048 takes about a
@@ -128,23 +130,23 @@ class Embedder:
         self._stopping = True
         thread, self._thread = self._thread, None
         if thread is not None:
-            self._inbox.put(None)
+            self._inbox.put(_STOP)
             await asyncio.to_thread(thread.join, 30.0)
 
     # -- the worker thread --------------------------------------------------------
 
     def _work(self) -> None:
-        active: deque[_Job] = deque()
+        active: deque[_Job] = deque()  # the jobs held, in turn
         while True:
             try:
-                job = self._inbox.get(block=not active)
+                arrived = self._inbox.get(block=not active)
             except queue.Empty:
-                job = False
-            if job is None or self._stopping:
+                arrived = None  # nothing new: the next turn of those held
+            if arrived is _STOP or self._stopping:
                 break
-            if job:
-                job.order = sorted(range(len(job.inputs)), key=lambda i: -len(job.inputs[i]))
-                active.append(job)
+            if arrived is not None:
+                arrived.order = sorted(range(len(arrived.inputs)), key=lambda i: -len(arrived.inputs[i]))
+                active.append(arrived)
             job = active.popleft()
             if job.cancelled:
                 continue
@@ -163,11 +165,11 @@ class Embedder:
             job.answer(stopped)
         while True:
             try:
-                job = self._inbox.get_nowait()
+                left = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if job:
-                job.answer(stopped)
+            if left is not _STOP:
+                left.answer(stopped)
 
     def _take(self, job: _Job) -> list[int]:
         """The job's next inputs, longest first, as many as fit in one

@@ -245,11 +245,11 @@ def loaded_model(model, vocab: int):
 class PlainEngine(Driven):
     """specgate's MLXPlainEngine."""
 
-    def __init__(self, model, vocab: int, max_concurrent: int):
+    def __init__(self, model, vocab: int, max_concurrent: int, loaded=None):
         from specgate.engines.mlx_plain import MLXPlainEngine
 
         # No prefix cache: every repeat pays its whole prefill, as mlx-lm's side does.
-        super().__init__(MLXPlainEngine("suite", loaded_model(model, vocab), max_context=32768,
+        super().__init__(MLXPlainEngine("suite", loaded or loaded_model(model, vocab), max_context=32768,
                                         max_concurrent=max_concurrent, prefix_cache_size=0))  # fmt: skip
 
 
@@ -265,7 +265,7 @@ class OracleSpecEngine(Driven):
     rounds run ahead (mlx_spec/batch_ahead.py); off, each reads its round
     before the next is built (decoder.py's rounds, alone and batched)."""
 
-    def __init__(self, model, head, vocab: int, accept: float, max_depth: int, seed: int):
+    def __init__(self, model, head, vocab: int, accept: float, max_depth: int, seed: int, loaded=None):
         import e2e_mtp_7b
         from round_phases import OracleAhead, oracle_hook
 
@@ -298,8 +298,9 @@ class OracleSpecEngine(Driven):
                 return SpecDecoder(self.target, oracle, request, cache, cached_tokens, self.tokenizer,
                                    self.prefill_step_size)  # fmt: skip
 
-        super().__init__(Engine("suite", loaded_model(model, vocab), name="mlx_mtp", drafting=drafting,
-                                max_context=32768, settings=MTPSettings(depth=max_depth)))  # fmt: skip
+        super().__init__(Engine("suite", loaded or loaded_model(model, vocab), name="mlx_mtp",
+                                drafting=drafting, max_context=32768,
+                                settings=MTPSettings(depth=max_depth)))  # fmt: skip
         # The engine's compiled rounds (alone and batched), with the oracle's hook.
         e = self.engine
         e._rounds = CompiledRounds(e.target, head, oracle_hook(vocab))
@@ -312,6 +313,87 @@ class OracleSpecEngine(Driven):
         plan = Plan("mlx_mtp", "mtp", self.depth, "forced_by_request")
         return (GenerationRequest(rid, "suite", prompt, SamplingParams(temperature=0), n, plan),
                 FixedPlanner(plan))  # fmt: skip
+
+
+class PolicySide:
+    """Requests planned as the gateway plans them: the LivePolicy the gateway
+    builds for a model with the plain engine and the MTP SpecEngine above
+    (sharing one loaded model, so its lock), each request started on the
+    policy's plan and handed between the engines as the policy's planner
+    says, every round's stats observed. No tune prior (a fresh machine):
+    the policy's rules, and what live rounds measure. A burst counts its
+    requests not yet in an engine as the model's planning state does."""
+
+    def __init__(self, plain: PlainEngine, spec: OracleSpecEngine, depth: int):
+        from specgate.engines.registry import MLX, BuildContext
+        from specgate.engines.settings import MTPSettings
+        from specgate.policies.config import PolicyConfig
+        from specgate.policies.model_policy import LivePolicy, build_policy, timed_methods
+
+        self.loop, self.spec = plain.loop, spec
+        self.engines = {"mlx_plain": plain.engine, "mlx_mtp": spec.engine}
+        ctx = BuildContext("suite", "suite", MLX, engines=tuple(self.engines),
+                           settings={"mlx_mtp": MTPSettings(depth=depth)}, loaded=plain.engine.loaded)  # fmt: skip
+        self.policy = LivePolicy(build_policy("suite", self.engines, {}, PolicyConfig(), context=ctx,
+                                              params=None),
+                                 live_state=self.planning_state, timed=timed_methods(self.engines))  # fmt: skip
+        self.arrived = 0  # requests of a burst not yet in an engine
+        self.methods: dict[str, int] = {}  # tokens by the method that decoded them
+        self._n = 0
+
+    def planning_state(self, arriving: bool = False):
+        from specgate.engines.base import LiveState
+
+        states = [e.live_state() for e in self.engines.values()]
+        return LiveState(sum(s.active_requests for s in states),
+                         sum(s.waiting_requests for s in states) + max(0, self.arrived - arriving), 0)  # fmt: skip
+
+    async def _one(self, prompt: list[int], n: int) -> Run:
+        from specgate.engines.base import (
+            GenerationRequest,
+            Handoff,
+            RoundStats,
+            SamplingParams,
+            TokenEvent,
+        )
+        from specgate.policies.decide import RequestFeatures
+
+        self._n += 1
+        plan, planner = self.policy.start(RequestFeatures(len(prompt), False, content="code"),
+                                          self.planning_state(arriving=True))  # fmt: skip
+        self.arrived -= 1
+        request = GenerationRequest(f"policy-{self._n}", "suite", prompt, SamplingParams(temperature=0), n, plan)
+        run, engine, resume, method = Run(t0=time.perf_counter()), self.engines[plan.engine], None, plan.method
+        while engine is not None:
+            events, following = engine.generate(request, planner, resume=resume), None
+            async for event in events:
+                if isinstance(event, Handoff):
+                    following, resume, method = self.engines[event.plan.engine], event, event.plan.method
+                    break
+                if isinstance(event, RoundStats):
+                    self.policy.observe(event, "code")
+                    run.drafted += event.drafted
+                    run.accepted += event.accepted
+                    run.batched += event.batch > 1
+                    run.rounds += 1
+                elif isinstance(event, TokenEvent) and event.token_ids:
+                    now = time.perf_counter()
+                    run.times += [now] * len(event.token_ids)
+                    run.tokens += event.token_ids
+                    self.methods[method] = self.methods.get(method, 0) + len(event.token_ids)
+            await events.aclose()
+            engine = following
+        return run
+
+    def many(self, prompts: list[list[int]], n: int) -> tuple[list[Run], float]:
+        async def all_():
+            self.arrived = len(prompts)  # the burst arrives at once
+            return await asyncio.gather(*(self._one(p, n) for p in prompts))
+
+        self.spec.ahead = True  # the engine's own way on a GPU
+        t0 = time.perf_counter()
+        runs = self.loop.run_until_complete(all_())
+        return list(runs), time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- the target
@@ -646,9 +728,10 @@ def section_batchengine(a, target, out: dict) -> None:
     model = served_model(a)
     rng = random.Random(a.seed + 71)
     depths = a.spec_depths
-    plain = PlainEngine(model, vocab, max_concurrent=max(a.spec_streams))
+    loaded = loaded_model(model, vocab)  # one model, one lock: the policy side uses both engines
+    plain = PlainEngine(model, vocab, max_concurrent=max(a.spec_streams), loaded=loaded)
     t0 = time.perf_counter()
-    spec = OracleSpecEngine(model, head, vocab, a.accept, max(max(depths), 1), a.seed)
+    spec = OracleSpecEngine(model, head, vocab, a.accept, max(max(depths), 1), a.seed, loaded=loaded)
     switch = spec.engine.kernel_switch
     decided = switch.done.wait(900) and switch.batch_done.wait(900)
     print(f"\n[batchengine] verify kernels {'on' if spec.engine.target.kernels else 'off'}, proved for "
@@ -662,10 +745,17 @@ def section_batchengine(a, target, out: dict) -> None:
     # (--tiny on the CPU: both too, compiled, as a check of the ahead path's oracle.)
     spec.engine.ahead |= a.tiny
     spec.engine.compiled_rounds |= a.tiny
-    sides = [x for x in a.sides if x == "first" or spec.engine.ahead] or ["first"]
+    sides = [x for x in a.sides if x == "first" or (x == "ahead" and spec.engine.ahead)] \
+        or ["first"]  # fmt: skip
     columns = [(d, side) for d in depths for side in (sides if d else sides[-1:])]  # d0: no rounds to run ahead
+    # The policy's plans (PolicySide): one column, whatever the depths.
+    policy = PolicySide(plain, spec, max(max(depths), 1)) if "policy" in a.sides else None
+    if policy is not None:
+        columns.append((max(max(depths), 1), "policy"))
 
     def spec_run(prompts: list[list[int]], n: int, depth: int, side: str) -> tuple[list[Run], float]:
+        if side == "policy":
+            return policy.many(prompts, n)
         spec.depth, spec.ahead = depth, side == "ahead"
         return spec.many(prompts, n)
 
@@ -710,8 +800,12 @@ def section_batchengine(a, target, out: dict) -> None:
     table(["streams", "plain engine tok/s"] + [f"d{d} {side} / plain engine" for d, side in columns],
           [[str(b), summary(r["plain tok/s"], ".0f")] + [summary(r[f"d{d} {side} ratio"]) for d, side in columns]
            for b, r in result.items()])  # fmt: skip
+    if policy is not None:
+        print(f"policy: no tune prior (rules, then live measurements); its tokens by method: "
+              f"{policy.methods}")  # fmt: skip
     print(f"outputs token-for-token equal to the plain engine's: {'yes' if exact else 'NO'}")
     out["batchengine"] = {"kernels": spec.engine.target.kernels, "rows": switch.rows,
+                          "policy_methods": policy.methods if policy is not None else None,
                           "streams": {str(k): v for k, v in result.items()}, "exact": exact}  # fmt: skip
 
 
@@ -793,7 +887,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-streams", default="2,4,8", help="batchspec's streams")
     ap.add_argument("--spec-depths", default="0,1,2,3", help="batchspec's depths (0: plain steps)")
     ap.add_argument("--sides", default="ahead,first",
-                    help="batchengine's sides: its batched rounds run ahead, read first, or both")
+                    help="batchengine's sides: its batched rounds run ahead, read first, and/or "
+                         "`policy` (the plans the gateway's policy makes, over both engines)")
     ap.add_argument("--accept", type=float, default=0.8)
     ap.add_argument("--kernels", default="auto", choices=("auto", "off"))
     ap.add_argument("--seed", type=int, default=0)
@@ -823,8 +918,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             or not 0 <= a.accept <= 1:  # fmt: skip
         ap.error("--reps, --prompt, --prefill, --streams and --depths must be >= 1, --tokens >= 2, "
                  "--accept in [0, 1]")  # fmt: skip
-    if not a.sides or not set(a.sides) <= {"ahead", "first"}:
-        ap.error(f"--sides takes ahead, first or both, not {','.join(a.sides) or 'nothing'}")
+    if not a.sides or not set(a.sides) <= {"ahead", "first", "policy"}:
+        ap.error(f"--sides takes ahead, first and policy, not {','.join(a.sides) or 'nothing'}")
     return a
 
 

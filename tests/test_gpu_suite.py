@@ -42,8 +42,10 @@ def suite(*args: str, home: Path, before: str = "") -> subprocess.CompletedProce
 @pytest.mark.proof  # 30-80 s: the fast tier runs two sections in the next test
 def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     raw = tmp_path / "suite.json"
-    # Two speculative depths for the batch sections (each of batchengine's twice: run ahead, read first).
-    r = suite("--tiny", "--reps", "2", "--spec-depths", "1,3", "--json", str(raw), home=tmp_path)
+    # Two speculative depths for the batch sections (each of batchengine's twice: run ahead, read
+    # first), and batchengine's policy side (the gateway's plans over both engines).
+    r = suite("--tiny", "--reps", "2", "--spec-depths", "1,3", "--sides", "ahead,first,policy",
+              "--json", str(raw), home=tmp_path)  # fmt: skip
     out = r.stdout
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "FAILED" not in out, out
@@ -65,6 +67,8 @@ def test_the_tiny_suite_prints_every_section_exact_and_exits_0(tmp_path):
     assert set(numbers["batchengine"]["streams"]) == {"2", "4", "8"}
     assert len(numbers["batchengine"]["streams"]["8"]["d1 ahead ratio"]) == 2
     assert len(numbers["batchengine"]["streams"]["8"]["d1 first ratio"]) == 2
+    assert len(numbers["batchengine"]["streams"]["8"]["d3 policy ratio"]) == 2
+    assert sum(numbers["batchengine"]["policy_methods"].values()) > 0
 
 
 def test_a_failing_section_is_reported_and_the_run_goes_on_to_exit_0(tmp_path):
@@ -84,7 +88,7 @@ def test_a_failing_section_is_reported_and_the_run_goes_on_to_exit_0(tmp_path):
     (["--only", "plain,nonsense"], "unknown section(s) nonsense"),
     (["--tokens", "1"], "--tokens >= 2"),
     (["--streams", "4,x"], "comma-separated integers"),
-    (["--sides", "ahead,sideways"], "--sides takes ahead, first or both"),
+    (["--sides", "ahead,sideways"], "--sides takes ahead, first and policy"),
 ])  # fmt: skip
 def test_bad_arguments_exit_2(tmp_path, args, says):
     r = suite(*args, home=tmp_path)

@@ -37,6 +37,10 @@ within a repeat, then summarised):
            depth; the engine proves its verify kernels itself, lone widths
            then batch widths, before the timed runs), aggregate tok/s over
            the plain engine's; every stream compared with its output.
+           `--sides ... policy` adds the gateway's policy over both engines
+           (PolicySide: each request on the plan it picks, handed between
+           them as its planner says; no tune prior): issue 45's "at 16+
+           streams the policy falls back to plain and loses < 3 %".
 - ngram:   the agent transcripts (bench/agent_transcripts.json) on
            bench/agent_workloads.py's synthetic copying target, through the
            engines and the policy the gateway would build: per transcript

@@ -11,8 +11,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import numpy as np
-
 from specgate.engines.base import EngineError, EngineOverloaded, EngineStopped
 from specgate.engines.cpu import run_cpu
 from specgate.engines.embedding import rerank
@@ -162,7 +160,3 @@ def rerank_prompts(tokenizer, instruction: str, query: str, documents: list[str]
             body += tokenizer.encode(doc, add_special_tokens=False)[:max_tokens_per_doc]
         prompts.append(list(head) + list(body) + list(tail))
     return prompts
-
-
-def as_float_list(vectors: np.ndarray) -> list[list[float]]:
-    return vectors.astype(np.float64).tolist()

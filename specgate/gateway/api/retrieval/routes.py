@@ -9,11 +9,13 @@ client that leaves stops its work at the next forward (until_disconnect).
 from __future__ import annotations
 
 import base64
+import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from specgate.engines.cpu import run_cpu
 from specgate.engines.embedding import rerank
@@ -28,7 +30,6 @@ from specgate.gateway.api.retrieval.schema import (
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.generation import new_id, resolve_model
 from specgate.gateway.serving.vectors import (
-    as_float_list,
     bounded,
     check_dimensions,
     embedder_of,
@@ -63,6 +64,14 @@ async def _vectors(request: Request, model: str, texts_or_ids: list, dimensions:
     return vectors, tokens
 
 
+async def _json(make: Callable[[], dict]) -> Response:
+    """The answer made and encoded on the CPU workers: 2,048 vectors of
+    4,096 floats are 150 MB of JSON, which would hold the event loop for
+    seconds."""
+    body = await run_cpu(lambda: json.dumps(make(), separators=(",", ":")).encode())
+    return Response(body, media_type="application/json")
+
+
 def _base64(vector: np.ndarray) -> str:
     """As OpenAI sends `encoding_format: base64`: little-endian float32 bytes."""
     return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
@@ -74,13 +83,11 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     if isinstance(got, Response):
         return got
     vectors, tokens = got
-    if body.encoding_format == "base64":
-        encoded = [_base64(v) for v in vectors]
-    else:
-        encoded = await run_cpu(as_float_list, vectors)
-    return {"object": "list", "model": body.model,
-            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+    encode = _base64 if body.encoding_format == "base64" else np.ndarray.tolist
+    return await _json(lambda: {
+        "object": "list", "model": body.model,
+        "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
 
 
 @router.post("/v1/rerank")
@@ -122,23 +129,24 @@ async def rerank_documents(body: RerankRequest, request: Request):
 @ollama_router.post("/api/embed", include_in_schema=False)
 async def ollama_embed(body: OllamaEmbedRequest, request: Request):
     start = time.perf_counter()
-    got = await _vectors(request, ollama_model_id(request, body.model), body.items(), body.dimensions, param="input",
-                         truncate=body.truncate)  # fmt: skip
+    got = await _vectors(request, ollama_model_id(request, body.model), body.items(), body.dimensions,
+                         param="input", truncate=body.truncate)  # fmt: skip
     if isinstance(got, Response):
         return got
     vectors, tokens = got
-    return JSONResponse({"model": body.model, "embeddings": await run_cpu(as_float_list, vectors),
-                         "total_duration": int((time.perf_counter() - start) * 1e9),
-                         "load_duration": 0, "prompt_eval_count": tokens})  # fmt: skip
+    took = int((time.perf_counter() - start) * 1e9)
+    return await _json(lambda: {"model": body.model, "embeddings": vectors.tolist(),
+                                "total_duration": took, "load_duration": 0,
+                                "prompt_eval_count": tokens})  # fmt: skip
 
 
 @ollama_router.post("/api/embeddings", include_in_schema=False)
 async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request):
+    model = ollama_model_id(request, body.model)
     if not body.prompt:  # Ollama answers an empty prompt with an empty vector
-        await resolve_model(request.app.state.registry, ollama_model_id(request, body.model), task=None)
+        await resolve_model(request.app.state.registry, model, task=None)
         return {"embedding": []}
-    got = await _vectors(request, ollama_model_id(request, body.model), [body.prompt], None, param="prompt", truncate=True)
+    got = await _vectors(request, model, [body.prompt], None, param="prompt", truncate=True)
     if isinstance(got, Response):
         return got
-    vectors, _ = got
-    return {"embedding": (await run_cpu(as_float_list, vectors))[0]}
+    return {"embedding": got[0][0].tolist()}

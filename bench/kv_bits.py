@@ -52,8 +52,8 @@ def kv_bytes(cache: list) -> int:
 class Side:
     """One way of keeping the cache: the model loaded so, a prompt prefilled."""
 
-    def __init__(self, path: str, bits: int | None, context: int, seed: int):
-        loaded = load_mlx_model(path, CacheSettings(disk_bytes=0), kv_bits=bits)
+    def __init__(self, path: str, bits: int | None, context: int, seed: int, dequantize: bool):
+        loaded = load_mlx_model(path, CacheSettings(disk_bytes=0), dequantize=dequantize, kv_bits=bits)
         self.model, self.bits = loaded.model, bits
         self.prompt = mx.random.randint(0, loaded.vocab_size - 8, (context,),
                                         key=mx.random.key(seed)).tolist()  # fmt: skip
@@ -85,13 +85,17 @@ def main() -> int:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens a repeat")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dequantize", action="store_true",
+                    help="the model setting: a quantized checkpoint's layers dense (a CPU's MLX "
+                         "runs quantized matmuls ~50x slower than OpenBLAS's float32)")
     a = ap.parse_args()
     path = a.model or str(default_model_path())
     contexts = [int(x) for x in a.contexts.split(",")]
-    print(f"model {path}; MLX on {mx.default_device()}; {a.reps} repeats of {a.tokens} tokens")
+    print(f"model {path}{' (dequantized)' if a.dequantize else ''}; MLX on {mx.default_device()}; "
+          f"{a.reps} repeats of {a.tokens} tokens")  # fmt: skip
     rows = []
     for context in contexts:
-        sides = [Side(path, bits, context, seed=context) for bits in SIDES]
+        sides = [Side(path, bits, context, seed=context, dequantize=a.dequantize) for bits in SIDES]
         for rep in range(a.reps):  # interleaved, the order rotating
             for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
                 side.decode_once(a.tokens)

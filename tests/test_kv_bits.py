@@ -25,6 +25,11 @@ def test_speculation_equals_plain_decoding_over_the_same_quantized_cache(engine_
     s = exactness.subject(tmp_path_factory.getbasetemp() / "exactness", engine_name, family,
                           kv_bits=bits)  # fmt: skip
     assert type(s.model.make_cache()[-1]).__name__ in ("QuantizedKVCache", "RotatingKVCache")
+    # Its concurrent requests run one after another: the policy prices no batched round for it.
+    assert not exactness.registry.batches(s.engine)
+    if not family.startswith("gemma4"):  # (whose rotating windows never batch)
+        root = tmp_path_factory.getbasetemp() / "exactness"
+        assert exactness.registry.batches(exactness.subject(root, engine_name, family).engine)
     depth = s.depths[min(2, len(s.depths) - 1)]
     sweep = exactness.greedy_sweep(s, depth)
     assert set(range(depth + 1)) <= set(sweep.lengths), sweep.lengths

@@ -16,6 +16,7 @@ directly; then real gateways with the real openai SDK:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import httpx
@@ -196,6 +197,11 @@ def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
     # 16 streams: even one draft each is 32 rows, past what tune measured
     # (and past the engine's batch of 8): plain batching, by the same rule.
     plan = decide(MTP, RequestFeatures(100, False), LiveState(15, 0, 100), gpu, accept)
+    assert (plan.method, plan.reason) == ("none", "concurrency")
+    # An engine that cannot batch its rounds (Gemma-4's windows, a quantized
+    # KV cache) would run the four one after another: no batched price for it.
+    alone = dataclasses.replace(MTP, batching=frozenset())
+    plan = decide(alone, RequestFeatures(100, False), busy, gpu, accept)
     assert (plan.method, plan.reason) == ("none", "concurrency")
     cpu = CostView(LiveCosts(), prior(0.5))  # alone, speculation would still win
     assert decide(MTP, RequestFeatures(100, False), LiveState(0, 0, 100), cpu, accept).method == "mtp"

@@ -368,6 +368,13 @@ def proving(engine) -> bool:
     return bool(getattr(engine, "kernels_proving", False))
 
 
+def batches(engine) -> bool:
+    """The engine verifies several requests' drafts in one batch
+    (engines/mlx_spec/engine.py's `batches_speculation`): a batched round's
+    cost applies to it. Others run concurrent requests one after another."""
+    return bool(getattr(engine, "batches_speculation", lambda: False)())
+
+
 def excludes(name: str) -> tuple[str, ...]:
     """The engines a model cannot list beside this one."""
     group = record(name).exclusive

@@ -60,6 +60,11 @@ class ModelPolicy:
     # The methods whose engines prove their verify kernels now, asked at every
     # decision (engines/registry.proving); None: none ever do.
     proving: Callable[[], Collection[Method]] | None = None
+    # The speculative methods whose engines verify several requests' drafts
+    # in one batch (issue 45); the others run concurrent requests one after
+    # another, so a batched round's cost means nothing for them (Gemma-4's
+    # rotating windows, a quantized KV cache). None: every method batches.
+    batching: frozenset[Method] | None = None
 
     def depth(self, method: Method) -> int:
         return self.depths.get(method, self.max_depth)
@@ -119,7 +124,8 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
             speeds = []
             if (cost := view.round(method, depth, context)) is not None:
                 speeds.append((expected_tokens(acceptance[method], depth) / cost.seconds, cost.source))
-            if batch > 1 and (cost := view.batched_round(method, depth, batch, context)) is not None:
+            batches = policy.batching is None or method in policy.batching
+            if batch > 1 and batches and (cost := view.batched_round(method, depth, batch, context)) is not None:
                 tokens = batch * expected_tokens(acceptance[method], depth)
                 speeds.append((tokens / cost.seconds, cost.source))
             if speeds:

@@ -73,6 +73,7 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
         allow_overrides=config.allow_overrides,
         proving=lambda: frozenset(m for m, name in methods.items()
                                   if registry.proving(engines[name])),  # fmt: skip
+        batching=frozenset(m for m, name in methods.items() if registry.batches(engines[name])),
     )
 
 

@@ -434,7 +434,7 @@ class SpecEngine(WorkerEngine):
             if plan.engine != self.name:  # e.g. batching: another request arrived
                 self._hand_off(stream, plan)
                 return None
-            if waiting and self._batches():
+            if waiting and self.batches_speculation():
                 return stream
             depth = plan.depth if plan.method == self.method else 0
             with self.loaded.lock:
@@ -450,12 +450,13 @@ class SpecEngine(WorkerEngine):
 
     # -- several requests at once ---------------------------------------------------------
 
-    def _batches(self) -> bool:
+    def batches_speculation(self) -> bool:
         """Whether requests that come while one decodes join it in one
         batch (mlx_spec/batch_decoder.py) rather than wait their turn: where
         the batch takes its caches (KV caches, a hybrid's recurrent state;
-        not Gemma-4's rotating windows) and the model is not split across
-        ranks."""
+        not Gemma-4's rotating windows, nor a quantized KV cache) and the
+        model is not split across ranks. The policy prices batched rounds
+        only for such an engine (registry.batches)."""
         if self._batchable is None:
             self._batchable = self.loaded.lockstep is None and unbatchable(self.target) is None
         return self._batchable

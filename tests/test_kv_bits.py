@@ -176,14 +176,23 @@ def test_a_gguf_model_s_llama_server_keeps_its_cache_in_q8_0(smollm2_gguf, llama
     import httpx
     from conftest import start_gateway, stop_gateway
 
-    def cmdlines() -> list[list[str]]:
-        out = []
+    def descendants(root: int) -> list[list[str]]:
+        """The command lines of `root`'s processes, children's children too
+        (other tests' llama-servers may serve the same file meanwhile)."""
+        parent, lines = {}, {}
         for proc in Path("/proc").iterdir():
             try:
-                out.append((proc / "cmdline").read_bytes().decode(errors="replace").split("\0"))
-            except OSError:
+                stat = (proc / "stat").read_text()
+                parent[int(proc.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                lines[int(proc.name)] = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except (OSError, ValueError):
                 continue
-        return out
+        mine, grew = {root}, True
+        while grew:
+            found = {pid for pid, ppid in parent.items() if ppid in mine} - mine
+            mine |= found
+            grew = bool(found)
+        return [lines[pid] for pid in mine if pid in lines]
 
     model = {"id": "smol", "path": str(smollm2_gguf), "engines": ["llamacpp"], "kv_bits": 8,
              "max_concurrent": 1, "max_context": 1024,
@@ -194,8 +203,7 @@ def test_a_gguf_model_s_llama_server_keeps_its_cache_in_q8_0(smollm2_gguf, llama
         r = httpx.post(gw.api + "/completions", json={"model": "smol", "prompt": "The capital of France is",
                                                       "max_tokens": 8, "temperature": 0}, timeout=300)  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
-        mine = [c for c in cmdlines() if any(a.endswith("llama-server") for a in c[:1])
-                and str(smollm2_gguf) in c]  # fmt: skip
+        mine = [c for c in descendants(gw.process.pid) if c[0].endswith("llama-server")]
         assert mine and all(
             c[c.index("--cache-type-k") + 1] == "q8_0" and c[c.index("--cache-type-v") + 1] == "q8_0"
             for c in mine), mine  # fmt: skip

@@ -41,7 +41,6 @@ class Pooling:
     # `dimensions` may cut vectors to a prefix (Matryoshka training): True,
     # or the sizes the checkpoint was trained at (config `matryoshka_dimensions`).
     matryoshka: bool | tuple[int, ...] = False
-    declared: bool = False  # read from sentence-transformers files (not the default)
 
     def allows(self, dimensions: int) -> bool:
         if isinstance(self.matryoshka, tuple):
@@ -83,7 +82,7 @@ def read_pooling(root: Path) -> Pooling | None:
                                "apply; its vectors would differ from the model's")  # fmt: skip
     if mode is None:
         return None
-    return Pooling(mode, normalize, declared=True)
+    return Pooling(mode, normalize)
 
 
 def matryoshka_of(config: dict) -> bool | tuple[int, ...]:
@@ -126,5 +125,4 @@ def configured(declared: Pooling | None, model_config: dict, *, mode: PoolingMod
     normalized); Matryoshka from the config, else the checkpoint's config.json."""
     base = declared or Pooling()
     return Pooling(mode or base.mode, base.normalize if normalize is None else normalize,
-                   matryoshka_of(model_config) if matryoshka is None else matryoshka,
-                   declared=base.declared)  # fmt: skip
+                   matryoshka_of(model_config) if matryoshka is None else matryoshka)

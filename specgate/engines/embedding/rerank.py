@@ -25,6 +25,24 @@ def middle(instruction: str, query: str, document: str) -> str:
     return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 
 
+def prompts(tokenizer, instruction: str, query: str, documents: list[str],
+            max_tokens_per_doc: int | None) -> list[list[int]]:  # fmt: skip
+    """Each pair's prompt, tokenized: the head, the middle, the tail, as
+    the recipe writes them; a document cut to `max_tokens_per_doc` where
+    the client asked for that. (On the CPU workers: it tokenizes.)"""
+    head = tokenizer.encode(HEAD, add_special_tokens=False)
+    tail = tokenizer.encode(TAIL, add_special_tokens=False)
+    out = []
+    for doc in documents:
+        if max_tokens_per_doc is None:
+            body = tokenizer.encode(middle(instruction, query, doc), add_special_tokens=False)
+        else:
+            body = tokenizer.encode(middle(instruction, query, ""), add_special_tokens=False)
+            body += tokenizer.encode(doc, add_special_tokens=False)[:max_tokens_per_doc]
+        out.append(list(head) + list(body) + list(tail))
+    return out
+
+
 @dataclass(frozen=True)
 class Answers:
     """The vocabulary ids of the two answers the score compares."""

@@ -13,7 +13,6 @@ from typing import TypeVar
 
 from specgate.engines.base import EngineError, EngineOverloaded, EngineStopped
 from specgate.engines.cpu import run_cpu
-from specgate.engines.embedding import rerank
 from specgate.gateway.access import access_log
 from specgate.gateway.access.auth import current_principal
 from specgate.gateway.errors import APIError
@@ -142,21 +141,3 @@ async def run_vectors(served: ServedModel, kind: str, tokens: int, inputs: int,
             principal.usage.finish()
         metrics.vectors_finished(served.id, kind, status, tokens, inputs,
                                  time.perf_counter() - start, key)  # fmt: skip
-
-
-def rerank_prompts(tokenizer, instruction: str, query: str, documents: list[str],
-                   max_tokens_per_doc: int | None) -> list[list[int]]:  # fmt: skip
-    """Each pair's prompt as Qwen3-Reranker's recipe writes it
-    (engines/embedding/rerank.py); a document cut to `max_tokens_per_doc`
-    where the client asked for that. (On the CPU workers.)"""
-    head = tokenizer.encode(rerank.HEAD, add_special_tokens=False)
-    tail = tokenizer.encode(rerank.TAIL, add_special_tokens=False)
-    prompts = []
-    for doc in documents:
-        if max_tokens_per_doc is None:
-            body = tokenizer.encode(rerank.middle(instruction, query, doc), add_special_tokens=False)
-        else:
-            body = tokenizer.encode(rerank.middle(instruction, query, ""), add_special_tokens=False)
-            body += tokenizer.encode(doc, add_special_tokens=False)[:max_tokens_per_doc]
-        prompts.append(list(head) + list(body) + list(tail))
-    return prompts

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -34,7 +34,6 @@ from specgate.gateway.serving.vectors import (
     check_dimensions,
     embedder_of,
     encode_all,
-    rerank_prompts,
     run_vectors,
 )
 
@@ -54,14 +53,21 @@ async def _vectors(request: Request, model: str, texts_or_ids: list, dimensions:
     else:
         inputs = [list(ids) for ids in texts_or_ids]
     inputs = bounded(inputs, engine.max_context, engine.vocab_size, param=param, truncate=truncate)
+    return await _computed(request, served, "embed", inputs, lambda: embedder.embed(inputs, dimensions))
+
+
+async def _computed(request: Request, served, kind: str, inputs: list[list[int]],
+                    work: Callable[[], Awaitable]) -> tuple[object, int] | Response:  # fmt: skip
+    """(what `work()` computed, the inputs' tokens), run as the model's
+    `kind` request (serving/vectors.run_vectors); the 499 of a client that
+    left meanwhile, its work cancelled."""
     tokens = sum(map(len, inputs))
     try:
-        vectors = await until_disconnect(request, run_vectors(
-            served, "embed", tokens, len(inputs), request.app.state.metrics,
-            lambda: embedder.embed(inputs, dimensions)))  # fmt: skip
+        done = await until_disconnect(request, run_vectors(
+            served, kind, tokens, len(inputs), request.app.state.metrics, work))  # fmt: skip
     except ClientGone:
         return Response(status_code=499)
-    return vectors, tokens
+    return done, tokens
 
 
 async def _json(make: Callable[[], dict]) -> Response:
@@ -102,16 +108,13 @@ async def rerank_documents(body: RerankRequest, request: Request):
         raise APIError(400, f"model '{served.id}' cannot rerank: {e}", param="model",
                        code="model_not_supported") from None  # fmt: skip
     instruction = engine.embedding.instruction or rerank.DEFAULT_INSTRUCTION
-    prompts = await run_cpu(rerank_prompts, engine.tokenizer, instruction, body.query, texts,
+    prompts = await run_cpu(rerank.prompts, engine.tokenizer, instruction, body.query, texts,
                             body.max_tokens_per_doc)  # fmt: skip
     prompts = bounded(prompts, engine.max_context, engine.vocab_size, param="documents")
-    tokens = sum(map(len, prompts))
-    try:
-        scores = await until_disconnect(request, run_vectors(
-            served, "rerank", tokens, len(prompts), request.app.state.metrics,
-            lambda: embedder.score(prompts, answers)))  # fmt: skip
-    except ClientGone:
-        return Response(status_code=499)
+    got = await _computed(request, served, "rerank", prompts, lambda: embedder.score(prompts, answers))
+    if isinstance(got, Response):
+        return got
+    scores, tokens = got
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or len(scores)]
     results = []
     for i in order:

@@ -112,10 +112,12 @@ def test_agent_completes_a_turn(agent, gw, agent_cli, project, homes, tmp_path):
                      log), log[-2000:]  # fmt: skip
     assert not _refusals(log), _refusals(log)
     if agent == "qwen":
-        # One request for the turn: launch's settings keep its background
-        # memory agents (a second full prefill per turn) off.
+        # One prompt for the turn: launch's settings keep its background
+        # memory agents (a second, different full prefill per turn) off. The
+        # same prompt sent again is Qwen Code's own retry of a reply it finds
+        # invalid (an empty text from the tiny model, say), not such an agent.
         posts = re.findall(r"method=POST path=/v1/chat/completions .* prompt_tokens=(\d+)", log)
-        assert len(posts) == 1, posts
+        assert posts and len(set(posts)) == 1, posts
 
 
 def test_launch_runs_the_agent(gw, agent_cli, project, homes, tmp_path):

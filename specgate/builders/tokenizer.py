@@ -35,6 +35,12 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # special tokens, which keep the last ids.
 THINK_START, THINK_END = "<think>", "</think>"
 THINKING_TOKENS = (THINK_START, THINK_END)
+# A vision-language model's image markers, special tokens as in Qwen3.5's
+# files (the processor repeats <|image_pad|> once per image token). Here just
+# before the special tokens too, after the thinking markers.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # Qwen2/3/3.5's pre-tokenizer split (transformers' tokenization_qwen3_5.py).
 _QWEN_SPLIT = (
@@ -148,6 +154,12 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return {token: first + i for i, token in enumerate(SPECIAL_TOKENS)}
 
 
+def vision_token_ids(vocab_size: int) -> dict[str, int]:
+    """Ids of the image markers in a tokenizer built with `vision=True`."""
+    first = vocab_size - len(SPECIAL_TOKENS) - len(VISION_TOKENS)
+    return {token: first + i for i, token in enumerate(VISION_TOKENS)}
+
+
 def corpus_files() -> list[Path]:
     """The stdlib sources the tokenizer trains on, capped at ~3 MB in total."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -164,11 +176,13 @@ def corpus_files() -> list[Path]:
 
 
 @functools.cache
-def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...] = ()) -> str:
+def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...] = (),
+                  vision: bool = False) -> str:  # fmt: skip
     """tokenizer.json text; cached because training dominates a tiny build.
     `words`: each learnt as one token of the vocabulary (trained on a
     corpus that repeats them), as a real vocabulary has common words."""
     added = THINKING_TOKENS if thinking else ()
+    markers = VISION_TOKENS if vision else ()
     tok = Tokenizer(models.BPE())
     # Exactly the pipeline transformers' Qwen3_5Tokenizer builds: in a
     # qwen3_5 checkpoint AutoTokenizer always uses that class and keeps only
@@ -185,7 +199,7 @@ def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(added),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(added) - len(markers),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -197,11 +211,11 @@ def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...
             files.append(str(extra))
         tok.train(files, trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens([*markers, *SPECIAL_TOKENS])
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    first = vocab_size - len(SPECIAL_TOKENS) - len(added)
-    if any(tok.token_to_id(t) != first + i for i, t in enumerate(added)):
-        raise RuntimeError(f"the thinking markers did not get ids {first}, {first + 1}")
+    first = vocab_size - len(SPECIAL_TOKENS) - len(added) - len(markers)
+    if any(tok.token_to_id(t) != first + i for i, t in enumerate((*added, *markers))):
+        raise RuntimeError(f"the added markers did not get ids from {first}")
     if tok.get_vocab_size() != vocab_size or ids != special_token_ids(vocab_size):
         raise RuntimeError(
             f"tokenizer reached {tok.get_vocab_size()} tokens (specials {ids}), wanted {vocab_size}"
@@ -210,17 +224,20 @@ def _trained_json(vocab_size: int, thinking: bool = False, words: tuple[str, ...
 
 
 def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = False,
-                    words: tuple[str, ...] = ()) -> None:  # fmt: skip
+                    words: tuple[str, ...] = (), vision: bool = False,
+                    chat_template: str | None = None) -> None:  # fmt: skip
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json;
     `thinking`: with `<think>` and `</think>` added, as a reasoning model's;
-    `words`: each one token (_trained_json)."""
+    `words`: each one token (_trained_json); `vision`: with the image
+    markers (VISION_TOKENS); `chat_template` in place of ChatML's."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    tok_json = _trained_json(vocab_size, thinking, tuple(words))
+    tok_json = _trained_json(vocab_size, thinking, tuple(words), vision)
     (dest / "tokenizer.json").write_text(tok_json, encoding="utf-8")
 
-    ids = special_token_ids(vocab_size)
-    first = vocab_size - len(SPECIAL_TOKENS) - len(THINKING_TOKENS)
+    ids = special_token_ids(vocab_size) | (vision_token_ids(vocab_size) if vision else {})
+    first = vocab_size - len(SPECIAL_TOKENS) - len(THINKING_TOKENS) - (
+        len(VISION_TOKENS) if vision else 0)
     added = ({str(first + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                "single_word": False, "special": False}
               for i, t in enumerate(THINKING_TOKENS)} if thinking else {})  # fmt: skip
@@ -238,7 +255,7 @@ def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = Fals
                 "single_word": False,
                 "special": True,
             }
-            for t in SPECIAL_TOKENS
+            for t in ids
         },
         "bos_token": None,
         "eos_token": IM_END,
@@ -248,7 +265,7 @@ def build_tokenizer(dest: Path, *, vocab_size: int = 2048, thinking: bool = Fals
         "errors": "replace",
         "model_max_length": 262144,
         "split_special_tokens": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template or CHAT_TEMPLATE,
     }
     _write_json(dest / "tokenizer_config.json", config)
     _write_json(

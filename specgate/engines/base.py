@@ -6,9 +6,9 @@ is defined here. Nothing in this module imports MLX, FastAPI or a policy.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 # A decoding method: what an engine's record in engines/registry.py says it
 # serves ("mtp", "dflash", ...; registry.methods() lists them). A string, so
@@ -173,6 +173,27 @@ class Plan:
         return f"method={self.method};depth={self.depth};reason={self.reason};source={self.source}"
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, preprocessed for its model's vision tower
+    (engines/vision/): the prompt holds `length` placeholder ids from
+    `start`, whose embeddings the tower's output replaces."""
+
+    start: int
+    grid: tuple[int, int, int]  # (t, h, w) patches, before the 2x2 merge
+    length: int  # its tokens in the prompt
+    pixels: Any  # np.ndarray (patches, features), the processor's output
+    digest: str  # sha256 of the image as sent: what the prefix cache keys on
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def key_id(self) -> int:
+        """A negative id standing for this image in prefix-cache keys."""
+        return -1 - int(self.digest[:15], 16) % (2**31 - 2)
+
+
 @dataclass
 class GenerationRequest:
     """A fully parsed request: the prompt is already tokenized."""
@@ -193,6 +214,24 @@ class GenerationRequest:
     cache_scope: str = ""
     boundaries: tuple[int, ...] = ()
     shared_prefix: int = 0
+    # Its images, in prompt order (a vision-language model's request).
+    images: tuple[ImageInput, ...] = ()
+
+    def cache_key(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` (a prefix of this request's sequence) as the prefix cache
+        keys them: each image's placeholders stand for that image alone, so
+        two prompts alike but for an image share nothing past it."""
+        key = list(tokens)
+        for image in self.images:
+            if image.start < len(key):
+                key[image.start : min(image.end, len(key))] = [image.key_id()] * (
+                    min(image.end, len(key)) - image.start)
+        return key
+
+    @property
+    def images_end(self) -> int:
+        """Where the prompt's last image ends (0: no image)."""
+        return max((image.end for image in self.images), default=0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,183 @@
+"""Tiny vision-language checkpoints in the published layouts.
+
+Qwen3.5 is natively multimodal: its releases are Qwen3_5ForConditionalGeneration
+with a vision tower (`model.visual.*`, a Qwen3-VL ViT: a Conv3d patch embed in
+PyTorch's NCDHW order, learnt position embeddings, pre-norm blocks with one
+fused qkv, a 2x2 patch merger into the text width), the image markers' ids at
+the top of config.json beside `vision_config`, and a `preprocessor_config.json`
+for Qwen3-VL's image processor. `build_qwen35_vl` writes the text model of
+tiny.build_qwen35_hybrid (MTP head included) with such a tower.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ._build import _Init, write_json
+from .tiny import _TEXT, _qwen35_tensors, _qwen35_text_config, _write_rest
+from .tokenizer import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    build_tokenizer,
+    vision_token_ids,
+)
+
+# ChatML with Qwen's image parts: each image (OpenAI's `image_url` part, or an
+# `image` part as transformers' processors write it) is one
+# <|vision_start|><|image_pad|><|vision_end|>; the processor then repeats the
+# pad once per image token. Written here after Qwen3.5's convention.
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}"
+    "{{- '" + VISION_START + IMAGE_PAD + VISION_END + "' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def _vision_config(*, depth: int, hidden_size: int, num_heads: int, out_hidden_size: int,
+                   patch_size: int, num_position_embeddings: int) -> dict:  # fmt: skip
+    return {
+        "deepstack_visual_indexes": [],
+        "depth": depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": hidden_size,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 2 * hidden_size,
+        "model_type": "qwen3_5",
+        "num_heads": num_heads,
+        "num_position_embeddings": num_position_embeddings,
+        "out_hidden_size": out_hidden_size,
+        "patch_size": patch_size,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+
+
+def _vision_tensors(init: _Init, vc: dict) -> dict:
+    """The tower's tensors under `model.visual.`, as transformers saves them."""
+    d, c, p, t = vc["hidden_size"], vc["in_channels"], vc["patch_size"], vc["temporal_patch_size"]
+    inner, merged, out = vc["intermediate_size"], d * vc["spatial_merge_size"] ** 2, vc["out_hidden_size"]
+    v = "model.visual."
+    tensors = {
+        f"{v}patch_embed.proj.weight": init.normal((d, c, t, p, p), 1.0 / (c * t * p * p) ** 0.5),
+        f"{v}patch_embed.proj.bias": init.normal((d,), 0.02),
+        f"{v}pos_embed.weight": init.normal((vc["num_position_embeddings"], d), 0.5),
+    }
+    for i in range(vc["depth"]):
+        b = f"{v}blocks.{i}."
+        tensors |= {
+            f"{b}norm1.weight": init.norm(d, zero_centred=False),
+            f"{b}norm1.bias": init.normal((d,), 0.02),
+            f"{b}attn.qkv.weight": init.linear(3 * d, d),
+            f"{b}attn.qkv.bias": init.normal((3 * d,), 0.02),
+            f"{b}attn.proj.weight": init.linear(d, d, gain=0.5),
+            f"{b}attn.proj.bias": init.normal((d,), 0.02),
+            f"{b}norm2.weight": init.norm(d, zero_centred=False),
+            f"{b}norm2.bias": init.normal((d,), 0.02),
+            f"{b}mlp.linear_fc1.weight": init.linear(inner, d),
+            f"{b}mlp.linear_fc1.bias": init.normal((inner,), 0.02),
+            f"{b}mlp.linear_fc2.weight": init.linear(d, inner, gain=0.5),
+            f"{b}mlp.linear_fc2.bias": init.normal((d,), 0.02),
+        }
+    # The merger normalizes each patch (width d), then projects 2x2 patches
+    # (width 4d) into the text model's width. Gain 3 so that an image's
+    # tokens move the text model as much as its words do.
+    tensors |= {
+        f"{v}merger.norm.weight": init.norm(d, zero_centred=False),
+        f"{v}merger.norm.bias": init.normal((d,), 0.02),
+        f"{v}merger.linear_fc1.weight": init.linear(merged, merged),
+        f"{v}merger.linear_fc1.bias": init.normal((merged,), 0.02),
+        f"{v}merger.linear_fc2.weight": init.linear(out, merged, gain=3.0),
+        f"{v}merger.linear_fc2.bias": init.normal((out,), 0.02),
+    }
+    return tensors
+
+
+def build_qwen35_vl(
+    dest: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 4,
+    vocab_size: int = 2048,
+    vision_depth: int = 2,
+    vision_hidden_size: int = 64,
+    vision_num_heads: int = 2,
+    patch_size: int = 16,
+    num_position_embeddings: int = 64,
+    max_image_pixels: int = 256 * 256,
+    with_mtp: bool = True,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random Qwen3.5 vision-language hybrid to dest: the text model
+    of tiny.build_qwen35_hybrid (same defaults, MTP head unless `with_mtp`
+    is off), a Qwen3-VL tower, the image markers in the tokenizer and config,
+    a template with image parts and Qwen3-VL's preprocessor_config.json
+    (images resized to at most `max_image_pixels`). Deterministic in `seed`."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    text_config = _qwen35_text_config(
+        dtype=dtype, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size, intermediate_size=2 * hidden_size, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, full_attention_interval=4,
+        mtp_num_hidden_layers=1, max_position_embeddings=8192,
+    )  # fmt: skip
+    vision_config = _vision_config(
+        depth=vision_depth, hidden_size=vision_hidden_size, num_heads=vision_num_heads,
+        out_hidden_size=hidden_size, patch_size=patch_size,
+        num_position_embeddings=num_position_embeddings,
+    )  # fmt: skip
+    tensors = _qwen35_tensors(seed, text_config, with_mtp)
+    assert all(k.startswith((_TEXT, "lm_head", "mtp.")) for k in tensors)
+    tensors |= _vision_tensors(_Init(seed + 1), vision_config)
+    ids = vision_token_ids(vocab_size)
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "dtype": dtype,
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "vision_start_token_id": ids[VISION_START],
+        "vision_end_token_id": ids[VISION_END],
+        "text_config": text_config,
+        "vision_config": vision_config,
+        "tie_word_embeddings": False,
+    }
+    write_json(dest / "config.json", config)
+    _write_rest(dest, vocab_size, tensors, dtype=dtype, tokenizer=False)
+    build_tokenizer(dest, vocab_size=vocab_size, vision=True, chat_template=VISION_CHAT_TEMPLATE)
+    factor = patch_size * 2
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "patch_size": patch_size,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": factor * factor, "longest_edge": max_image_pixels},
+    }
+    (dest / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return dest

@@ -56,6 +56,10 @@ class LoadedModel:
     # Its attention layers' KV cache quantized to this many bits (the model
     # setting `kv_bits`; engines/forwards/quantized_kv.py), None: as computed.
     kv_bits: int | None = None
+    # A vision-language checkpoint's image side (engines/vision/), else None;
+    # `images_refused` says why a checkpoint with a vision tower has none.
+    vision: Any = None
+    images_refused: str | None = None
 
     @property
     def text_config(self) -> dict:
@@ -91,6 +95,22 @@ def prepare_for_decoding(model: nn.Module) -> None:
     Benches that build a model in memory call it too, to time what is served."""
     hook.fuse_siblings(model)
     compile_one_row(model)
+
+
+def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
+    """(its image side, why it has none) for a checkpoint with a vision tower."""
+    if "vision_config" not in config:
+        return None, None
+    from specgate.engines import vision
+
+    if (why := vision.unsupported(config)) is not None:
+        return None, why
+    if kv_bits is not None:  # its keys are rotated in place after an image (vision/mrope.py)
+        return None, "its KV cache is quantized (kv_bits)"
+    try:
+        return vision.Vision(str(path), config, model), None
+    except vision.VisionError as e:
+        return None, str(e)
 
 
 def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=None,
@@ -145,9 +165,11 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 prepare_for_decoding(model)
                 kv = _quantized_kv(model, config, kv_bits, kv_group_size)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast, kv)
+                vision, refused = _vision(local_checkpoint(path), config, model, kv_bits)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
                                                      upcast=upcast, pooling=pooling,
-                                                     kv_bits=kv_bits)  # fmt: skip
+                                                     kv_bits=kv_bits, vision=vision,
+                                                     images_refused=refused)  # fmt: skip
             else:
                 from specgate.engines.distributed.lockstep import Lockstep
 

@@ -37,6 +37,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from specgate.engines.base import (
+    EngineError,
     EngineOverloaded,
     GenerationRequest,
     Handoff,
@@ -419,12 +420,19 @@ class MLXPlainEngine(WorkerEngine):
             cache, rest, known = resume.cache, resume.tokens[-1:], resume.tokens[:-1]
             slot.generated = resume.generated
         else:
-            hit = self._prefix_cache.fetch(prompt, request.cache_scope)
+            hit = self._prefix_cache.fetch(request.cache_key(prompt), request.cache_scope)
             cache, slot.cached_tokens = hit.cache, hit.cached
-            known = prompt[: slot.cached_tokens]
+            fed = slot.cached_tokens
+            if request.images_end > fed:  # its images, fed here (mlx-lm feeds only tokens)
+                try:
+                    cache, fed = self._feed_images(request, cache, fed), request.images_end
+                except Exception as e:  # this request's alone: the batch goes on
+                    slot.post(e if isinstance(e, EngineError) else EngineError(f"its images: {e}"))
+                    return
+            known = prompt[:fed]
             # One segment per snapshot: BatchGenerator reports each segment's
             # end, where _store_prompt_caches keeps the cache.
-            cuts = [slot.cached_tokens, *self._prefix_cache.snapshot_points(request, hit.cached)]
+            cuts = [fed, *(p for p in self._prefix_cache.snapshot_points(request, hit.cached) if p > fed)]
             rest = [prompt[a:b] for a, b in zip(cuts, [*cuts[1:], len(prompt)], strict=True)]
         sampling = request.sampling
         # Where its first sampled token goes: after everything it is fed.
@@ -444,6 +452,22 @@ class MLXPlainEngine(WorkerEngine):
         slot.stops = StopSequences([[t] for t in sorted(request.stop_token_ids)] or None)
         slot.start = ([rest] if resume is not None else rest, cache, known)
         self._waiting.append(slot)
+
+    def _feed_images(self, request: GenerationRequest, cache: list | None, cached: int) -> list:
+        """The prompt from `cached` to its last image, into `cache` (made if
+        None), in one forward through the model's image side."""
+        vision = self.loaded.vision
+        if vision is None:
+            raise EngineError(f"this model takes no images: {self.loaded.images_refused or 'text only'}")
+        model = self.loaded.model
+        cache = cache if cache is not None else make_prompt_cache(model)
+        inner = (model.language_model if hasattr(model, "language_model") else model).model
+        with self.loaded.lock:
+            vision.prefill(lambda tokens, emb: inner(tokens, cache=cache, input_embeddings=emb),
+                           cache, inner.embed_tokens, request.prompt_tokens, cached,
+                           request.images_end, request.images)  # fmt: skip
+            mx.eval([c.state for c in cache])
+        return cache
 
     def _into_batch(self, slot: _Slot, segments: list[list[int]], cache: list | None,
                     known: list[int]) -> None:  # fmt: skip
@@ -532,7 +556,7 @@ class MLXPlainEngine(WorkerEngine):
                 segments.pop(0)
                 if segments:  # a snapshot point (PrefixCache.snapshot_points): keep the cache there
                     scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
-                    self._prefix_cache.insert(list(tokens), snapshot(cache), scope)
+                    self._prefix_cache.insert(slot.request.cache_key(tokens), snapshot(cache), scope)
         context = TokenBuffer(tokens) if slot.processors else None
         with self.loaded.lock:
             lone = LoneSequence.after_prompt(self.loaded.model, cache, tokens, last, slot.sampler,
@@ -613,7 +637,7 @@ class MLXPlainEngine(WorkerEngine):
             slot = self._slots.get(uid)
             if tokens and slot is not None:
                 scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
-                self._prefix_cache.insert(list(tokens), cache, scope)
+                self._prefix_cache.insert(slot.request.cache_key(tokens), cache, scope)
 
     def _prefill_progress(self, prompt_responses: list) -> list[tuple[_Slot, PrefillProgress]]:
         """Where each prompt still prefilling stands (mlx-lm counts the
@@ -666,9 +690,8 @@ class MLXPlainEngine(WorkerEngine):
             self._running -= 1
             slot.finished = True  # (after: see WorkerEngine.live_state)
             if response.prompt_cache is not None and response.all_tokens:
-                self._prefix_cache.insert(
-                    list(response.all_tokens), response.prompt_cache, slot.request.cache_scope
-                )
+                self._prefix_cache.insert(slot.request.cache_key(response.all_tokens),
+                                          response.prompt_cache, slot.request.cache_scope)  # fmt: skip
         return slot, event
 
     def _token_logprob(self, token: int, logprobs: mx.array, slot: _Slot) -> TokenLogprob:

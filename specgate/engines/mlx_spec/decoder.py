@@ -47,7 +47,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from specgate.engines.base import GenerationRequest, Handoff, RoundStats, TokenLogprob, TopLogprob
+from specgate.engines.base import (
+    EngineError,
+    GenerationRequest,
+    Handoff,
+    RoundStats,
+    TokenLogprob,
+    TopLogprob,
+)
 from specgate.engines.drafting.base import Context, Proposal, Proposer
 from specgate.engines.grammar.matcher import GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState
@@ -98,6 +105,7 @@ class SpecDecoder:
         prefill_step: int = 512,
         undo: Undo = "tape",
         grammar: GrammarState | ThinkingState | None = None,
+        vision=None,
     ):
         self.target, self.proposer, self.request = target, proposer, request
         self.method = proposer.method
@@ -117,6 +125,7 @@ class SpecDecoder:
         self.undo = undo
         self.cold = False  # resumed: the drafter has seen nothing yet
         self._prefill_hidden: mx.array | None = None  # the last prefill chunk's
+        self.vision = vision  # the model's image side (engines/vision/), where it has one
 
     def resume(self, handoff: Handoff) -> Step:
         """Continue a sequence another engine decoded (the decoder was made
@@ -163,17 +172,34 @@ class SpecDecoder:
         ends at each of `cuts` (where the engine keeps a snapshot). Then
         `first_token`."""
         prompt = self.request.prompt_tokens
-        ends = sorted({*cuts, *range(self.cached_tokens + self.prefill_step, len(prompt),
-                                     self.prefill_step), len(prompt)})  # fmt: skip
+        ends = {*cuts, *range(self.cached_tokens + self.prefill_step, len(prompt),
+                              self.prefill_step), len(prompt)}  # fmt: skip
+        # From its first uncached image to its last, the prompt is one chunk
+        # (engines/vision/).
+        images = self.request.images_end
+        if images > self.cached_tokens:
+            lo = min(i.start for i in self.request.images if i.end > self.cached_tokens)
+            ends = {e for e in ends if e <= lo or e > images} | {lo, images}
         s = self.cached_tokens
-        for e in (e for e in ends if e > self.cached_tokens):
+        for e in (e for e in sorted(ends) if e > self.cached_tokens):
             chunk = prompt[s:e]
-            forward = self._forward(mx.array([chunk]))
+            if e == images and s < images:
+                forward = self._image_forward(s, e)
+            else:
+                forward = self._forward(mx.array([chunk]))
             self.proposer.prefilled(s, forward, prompt)
             mx.eval(forward.hidden, [c.state for c in self.cache], self.proposer.pending())
             self._prefill_hidden = forward.hidden
             s = e
             yield e
+
+    def _image_forward(self, start: int, end: int) -> Forward:
+        if self.vision is None:
+            raise EngineError("this model takes no images")
+        layers = self.proposer.layers
+        return self.vision.prefill(
+            lambda tokens, emb: self.target.forward(tokens, self.cache, layers=layers, embeddings=emb),
+            self.cache, self.target.embed, self.request.prompt_tokens, start, end, self.request.images)
 
     def first_token(self) -> Step:
         """After the prompt is in the cache: sample and commit the first token."""

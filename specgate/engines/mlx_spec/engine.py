@@ -110,7 +110,8 @@ class _Joining:
         prefix = engine.loaded.prefix_cache
         cache_id = engine.drafting.cache_id
         hit = (Hit(resume.cache, 0) if resume
-               else prefix.fetch(request.prompt_tokens, request.cache_scope, cache_id))  # fmt: skip
+               else prefix.fetch(request.cache_key(request.prompt_tokens), request.cache_scope,
+                                 cache_id))  # fmt: skip
         self.cached = hit.cached
         decoder = engine.make_decoder(request, hit.cache, self.cached)
         if hit.drafter is not None:
@@ -141,7 +142,7 @@ class _Joining:
             self.job.post(PrefillProgress(self.fed, self.total, self.cached))
         if self.fed in self.points:
             prefix = engine.loaded.prefix_cache
-            prefix.insert(request.prompt_tokens[: self.fed], snapshot(decoder.cache),
+            prefix.insert(request.cache_key(request.prompt_tokens[: self.fed]), snapshot(decoder.cache),
                           prefix.snapshot_scope(request, self.fed), drafter=engine.drafting.cache_id,
                           drafter_state=engine._drafter_state(decoder))  # fmt: skip
 
@@ -254,11 +255,12 @@ class SpecEngine(WorkerEngine):
         proposer = self.drafting.proposer(self.target)
         args = (self.target, proposer, request, cache, cached_tokens, self.tokenizer,
                 self.prefill_step_size)  # fmt: skip
+        vision = self.loaded.vision
         if not (self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)):
-            return SpecDecoder(*args, grammar=grammar)
+            return SpecDecoder(*args, grammar=grammar, vision=vision)
         if self.compiled_rounds and self._rounds is None:  # the engine's head: one for every request
             self._rounds = CompiledRounds(self.target, proposer.head)
-        return AheadDecoder(*args, grammar=grammar,
+        return AheadDecoder(*args, grammar=grammar, vision=vision,
                             rounds=self._rounds if self.compiled_rounds else None)  # fmt: skip
 
     def generate(
@@ -417,7 +419,8 @@ class SpecEngine(WorkerEngine):
         self._running = max(0, self._running - 1)
         job.finished = True  # (after: see WorkerEngine.live_state)
         job.post(*self._events(step, stream.detok, stream.cached))
-        self.loaded.prefix_cache.insert(decoder.tokens[:-1], decoder.cache, job.request.cache_scope,
+        self.loaded.prefix_cache.insert(job.request.cache_key(decoder.tokens[:-1]), decoder.cache,
+                                        job.request.cache_scope,
                                         drafter=self.drafting.cache_id,
                                         drafter_state=self._drafter_state(decoder))  # fmt: skip
         return True

@@ -63,7 +63,10 @@ class Target(Protocol):
     whole_buffer: bool  # multi-row forwards over whole KV buffers (engines/forwards/kv_buffer.py)
 
     def forward(self, tokens: mx.array, cache: list, *, layers: Collection[int] = (),
-                undo: Undo | None = None) -> Forward: ...  # fmt: skip
+                undo: Undo | None = None, embeddings: mx.array | None = None) -> Forward:
+        """`embeddings` (1, T, H): the inputs in place of the tokens' own
+        (a prompt's images, engines/vision/)."""
+        ...  # fmt: skip
 
     def rollback(self, cache: list, forward: Forward, kept: int) -> None:
         """Cut the caches back to the first `kept` inputs of `forward`
@@ -178,14 +181,16 @@ class TransformerTarget:
         return self.inner.embed_tokens.weight.shape[0]
 
     def forward(self, tokens: mx.array, cache: list, *, layers: Collection[int] = (),
-                undo: Undo | None = None) -> Forward:  # fmt: skip
+                undo: Undo | None = None, embeddings: mx.array | None = None) -> Forward:  # fmt: skip
         wanted = frozenset(i for i in layers if i >= 0)
         saved = checkpoint(cache) if undo == "replay" else None
         recorder = Recorder(wanted, tape=[] if undo == "tape" else None)
         seen = kv_buffer.views(cache, tokens.shape[1]) if self.whole_buffer else cache
+        given = {} if embeddings is None else {"input_embeddings": embeddings}
         with _recording(recorder) if wanted or undo == "tape" else nullcontext():
-            hidden = self.inner(tokens, cache=seen)
-        captured = {i: self.embed(tokens) if i < 0 else recorder.layers[i] for i in layers}
+            hidden = self.inner(tokens, cache=seen, **given)
+        first = self.embed(tokens) if embeddings is None else embeddings
+        captured = {i: first if i < 0 else recorder.layers[i] for i in layers}
         record = ("replay", saved) if undo == "replay" else ("tape", recorder.tape) if undo else None
         return Forward(tokens, hidden, captured, record, cache)
 

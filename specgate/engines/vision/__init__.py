@@ -147,6 +147,8 @@ class Vision:
         `run(tokens (1, L), embeddings (1, L, H))` is the engine's forward;
         its result is returned. The cache is then an ordinary one
         (mrope.realign)."""
+        if end >= len(prompt):
+            raise VisionError("the prompt ends with an image: no text after it to decode from")
         cut = [i for i in images if i.start < start < i.end or i.start < end < i.end]
         if cut:
             raise VisionError(f"a prefill segment [{start}, {end}) cuts an image")

@@ -1,0 +1,244 @@
+"""Images in a prompt (engines/vision/): a tiny Qwen3.5-VL checkpoint in the
+published layout, decoded by specgate's engines and held against mlx-vlm's
+own generate on the same files, the prefix cache keyed by the image."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgate.engines.base import (
+    GenerationRequest,
+    ImageInput,
+    Plan,
+    RoundStats,
+    SamplingParams,
+    TokenEvent,
+)
+
+N = 14
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    from specgate.builders.vision import build_qwen35_vl
+
+    return build_qwen35_vl(tmp_path_factory.mktemp("vlm") / "qwen35-vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(vlm):
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    return load_mlx_model(str(vlm), CacheSettings(disk_bytes=0))
+
+
+def picture(seed: int, shape=(64, 96)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (*shape, 3), dtype=np.uint8)
+
+
+def messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"},
+                                         {"type": "text", "text": text}]}]  # fmt: skip
+
+
+def prompt_of(loaded, pictures: list[np.ndarray], text: str, rid: str, plan: str = "mlx_plain",
+              depth: int = 0) -> GenerationRequest:  # fmt: skip
+    vision = loaded.vision
+    rendered = loaded.tokenizer.apply_chat_template(messages(text), add_generation_prompt=True,
+                                                    tokenize=False)  # fmt: skip
+    ids = loaded.tokenizer.encode(rendered, add_special_tokens=False)
+    prepared = [vision.preprocess(p) for p in pictures]
+    tokens, starts = vision.expand(ids, [n for _, _, n in prepared])
+    images = tuple(ImageInput(s, grid, n, pixels, hashlib.sha256(p.tobytes()).hexdigest())
+                   for s, (pixels, grid, n), p in zip(starts, prepared, pictures, strict=True))  # fmt: skip
+    method = "plain" if plan == "mlx_plain" else "mtp"
+    return GenerationRequest(rid, "vlm", tokens, GREEDY, N, Plan(plan, method, depth, "test"),
+                             cache_scope="k", images=images)  # fmt: skip
+
+
+def reference(vlm: Path, pictures: list[np.ndarray], text: str) -> list[int]:
+    """mlx-vlm's own greedy generate on the same checkpoint and prompt."""
+    from mlx_vlm import generate
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    model, processor = load(str(vlm))
+    rendered = processor.tokenizer.apply_chat_template(messages(text), add_generation_prompt=True,
+                                                       tokenize=False)  # fmt: skip
+    out = generate(model, processor, rendered, image=[Image.fromarray(p) for p in pictures],
+                   max_tokens=N, temperature=0.0, verbose=False)  # fmt: skip
+    return list(out.token_ids)
+
+
+async def collect(engine, request) -> tuple[list[int], int, list]:
+    from specgate.policies.decide import FixedPlanner
+
+    tokens, cached, rounds = [], 0, []
+    planner = [] if request.plan.engine == "mlx_plain" else [FixedPlanner(request.plan)]
+    async for event in engine.generate(request, *planner):
+        if isinstance(event, TokenEvent):
+            tokens += event.token_ids
+            cached = event.cached_tokens or cached
+        elif isinstance(event, RoundStats):
+            rounds.append(event)
+    return tokens, cached, rounds
+
+
+def engine_of(loaded, name: str):
+    from specgate.engines import registry
+
+    ctx = registry.BuildContext(name, loaded.path, registry.MLX, engines=(name,), loaded=loaded)
+    built, refused = registry.record(name).build(ctx, (name,))
+    assert not refused, refused
+    return built[name]
+
+
+def run(engine, *requests, together: bool = False):
+    async def main():
+        await engine.start()
+        try:
+            if together:
+                return await asyncio.gather(*(collect(engine, r) for r in requests))
+            return [await collect(engine, r) for r in requests]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_the_checkpoint_is_qwen35_vl_s_published_layout(vlm, loaded):
+    config = json.loads((vlm / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert {"image_token_id", "vision_start_token_id", "vision_end_token_id"} <= set(config)
+    assert config["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(vlm / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.visual.patch_embed.proj.weight").ndim == 5  # NCDHW, as saved
+    assert any(n.startswith("model.visual.blocks.") for n in names)
+    assert any(n.startswith("mtp.") for n in names)
+    assert loaded.vision is not None and loaded.images_refused is None
+
+
+def test_logits_after_an_image_equal_mlx_vlm_s_forward(vlm, loaded):
+    """The prompt's tokens are the processor's, and the logits of the text
+    after the image (fed as plain text after the image segment) equal
+    mlx-vlm's whole-prompt forward: positions on the image's grid, and the
+    cached keys realigned after it (either one wrong moves them by ~0.4)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    a = picture(7)
+    request = prompt_of(loaded, [a], "What is in the picture?", "l")
+    model, processor = load(str(vlm))
+    rendered = processor.tokenizer.apply_chat_template(messages("What is in the picture?"),
+                                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+    inputs = processor(text=[rendered], images=[Image.fromarray(a)], return_tensors="np")
+    assert list(inputs["input_ids"][0]) == request.prompt_tokens
+    want = model(mx.array(inputs["input_ids"]), pixel_values=mx.array(inputs["pixel_values"]),
+                 image_grid_thw=mx.array(inputs["image_grid_thw"]))  # fmt: skip
+    want = getattr(want, "logits", want)
+    ours = loaded.model
+    inner = ours.language_model.model
+    cache = make_prompt_cache(ours)
+    end = request.images_end
+    loaded.vision.prefill(lambda t, e: inner(t, cache=cache, input_embeddings=e), cache,
+                          inner.embed_tokens, request.prompt_tokens, 0, end, request.images)  # fmt: skip
+    got = ours(mx.array([request.prompt_tokens[end:]]), cache=cache)
+    assert mx.abs(got[0] - want[0, end:]).max().item() < 1e-3
+
+
+def test_an_image_prompt_decodes_as_mlx_vlm_s_own_generate(vlm, loaded):
+    """Plain decoding (alone, then two in a batch) and MTP speculation after
+    the image tokens give mlx-vlm's greedy tokens; another image, others."""
+    a, b = picture(0), picture(1, (96, 64))
+    want_a, want_b = reference(vlm, [a], "What is it?"), reference(vlm, [b], "What is it?")
+    assert want_a != want_b  # the image reaches the text model
+    plain = engine_of(loaded, "mlx_plain")
+    (alone, _, _), = run(plain, prompt_of(loaded, [a], "What is it?", "a"))
+    assert alone == want_a
+    both = run(plain, prompt_of(loaded, [a], "What is it?", "a2"),
+               prompt_of(loaded, [b], "What is it?", "b2"), together=True)  # fmt: skip
+    assert [t for t, _, _ in both] == [want_a, want_b]
+    mtp = engine_of(loaded, "mlx_mtp")
+    (spec, _, rounds), = run(mtp, prompt_of(loaded, [a], "What is it?", "m", "mlx_mtp", 3))
+    assert spec == want_a
+    assert sum(r.drafted for r in rounds) > 0  # it did speculate after the image
+
+
+def test_two_images_in_one_prompt(vlm, loaded):
+    a, b = picture(2), picture(3, (48, 80))
+    messages_two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                                 {"type": "image"}, {"type": "text", "text": "And these?"}]}]  # fmt: skip
+    rendered = loaded.tokenizer.apply_chat_template(messages_two, add_generation_prompt=True,
+                                                    tokenize=False)  # fmt: skip
+    from mlx_vlm import generate
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    model, processor = load(str(vlm))
+    want = list(generate(model, processor, rendered, image=[Image.fromarray(a), Image.fromarray(b)],
+                         max_tokens=N, temperature=0.0, verbose=False).token_ids)  # fmt: skip
+    vision = loaded.vision
+    ids = loaded.tokenizer.encode(rendered, add_special_tokens=False)
+    prepared = [vision.preprocess(p) for p in (a, b)]
+    tokens, starts = vision.expand(ids, [n for _, _, n in prepared])
+    images = tuple(ImageInput(s, g, n, px, hashlib.sha256(bytes([i])).hexdigest())
+                   for i, (s, (px, g, n)) in enumerate(zip(starts, prepared, strict=True)))  # fmt: skip
+    request = GenerationRequest("two", "vlm", tokens, GREEDY, N, Plan("mlx_mtp", "mtp", 2, "test"),
+                                images=images)  # fmt: skip
+    (got, _, _), = run(engine_of(loaded, "mlx_mtp"), request)
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["mlx_plain", "mlx_mtp"])
+def test_the_prefix_cache_keys_an_image_by_its_content(vlm, loaded, name):
+    """The same image again resumes past it (cached tokens reported); a
+    different image in the same place does not, and decodes its own way."""
+    a, b = picture(4), picture(5)
+    depth = 0 if name == "mlx_plain" else 2
+    first = prompt_of(loaded, [a], f"Describe it ({name}).", "1", name, depth)
+    again = prompt_of(loaded, [a], f"Describe it ({name}).", "2", name, depth)
+    other = prompt_of(loaded, [b], f"Describe it ({name}).", "3", name, depth)
+    engine = engine_of(loaded, name)
+    (t1, c1, _), (t2, c2, _), (t3, c3, _) = run(engine, first, again, other)
+    image = first.images[0]
+    assert c1 == 0
+    assert c2 > image.end and t2 == t1
+    assert c3 <= image.start
+    assert t3 == reference(vlm, [b], f"Describe it ({name}).")
+
+
+def test_a_prompt_ending_in_an_image_is_refused_alone(loaded):
+    """Nothing after the image to decode from: the request fails with a
+    clear error and the engine serves the next one."""
+    from specgate.engines.base import EngineError
+
+    good = prompt_of(loaded, [picture(6)], "Next?", "ok")
+    image = good.images[0]
+    bad = GenerationRequest("bad", "vlm", good.prompt_tokens[: image.end], GREEDY, 4,
+                            good.plan, images=good.images)  # fmt: skip
+    engine = engine_of(loaded, "mlx_plain")
+
+    async def main():
+        await engine.start()
+        try:
+            with pytest.raises(EngineError, match="ends with an image"):
+                await collect(engine, bad)
+            return await collect(engine, good)
+        finally:
+            await engine.stop()
+
+    tokens, _, _ = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(tokens) == N

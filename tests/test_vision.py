@@ -242,3 +242,29 @@ def test_a_prompt_ending_in_an_image_is_refused_alone(loaded):
 
     tokens, _, _ = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(tokens) == N
+
+
+def test_a_model_without_an_image_side_refuses_images_by_name(vlm, loaded):
+    """A quantized KV cache cannot be realigned (mrope.realign rotates keys
+    in place): the model serves text, and an image request fails saying why."""
+    from specgate.engines.base import CacheSettings, EngineError
+    from specgate.engines.loading import load_mlx_model
+
+    quantized = load_mlx_model(str(vlm), CacheSettings(disk_bytes=0), kv_bits=8)
+    assert quantized.vision is None and "kv_bits" in quantized.images_refused
+    request = prompt_of(loaded, [picture(8)], "Hm?", "q")
+    engine = engine_of(quantized, "mlx_plain")
+
+    async def main():
+        await engine.start()
+        try:
+            with pytest.raises(EngineError, match="takes no images.*kv_bits"):
+                await collect(engine, request)
+            text = GenerationRequest("t", "vlm", request.prompt_tokens[request.images_end :],
+                                     GREEDY, 4, request.plan)  # fmt: skip
+            return await collect(engine, text)
+        finally:
+            await engine.stop()
+
+    tokens, _, _ = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(tokens) == 4

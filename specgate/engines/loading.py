@@ -109,8 +109,9 @@ def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
         return None, "its KV cache is quantized (kv_bits)"
     try:
         return vision.Vision(str(path), config, model), None
-    except vision.VisionError as e:
-        return None, str(e)
+    except Exception as e:  # its text is served all the same; image requests get the reason
+        log.warning("%s: no images: %s", path, e)
+        return None, str(e) if isinstance(e, vision.VisionError) else f"its vision tower: {e}"
 
 
 def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=None,

@@ -469,6 +469,19 @@ class Engine(Protocol):
         """None when this engine serves these parameters exactly."""
         ...
 
+    def images_refused(self) -> str | None:
+        """None where this engine's model takes images, else why not."""
+        ...
+
+    async def prepare_images(self, tokens: list[int],
+                             images: list[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:  # fmt: skip
+        """A rendered prompt with one image marker per image, and the images
+        as sent (encoded files) -> the prompt with each marker repeated once
+        per image token, and the images as the engine takes them
+        (GenerationRequest.images). Raises ValueError naming what is wrong
+        with an image."""
+        ...
+
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 

@@ -196,6 +196,20 @@ class WorkerEngine:
     def refusal(self, sampling: SamplingParams) -> Refusal | None:
         return None  # engines/sampling.py is this engine's own: every parameter applies
 
+    def images_refused(self) -> str | None:
+        if self.loaded.vision is not None:
+            return None
+        return self.loaded.images_refused or "it is a text model"
+
+    async def prepare_images(self, tokens: list[int], images: list[bytes]):
+        from specgate.engines.vision.images import prepare
+
+        if (why := self.images_refused()) is not None:
+            raise ValueError(why)
+        # The context's room past the prompt and one token to generate.
+        room = self.max_context - len(tokens) - 1
+        return await run_cpu(prepare, self.loaded.vision, tokens, images, room)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.tokenizer.eos_token_ids)

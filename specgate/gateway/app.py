@@ -100,6 +100,7 @@ def create_app(config: Config, config_path: str | Path | None = None,
     # Its `recent` requests (dicts, newest last) are the admin page's.
     app.state.access_log = access_log = AccessLog()
     app.state.keepalive_s = config.server.stream_keepalive_s  # gateway/api/chat.py, FirstPiece
+    app.state.image_urls = config.server.image_urls  # gateway/serving/images.py
     app.state.model_cards = ModelCards()  # Ollama's model listing (gateway/api/ollama_api.py)
     kept = config.server.responses_store  # for previous_response_id (gateway/api/responses_api.py)
     app.state.responses = ResponseStore(kept.responses_per_key, kept.bytes_per_key)

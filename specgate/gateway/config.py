@@ -115,6 +115,17 @@ class ResponsesStoreConfig(_Strict):
     bytes_per_key: ByteSizeOrZero = Field("32MiB", validate_default=True)  # of stored items, as JSON; 0: none kept
 
 
+class ImageUrlConfig(_Strict):
+    """Images named by an http(s) URL in a request (gateway/serving/images.py).
+    Off by default: a server on the LAN that fetches what a client names can
+    be made to reach hosts the client cannot. Data URLs and base64 images
+    need none of this (the body limit bounds them)."""
+
+    fetch: bool = False
+    max_bytes: ByteSize = Field("16MiB", gt=0, validate_default=True)  # larger images get a 400
+    timeout_s: float = Field(10.0, gt=0)  # the whole fetch, redirects included
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -153,6 +164,7 @@ class ServerConfig(_Strict):
     # share of physical memory, "75%"; default: 75%.
     memory_budget: RamSize | None = None
     responses_store: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
+    image_urls: ImageUrlConfig = Field(default_factory=ImageUrlConfig)
 
 
 class AuthConfig(_Strict):

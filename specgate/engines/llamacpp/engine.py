@@ -238,6 +238,12 @@ class LlamaCppEngine:
         return (await self._post("/tokenize", {"content": text, "add_special": True,
                                                "parse_special": True}))["tokens"]
 
+    def images_refused(self) -> str | None:
+        return "specgate serves images on MLX engines only, not through llama-server"
+
+    async def prepare_images(self, tokens: list[int], images: list[bytes]):
+        raise ValueError(self.images_refused())
+
     async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                           template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         if not self._has_chat_template:  # chat.py answers 400 chat_template_missing

@@ -15,6 +15,8 @@ the rest of the prompt and every decoding round are plain text. So MTP,
 n-gram and block drafting run after the image tokens as after any others,
 and exactness holds as it does for text (tests/test_vision.py). The prefix
 cache keys an image's placeholders by its digest (GenerationRequest.cache_key).
+May import engines/ (its types) and mlx-vlm, only where an image side is
+built (it is an optional extra); see docs/DESIGN.md, "Images".
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ class Vision:
         out = self.processor([image.transpose(2, 0, 1)])
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return out["pixel_values"], grid, grid[0] * grid[1] * grid[2] // self.merge**2
+
+    def tokens_for(self, height: int, width: int) -> int:
+        """An image's tokens, from its size alone (as preprocess will make them)."""
+        return self.processor.num_image_tokens(height, width)
 
     def expand(self, prompt: Sequence[int], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
         """The prompt with its i-th image token repeated sizes[i] times, and

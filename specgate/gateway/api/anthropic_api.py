@@ -28,6 +28,7 @@ from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, unti
 from specgate.gateway.api.thinking import OutputStream, Thought, sign
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
+from specgate.gateway.serving import images
 from specgate.gateway.serving.generation import (
     Piece,
     Usage,
@@ -176,21 +177,29 @@ def _sse(event: dict) -> bytes:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
+    refs = body.image_refs()
+    images.refused(engine, body.model, refs)
     chat = await render_chat(engine, body.model, body.template_messages(), body.template_tools,
                              body.parse_tools, boundaries=False,
                              ask=body.thinking_ask(served.config.thinking),
                              tool_prompt=served.config.tool_prompt)  # fmt: skip
-    return {"input_tokens": len(chat.tokens)}
+    tokens, _, _ = await images.with_images(engine, body.model, chat.tokens, chat.boundaries, refs,
+                                            request.app.state.image_urls)  # fmt: skip
+    return {"input_tokens": len(tokens)}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
+    refs = body.image_refs()
+    images.refused(engine, body.model, refs)
     messages = body.template_messages()
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              ask=body.thinking_ask(served.config.thinking),
                              grammar=body.forced_tools is not None,
                              tool_prompt=served.config.tool_prompt)  # fmt: skip
+    prompt, boundaries, pictures = await images.with_images(
+        engine, body.model, chat.tokens, chat.boundaries, refs, request.app.state.image_urls)
     stops = check_stops(body.stop_sequences, "stop_sequences")
     output = await structured.checked_constraint(engine, None, body.forced_tools, [],
                                                  chat.tool_format)  # fmt: skip
@@ -198,12 +207,12 @@ async def messages(body: MessagesRequest, request: Request):
         output = await structured.checked_prompted_calls(
             engine, chat.tools, body.parallel_tool_use, body.sampling())
     req = plan_request(
-        served, engine, request.headers, chat.tokens,
+        served, engine, request.headers, prompt,
         replace(body.sampling(), constraint=output, thinking=chat.held),
         body.max_tokens,
-        prompt_text=messages[-1]["content"], boundaries=chat.boundaries,
+        prompt_text=messages[-1]["content"], boundaries=boundaries, images=pictures,
     )  # fmt: skip
-    usage = Usage(len(chat.tokens))
+    usage = Usage(len(prompt))
     outcome = _Outcome()
     head = {
         "id": _id("msg"),

@@ -1,8 +1,9 @@
 """Anthropic Messages API request bodies, validated with pydantic.
 
-Bounds are Anthropic's own (temperature 0..1, max_tokens required). Content
-blocks specgate cannot give a model (images, documents) are refused by
-name; fields that only steer Anthropic's service (metadata, service_tier,
+Bounds are Anthropic's own (temperature 0..1, max_tokens required). A user
+message's images go to a model that takes them (gateway/serving/images.py);
+content blocks specgate cannot give a model (documents, search results) are
+refused by name; fields that only steer Anthropic's service (metadata, service_tier,
 cache_control on blocks) are accepted and ignored. `thinking` is accepted
 in every form clients send (Claude Code sends `adaptive` on every turn) and
 maps onto a reasoning model's thinking (gateway/api/thinking.py); a model
@@ -36,6 +37,7 @@ from specgate.gateway.api.plain_json import refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools
 from specgate.gateway.api.thinking import UNSAID, ThinkingAsk, from_switch, verify
 from specgate.gateway.config import ThinkingConfig
+from specgate.gateway.serving.images import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,30 @@ class ServerRecordBlock(_Block):
                   "container_upload", "tool_search_tool_result"]  # fmt: skip
 
 
+class ImageSource(BaseModel):
+    type: Literal["base64", "url"]
+    media_type: StrictStr | None = None  # (the bytes say what they are)
+    data: StrictStr | None = None
+    url: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def complete(self):
+        if self.type == "base64" and self.data is None:
+            raise ValueError("source.data: a base64 image carries its data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("source.url: a url image names it")
+        return self
+
+
+class ImageBlock(_Block):
+    """An image (gateway/serving/images.py), for a model that takes them."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class UnsupportedBlock(_Block):
-    type: Literal["image", "document", "search_result"]
+    type: Literal["document", "search_result"]
 
     @model_validator(mode="after")
     def refuse(self):
@@ -117,7 +141,7 @@ class UnsupportedBlock(_Block):
 
 Block = Annotated[
     TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ServerRecordBlock
-    | UnsupportedBlock,
+    | ImageBlock | UnsupportedBlock,
     Field(discriminator="type"),
 ]
 
@@ -140,6 +164,8 @@ class Message(BaseModel):
                 raise ValueError("tool_result blocks belong in user messages")
             if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
                 raise ValueError("thinking blocks belong in assistant messages")
+            if self.role != "user" and "image" in kinds:
+                raise ValueError("image blocks belong in user messages")
         return self
 
     def as_template_input(self) -> list[dict[str, Any]]:
@@ -171,7 +197,12 @@ class Message(BaseModel):
             for b in self.content
             if isinstance(b, ToolResultBlock)
         ]
-        if text or not out:
+        if any(isinstance(b, ImageBlock) for b in self.content):
+            # Parts, in order: the template places each image's marker.
+            parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock) else {"type": "image"}
+                     for b in self.content if isinstance(b, TextBlock | ImageBlock)]  # fmt: skip
+            out.append({"role": "user", "content": parts})
+        elif text or not out:
             out.append({"role": "user", "content": text})
         return out
 
@@ -278,6 +309,12 @@ class _Conversation(BaseModel):
             raise ValueError(f"tool_choice: '{self.tool_choice.name}' is one of Anthropic's own "
                              "tools, which specgate cannot run")  # fmt: skip
         return self
+
+    def image_refs(self) -> list[ImageRef]:
+        """Its images, in prompt order."""
+        return [ImageRef(f"messages.{i}.content.{j}.source", url=b.source.url, data=b.source.data)
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, b in enumerate(m.content) if isinstance(b, ImageBlock)]  # fmt: skip
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []

@@ -50,6 +50,7 @@ from specgate.gateway.api.ollama_schema import ChatRequest, GenerateRequest, Opt
 from specgate.gateway.api.thinking import Thought
 from specgate.gateway.api.tools import ToolCall, template_mentions_tools, tool_format
 from specgate.gateway.errors import APIError
+from specgate.gateway.serving import images
 from specgate.gateway.serving.generation import (
     Piece,
     Usage,
@@ -463,19 +464,23 @@ async def chat(body: ChatRequest, request: Request):
     clock, model_id, served, engine = await _resolve(body, request)
     if not body.messages:
         return _loaded(body)
+    refs = body.image_refs()
+    images.refused(engine, model_id, refs)
     messages = body.template_messages()
     prompt = await render_chat(engine, model_id, messages, body.template_tools, bool(body.tools),
                                ask=body.thinking_ask(served.config.thinking),
                                grammar=body.json_output is not None,
                                tool_prompt=served.config.tool_prompt)  # fmt: skip
+    tokens, boundaries, pictures = await images.with_images(
+        engine, model_id, prompt.tokens, prompt.boundaries, refs, request.app.state.image_urls)
     tools = body.template_tools if prompt.tool_format else []
     constraint = await structured.checked_constraint(engine, body.json_output, None, tools,
                                                      prompt.tool_format)  # fmt: skip
     if constraint is None and prompt.prompted:  # tools left to the model, through specgate's prompt
         sampling = body.sampling_options.sampling(body.logprobs, body.top_logprobs or 0)
         constraint = await structured.checked_prompted_calls(engine, tools, True, sampling)
-    return await _answer(request, body, served, engine, clock, prompt.tokens, constraint,
-                         prompt, messages[-1]["content"], boundaries=prompt.boundaries)
+    return await _answer(request, body, served, engine, clock, tokens, constraint,
+                         prompt, messages[-1]["content"], boundaries=boundaries, images=pictures)
 
 
 @router.post("/api/generate")

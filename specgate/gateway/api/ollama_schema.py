@@ -16,7 +16,9 @@ asks: gateway/api/thinking.py). Accepted and ignored, with a debug log: `keep_al
 (residency is the config's: `idle_ttl_s`, `pin`), options that steer
 Ollama's runner (num_gpu, num_thread, use_mmap, ...), and fields and
 options this version does not know (Ollama ignores unknown options too).
-Refused by name when set: images, `suffix`, a per-request `template`, the
+A chat message's `images` (base64) go to a model that takes images
+(gateway/serving/images.py). Refused by name when set: /api/generate's
+`images`, `suffix`, a per-request `template`, the
 deprecated `context`, and sampling specgate cannot do the same way
 (mirostat, typical_p, tfs_z, a repeat_last_n window).
 """
@@ -44,6 +46,7 @@ from specgate.gateway.api.plain_json import json_object_text, refuse_unsafe_json
 from specgate.gateway.api.structured import JsonOutput
 from specgate.gateway.api.thinking import ThinkingAsk, from_effort, from_switch
 from specgate.gateway.config import ThinkingConfig
+from specgate.gateway.serving.images import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ RUNNER_OPTIONS = frozenset({
     "penalize_newline", "mirostat_tau", "mirostat_eta",
 })  # fmt: skip
 
-IMAGES_UNSUPPORTED = "image input is not supported yet"
+IMAGES_UNSUPPORTED = "images: /api/generate takes none here; send them in an /api/chat message"
 
 
 def _ignored(what: str, names) -> None:
@@ -214,7 +217,7 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr | None = None
-    images: list[Any] | None = None
+    images: list[StrictStr] | None = None  # base64, for a model that takes them
     tool_calls: list[ToolCall] | None = None
     tool_name: StrictStr | None = None  # a tool message: the tool that answered
     tool_call_id: StrictStr | None = None
@@ -223,16 +226,19 @@ class Message(BaseModel):
     # (a tool loop's), as the OpenAI route does.
     thinking: StrictStr | None = None
 
-    _images = field_validator("images")(_no_images)
-
     @model_validator(mode="after")
     def calls_in_place(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.images and self.role != "user":
+            raise ValueError("images: only user messages carry images")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        content: str | list[dict[str, Any]] = self.content or ""
+        if self.images:  # the images, then the text, as Ollama places them
+            content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": content}]
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             msg["tool_calls"] = [
                 {"type": "function",
@@ -265,6 +271,11 @@ class ChatRequest(_Generation):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input() for m in self.messages]
+
+    def image_refs(self) -> list[ImageRef]:
+        """Its images, in prompt order."""
+        return [ImageRef(f"messages.{i}.images.{j}", data=image)
+                for i, m in enumerate(self.messages) for j, image in enumerate(m.images or [])]  # fmt: skip
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from specgate.gateway.api.openai_schema import ChatCompletionRequest, Completion
 from specgate.gateway.api.thinking import Thought
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
+from specgate.gateway.serving import images
 from specgate.gateway.serving.generation import (
     Piece,
     Usage,
@@ -251,13 +252,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served, engine = await resolve_model(request.app.state.registry, body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    refs = body.image_refs()
+    images.refused(engine, body.model, refs)
     messages = [m.as_template_input() for m in body.messages]
     json_output = body.response_format.json_output() if body.response_format else None
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              ask=body.thinking_ask(served.config.thinking),
                              grammar=json_output is not None or body.forced_tools is not None,
                              tool_prompt=served.config.tool_prompt)  # fmt: skip
-    prompt = chat.tokens
+    prompt, boundaries, pictures = await images.with_images(
+        engine, body.model, chat.tokens, chat.boundaries, refs, request.app.state.image_urls)
     limit, limit_param = body.token_limit
     tools = body.template_tools if chat.tool_format else []
     output = await structured.checked_constraint(engine, json_output, body.forced_tools, tools,
@@ -270,7 +274,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     stops = check_stops(body.stop)
     req = plan_request(served, engine, request.headers, prompt, sampling, limit, limit_param,
                        body.ignore_eos, prompt_text=messages[-1]["content"],
-                       boundaries=chat.boundaries)  # fmt: skip
+                       boundaries=boundaries, images=pictures)  # fmt: skip
     usage = Usage(len(prompt))
     rid, created = new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": body.model}

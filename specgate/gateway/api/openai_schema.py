@@ -38,6 +38,7 @@ from specgate.gateway.api.thinking import (
 )
 from specgate.gateway.config import ThinkingConfig
 from specgate.gateway.errors import APIError
+from specgate.gateway.serving.images import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,21 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageURL(BaseModel):
+    url: StrictStr  # a data URL, or http(s) where the server fetches them
+    detail: Literal["auto", "low", "high"] | None = None  # (the model's processor sizes images)
+
+
+class ImagePart(BaseModel):
+    """An image (gateway/serving/images.py), for a model that takes them."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 # OpenAI's own rule for function names.
 FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
@@ -180,7 +196,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: StrictStr | None = None
@@ -194,13 +210,21 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_call_id: a tool message names the call it answers")
         return self
 
+    @property
+    def images(self) -> list[ImagePart]:
+        return [p for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+
     def as_template_input(self) -> dict[str, Any]:
-        if isinstance(self.content, list):
-            text = "".join(p.text for p in self.content)
+        content: str | list[dict[str, Any]]
+        if self.images:  # parts, in order: the template places each image's marker
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                       for p in self.content]  # fmt: skip
+        elif isinstance(self.content, list):
+            content = "".join(p.text for p in self.content)
         else:
-            text = self.content or ""
+            content = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        msg: dict[str, Any] = {"role": role, "content": text}
+        msg: dict[str, Any] = {"role": role, "content": content}
         if self.tool_calls:
             # Templates take arguments as a mapping (Qwen's iterate over its items).
             msg["tool_calls"] = [
@@ -241,6 +265,12 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    def image_refs(self) -> list[ImageRef]:
+        """Its images, in prompt order."""
+        return [ImageRef(f"messages.{i}.content.{j}.image_url", url=p.image_url.url)
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, p in enumerate(m.content) if isinstance(p, ImagePart)]  # fmt: skip
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None

@@ -44,12 +44,14 @@ from specgate.gateway.api.responses_schema import (
     LocalShellCallItem,
     MessageItem,
     ResponsesRequest,
+    image_refs,
     template_messages,
 )
 from specgate.gateway.api.responses_tools import ModelTools
 from specgate.gateway.api.thinking import Thought
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
+from specgate.gateway.serving import images
 from specgate.gateway.serving.generation import (
     Usage,
     new_id,
@@ -288,13 +290,19 @@ async def create_response(body: ResponsesRequest, request: Request):
                            param="previous_response_id",
                            code="previous_response_not_found")  # fmt: skip
     items = history + body.items
-    messages = template_messages(body.instructions, items)
+    # A model that takes images gets a user message's images; another is
+    # told each was left out (MediaPart), as for images in a tool's output.
+    takes_images = engine.images_refused() is None
+    refs = image_refs(items) if takes_images else []
+    messages = template_messages(body.instructions, items, images=takes_images)
     if not messages:
         raise APIError(400, "input: nothing to respond to", param="input")
     chat = await render_chat(engine, body.model, messages, body.template_tools, body.parse_tools,
                              messages_param="input", ask=body.thinking_ask(served.config.thinking),
                              grammar=body.json_output is not None or body.forced_tools is not None,
                              tool_prompt=served.config.tool_prompt)  # fmt: skip
+    prompt, boundaries, pictures = await images.with_images(
+        engine, body.model, chat.tokens, chat.boundaries, refs, request.app.state.image_urls)
     tools = body.template_tools if chat.tool_format else []
     grammars = body.model_tools.grammars if chat.tool_format else {}
     output = await structured.checked_constraint(engine, body.json_output, body.forced_tools,
@@ -305,12 +313,13 @@ async def create_response(body: ResponsesRequest, request: Request):
     if output is None and chat.prompted:  # tools left to the model, through specgate's prompt
         output = await structured.checked_prompted_calls(
             engine, tools, body.parallel_tool_calls is not False, body.sampling())
-    req = plan_request(served, engine, request.headers, chat.tokens,
+    req = plan_request(served, engine, request.headers, prompt,
                        replace(body.sampling(), constraint=output, thinking=chat.held),
                        body.max_output_tokens,
                        "max_output_tokens", prompt_param="input",
-                       prompt_text=messages[-1]["content"], boundaries=chat.boundaries)  # fmt: skip
-    usage = Usage(len(chat.tokens))
+                       prompt_text=messages[-1]["content"], boundaries=boundaries,
+                       images=pictures)  # fmt: skip
+    usage = Usage(len(prompt))
     built = _Output(chat, body.model_tools)
     snapshot = {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()),

@@ -16,8 +16,9 @@ think, or not (gateway/api/thinking.py); its thinking comes back as a
 reasoning item with the text in the clear, so an `include` of encrypted
 reasoning has nothing to add. Reasoning items a client sends back
 (Codex's, with encrypted_content) are dropped from the context, as are the
-records of hosted tools' calls (web_search_call, ...), and an image in the
-input is a line saying it was left out, since the models read text.
+records of hosted tools' calls (web_search_call, ...). An `input_image` in
+a user message goes to a model that takes images (gateway/serving/images.py);
+any other image, file or audio is a line saying it was left out.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from specgate.gateway.api.responses_tools import (
 from specgate.gateway.api.structured import ForcedTools, JsonOutput
 from specgate.gateway.api.thinking import EFFORTS, ThinkingAsk, from_effort
 from specgate.gateway.config import ThinkingConfig
+from specgate.gateway.serving.images import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +106,21 @@ class RefusalPart(_ItemPart):
 
 
 class MediaPart(_ItemPart):
-    """An image, file or audio: the models here read text, so the model is
-    told one was left out (a view_image tool's output must not end a
-    session in a 400)."""
+    """An image, file or audio a model here cannot read: the model is told
+    one was left out (a view_image tool's output must not end a session in
+    a 400)."""
 
     type: Literal["input_image", "input_file", "input_audio"]
+    image_url: StrictStr | None = None  # an input_image's: a data URL, or http(s)
 
     @property
     def text(self) -> str:
         return f"[{self.type[len('input_') :]} left out: this model reads text only]"
+
+    @property
+    def image(self) -> bool:
+        """An image a vision-language model takes (gateway/serving/images.py)."""
+        return self.type == "input_image" and self.image_url is not None
 
 
 Part = Annotated[InputText | RefusalPart | MediaPart, Field(discriminator="type")]
@@ -358,15 +366,34 @@ class ResponsesRequest(BaseModel):
         )
 
 
-def template_messages(instructions: str | None, items: list) -> list[dict[str, Any]]:
+def _with_images(item: MessageItem) -> bool:
+    return item.role == "user" and isinstance(item.content, list) and any(
+        isinstance(p, MediaPart) and p.image for p in item.content)
+
+
+def image_refs(items: list) -> list[ImageRef]:
+    """The images of the user messages among `items`, in prompt order."""
+    return [ImageRef(f"input.{i}.content.{j}.image_url", url=p.image_url)
+            for i, item in enumerate(items) if isinstance(item, MessageItem) and _with_images(item)
+            for j, p in enumerate(item.content) if isinstance(p, MediaPart) and p.image]  # fmt: skip
+
+
+def template_messages(instructions: str | None, items: list,
+                      images: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Items as chat-template messages: the instructions and the system or
     developer messages before any other as one system message, calls
     joining the assistant turn they follow (under the name the model sees
-    the tool by), their outputs as tool messages."""
+    the tool by), their outputs as tool messages. `images`: a user
+    message's images stay parts (image_refs), for a model that takes them."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
     for item in items:
+        if isinstance(item, MessageItem) and images and _with_images(item):
+            out.append({"role": "user", "content": [
+                {"type": "image"} if isinstance(p, MediaPart) and p.image else {"type": "text", "text": p.text}
+                for p in item.content]})  # fmt: skip
+            continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             if role == "system" and out and all(m["role"] == "system" for m in out):

@@ -22,6 +22,7 @@ from specgate.engines.base import (
     EngineStopped,
     GenerationRequest,
     Handoff,
+    ImageInput,
     MessageBoundaries,
     Plan,
     Planner,
@@ -186,13 +187,17 @@ def plan_request(
     prompt_text: str | None = None,
     boundaries: MessageBoundaries | None = None,
     default_max_tokens: int | None = None,
+    images: tuple[ImageInput, ...] = (),
 ) -> Planned:
     """Check limits, decide the plan, and build the engine's request.
     Without `max_tokens`, `default_max_tokens` (an API's documented default)
     or else the model's configured one, either cut to what the context leaves.
     `prompt_text` (the rendered prompt, or its last message) classifies the
     content, whose acceptance the policy plans with; `boundaries` (a chat's)
-    are where the prefix cache keeps snapshots."""
+    are where the prefix cache keeps snapshots; `images` the prompt's
+    (serving/images.py)."""
+    if prompt_text is not None and not isinstance(prompt_text, str):  # a message's parts
+        prompt_text = "".join(p.get("text", "") for p in prompt_text if isinstance(p, dict))
     n_prompt = len(prompt_tokens)
     if n_prompt == 0:
         raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -245,6 +250,7 @@ def plan_request(
         plan=plan,
         stop_token_ids=frozenset() if ignore_eos else engine.eos_token_ids,
         **_cache_hints(served.cache_share, boundaries or MessageBoundaries()),
+        images=images,
     )
     # A chat's reply (boundaries are a chat's) also ends at the model's own
     # reply stops, unless a grammar holds it.

@@ -268,3 +268,114 @@ def test_a_model_without_an_image_side_refuses_images_by_name(vlm, loaded):
 
     tokens, _, _ = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(tokens) == 4
+
+
+# -- Gemma-4 ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from specgate.builders.drafters import build_gemma4_assistant
+    from specgate.builders.vision import build_gemma4_vl
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    root = tmp_path_factory.mktemp("gemma4-vl")
+    path = build_gemma4_vl(root / "gemma4-vl", seed=0)
+    drafter = build_gemma4_assistant(root / "assistant", target=path, tokenizer=False)
+    return path, drafter, load_mlx_model(str(path), CacheSettings(disk_bytes=0))
+
+
+def gemma_request(loaded, pictures, text, rid, engine="mlx_plain", method="plain", depth=0):
+    request = prompt_of(loaded, pictures, text, rid)
+    return GenerationRequest(rid, "g", request.prompt_tokens, GREEDY, N, Plan(engine, method, depth, "test"),
+                             cache_scope="k", images=request.images)  # fmt: skip
+
+
+def test_gemma4_s_logits_after_an_image_equal_mlx_vlm_s_forward(gemma):
+    """Gemma-4's image tokens attend to each other both ways (as released:
+    without that the logits move by ~2.5), its tower's output goes in
+    unscaled, and <boi>/<eoi> frame the soft tokens as its processor does."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    path, _, loaded = gemma
+    a = picture(7)
+    request = prompt_of(loaded, [a], "What is in the picture?", "g")
+    model, processor = load(str(path))
+    rendered = processor.tokenizer.apply_chat_template(messages("What is in the picture?"),
+                                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+    inputs = processor(text=[rendered], images=[Image.fromarray(a)], return_tensors="np")
+    assert [int(t) for t in inputs["input_ids"][0]] == request.prompt_tokens
+    want = model(mx.array(inputs["input_ids"]), pixel_values=mx.array(inputs["pixel_values"]),
+                 mm_token_type_ids=mx.array(inputs["mm_token_type_ids"]))  # fmt: skip
+    want = getattr(want, "logits", want)
+    inner = loaded.model.language_model.model
+    cache = make_prompt_cache(loaded.model)
+    end = request.images_end
+    loaded.vision.prefill(lambda t, e: inner(t, cache=cache, input_embeddings=e), cache,
+                          inner.embed_tokens, request.prompt_tokens, 0, end, request.images)  # fmt: skip
+    got = loaded.model(mx.array([request.prompt_tokens[end:]]), cache=cache)
+    assert mx.abs(got[0] - want[0, end:]).max().item() < 1e-3
+
+
+def test_gemma4_decodes_after_an_image_as_mlx_vlm_plain_assistant_and_ngram(gemma):
+    """Plain decoding (alone and in a batch), the -assistant drafter and
+    n-gram drafting after the image tokens give mlx-vlm's greedy tokens."""
+    from specgate.engines import registry
+
+    path, drafter, loaded = gemma
+    a, b = picture(0), picture(1, (96, 64))
+    want_a, want_b = reference(path, [a], "What is it?"), reference(path, [b], "What is it?")
+    assert want_a != want_b
+    plain = engine_of(loaded, "mlx_plain")
+    (alone, _, _), = run(plain, gemma_request(loaded, [a], "What is it?", "a"))
+    assert alone == want_a
+    both = run(plain, gemma_request(loaded, [a], "What is it?", "a2"),
+               gemma_request(loaded, [b], "What is it?", "b2"), together=True)  # fmt: skip
+    assert [t for t, _, _ in both] == [want_a, want_b]
+    ctx = registry.BuildContext("mlx_assistant", loaded.path, registry.MLX, engines=("mlx_assistant",),
+                                drafter=str(drafter), loaded=loaded)  # fmt: skip
+    built, refused = registry.record("mlx_assistant").build(ctx, ("mlx_assistant",))
+    assert not refused, refused
+    (spec, _, rounds), = run(built["mlx_assistant"],
+                             gemma_request(loaded, [b], "What is it?", "s", "mlx_assistant",
+                                           "gemma4_assistant", 3))  # fmt: skip
+    assert spec == want_b and sum(r.drafted for r in rounds) > 0
+    (copied, _, _), = run(engine_of(loaded, "mlx_ngram"),
+                          gemma_request(loaded, [a], "What is it?", "n", "mlx_ngram", "ngram", 3))  # fmt: skip
+    assert copied == want_a
+
+
+def test_gemma4_s_prefix_cache_keys_the_image_and_prepare_matches_its_processor(gemma):
+    """The gateway's path (engines/vision/images.prepare: header size, token
+    count, decode, expand) gives the tokens mlx-vlm's processor gives; the
+    same image again resumes past it, another does not."""
+    import io
+
+    from mlx_vlm.utils import load
+    from PIL import Image
+
+    from specgate.engines.vision.images import prepare
+
+    path, _, loaded = gemma
+    a = picture(11, (80, 50))
+    png = io.BytesIO()
+    Image.fromarray(a).save(png, "PNG")
+    rendered = loaded.tokenizer.apply_chat_template(messages("Hm?"), add_generation_prompt=True,
+                                                    tokenize=False)  # fmt: skip
+    ids = loaded.tokenizer.encode(rendered, add_special_tokens=False)
+    tokens, images = prepare(loaded.vision, ids, [png.getvalue()], room=1000)
+    _, processor = load(str(path))
+    inputs = processor(text=[rendered], images=[Image.fromarray(a)], return_tensors="np")
+    assert tokens == [int(t) for t in inputs["input_ids"][0]]
+    assert images[0].length == loaded.vision.tokens_for(80, 50)
+    first = gemma_request(loaded, [a], "Hm?", "1")
+    again = gemma_request(loaded, [a], "Hm?", "2")
+    other = gemma_request(loaded, [picture(12, (80, 50))], "Hm?", "3")
+    engine = engine_of(loaded, "mlx_plain")
+    (t1, c1, _), (t2, c2, _), (_, c3, _) = run(engine, first, again, other)
+    assert c1 == 0 and c2 > first.images[0].end and t2 == t1
+    assert c3 <= first.images[0].start

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ._build import _Init, write_json
+from ._build import _Init, save_safetensors, write_json
 from .tiny import _TEXT, _qwen35_tensors, _qwen35_text_config, _write_rest
 from .tokenizer import (
     IMAGE_PAD,
@@ -180,4 +180,95 @@ def build_qwen35_vl(
         "size": {"shortest_edge": factor * factor, "longest_edge": max_image_pixels},
     }
     (dest / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return dest
+
+
+# Gemma-4's template writes one image token an image; its processor puts the
+# image's soft tokens between begin- and end-of-image markers.
+GEMMA4_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace(VISION_START + IMAGE_PAD + VISION_END, IMAGE_PAD)
+
+
+def _gemma4_vision_tensors(init: _Init, vc: dict, text_hidden: int) -> dict:
+    """Gemma-4's tower under `model.vision_tower.` and its projection into
+    the text width, `model.embed_vision.`, as transformers saves them."""
+    d, hd, inner, p = vc["hidden_size"], vc["head_dim"], vc["intermediate_size"], vc["patch_size"]
+    heads, kv = vc["num_attention_heads"], vc["num_key_value_heads"]
+    v = "model.vision_tower."
+    tensors = {
+        f"{v}patch_embedder.input_proj.weight": init.linear(d, 3 * p * p),
+        f"{v}patch_embedder.position_embedding_table": init.normal((2, vc["position_embedding_size"], d), 0.5),
+    }
+    for i in range(vc["num_hidden_layers"]):
+        b = f"{v}encoder.layers.{i}."
+        tensors |= {
+            f"{b}self_attn.q_proj.linear.weight": init.linear(heads * hd, d),
+            f"{b}self_attn.k_proj.linear.weight": init.linear(kv * hd, d),
+            f"{b}self_attn.v_proj.linear.weight": init.linear(kv * hd, d),
+            f"{b}self_attn.o_proj.linear.weight": init.linear(d, heads * hd, gain=0.5),
+            f"{b}self_attn.q_norm.weight": init.norm(hd, zero_centred=False),
+            f"{b}self_attn.k_norm.weight": init.norm(hd, zero_centred=False),
+            f"{b}mlp.gate_proj.linear.weight": init.linear(inner, d),
+            f"{b}mlp.up_proj.linear.weight": init.linear(inner, d),
+            f"{b}mlp.down_proj.linear.weight": init.linear(d, inner, gain=0.5),
+        }
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):  # fmt: skip
+            tensors[f"{b}{norm}.weight"] = init.norm(d, zero_centred=False)
+    # Gain 3: an image's tokens move the text model as much as its words do.
+    tensors["model.embed_vision.embedding_projection.weight"] = init.linear(text_hidden, d, gain=3.0)
+    return tensors
+
+
+def build_gemma4_vl(dest: Path, *, seed: int = 0, vocab_size: int = 2048, max_soft_tokens: int = 16,
+                    dtype: str = "float32") -> Path:  # fmt: skip
+    """Write a random Gemma-4 vision-language model to dest: the dense text
+    model of gemma4.build_gemma4, attending both ways within an image's
+    tokens (`use_bidirectional_attention: "vision"`, as released), a
+    Gemma-4 tower (patches pooled 3x3 into soft tokens), the image markers
+    in config.json and the tokenizer, a template with image parts and
+    Gemma-4's processor_config.json (at most `max_soft_tokens` an image).
+    Deterministic in `seed`."""
+    from safetensors.numpy import load_file
+
+    from .gemma4 import build_gemma4
+
+    dest = build_gemma4(Path(dest), seed=seed, vocab_size=vocab_size, dtype=dtype, tokenizer=False)
+    config = json.loads((dest / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    vc = {
+        "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+        "global_head_dim": 16, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+        "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 64,
+        "default_output_length": max_soft_tokens, "standardize": False, "use_clipped_linears": False,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+    }  # fmt: skip
+    ids = vision_token_ids(vocab_size)
+    config |= {"vision_config": vc, "image_token_id": ids[IMAGE_PAD], "boi_token_id": ids[VISION_START],
+               "eoi_token_id": ids[VISION_END], "vision_soft_tokens_per_image": max_soft_tokens}  # fmt: skip
+    write_json(dest / "config.json", config)
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors |= _gemma4_vision_tensors(_Init(seed + 1), vc, config["text_config"]["hidden_size"])
+    save_safetensors(dest, tensors, dtype)
+    build_tokenizer(dest, vocab_size=vocab_size, vision=True, chat_template=GEMMA4_CHAT_TEMPLATE)
+    # transformers reads these as the tokenizer's boi_token, eoi_token and
+    # image_token, which Gemma-4's processor asks for.
+    tok_config = json.loads((dest / "tokenizer_config.json").read_text())
+    tok_config["extra_special_tokens"] = {"boi_token": VISION_START, "eoi_token": VISION_END,
+                                          "image_token": IMAGE_PAD}  # fmt: skip
+    write_json(dest / "tokenizer_config.json", tok_config)
+    # As Gemma-4's releases ship it: processor_config.json, the image
+    # processor's settings nested.
+    processor = {
+        "processor_class": "Gemma4Processor",
+        "image_seq_length": max_soft_tokens,
+        "image_processor": {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "do_convert_rgb": True, "do_normalize": False, "do_rescale": True, "do_resize": True,
+            "rescale_factor": 1 / 255, "resample": 3, "image_mean": [0.0, 0.0, 0.0],
+            "image_std": [1.0, 1.0, 1.0], "patch_size": 16, "pooling_kernel_size": 3,
+            "max_soft_tokens": max_soft_tokens,
+        },
+    }  # fmt: skip
+    (dest / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return dest

@@ -108,7 +108,7 @@ def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
     if kv_bits is not None:  # its keys are rotated in place after an image (vision/mrope.py)
         return None, "its KV cache is quantized (kv_bits)"
     try:
-        return vision.Vision(str(path), config, model), None
+        return vision.load(str(path), config, model), None
     except Exception as e:  # its text is served all the same; image requests get the reason
         log.warning("%s: no images: %s", path, e)
         return None, str(e) if isinstance(e, vision.VisionError) else f"its vision tower: {e}"

@@ -46,11 +46,14 @@ class Gemma4Target(TransformerTarget):
             raise ValueError(f"{type(self.model).__module__}: caches {sorted(bad)} cannot be "
                              "cut back exactly after a verify")
 
-    def forward(self, tokens: mx.array, cache: list, *, layers=(), undo: Undo | None = None) -> Forward:
+    def forward(self, tokens: mx.array, cache: list, *, layers=(), undo: Undo | None = None,
+                embeddings: mx.array | None = None) -> Forward:  # fmt: skip
         before = None
         if undo == "tape":
             before = [_rotating_state(c) if type(c) is RotatingKVCache else None for c in cache]
-        forward = super().forward(tokens, cache, layers=layers, undo=undo)
+        forward = super().forward(tokens, cache, layers=layers, undo=undo, embeddings=embeddings)
+        if embeddings is not None and -1 in forward.layers:  # the model scales what it is given
+            forward.layers[-1] = embeddings * self.embed_scale
         if before is not None:
             forward.undo = ("tape", before)
         return forward

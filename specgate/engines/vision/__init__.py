@@ -1,20 +1,29 @@
 """Images in a prompt, for a vision-language target.
 
-A vision-language checkpoint (Qwen3.5's: `vision_config` beside the text
-model) is loaded as today for its text model, by mlx-lm, so every engine and
-drafter runs on it unchanged; `Vision` adds the image side from mlx-vlm (the
-optional extra `specgate-llm[vision]`): its image processor (numpy, run by
-the gateway's CPU workers) and its vision tower (MLX, run by the engine on
-its own thread under the model's lock, as a prefill chunk is).
+A vision-language checkpoint (Qwen3.5's or Gemma-4's published layout:
+`vision_config` beside the text model) is loaded as today for its text
+model, by mlx-lm, so every engine and drafter runs on it unchanged; its
+image side (`load`: one module per family, qwen3_5.py and gemma4.py) comes
+from mlx-vlm (the optional extra `specgate-llm[vision]`): the family's
+image processor (numpy, run by the gateway's CPU workers) and its vision
+tower (MLX, run by the engine on its own thread under the model's lock, as
+a prefill chunk is).
 
-An image's prompt tokens are placeholders (the model's image token, once per
-merged patch). The engine prefills the prompt up to its last image in one
-forward whose input embeddings are the text's, with the tower's output in
-place of the placeholders, at the family's positions (mrope.py for Qwen);
-the rest of the prompt and every decoding round are plain text. So MTP,
-n-gram and block drafting run after the image tokens as after any others,
-and exactness holds as it does for text (tests/test_vision.py). The prefix
-cache keys an image's placeholders by its digest (GenerationRequest.cache_key).
+An image's prompt tokens are placeholders (the model's image token, once
+per image token). The engine prefills the prompt from its first uncached
+image to its last in one forward whose input embeddings are the text's,
+with the tower's output in place of the placeholders, under what the
+family needs there (Qwen: multimodal positions, mrope.py; Gemma-4: each
+image's tokens attending to each other both ways). The rest of the prompt
+and every decoding round are plain text, so MTP, n-gram, block and
+assistant drafting run after the image tokens as after any others, exactly
+(tests/test_vision.py). The prefix cache keys an image's placeholders by
+its digest (GenerationRequest.cache_key).
+
+A family's image side offers: `preprocess(image)` -> (pixels, grid,
+tokens); `tokens_for(height, width)`; `expand(prompt, sizes)` -> the
+prompt with each image marker grown to its tokens, and where each image's
+tokens start; `prefill(run, cache, embed, prompt, start, end, images)`.
 May import engines/ (its types) and mlx-vlm, only where an image side is
 built (it is an optional extra); see docs/DESIGN.md, "Images".
 """
@@ -24,17 +33,14 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from specgate.engines.base import ImageInput
-from specgate.engines.vision import mrope
 
 # Families whose image side is served, by the checkpoint's model_type.
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma4")
 
 
 class VisionError(ValueError):
@@ -44,10 +50,11 @@ class VisionError(ValueError):
 def unsupported(config: dict) -> str | None:
     """Why this checkpoint's images cannot be served, or None. (A checkpoint
     without a `vision_config` is a text model: not asked.)"""
-    if config.get("model_type") not in FAMILIES:
-        return f"images are served for {', '.join(FAMILIES)} checkpoints, not {config.get('model_type')!r}"
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        return f"images are served for {', '.join(FAMILIES)} checkpoints, not {kind!r}"
     rope = (config.get("text_config") or {}).get("rope_parameters") or {}
-    if not rope.get("mrope_interleaved", False):
+    if kind.startswith("qwen") and not rope.get("mrope_interleaved", False):
         return "its text model's positions are not interleaved M-RoPE"
     try:
         import mlx_vlm  # noqa: F401
@@ -56,9 +63,19 @@ def unsupported(config: dict) -> str | None:
     return None
 
 
-def _tower_weights(path: str) -> dict[str, mx.array]:
-    """The vision tower's tensors, renamed as mlx-vlm's tower names them."""
-    prefixes = ("model.visual.", "visual.", "vision_tower.")
+def load(path: str, config: dict, model: nn.Module):
+    """The image side of a loaded checkpoint (`unsupported` said None)."""
+    if config["model_type"] == "gemma4":
+        from specgate.engines.vision.gemma4 import GemmaVision
+
+        return GemmaVision(path, config, model)
+    from specgate.engines.vision.qwen3_5 import QwenVision
+
+    return QwenVision(path, config, model)
+
+
+def tensors(path: str, prefixes: Sequence[str]) -> dict[str, mx.array]:
+    """The checkpoint's tensors under any of `prefixes`, the prefix cut."""
     out = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         for name, value in mx.load(file).items():
@@ -68,102 +85,14 @@ def _tower_weights(path: str) -> dict[str, mx.array]:
     return out
 
 
-class Vision:
-    """The image side of one loaded vision-language model."""
-
-    def __init__(self, path: str, config: dict, model: nn.Module):
-        from mlx_vlm.models.qwen3_5.config import VisionConfig
-        from mlx_vlm.models.qwen3_5.vision import VisionModel
-        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import (
-            Qwen3VLImageProcessor,
-            _qwen_vl_image_kwargs,
-        )
-
-        vc = VisionConfig.from_dict(config["vision_config"])
-        self.tower = VisionModel(vc)
-        weights = self.tower.sanitize(_tower_weights(path))
-        if not weights:
-            raise VisionError("its checkpoint has no vision tower tensors (model.visual.*)")
-        self.tower.load_weights(list(weights.items()))
-        mx.eval(self.tower.parameters())
-        self.processor = Qwen3VLImageProcessor(**_qwen_vl_image_kwargs(path))
-        self.merge = vc.spatial_merge_size
-        self.image_token_id = int(config["image_token_id"])
-        self.start_id = int(config["vision_start_token_id"])
-        self.end_id = int(config["vision_end_token_id"])
-        self.model = model
-        section = config["text_config"]["rope_parameters"]["mrope_section"]
-        if (why := mrope.install(model, section)) is not None:
-            raise VisionError(why)
-
-    # -- the gateway's side (CPU workers) ---------------------------------------
-
-    def preprocess(self, image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int], int]:
-        """An RGB image (H, W, 3) uint8 -> (pixels, grid, tokens)."""
-        out = self.processor([image.transpose(2, 0, 1)])
-        grid = tuple(int(v) for v in out["image_grid_thw"][0])
-        return out["pixel_values"], grid, grid[0] * grid[1] * grid[2] // self.merge**2
-
-    def tokens_for(self, height: int, width: int) -> int:
-        """An image's tokens, from its size alone (as preprocess will make them)."""
-        return self.processor.num_image_tokens(height, width)
-
-    def expand(self, prompt: Sequence[int], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The prompt with its i-th image token repeated sizes[i] times, and
-        each image's start."""
-        out, starts, i = [], [], 0
-        for t in prompt:
-            if t == self.image_token_id:
-                if i >= len(sizes):
-                    raise VisionError("the prompt has more image markers than images")
-                starts.append(len(out))
-                out += [t] * sizes[i]
-                i += 1
-            else:
-                out.append(t)
-        if i != len(sizes):
-            raise VisionError(f"the prompt's template placed {i} of {len(sizes)} images")
-        return out, starts
-
-    # -- the engine's side (its thread, under the model's lock) ---------------
-
-    def embeddings(self, embed, tokens: Sequence[int], start: int,
-                   images: Sequence[ImageInput]) -> mx.array:  # fmt: skip
-        """Input embeddings (1, L, H) of prompt[start:start + L] = `tokens`,
-        each image's placeholders replaced by the tower's output."""
-        text = embed(mx.array([list(tokens)]))
-        inside = [i for i in images if i.start >= start and i.end <= start + len(tokens)]
-        if not inside:
-            return text
-        pixels = mx.array(np.concatenate([i.pixels for i in inside]))
-        grids = mx.array([list(i.grid) for i in inside])
-        features, _ = self.tower(pixels.astype(self.tower.patch_embed.proj.weight.dtype), grids)
-        features = features.astype(text.dtype)
-        pieces, at, used = [], 0, 0
-        for image in inside:
-            a = image.start - start
-            pieces += [text[0, at:a], features[used : used + image.length]]
-            at, used = a + image.length, used + image.length
-        pieces.append(text[0, at:])
-        return mx.concatenate(pieces)[None]
-
-    def prefill(self, run, cache: list, embed, prompt: Sequence[int], start: int, end: int,
-                images: Sequence[ImageInput]) -> Any:  # fmt: skip
-        """Feed prompt[start:end] (its images whole) into `cache`:
-        `run(tokens (1, L), embeddings (1, L, H))` is the engine's forward;
-        its result is returned. The cache is then an ordinary one
-        (mrope.realign)."""
-        if end >= len(prompt):
-            raise VisionError("the prompt ends with an image: no text after it to decode from")
-        cut = [i for i in images if i.start < start < i.end or i.start < end < i.end]
-        if cut:
-            raise VisionError(f"a prefill segment [{start}, {end}) cuts an image")
-        tokens = list(prompt[start:end])
-        inside = [i for i in images if start <= i.start and i.end <= end]
-        emb = self.embeddings(embed, tokens, start, images)
-        local = [ImageInput(i.start - start, i.grid, i.length, i.pixels, i.digest) for i in inside]
-        pos, after = mrope.positions(len(tokens), local, self.merge)
-        with mrope.at_positions(pos):
-            out = run(mx.array([tokens]), emb)
-        mrope.realign(cache, self.model, len(tokens) - after)
-        return out
+def splice(text: mx.array, features: mx.array, start: int, images: Sequence[ImageInput]) -> mx.array:
+    """Input embeddings (1, L, H) of a segment starting at prompt position
+    `start`: the text's, each image's tokens replaced by its rows of
+    `features` (the images' rows in order)."""
+    pieces, at, used = [], 0, 0
+    for image in images:
+        a = image.start - start
+        pieces += [text[0, at:a], features[used : used + image.length]]
+        at, used = a + image.length, used + image.length
+    pieces.append(text[0, at:])
+    return mx.concatenate(pieces)[None]

@@ -30,21 +30,14 @@ built (it is an optional extra); see docs/DESIGN.md, "Images".
 
 from __future__ import annotations
 
-import glob
-import os
-from collections.abc import Sequence
-
-import mlx.core as mx
 import mlx.nn as nn
 
-from specgate.engines.base import ImageInput
+from specgate.engines.vision.family import VisionError
+
+__all__ = ["FAMILIES", "VisionError", "load", "unsupported"]
 
 # Families whose image side is served, by the checkpoint's model_type.
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma4")
-
-
-class VisionError(ValueError):
-    """A model that cannot take images, or an image it cannot take."""
 
 
 def unsupported(config: dict) -> str | None:
@@ -72,27 +65,3 @@ def load(path: str, config: dict, model: nn.Module):
     from specgate.engines.vision.qwen3_5 import QwenVision
 
     return QwenVision(path, config, model)
-
-
-def tensors(path: str, prefixes: Sequence[str]) -> dict[str, mx.array]:
-    """The checkpoint's tensors under any of `prefixes`, the prefix cut."""
-    out = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        for name, value in mx.load(file).items():
-            for p in prefixes:
-                if name.startswith(p):
-                    out[name[len(p):]] = value
-    return out
-
-
-def splice(text: mx.array, features: mx.array, start: int, images: Sequence[ImageInput]) -> mx.array:
-    """Input embeddings (1, L, H) of a segment starting at prompt position
-    `start`: the text's, each image's tokens replaced by its rows of
-    `features` (the images' rows in order)."""
-    pieces, at, used = [], 0, 0
-    for image in images:
-        a = image.start - start
-        pieces += [text[0, at:a], features[used : used + image.length]]
-        at, used = a + image.length, used + image.length
-    pieces.append(text[0, at:])
-    return mx.concatenate(pieces)[None]

@@ -31,7 +31,7 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from specgate.engines.base import ImageInput
-from specgate.engines.vision import VisionError, splice, tensors
+from specgate.engines.vision.family import VisionError, splice, tensors
 
 
 def processor_settings(path: str) -> dict:

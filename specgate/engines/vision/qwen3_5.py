@@ -14,7 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from specgate.engines.base import ImageInput
-from specgate.engines.vision import VisionError, mrope, splice, tensors
+from specgate.engines.vision import mrope
+from specgate.engines.vision.family import VisionError, splice, tensors
 
 
 class QwenVision:

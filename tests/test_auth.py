@@ -386,7 +386,11 @@ def test_queue_bound_timeout_and_disconnect(keyed):
 # -- fairness ----------------------------------------------------------------------------------
 
 FLOOD = 30
-FLOOD_TOKENS = 128
+# Long enough that the flood queues however slowly this test's client sends
+# it beside other tests: at 128 tokens (0.3 s of decoding each) a loaded
+# client sent the next request only as the last was done, and no queue
+# built (ci24). Only the requests ahead of the single key's are decoded.
+FLOOD_TOKENS = 1024
 
 
 def test_one_keys_flood_does_not_delay_another_key(keyed):
@@ -396,8 +400,8 @@ def test_one_keys_flood_does_not_delay_another_key(keyed):
     request and before it starts. Round-robin admission bounds that at 1
     (the queue serves one flood request, then `single`), plus 1 for a flood
     request admitted while `single`'s request was still on the wire: at
-    most 2, i.e. `single` waits at most 3 x 128 decode steps (the running
-    request and two more) instead of 30 x 128 behind a FIFO."""
+    most 2, i.e. `single` waits at most 3 x FLOOD_TOKENS decode steps (the
+    running request and two more) instead of 30 x FLOOD_TOKENS behind a FIFO."""
     starts: dict[str, float] = {}
 
     async def one(c: openai.AsyncOpenAI, tag: str, sent: dict | None = None):
@@ -421,7 +425,7 @@ def test_one_keys_flood_does_not_delay_another_key(keyed):
         await single.models.list()
         tasks = [asyncio.create_task(one(flood, f"a{i}")) for i in range(FLOOD)]
         await asyncio.to_thread(wait_for, lambda: gauge(
-            keyed, "specgate_num_requests_waiting", "fair") >= FLOOD - 4, 60, "the flood to queue")
+            keyed, "specgate_num_requests_waiting", "fair") >= FLOOD - 8, 60, "the flood to queue")
         sent: dict = {}
         await one(single, "b", sent)
         ahead = sorted(t for tag, t in starts.items() if tag != "b" and sent["at"] < t < starts["b"])

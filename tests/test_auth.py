@@ -135,7 +135,10 @@ def keyed(tiny_model, tmp_path_factory):
     model = {"path": str(tiny_model), "max_context": 2048}
     gw = start_gateway(
         {
-            "server": {"log_level": "debug"},
+            # No keep-alive before a stream's first token: the fairness test
+            # reads a stream's response arriving as its request starting to
+            # decode, which a keep-alive would send earlier for a queued one.
+            "server": {"log_level": "debug", "stream_keepalive_s": 3600},
             "auth": {"keys_file": str(keys_file), "metrics_requires_key": True},
             "models": [
                 {"id": "tiny", **model, "max_concurrent": 8},

@@ -129,34 +129,38 @@ def test_the_checkpoint_is_qwen35_vl_s_published_layout(vlm, loaded):
     assert loaded.vision is not None and loaded.images_refused is None
 
 
-def test_logits_after_an_image_equal_mlx_vlm_s_forward(vlm, loaded):
-    """The prompt's tokens are the processor's, and the logits of the text
-    after the image (fed as plain text after the image segment) equal
-    mlx-vlm's whole-prompt forward: positions on the image's grid, and the
-    cached keys realigned after it (either one wrong moves them by ~0.4)."""
+def logits_gap(path: Path, loaded, a: np.ndarray) -> float:
+    """Checks that our prompt tokens are mlx-vlm's processor's, then
+    returns how far the logits of the text after the image (fed as plain
+    text after specgate's image segment) are from mlx-vlm's whole-prompt
+    forward on the same checkpoint."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load
     from PIL import Image
 
-    a = picture(7)
     request = prompt_of(loaded, [a], "What is in the picture?", "l")
-    model, processor = load(str(vlm))
+    model, processor = load(str(path))
     rendered = processor.tokenizer.apply_chat_template(messages("What is in the picture?"),
                                                        add_generation_prompt=True, tokenize=False)  # fmt: skip
     inputs = processor(text=[rendered], images=[Image.fromarray(a)], return_tensors="np")
-    assert list(inputs["input_ids"][0]) == request.prompt_tokens
-    want = model(mx.array(inputs["input_ids"]), pixel_values=mx.array(inputs["pixel_values"]),
-                 image_grid_thw=mx.array(inputs["image_grid_thw"]))  # fmt: skip
+    assert [int(t) for t in inputs["input_ids"][0]] == request.prompt_tokens
+    extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    want = model(mx.array(inputs["input_ids"]), **extra)
     want = getattr(want, "logits", want)
-    ours = loaded.model
-    inner = ours.language_model.model
-    cache = make_prompt_cache(ours)
+    inner = loaded.model.language_model.model
+    cache = make_prompt_cache(loaded.model)
     end = request.images_end
     loaded.vision.prefill(lambda t, e: inner(t, cache=cache, input_embeddings=e), cache,
                           inner.embed_tokens, request.prompt_tokens, 0, end, request.images)  # fmt: skip
-    got = ours(mx.array([request.prompt_tokens[end:]]), cache=cache)
-    assert mx.abs(got[0] - want[0, end:]).max().item() < 1e-3
+    got = loaded.model(mx.array([request.prompt_tokens[end:]]), cache=cache)
+    return mx.abs(got[0] - want[0, end:]).max().item()
+
+
+def test_logits_after_an_image_equal_mlx_vlm_s_forward(vlm, loaded):
+    """Positions on the image's grid, and the cached keys realigned after
+    it (either one wrong moves the logits by ~0.4)."""
+    assert logits_gap(vlm, loaded, picture(7)) < 1e-3
 
 
 def test_an_image_prompt_decodes_as_mlx_vlm_s_own_generate(vlm, loaded):
@@ -296,29 +300,8 @@ def test_gemma4_s_logits_after_an_image_equal_mlx_vlm_s_forward(gemma):
     """Gemma-4's image tokens attend to each other both ways (as released:
     without that the logits move by ~2.5), its tower's output goes in
     unscaled, and <boi>/<eoi> frame the soft tokens as its processor does."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_vlm.utils import load
-    from PIL import Image
-
     path, _, loaded = gemma
-    a = picture(7)
-    request = prompt_of(loaded, [a], "What is in the picture?", "g")
-    model, processor = load(str(path))
-    rendered = processor.tokenizer.apply_chat_template(messages("What is in the picture?"),
-                                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
-    inputs = processor(text=[rendered], images=[Image.fromarray(a)], return_tensors="np")
-    assert [int(t) for t in inputs["input_ids"][0]] == request.prompt_tokens
-    want = model(mx.array(inputs["input_ids"]), pixel_values=mx.array(inputs["pixel_values"]),
-                 mm_token_type_ids=mx.array(inputs["mm_token_type_ids"]))  # fmt: skip
-    want = getattr(want, "logits", want)
-    inner = loaded.model.language_model.model
-    cache = make_prompt_cache(loaded.model)
-    end = request.images_end
-    loaded.vision.prefill(lambda t, e: inner(t, cache=cache, input_embeddings=e), cache,
-                          inner.embed_tokens, request.prompt_tokens, 0, end, request.images)  # fmt: skip
-    got = loaded.model(mx.array([request.prompt_tokens[end:]]), cache=cache)
-    assert mx.abs(got[0] - want[0, end:]).max().item() < 1e-3
+    assert logits_gap(path, loaded, picture(7)) < 1e-3
 
 
 def test_gemma4_decodes_after_an_image_as_mlx_vlm_plain_assistant_and_ngram(gemma):

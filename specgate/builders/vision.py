@@ -17,6 +17,7 @@ from pathlib import Path
 from ._build import _Init, save_safetensors, write_json
 from .tiny import _TEXT, _qwen35_tensors, _qwen35_text_config, _write_rest
 from .tokenizer import (
+    CHAT_TEMPLATE,
     IMAGE_PAD,
     VIDEO_PAD,
     VISION_END,
@@ -29,25 +30,17 @@ from .tokenizer import (
 # `image` part as transformers' processors write it) is one
 # <|vision_start|><|image_pad|><|vision_end|>; the processor then repeats the
 # pad once per image token. Written here after Qwen3.5's convention.
-VISION_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
+_TEXT_PARTS = ("{%- for part in message['content'] if part['type'] == 'text' -%}"
+               "{{- part['text'] -}}"
+               "{%- endfor -%}")
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_PARTS, (
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
     "{%- elif part['type'] in ('image', 'image_url') -%}"
     "{{- '" + VISION_START + IMAGE_PAD + VISION_END + "' -}}"
     "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
-)
+    "{%- endfor -%}"))
+assert VISION_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 
 def _vision_config(*, depth: int, hidden_size: int, num_heads: int, out_hidden_size: int,

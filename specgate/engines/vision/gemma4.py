@@ -31,7 +31,7 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from specgate.engines.base import ImageInput
-from specgate.engines.vision.family import VisionError, splice, tensors
+from specgate.engines.vision.family import VisionError, expand, segment, splice, tensors
 
 
 def processor_settings(path: str) -> dict:
@@ -142,29 +142,18 @@ class GemmaVision:
         return (h // p) * (w // p) // pool**2
 
     def expand(self, prompt: Sequence[int], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-        out, starts, i = [], [], 0
-        for t in prompt:
-            if t == self.image_token_id:
-                if i >= len(sizes):
-                    raise VisionError("the prompt has more image markers than images")
-                out.append(self.boi_id)
-                starts.append(len(out))
-                out += [t] * sizes[i] + [self.eoi_id]
-                i += 1
-            else:
-                out.append(t)
-        if i != len(sizes):
-            raise VisionError(f"the prompt's template placed {i} of {len(sizes)} images")
-        return out, starts
+        """The prompt with its i-th image token grown to <boi>, sizes[i] soft
+        tokens, <eoi>; and where each image's soft tokens start."""
+        return expand(prompt, sizes, self.image_token_id, [self.boi_id], [self.eoi_id])
 
     # -- the engine's side (its thread, under the model's lock) ---------------
 
     def embeddings(self, embed, tokens: Sequence[int], start: int,
-                   images: Sequence[ImageInput]) -> mx.array:  # fmt: skip
-        """Input embeddings (1, L, H) as mlx-lm's text model takes them
+                   inside: Sequence[ImageInput]) -> mx.array:  # fmt: skip
+        """Input embeddings (1, L, H) of prompt[start:start + L] = `tokens`
+        with its images (`inside`), as mlx-lm's text model takes them
         (before its sqrt(hidden) scale)."""
         text = embed(mx.array([list(tokens)]))
-        inside = [i for i in images if i.start >= start and i.end <= start + len(tokens)]
         if not inside:
             return text
         dtype = self.tower.patch_embedder.input_proj.weight.dtype
@@ -177,16 +166,12 @@ class GemmaVision:
                 images: Sequence[ImageInput]) -> Any:  # fmt: skip
         """Feed prompt[start:end] (its images whole) into `cache` through
         `run(tokens (1, L), embeddings (1, L, H))`; its result is returned."""
-        if end >= len(prompt):
-            raise VisionError("the prompt ends with an image: no text after it to decode from")
-        if any(i.start < start < i.end or i.start < end < i.end for i in images):
-            raise VisionError(f"a prefill segment [{start}, {end}) cuts an image")
-        tokens = list(prompt[start:end])
-        emb = self.embeddings(embed, tokens, start, images)
+        tokens, inside = segment(prompt, start, end, images)
+        emb = self.embeddings(embed, tokens, start, inside)
         # The ids go in for the per-layer inputs only: an image's are the pad's.
         ids = list(tokens)
         blocks = np.full(len(tokens), -1, dtype=np.int32)
-        for n, image in enumerate(i for i in images if start <= i.start and i.end <= end):
+        for n, image in enumerate(inside):
             a = image.start - start
             ids[a : a + image.length] = [self.pad_id] * image.length
             blocks[a : a + image.length] = n

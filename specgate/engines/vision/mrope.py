@@ -103,16 +103,17 @@ class PositionedRoPE(nn.Module):
         return rotate(x, pos + int(offset), self.dims, self.base, self.section)
 
 
-def attention_layers(model: nn.Module) -> list[nn.Module]:
+def attention_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The model's attention modules, by layer index (its cache's index)."""
     text = model.language_model if hasattr(model, "language_model") else model
-    return [layer.self_attn for layer in text.model.layers if hasattr(layer, "self_attn")]
+    return {i: layer.self_attn for i, layer in enumerate(text.model.layers) if hasattr(layer, "self_attn")}
 
 
 def install(model: nn.Module, section: Sequence[int]) -> str | None:
     """Give this model instance's attention layers a PositionedRoPE; the
     reason it cannot, or None."""
     layers = attention_layers(model)
-    for attn in layers:
+    for attn in layers.values():
         rope = attn.rope
         if isinstance(rope, PositionedRoPE):
             continue
@@ -127,12 +128,8 @@ def realign(cache: list, model: nn.Module, behind: int) -> None:
     rotate every attention layer's cached keys forward by that much."""
     if behind == 0:
         return
-    text = model.language_model if hasattr(model, "language_model") else model
-    ropes = {i: layer.self_attn.rope for i, layer in enumerate(text.model.layers)
-             if hasattr(layer, "self_attn")}  # fmt: skip
-    for i, rope in ropes.items():
-        c = cache[i]
+    shift = np.full((3, 1), behind, dtype=np.int64)
+    for i, attn in attention_layers(model).items():
+        c, rope = cache[i], attn.rope
         n = c.offset
-        keys = c.keys[..., :n, :]
-        shift = np.full((3, 1), behind, dtype=np.int64)
-        c.keys[..., :n, :] = rotate(keys, shift, rope.dims, rope.base, rope.section)
+        c.keys[..., :n, :] = rotate(c.keys[..., :n, :], shift, rope.dims, rope.base, rope.section)

@@ -15,7 +15,7 @@ import numpy as np
 
 from specgate.engines.base import ImageInput
 from specgate.engines.vision import mrope
-from specgate.engines.vision.family import VisionError, splice, tensors
+from specgate.engines.vision.family import VisionError, expand, segment, splice, tensors
 
 
 class QwenVision:
@@ -57,30 +57,18 @@ class QwenVision:
         return self.processor.num_image_tokens(height, width)
 
     def expand(self, prompt: Sequence[int], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The prompt with its i-th image token repeated sizes[i] times, and
-        each image's start."""
-        out, starts, i = [], [], 0
-        for t in prompt:
-            if t == self.image_token_id:
-                if i >= len(sizes):
-                    raise VisionError("the prompt has more image markers than images")
-                starts.append(len(out))
-                out += [t] * sizes[i]
-                i += 1
-            else:
-                out.append(t)
-        if i != len(sizes):
-            raise VisionError(f"the prompt's template placed {i} of {len(sizes)} images")
-        return out, starts
+        """The prompt with its i-th image token repeated sizes[i] times (the
+        template writes the vision start and end around it), and each
+        image's start."""
+        return expand(prompt, sizes, self.image_token_id)
 
     # -- the engine's side (its thread, under the model's lock) ---------------
 
     def embeddings(self, embed, tokens: Sequence[int], start: int,
-                   images: Sequence[ImageInput]) -> mx.array:  # fmt: skip
+                   inside: Sequence[ImageInput]) -> mx.array:  # fmt: skip
         """Input embeddings (1, L, H) of prompt[start:start + L] = `tokens`,
-        each image's placeholders replaced by the tower's output."""
+        the placeholders of its images (`inside`) replaced by the tower's output."""
         text = embed(mx.array([list(tokens)]))
-        inside = [i for i in images if i.start >= start and i.end <= start + len(tokens)]
         if not inside:
             return text
         pixels = mx.array(np.concatenate([i.pixels for i in inside]))
@@ -94,14 +82,8 @@ class QwenVision:
         `run(tokens (1, L), embeddings (1, L, H))` is the engine's forward;
         its result is returned. The cache is then an ordinary one
         (mrope.realign)."""
-        if end >= len(prompt):
-            raise VisionError("the prompt ends with an image: no text after it to decode from")
-        cut = [i for i in images if i.start < start < i.end or i.start < end < i.end]
-        if cut:
-            raise VisionError(f"a prefill segment [{start}, {end}) cuts an image")
-        tokens = list(prompt[start:end])
-        inside = [i for i in images if start <= i.start and i.end <= end]
-        emb = self.embeddings(embed, tokens, start, images)
+        tokens, inside = segment(prompt, start, end, images)
+        emb = self.embeddings(embed, tokens, start, inside)
         local = [ImageInput(i.start - start, i.grid, i.length, i.pixels, i.digest) for i in inside]
         pos, after = mrope.positions(len(tokens), local, self.merge)
         with mrope.at_positions(pos):

@@ -72,8 +72,11 @@ def test_a_drafter_for_another_size_is_refused_naming_the_mismatch(gw, tmp_path)
     # Released for a target of hidden size 96, paired with one of 128.
     other = build_gemma4(tmp_path / "gemma4-other", hidden_size=96, tokenizer=False)
     wrong = build_gemma4_assistant(tmp_path / "assistant-other", target=other, tokenizer=False)
-    with pytest.raises(RuntimeError, match="gemma-wrong failed to load: .*hidden size 96 "
-                                           r"\(backbone_hidden_size\), this target's is 128"):
+    with pytest.raises(
+        RuntimeError,
+        match="gemma-wrong failed to load: .*hidden size 96 "
+        r"\(backbone_hidden_size\), this target's is 128",
+    ):
         start_gateway({"models": [
             {"id": "gemma-wrong", "path": str(gw.target), "engines": ["mlx_plain", "mlx_assistant"],
              "drafter": str(wrong)}]}, tmp_path.resolve())  # fmt: skip
@@ -85,8 +88,13 @@ def test_a_losing_assistant_goes_plain_by_itself(gw):
     only exploration tries the assistant again."""
     client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
     for method in ("gemma4_assistant", "none"):  # both measured, whatever ran before
-        client.chat.completions.create(model="gemma", messages=MESSAGES, max_tokens=24,
-                                       temperature=0, extra_headers={"X-Specgate-Method": method})
+        client.chat.completions.create(
+            model="gemma",
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            extra_headers={"X-Specgate-Method": method},
+        )
     plans = []
     for _ in range(8):
         raw = client.chat.completions.with_raw_response.create(
@@ -100,8 +108,11 @@ def stream_plans(gw, tokens: int) -> list[str]:
     """The plans of gemma-switch's requests that decoded `tokens` tokens, from
     their access lines (written as a response's last byte goes out: waited for)."""
     for _ in range(100):
-        lines = [line for line in gw.log().splitlines()
-                 if "model=gemma-switch" in line and f"completion_tokens={tokens} " in line]
+        lines = [
+            line
+            for line in gw.log().splitlines()
+            if "model=gemma-switch" in line and f"completion_tokens={tokens} " in line
+        ]
         if lines:
             return [re.search(r" plan=(\S+)", line).group(1) for line in lines]
         time.sleep(0.1)
@@ -126,12 +137,22 @@ def test_a_stream_moves_to_batching_and_back_across_wrapped_windows(gw):
     client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
 
     def second_request():
-        client.completions.create(model="gemma-switch", prompt=[5, 6, 7], max_tokens=40,
-                                  temperature=0, extra_body={"ignore_eos": True})
+        client.completions.create(
+            model="gemma-switch",
+            prompt=[5, 6, 7],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
 
-    stream = client.completions.create(model="gemma-switch", prompt=prompt, max_tokens=n,
-                                       temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = client.completions.create(
+        model="gemma-switch",
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     b = threading.Thread(target=second_request)
     got = []
     for chunk in stream:

@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -68,6 +69,13 @@ async def burst(url: str, streams: int, rep: int, tokens: int, side: str) -> flo
         return sum(used) / (time.perf_counter() - t0)
 
 
+def plans_of_last(url: str, n: int) -> list[str]:
+    """The plans (`mtp>none>mtp`: its methods in order) of the last `n`
+    requests, from the admin page's data (an open loopback server's)."""
+    recent = httpx.get(f"{url}/admin/status", timeout=30).json()["recent"]
+    return [r["plan"] or "-" for r in recent if r["path"] == "/v1/chat/completions"][-n:]
+
+
 def summary(xs: list[float], fmt: str = ".2f") -> str:
     return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
 
@@ -85,11 +93,15 @@ def main() -> int:
         for n in counts:  # untimed: each batch width's graphs built once
             for side in SIDES:
                 asyncio.run(burst(url, n, -1, 8, side))
+        paths = {}
         for n in counts:
             got = {side: [] for side in SIDES}
+            paths[n] = Counter()
             for rep in range(a.reps):
                 for side in SIDES[rep % 3 :] + SIDES[: rep % 3]:  # each goes first in turn
                     got[side].append(asyncio.run(burst(url, n, rep, a.tokens, side)))
+                    if side == "policy":
+                        paths[n].update(plans_of_last(url, n))
                 print(f"  {n} streams, repeat {rep + 1}: "
                       + ", ".join(f"{side} {got[side][-1]:.1f}" for side in SIDES) + " tok/s", flush=True)
             rows[n] = got
@@ -103,6 +115,9 @@ def main() -> int:
         ratios = [[x / p for x, p in zip(got[side], got["plain"], strict=True)] for side in ("policy", "mtp")]
         print(f"{n} | " + " | ".join(summary(got[side], ".1f") for side in SIDES) + " | "
               + " | ".join(summary(r) for r in ratios))
+    print("the policy side's requests by their plans in order (access log's `plan`):")
+    for n, count in paths.items():
+        print(f"  {n} streams: " + ", ".join(f"{plan} x{k}" for plan, k in count.most_common()))
     print("plans decided (requests and rounds, both sides, warm-up included):")
     for labels, count in plans:
         print(f"  {labels}: {float(count):.0f}")

@@ -20,7 +20,14 @@ from hypothesis import strategies as st
 
 from specgate.engines.base import LiveState
 from specgate.policies.costs import CostModel, DraftCost, expected_tokens
-from specgate.policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures, candidates, decide
+from specgate.policies.decide import (
+    SWITCH_MARGIN,
+    SWITCH_TOKENS,
+    ModelPolicy,
+    RequestFeatures,
+    candidates,
+    decide,
+)
 
 ACCEPT = [0.72, 0.60, 0.50, 0.45, 0.40, 0.35, 0.30]
 STOCK_4BIT = CostModel({0: {1: 1.0, 2: 1.26, 3: 1.61, 4: 2.52, 5: 3.33}},
@@ -69,6 +76,39 @@ def test_concurrency_with_batching_above_speculation():
     assert (plan.method, plan.reason) == ("none", "concurrency")
     # Alone again: back to speculation.
     assert decide(POLICY, req(), IDLE, STOCK_4BIT, {"mtp": ACCEPT}).method == "mtp"
+
+
+def test_a_stream_near_its_end_stays_where_it_is():
+    """A switch costs SWITCH_TOKENS of the engine left: a stream switches only
+    where the tokens it has left, at the predicted gain, win them back."""
+
+    def tokens_to_pay(costs, live, incumbent):
+        """Tokens left where a switch from `incumbent` to the best plan pays."""
+        options = candidates(POLICY, ["mtp"], req(), live, costs, {"mtp": ACCEPT})
+        stay = max(c.speed for c in options if c.method == incumbent)
+        best = max(c.speed for c in options)
+        return SWITCH_TOKENS / (1 - stay / best)
+
+    def plan(costs, live, incumbent, left):
+        # 100 prompt tokens, 200 decoded, `left` to go.
+        features = RequestFeatures(100, False, max_tokens=200 + left)
+        p = decide(POLICY, features, live, costs, {"mtp": ACCEPT}, incumbent)
+        return p.method, p.reason
+
+    # Decoding plainly alone, MTP predicted faster.
+    alone = LiveState(0, 0, 300)
+    needed = tokens_to_pay(FLAT, alone, "none")
+    assert plan(FLAT, alone, "none", int(needed) + 1) == ("mtp", "spec_on")
+    assert plan(FLAT, alone, "none", int(needed) - 1) == ("none", "near_end")
+    # Speculating when three others arrive: batching predicted faster.
+    busy = LiveState(3, 0, 300)
+    needed = tokens_to_pay(STOCK_4BIT, busy, "mtp")
+    assert plan(STOCK_4BIT, busy, "mtp", int(needed) + 1) == ("none", "concurrency")
+    assert plan(STOCK_4BIT, busy, "mtp", int(needed) - 1) == ("mtp", "spec_on")
+    # A new request (no incumbent), a stream without a bound: the speeds alone.
+    one = RequestFeatures(100, False, max_tokens=1)
+    assert decide(POLICY, one, IDLE, FLAT, {"mtp": ACCEPT}).method == "mtp"
+    assert decide(POLICY, req(), alone, FLAT, {"mtp": ACCEPT}, "none").method == "mtp"
 
 
 def test_penalties_a_drafter_cannot_apply_per_position():

@@ -30,6 +30,7 @@ Reason = Literal[
     "unsupported_params",  # the speculative engine cannot honour a sampling parameter
     "request_loss",  # this request's own rounds ran below its bound (policies/request_guard.py)
     "kernels_proving",  # its verify kernels are proved in the background: stock verify until then
+    "near_end",  # plain decoding: too few tokens left for a switch to speculation to pay
 ]
 
 # Where a plan's numbers came from: a fixed rule (an override, a missing

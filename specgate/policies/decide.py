@@ -13,7 +13,8 @@ plan's expected aggregate tokens/s is compared and the best one wins; its
 reason says why plain decoding won when it did (`concurrency`: batching
 beats the best speculation; `long_context`: speculation would win at short
 context; `measured_loss`: it loses anyway), its source whether the numbers
-were live or the prior's. With nothing to compare yet, the rule is simple:
+were live or the prior's. A stream on an engine leaves it only where its
+tokens left pay for the handoff (`near_end` when plain decoding stays). With nothing to compare yet, the rule is simple:
 speculate when the model is idle, batch when it is not (exploration, in
 policies/explore.py, makes sure something gets measured).
 """
@@ -78,6 +79,7 @@ class RequestFeatures:
     forced_depth: int | None = None
     content: ContentClass = "prose"  # whose acceptance rates the caller plans with
     constrained: bool = False  # held to a grammar: whose round costs it plans with
+    max_tokens: int | None = None  # the most it may decode: what a switch has left to win back
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,15 @@ class Candidate:
 # machine was quiet cost a plain step timed since it got busy, and a head
 # accepted a few times in a hundred would then win on noise.
 SWITCH_MARGIN = 0.1
+
+# What a handoff costs, in tokens of the engine it leaves: the caches are
+# evaluated and moved, and the receiving engine's first round is cold (a
+# drafter has no hidden state or history of the sequence yet, a batch
+# makes room). A stream switches only where the tokens it has left, at
+# the predicted gain, win this back: near its end it stays where it is
+# (a burst's last stream, alone for its last tokens, once moved to a
+# speculative engine and lost what it moved for).
+SWITCH_TOKENS = 4.0
 
 
 def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestFeatures,
@@ -216,6 +227,12 @@ def decide(
 
     best = max(options, key=score)  # the first (plain) on a tie
     source = "tune" if any(c.source == "tune" for c in options) else "live"
+    if incumbent is not None and best.method != incumbent and not _worth_switching(
+            best, options, incumbent, request, context):  # fmt: skip
+        if incumbent == "none":
+            return plain("near_end", source)
+        stay = max((c for c in options if c.method == incumbent), key=lambda c: c.speed)
+        return Plan(available[incumbent], incumbent, stay.depth, "spec_on", source)
     if best.method != "none":
         return Plan(available[best.method], best.method, best.depth, "spec_on", source)
     # Why plain decoding won: would speculation win, by the same rule, alone
@@ -232,6 +249,19 @@ def decide(
     if context > 0 and plain_short and any(score(c) > plain_short for c in at_short if c.method != "none"):
         return plain("long_context", source)
     return plain("measured_loss", source)
+
+
+def _worth_switching(best: Candidate, options: Sequence[Candidate], incumbent: Method,
+                     request: RequestFeatures, context: int) -> bool:  # fmt: skip
+    """Whether moving from `incumbent`'s engine to `best`'s saves more, over
+    the tokens the request has left, than the handoff costs (SWITCH_TOKENS);
+    unknown (no bound, or the incumbent's speed not estimated): yes."""
+    stay = [c.speed for c in options if c.method == incumbent]
+    if request.max_tokens is None or not stay or best.speed <= 0:
+        return True
+    left = request.prompt_tokens + request.max_tokens - context
+    # In the incumbent's tokens: each left costs 1 there, max(stay)/best here.
+    return left * (1 - max(stay) / best.speed) >= SWITCH_TOKENS
 
 
 def _depth(policy: ModelPolicy, method: Method, request: RequestFeatures) -> int:

@@ -231,7 +231,7 @@ def plan_request(
     content = ("structured" if constrained else content_class(prompt_text) if prompt_text
                else "prose")  # fmt: skip
     features = RequestFeatures(n_prompt, sampling.has_penalties, method, depth, content,
-                               constrained)  # fmt: skip
+                               constrained, max_tokens)  # fmt: skip
     try:
         plan, planner = served.policy.start(features, served.planning_state(arriving=True))
     except OverrideError as e:

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from specgate.gateway.api.anthropic_schema import TOOL_IMAGE
+
 MSG = [{"role": "user", "content": "def fibonacci(n):"}]
 # anthropic 2.14's create() has no sampling arguments (newer Claude models
 # refuse them); the API still defines them, so they go in the body.
@@ -205,6 +207,31 @@ def test_anthropics_own_tools_are_left_out_and_the_request_served(client):
                                  tools=[WEB_SEARCH, read], **GREEDY)  # fmt: skip
     assert msg.usage.input_tokens > client.messages.count_tokens(
         model="demo", messages=MSG).input_tokens
+
+
+def test_an_image_in_a_tool_result_is_told_and_the_session_goes_on(client):
+    """Claude Code's Read of a PNG answers with an image block in the
+    tool_result, and the history keeps it in every later turn: the model is
+    told an image was left out (a tool turn holds text) rather than the
+    session ending in a 400."""
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+    def history(result):
+        read = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+        return [*MSG, {"role": "assistant", "content": [read]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": result}]}]  # fmt: skip
+
+    read = {"name": "Read", "input_schema": {"type": "object", "properties": {
+        "file_path": {"type": "string"}}}}  # fmt: skip
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    with_image = history([{"type": "text", "text": "a.png:"}, image])
+    msg = client.messages.create(model="demo", max_tokens=4, messages=with_image, tools=[read],
+                                 **GREEDY)  # fmt: skip
+    assert msg.usage.output_tokens >= 1
+    told = history("a.png:" + TOOL_IMAGE)
+    assert (client.messages.count_tokens(model="demo", messages=with_image, tools=[read]).input_tokens
+            == client.messages.count_tokens(model="demo", messages=told, tools=[read]).input_tokens)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -1,7 +1,8 @@
 """Anthropic Messages API request bodies, validated with pydantic.
 
 Bounds are Anthropic's own (temperature 0..1, max_tokens required). A user
-message's images go to a model that takes them (gateway/serving/images.py);
+message's images go to a model that takes them (gateway/serving/images.py),
+a tool result's become a line saying one was left out (`TOOL_IMAGE`);
 content blocks specgate cannot give a model (documents, search results) are
 refused by name; fields that only steer Anthropic's service (metadata, service_tier,
 cache_control on blocks) are accepted and ignored. `thinking` is accepted
@@ -66,19 +67,51 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+class ImageSource(BaseModel):
+    type: Literal["base64", "url"]
+    media_type: StrictStr | None = None  # (the bytes say what they are)
+    data: StrictStr | None = None
+    url: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def complete(self):
+        if self.type == "base64" and self.data is None:
+            raise ValueError("source.data: a base64 image carries its data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("source.url: a url image names it")
+        return self
+
+
+class ImageBlock(_Block):
+    """An image (gateway/serving/images.py), for a model that takes them."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolResultBlock(_Block):
+    """A tool's output. Its images (Claude Code's Read of a PNG, a screenshot
+    tool's) become a line saying so: a chat template's tool turn holds
+    text, and a 400 would end the session, whose history keeps the image
+    in every later request."""
+
     type: Literal["tool_result"]
     tool_use_id: StrictStr = Field(min_length=1)
-    content: StrictStr | list[TextBlock] = ""
+    content: StrictStr | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
     is_error: StrictBool = False
 
     @property
     def text(self) -> str:
         text = (
-            self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+            self.content
+            if isinstance(self.content, str)
+            else "".join(b.text if isinstance(b, TextBlock) else TOOL_IMAGE for b in self.content)
         )
         # The template has no place for the flag, so the model reads it as words.
         return f"Error: {text}" if self.is_error else text
+
+
+TOOL_IMAGE = "[image left out: a tool result reaches the model as text only]"
 
 
 class ThinkingBlock(_Block):
@@ -107,28 +140,6 @@ class ServerRecordBlock(_Block):
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
                   "container_upload", "tool_search_tool_result"]  # fmt: skip
-
-
-class ImageSource(BaseModel):
-    type: Literal["base64", "url"]
-    media_type: StrictStr | None = None  # (the bytes say what they are)
-    data: StrictStr | None = None
-    url: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def complete(self):
-        if self.type == "base64" and self.data is None:
-            raise ValueError("source.data: a base64 image carries its data")
-        if self.type == "url" and self.url is None:
-            raise ValueError("source.url: a url image names it")
-        return self
-
-
-class ImageBlock(_Block):
-    """An image (gateway/serving/images.py), for a model that takes them."""
-
-    type: Literal["image"]
-    source: ImageSource
 
 
 class UnsupportedBlock(_Block):

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from specgate.gateway.api.anthropic_schema import TOOL_IMAGE
+from specgate.gateway.serving.images import TOOL_RESULT_IMAGE
 
 MSG = [{"role": "user", "content": "def fibonacci(n):"}]
 # anthropic 2.14's create() has no sampling arguments (newer Claude models
@@ -229,7 +229,7 @@ def test_an_image_in_a_tool_result_is_told_and_the_session_goes_on(client):
     msg = client.messages.create(model="demo", max_tokens=4, messages=with_image, tools=[read],
                                  **GREEDY)  # fmt: skip
     assert msg.usage.output_tokens >= 1
-    told = history("a.png:" + TOOL_IMAGE)
+    told = history("a.png:" + TOOL_RESULT_IMAGE)
     assert (client.messages.count_tokens(model="demo", messages=with_image, tools=[read]).input_tokens
             == client.messages.count_tokens(model="demo", messages=told, tools=[read]).input_tokens)  # fmt: skip
 

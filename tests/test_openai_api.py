@@ -12,6 +12,8 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm import load
 
+from specgate.gateway.serving.images import TOOL_RESULT_IMAGE
+
 PROMPTS = [
     "def fibonacci(n):",
     "The quick brown fox",
@@ -303,3 +305,26 @@ def test_mtp_streams_sampled_and_seeded(client):
     # (each token is its seed's at its position, whatever the drafts were)
     plain = client.completions.create(**kwargs, extra_headers={"X-Specgate-Method": "none"})
     assert plain.choices[0].text == a
+
+
+def test_an_image_in_a_tool_message_is_told_and_the_session_goes_on(client):
+    """An image part in a tool message (not OpenAI's format, but clients
+    relaying a screenshot tool send it) is told as a line, as Anthropic's
+    tool_result images are, on any model: not a 400 that the history
+    would repeat every turn."""
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+    call = {"id": "call_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+
+    def history(result):
+        return [{"role": "user", "content": "Look at the screen."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": result}]  # fmt: skip
+
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    with_image = client.chat.completions.create(
+        model="demo", messages=history([{"type": "text", "text": "screen:"}, image]),
+        max_tokens=2, temperature=0)  # fmt: skip
+    told = client.chat.completions.create(
+        model="demo", messages=history("screen:" + TOOL_RESULT_IMAGE), max_tokens=2, temperature=0)
+    assert with_image.usage.prompt_tokens == told.usage.prompt_tokens
+    assert with_image.choices[0].message.content == told.choices[0].message.content

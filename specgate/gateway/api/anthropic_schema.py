@@ -2,7 +2,7 @@
 
 Bounds are Anthropic's own (temperature 0..1, max_tokens required). A user
 message's images go to a model that takes them (gateway/serving/images.py),
-a tool result's become a line saying one was left out (`TOOL_IMAGE`);
+a tool result's become a line saying one was left out (`TOOL_RESULT_IMAGE`);
 content blocks specgate cannot give a model (documents, search results) are
 refused by name; fields that only steer Anthropic's service (metadata, service_tier,
 cache_control on blocks) are accepted and ignored. `thinking` is accepted
@@ -38,7 +38,7 @@ from specgate.gateway.api.plain_json import refuse_unsafe_json
 from specgate.gateway.api.structured import ForcedTools
 from specgate.gateway.api.thinking import UNSAID, ThinkingAsk, from_switch, verify
 from specgate.gateway.config import ThinkingConfig
-from specgate.gateway.serving.images import ImageRef
+from specgate.gateway.serving.images import TOOL_RESULT_IMAGE, ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,8 @@ class ImageBlock(_Block):
 
 class ToolResultBlock(_Block):
     """A tool's output. Its images (Claude Code's Read of a PNG, a screenshot
-    tool's) become a line saying so: a chat template's tool turn holds
-    text, and a 400 would end the session, whose history keeps the image
-    in every later request."""
+    tool's) become a line saying so (gateway/serving/images.py's
+    TOOL_RESULT_IMAGE)."""
 
     type: Literal["tool_result"]
     tool_use_id: StrictStr = Field(min_length=1)
@@ -105,13 +104,10 @@ class ToolResultBlock(_Block):
         text = (
             self.content
             if isinstance(self.content, str)
-            else "".join(b.text if isinstance(b, TextBlock) else TOOL_IMAGE for b in self.content)
+            else "".join(b.text if isinstance(b, TextBlock) else TOOL_RESULT_IMAGE for b in self.content)
         )
         # The template has no place for the flag, so the model reads it as words.
         return f"Error: {text}" if self.is_error else text
-
-
-TOOL_IMAGE = "[image left out: a tool result reaches the model as text only]"
 
 
 class ThinkingBlock(_Block):

@@ -38,7 +38,7 @@ from specgate.gateway.api.thinking import (
 )
 from specgate.gateway.config import ThinkingConfig
 from specgate.gateway.errors import APIError
-from specgate.gateway.serving.images import ImageRef
+from specgate.gateway.serving.images import TOOL_RESULT_IMAGE, ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,11 @@ class ChatMessage(BaseModel):
 
     @property
     def images(self) -> list[ImagePart]:
-        return [p for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+        """The images the model is shown: a tool message's are told as a line
+        (TOOL_RESULT_IMAGE), which is not OpenAI's format but some clients'."""
+        if self.role == "tool" or not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, ImagePart)]
 
     def as_template_input(self) -> dict[str, Any]:
         content: str | list[dict[str, Any]]
@@ -220,7 +224,8 @@ class ChatMessage(BaseModel):
             content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
                        for p in self.content]  # fmt: skip
         elif isinstance(self.content, list):
-            content = "".join(p.text for p in self.content)
+            content = "".join(p.text if isinstance(p, TextPart) else TOOL_RESULT_IMAGE
+                              for p in self.content)  # fmt: skip
         else:
             content = self.content or ""
         role = "system" if self.role == "developer" else self.role
@@ -269,7 +274,7 @@ class ChatCompletionRequest(_Body):
     def image_refs(self) -> list[ImageRef]:
         """Its images, in prompt order."""
         return [ImageRef(f"messages.{i}.content.{j}.image_url", url=p.image_url.url)
-                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for i, m in enumerate(self.messages) if m.images
                 for j, p in enumerate(m.content) if isinstance(p, ImagePart)]  # fmt: skip
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: bool = False

@@ -26,6 +26,12 @@ from specgate.gateway.errors import APIError
 MAX_IMAGES = 64  # a request's images: each is a vision-tower forward and its tokens
 
 
+# What a model reads for an image inside a tool's output (Anthropic's
+# tool_result, an OpenAI tool message): a chat template's tool turn holds
+# text, and a 400 would end an agent's session, whose history repeats the
+# image in every later request (Claude Code's Read of a PNG).
+TOOL_RESULT_IMAGE = "[image left out: a tool result reaches the model as text only]"
+
 @dataclass(frozen=True)
 class ImageRef:
     """One image as a request names it: a URL (data: or http(s):), or

@@ -135,12 +135,13 @@ def test_an_image_url_is_fetched_where_the_server_allows_it(server, files, want)
 
 
 def test_anthropic_image_blocks(server, want):
+    """(Its base64 is wrapped at 76 characters a line, as `base64 a.png` writes it.)"""
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
     reply = client.messages.create(model="vlm", max_tokens=N, extra_body={"temperature": 0}, messages=[{
         "role": "user", "content": [
             {"type": "text", "text": "Look: "},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(png(0)).decode()}},
+                                         "data": base64.encodebytes(png(0)).decode()}},
             {"type": "text", "text": QUESTION}]}])  # fmt: skip
     assert reply.content[0].text == want[0]
     counted = client.messages.count_tokens(model="vlm", messages=[{"role": "user", "content": [

@@ -32,6 +32,7 @@ MAX_IMAGES = 64  # a request's images: each is a vision-tower forward and its to
 # image in every later request (Claude Code's Read of a PNG).
 TOOL_RESULT_IMAGE = "[image left out: a tool result reaches the model as text only]"
 
+
 @dataclass(frozen=True)
 class ImageRef:
     """One image as a request names it: a URL (data: or http(s):), or
@@ -46,9 +47,15 @@ def _bad(ref: ImageRef, why: str) -> APIError:
     return APIError(400, f"{ref.param}: {why}", param=ref.param, code="invalid_image")
 
 
+def _decode_base64(text: str) -> bytes:
+    # Line breaks and spaces are left out first, as Go's decoder (Ollama's)
+    # does: `base64 image.png` wraps its lines at 76 characters.
+    return base64.b64decode("".join(text.split()), validate=True)
+
+
 async def _base64(ref: ImageRef, text: str) -> bytes:
     try:  # megabytes of it: on the CPU workers, not the event loop
-        return await run_cpu(base64.b64decode, text, validate=True)
+        return await run_cpu(_decode_base64, text)
     except (binascii.Error, ValueError):
         raise _bad(ref, "the image's data is not valid base64") from None
 

@@ -185,7 +185,7 @@ def test_format_with_a_json_schema_gives_valid_json(server):
 
 def test_bad_input_is_a_400_in_ollamas_shape_and_the_server_keeps_serving(server):
     c = client(server)
-    with pytest.raises(ollama.ResponseError) as err:  # images are not served yet
+    with pytest.raises(ollama.ResponseError) as err:  # "tiny" is a text model: no images
         c.chat(model="tiny", messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}])
     assert err.value.status_code == 400 and "image" in err.value.error
     auth = {"Authorization": f"Bearer {server.keys['team']}"}

@@ -160,8 +160,9 @@ def test_responses_input_image(server, want):
 
 
 def test_ollama_chat_images(server, vlm):
-    """Ollama's /api/chat from the `ollama` SDK: a message's images (the SDK
-    sends them base64) go before its text, as Ollama places them."""
+    """Ollama's /api/chat and /api/generate from the `ollama` SDK: a
+    message's images (the SDK sends them base64) go before its text, as
+    Ollama places them."""
     import ollama
     from mlx_vlm import generate
     from mlx_vlm.utils import load
@@ -178,6 +179,14 @@ def test_ollama_chat_images(server, vlm):
                                                 "images": [png(0)]}],
                         options={"temperature": 0, "num_predict": N})  # fmt: skip
     assert reply.message.content == processor.tokenizer.decode(list(out.token_ids))
+    # /api/generate's images: its prompt as one such user message.
+    generated = client.generate(model="vlm", prompt=QUESTION, images=[png(0)],
+                                options={"temperature": 0, "num_predict": N})  # fmt: skip
+    assert generated.response == reply.message.content
+    with pytest.raises(ollama.ResponseError, match="raw prompt has no place"):
+        client.generate(model="vlm", prompt=QUESTION, images=[png(0)], raw=True)
+    with pytest.raises(ollama.ResponseError, match="does not take images"):
+        client.generate(model="tiny", prompt=QUESTION, images=[png(0)])
 
 
 @pytest.mark.parametrize("url,words", [

@@ -486,20 +486,28 @@ async def chat(body: ChatRequest, request: Request):
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request):
     clock, model_id, served, engine = await _resolve(body, request)
-    if not body.prompt:
+    if not body.prompt and not body.images:
         return _loaded(body)
+    refs = body.image_refs()
+    images.refused(engine, model_id, refs)
+    pictures = ()
     if body.raw or await engine.chat_template() is None:
         # Ollama's template for a model without one is the prompt itself.
         if body.system and not body.raw:
             raise APIError(400, f"system: model '{model_id}' has no chat template to place a "
                                 "system prompt in", param="system")  # fmt: skip
+        if refs:
+            raise APIError(400, f"images: model '{model_id}' has no chat template to place "
+                                "them in", param="images")  # fmt: skip
         tokens, boundaries, prompt = await engine.encode(body.prompt), None, None
     else:
         prompt = await render_chat(engine, model_id, body.template_messages(), [], False,
                                    messages_param="prompt",
                                    ask=body.thinking_ask(served.config.thinking),
                                    grammar=body.json_output is not None)  # fmt: skip
-        tokens, boundaries = prompt.tokens, prompt.boundaries
+        tokens, boundaries, pictures = await images.with_images(
+            engine, model_id, prompt.tokens, prompt.boundaries, refs, request.app.state.image_urls)
     constraint = await structured.checked_constraint(engine, body.json_output, None, [], None)
     return await _answer(request, body, served, engine, clock, tokens, constraint, prompt,
-                         body.prompt, prompt_param="prompt", boundaries=boundaries)  # fmt: skip
+                         body.prompt, prompt_param="prompt", boundaries=boundaries,
+                         images=pictures)  # fmt: skip

@@ -16,9 +16,9 @@ asks: gateway/api/thinking.py). Accepted and ignored, with a debug log: `keep_al
 (residency is the config's: `idle_ttl_s`, `pin`), options that steer
 Ollama's runner (num_gpu, num_thread, use_mmap, ...), and fields and
 options this version does not know (Ollama ignores unknown options too).
-A chat message's `images` (base64) go to a model that takes images
-(gateway/serving/images.py). Refused by name when set: /api/generate's
-`images`, `suffix`, a per-request `template`, the
+A chat message's `images` and /api/generate's (base64) go to a model that
+takes images (gateway/serving/images.py), before the text as Ollama places
+them. Refused by name when set: images with `raw`, `suffix`, a per-request `template`, the
 deprecated `context`, and sampling specgate cannot do the same way
 (mirostat, typical_p, tfs_z, a repeat_last_n window).
 """
@@ -58,7 +58,6 @@ RUNNER_OPTIONS = frozenset({
     "penalize_newline", "mirostat_tau", "mirostat_eta",
 })  # fmt: skip
 
-IMAGES_UNSUPPORTED = "images: /api/generate takes none here; send them in an /api/chat message"
 
 
 def _ignored(what: str, names) -> None:
@@ -186,12 +185,6 @@ class _Generation(BaseModel):
         return JsonOutput(self.format, "format") if isinstance(self.format, dict) else None
 
 
-def _no_images(images: list | None) -> list | None:
-    if images:
-        raise ValueError(IMAGES_UNSUPPORTED)
-    return images
-
-
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="allow")  # index
 
@@ -289,12 +282,13 @@ class GenerateRequest(_Generation):
     suffix: StrictStr | None = None
     template: StrictStr | None = None
     context: list[Any] | None = None
-    images: list[Any] | None = None
-
-    _images = field_validator("images")(_no_images)
+    images: list[StrictStr] | None = None  # base64, for a model that takes them
 
     @model_validator(mode="after")
     def refuse_unsupported(self):
+        if self.images and self.raw:
+            raise ValueError("images: a raw prompt has no place for them (the model's template "
+                             "places an image's marker); send them without raw")  # fmt: skip
         if self.suffix:
             raise ValueError("suffix: fill-in-the-middle is not supported")
         if self.template:
@@ -310,8 +304,16 @@ class GenerateRequest(_Generation):
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
+        """The prompt as one user message, its images before its text as
+        Ollama places them (a chat message's, ChatMessage)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + [{"role": "user", "content": self.prompt}]
+        content: str | list[dict[str, Any]] = self.prompt
+        if self.images:
+            content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": self.prompt}]
+        return system + [{"role": "user", "content": content}]
+
+    def image_refs(self) -> list[ImageRef]:
+        return [ImageRef(f"images.{j}", data=image) for j, image in enumerate(self.images or [])]
 
 
 class ShowRequest(BaseModel):

@@ -59,7 +59,7 @@ def prompt_of(loaded, pictures: list[np.ndarray], text: str, rid: str, plan: str
     tokens, starts = vision.expand(ids, [n for _, _, n in prepared])
     images = tuple(ImageInput(s, grid, n, pixels, hashlib.sha256(p.tobytes()).hexdigest())
                    for s, (pixels, grid, n), p in zip(starts, prepared, pictures, strict=True))  # fmt: skip
-    method = "plain" if plan == "mlx_plain" else "mtp"
+    method = {"mlx_plain": "plain", "mlx_ngram": "ngram"}.get(plan, "mtp")
     return GenerationRequest(rid, "vlm", tokens, GREEDY, N, Plan(plan, method, depth, "test"),
                              cache_scope="k", images=images)  # fmt: skip
 
@@ -362,3 +362,28 @@ def test_gemma4_s_prefix_cache_keys_the_image_and_prepare_matches_its_processor(
     (t1, c1, _), (t2, c2, _), (_, c3, _) = run(engine, first, again, other)
     assert c1 == 0 and c2 > first.images[0].end and t2 == t1
     assert c3 <= first.images[0].start
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_a_checkpoint_saved_by_mlx_vlm_s_convert_decodes_as_mlx_vlm_does(family, request, tmp_path):
+    """What mlx-community publishes: mlx-vlm's `convert` at 4 bits renames
+    the tensors (`language_model.model.*`, `vision_tower.*`, a Conv3d kept
+    channels-last) and drops Qwen's MTP head. Text and tower load from it,
+    and plain and n-gram decoding give mlx-vlm's greedy tokens on it."""
+    from mlx_vlm.convert import convert
+
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    published = request.getfixturevalue("vlm") if family == "qwen3_5" else request.getfixturevalue("gemma")[0]
+    converted = tmp_path / f"{family}-4bit"
+    convert(str(published), str(converted), quantize=True, q_group_size=32, q_bits=4)
+    assert json.loads((converted / "config.json").read_text())["quantization"]["bits"] == 4
+    loaded = load_mlx_model(str(converted), CacheSettings(disk_bytes=0))
+    assert loaded.vision is not None, loaded.images_refused
+    a = picture(0)
+    want = reference(converted, [a], "What is it?")
+    (plain, _, _), = run(engine_of(loaded, "mlx_plain"), prompt_of(loaded, [a], "What is it?", "c"))
+    assert plain == want
+    ngram = prompt_of(loaded, [a], "What is it?", "n", "mlx_ngram", 3)
+    assert run(engine_of(loaded, "mlx_ngram"), ngram)[0][0] == want

@@ -14,9 +14,10 @@ reason says why plain decoding won when it did (`concurrency`: batching
 beats the best speculation; `long_context`: speculation would win at short
 context; `measured_loss`: it loses anyway), its source whether the numbers
 were live or the prior's. A stream on an engine leaves it only where its
-tokens left pay for the handoff (`near_end` when plain decoding stays). With nothing to compare yet, the rule is simple:
-speculate when the model is idle, batch when it is not (exploration, in
-policies/explore.py, makes sure something gets measured).
+tokens left pay for the handoff (`near_end` when plain decoding stays).
+With nothing to compare yet, the rule is simple: speculate when the model
+is idle, batch when it is not (exploration, in policies/explore.py, makes
+sure something gets measured).
 """
 
 from __future__ import annotations

@@ -157,6 +157,19 @@ def logits_gap(path: Path, loaded, a: np.ndarray) -> float:
     return mx.abs(got[0] - want[0, end:]).max().item()
 
 
+def test_the_tower_s_weights_are_reported_with_the_model_s(vlm, loaded):
+    """The memory budget's measure after a load (engines' `memory()`)
+    counts the tower, as its estimate before (the checkpoint's bytes) does."""
+    from specgate.engines.checkpoints.inspect import inspect_checkpoint
+    from specgate.engines.memory import parameter_bytes
+
+    tower = parameter_bytes(loaded.vision.tower)
+    assert tower > 0
+    held = {h.holder: h.nbytes for h in engine_of(loaded, "mlx_plain").memory() if h.kind == "weights"}
+    assert sum(held.values()) == parameter_bytes(loaded.model) + tower
+    assert inspect_checkpoint(str(vlm)).memory.weights_bytes >= sum(held.values())
+
+
 def test_logits_after_an_image_equal_mlx_vlm_s_forward(vlm, loaded):
     """Positions on the image's grid, and the cached keys realigned after
     it (either one wrong moves the logits by ~0.4)."""

@@ -302,9 +302,14 @@ class WorkerEngine:
     def memory(self) -> list[HeldMemory]:
         from specgate.engines.memory import parameter_bytes
 
-        # Every engine of this model shares these weights (engines/loading.py).
-        return [HeldMemory(f"mlx:{id(self.loaded.model)}", "weights",
+        # Every engine of this model shares these weights (engines/loading.py),
+        # and its image side's tower (engines/vision/).
+        held = [HeldMemory(f"mlx:{id(self.loaded.model)}", "weights",
                            parameter_bytes(self.loaded.model))]  # fmt: skip
+        if (vision := self.loaded.vision) is not None:
+            tower = sum(parameter_bytes(m) for m in vision.modules())
+            held.append(HeldMemory(f"mlx:{id(vision)}", "weights", tower))
+        return held
 
     def _worker(self) -> None:
         raise NotImplementedError

@@ -23,7 +23,9 @@ its digest (GenerationRequest.cache_key).
 A family's image side offers: `preprocess(image)` -> (pixels, grid,
 tokens); `tokens_for(height, width)`; `expand(prompt, sizes)` -> the
 prompt with each image marker grown to its tokens, and where each image's
-tokens start; `prefill(run, cache, embed, prompt, start, end, images)`.
+tokens start; `prefill(run, cache, embed, prompt, start, end, images)`;
+`modules()`, the MLX modules it holds beside the text model (its tower and
+projection), whose weights the engines report as the model's.
 May import engines/ (its types) and mlx-vlm, only where an image side is
 built (it is an optional extra); see docs/DESIGN.md, "Images".
 """

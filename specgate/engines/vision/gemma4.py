@@ -126,6 +126,9 @@ class GemmaVision:
 
     # -- the gateway's side (CPU workers) ---------------------------------------
 
+    def modules(self) -> list[nn.Module]:
+        return [self.tower, self.project]
+
     def preprocess(self, image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int], int]:
         """An RGB image (H, W, 3) uint8 -> (pixels (C, H', W'), grid, tokens)."""
         data, soft = self.processor.preprocess([image])

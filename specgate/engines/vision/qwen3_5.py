@@ -46,6 +46,9 @@ class QwenVision:
 
     # -- the gateway's side (CPU workers) ---------------------------------------
 
+    def modules(self) -> list[nn.Module]:
+        return [self.tower]
+
     def preprocess(self, image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int], int]:
         """An RGB image (H, W, 3) uint8 -> (pixels, grid, tokens)."""
         out = self.processor([image.transpose(2, 0, 1)])

@@ -18,9 +18,9 @@ Ollama's runner (num_gpu, num_thread, use_mmap, ...), and fields and
 options this version does not know (Ollama ignores unknown options too).
 A chat message's `images` and /api/generate's (base64) go to a model that
 takes images (gateway/serving/images.py), before the text as Ollama places
-them. Refused by name when set: images with `raw`, `suffix`, a per-request `template`, the
-deprecated `context`, and sampling specgate cannot do the same way
-(mirostat, typical_p, tfs_z, a repeat_last_n window).
+them. Refused by name when set: images with `raw`, `suffix`, a per-request
+`template`, the deprecated `context`, and sampling specgate cannot do the
+same way (mirostat, typical_p, tfs_z, a repeat_last_n window).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ RUNNER_OPTIONS = frozenset({
     "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
     "penalize_newline", "mirostat_tau", "mirostat_eta",
 })  # fmt: skip
-
 
 
 def _ignored(what: str, names) -> None:

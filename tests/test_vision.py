@@ -400,3 +400,33 @@ def test_a_checkpoint_saved_by_mlx_vlm_s_convert_decodes_as_mlx_vlm_does(family,
     assert plain == want
     ngram = prompt_of(loaded, [a], "What is it?", "n", "mlx_ngram", 3)
     assert run(engine_of(loaded, "mlx_ngram"), ngram)[0][0] == want
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemma4_takes_images_with_a_quantized_kv_cache(gemma, bits):
+    """Gemma-4 needs no key realignment after an image (Qwen does, and
+    refuses kv_bits by name): its image prefill writes the quantized cache
+    as a text prefill does, and the -assistant drafter and n-gram after the
+    image give plain decoding's tokens with the same cache."""
+    from specgate.engines import registry
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    path, drafter, _ = gemma
+    loaded = load_mlx_model(str(path), CacheSettings(disk_bytes=0), kv_bits=bits)
+    assert loaded.vision is not None, loaded.images_refused
+    a = picture(0)
+    (plain, _, _), (other, _, _) = run(engine_of(loaded, "mlx_plain"),
+                                       gemma_request(loaded, [a], "What is it?", "p"),
+                                       gemma_request(loaded, [picture(1)], "What is it?", "o"))  # fmt: skip
+    assert len(plain) == N and other != plain  # the image reaches the text model
+    ctx = registry.BuildContext("mlx_assistant", loaded.path, registry.MLX, engines=("mlx_assistant",),
+                                drafter=str(drafter), loaded=loaded)  # fmt: skip
+    built, refused = registry.record("mlx_assistant").build(ctx, ("mlx_assistant",))
+    assert not refused, refused
+    (spec, _, rounds), = run(built["mlx_assistant"], gemma_request(
+        loaded, [a], "What is it?", "s", "mlx_assistant", "gemma4_assistant", 3))  # fmt: skip
+    assert spec == plain and sum(r.drafted for r in rounds) > 0
+    (copied, _, _), = run(engine_of(loaded, "mlx_ngram"),
+                          gemma_request(loaded, [a], "What is it?", "n", "mlx_ngram", "ngram", 3))  # fmt: skip
+    assert copied == plain

@@ -105,7 +105,9 @@ def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
 
     if (why := vision.unsupported(config)) is not None:
         return None, why
-    if kv_bits is not None:  # its keys are rotated in place after an image (vision/mrope.py)
+    if kv_bits is not None and config.get("model_type") != "gemma4":
+        # Qwen's keys are rotated in place after an image (vision/mrope.py),
+        # which packed keys cannot be without a dequantize.
         return None, "its KV cache is quantized (kv_bits)"
     try:
         return vision.load(str(path), config, model), None

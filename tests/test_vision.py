@@ -261,21 +261,31 @@ def test_a_prompt_ending_in_an_image_is_refused_alone(loaded):
     assert len(tokens) == N
 
 
-def test_a_model_without_an_image_side_refuses_images_by_name(vlm, loaded):
-    """A quantized KV cache cannot be realigned (mrope.realign rotates keys
-    in place): the model serves text, and an image request fails saying why."""
+def test_a_model_without_an_image_side_refuses_images_by_name(vlm, loaded, tmp_path):
+    """A VLM checkpoint saved without its tower's tensors: the model serves
+    text, and an image request fails saying why."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
     from specgate.engines.base import CacheSettings, EngineError
     from specgate.engines.loading import load_mlx_model
 
-    quantized = load_mlx_model(str(vlm), CacheSettings(disk_bytes=0), kv_bits=8)
-    assert quantized.vision is None and "kv_bits" in quantized.images_refused
+    towerless = tmp_path / "towerless"
+    shutil.copytree(vlm, towerless)
+    weights = load_file(str(vlm / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("model.visual.")},
+              str(towerless / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    (towerless / "model.safetensors.index.json").unlink(missing_ok=True)
+    text_only = load_mlx_model(str(towerless), CacheSettings(disk_bytes=0))
+    assert text_only.vision is None and "no vision tower tensors" in text_only.images_refused
     request = prompt_of(loaded, [picture(8)], "Hm?", "q")
-    engine = engine_of(quantized, "mlx_plain")
+    engine = engine_of(text_only, "mlx_plain")
 
     async def main():
         await engine.start()
         try:
-            with pytest.raises(EngineError, match="takes no images.*kv_bits"):
+            with pytest.raises(EngineError, match="takes no images.*no vision tower"):
                 await collect(engine, request)
             text = GenerationRequest("t", "vlm", request.prompt_tokens[request.images_end :],
                                      GREEDY, 4, request.plan)  # fmt: skip
@@ -285,6 +295,28 @@ def test_a_model_without_an_image_side_refuses_images_by_name(vlm, loaded):
 
     tokens, _, _ = asyncio.run(asyncio.wait_for(main(), 120))
     assert len(tokens) == 4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qwen35_takes_images_with_a_quantized_kv_cache(vlm, bits):
+    """After an image its cached keys are realigned (vision/mrope.py), packed
+    ones through a dequantize and a quantize; plain decoding and MTP give
+    the same tokens with the same cache, and another image others."""
+    from specgate.engines.base import CacheSettings
+    from specgate.engines.loading import load_mlx_model
+
+    loaded = load_mlx_model(str(vlm), CacheSettings(disk_bytes=0), kv_bits=bits)
+    assert loaded.vision is not None, loaded.images_refused
+    if bits == 8:  # near mlx-vlm's unquantized logits: 0.010 realigned, 0.46 without
+        assert logits_gap(vlm, loaded, picture(7)) < 0.05
+    a, b = picture(0), picture(1, (96, 64))
+    (plain, _, _), (other, _, _) = run(engine_of(loaded, "mlx_plain"),
+                                       prompt_of(loaded, [a], "What is it?", "p"),
+                                       prompt_of(loaded, [b], "What is it?", "o"))  # fmt: skip
+    assert len(plain) == N and other != plain
+    (spec, _, rounds), = run(engine_of(loaded, "mlx_mtp"),
+                             prompt_of(loaded, [a], "What is it?", "m", "mlx_mtp", 3))  # fmt: skip
+    assert spec == plain and sum(r.drafted for r in rounds) > 0
 
 
 # -- Gemma-4 ------------------------------------------------------------------------
@@ -404,10 +436,10 @@ def test_a_checkpoint_saved_by_mlx_vlm_s_convert_decodes_as_mlx_vlm_does(family,
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_gemma4_takes_images_with_a_quantized_kv_cache(gemma, bits):
-    """Gemma-4 needs no key realignment after an image (Qwen does, and
-    refuses kv_bits by name): its image prefill writes the quantized cache
-    as a text prefill does, and the -assistant drafter and n-gram after the
-    image give plain decoding's tokens with the same cache."""
+    """Gemma-4 needs no key realignment after an image: its image prefill
+    writes the quantized cache as a text prefill does, and the -assistant
+    drafter and n-gram after the image give plain decoding's tokens with
+    the same cache."""
     from specgate.engines import registry
     from specgate.engines.base import CacheSettings
     from specgate.engines.loading import load_mlx_model

@@ -97,7 +97,7 @@ def prepare_for_decoding(model: nn.Module) -> None:
     compile_one_row(model)
 
 
-def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
+def _vision(path: Path, config: dict, model: nn.Module):
     """(its image side, why it has none) for a checkpoint with a vision tower."""
     if "vision_config" not in config:
         return None, None
@@ -105,10 +105,6 @@ def _vision(path: Path, config: dict, model: nn.Module, kv_bits: int | None):
 
     if (why := vision.unsupported(config)) is not None:
         return None, why
-    if kv_bits is not None and config.get("model_type") != "gemma4":
-        # Qwen's keys are rotated in place after an image (vision/mrope.py),
-        # which packed keys cannot be without a dequantize.
-        return None, "its KV cache is quantized (kv_bits)"
     try:
         return vision.load(str(path), config, model), None
     except Exception as e:  # its text is served all the same; image requests get the reason
@@ -168,7 +164,7 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
                 prepare_for_decoding(model)
                 kv = _quantized_kv(model, config, kv_bits, kv_group_size)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast, kv)
-                vision, refused = _vision(local_checkpoint(path), config, model, kv_bits)
+                vision, refused = _vision(local_checkpoint(path), config, model)
                 loaded = _loaded[memo] = LoadedModel(key, model, tokenizer, config, prefix,
                                                      upcast=upcast, pooling=pooling,
                                                      kv_bits=kv_bits, vision=vision,

@@ -125,11 +125,20 @@ def install(model: nn.Module, section: Sequence[int]) -> str | None:
 
 def realign(cache: list, model: nn.Module, behind: int) -> None:
     """After a segment whose positions fell `behind` its token count:
-    rotate every attention layer's cached keys forward by that much."""
+    rotate every attention layer's cached keys forward by that much
+    (quantized ones, kv_bits, through a dequantize and a quantize)."""
     if behind == 0:
         return
     shift = np.full((3, 1), behind, dtype=np.int64)
     for i, attn in attention_layers(model).items():
         c, rope = cache[i], attn.rope
         n = c.offset
+        if isinstance(c.keys, tuple):  # a quantized cache (kv_bits): packed, scales, biases
+            parts = [p[..., :n, :] for p in c.keys]
+            keys = mx.dequantize(*parts, group_size=c.group_size, bits=c.bits)
+            rotated = rotate(keys, shift, rope.dims, rope.base, rope.section).astype(parts[1].dtype)
+            for p, q in zip(c.keys, mx.quantize(rotated, group_size=c.group_size, bits=c.bits),
+                            strict=True):  # fmt: skip
+                p[..., :n, :] = q
+            continue
         c.keys[..., :n, :] = rotate(c.keys[..., :n, :], shift, rope.dims, rope.base, rope.section)

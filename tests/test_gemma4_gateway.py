@@ -163,5 +163,7 @@ def test_a_stream_moves_to_batching_and_back_across_wrapped_windows(gw):
     assert not b.is_alive()
     assert_same_greedy(got, want, margins)
     # The stream's own plans, in order: alone, batched beside the second
-    # request, alone again.
-    assert stream_plans(gw, n) == ["gemma4_assistant>none>gemma4_assistant"]
+    # request, alone again (then, alone, whatever the policy's live costs
+    # say of this random assistant: ci33 saw it go plain and back again).
+    (plans,) = stream_plans(gw, n)
+    assert plans.startswith("gemma4_assistant>none>gemma4_assistant"), plans

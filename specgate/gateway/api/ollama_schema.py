@@ -184,6 +184,13 @@ class _Generation(BaseModel):
         return JsonOutput(self.format, "format") if isinstance(self.format, dict) else None
 
 
+def _content(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A message's template content: its images, then its text, as Ollama places them."""
+    if not images:
+        return text
+    return [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="allow")  # index
 
@@ -227,10 +234,7 @@ class Message(BaseModel):
         return self
 
     def as_template_input(self) -> dict[str, Any]:
-        content: str | list[dict[str, Any]] = self.content or ""
-        if self.images:  # the images, then the text, as Ollama places them
-            content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": content}]
-        msg: dict[str, Any] = {"role": self.role, "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": _content(self.content or "", self.images)}
         if self.tool_calls:
             msg["tool_calls"] = [
                 {"type": "function",
@@ -306,10 +310,7 @@ class GenerateRequest(_Generation):
         """The prompt as one user message, its images before its text as
         Ollama places them (a chat message's, ChatMessage)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        content: str | list[dict[str, Any]] = self.prompt
-        if self.images:
-            content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": self.prompt}]
-        return system + [{"role": "user", "content": content}]
+        return system + [{"role": "user", "content": _content(self.prompt, self.images)}]
 
     def image_refs(self) -> list[ImageRef]:
         return [ImageRef(f"images.{j}", data=image) for j, image in enumerate(self.images or [])]

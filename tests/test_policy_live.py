@@ -161,7 +161,13 @@ def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_bat
     assert live.get("mtp", 2, 0).mean == pytest.approx(0.020)  # the lone round's cost unchanged
     view = CostView(live, None)
     assert view.batched_round("mtp", 2, 2, 100).seconds == pytest.approx(0.015)
-    assert view.batched_round("mtp", 2, 4, 100) is None
+    # Another batch size, from the nearest measured: scaled by the streams
+    # while a plain step of 4 is unknown, then as the plain steps compare.
+    assert view.batched_round("mtp", 2, 4, 100).seconds == pytest.approx(0.030)
+    assert view.batched_round("mtp", 1, 2, 100) is None  # another depth: nothing to scale from
+    for _ in range(2):
+        live.observe(step(0.018, batch=4))
+    assert CostView(live, None).batched_round("mtp", 2, 4, 100).seconds == pytest.approx(0.015 * 18 / 12)
     plan = decide(MTP, RequestFeatures(100, False), busy, view, accept)
     assert (plan.method, plan.depth, plan.reason) == ("mtp", 2, "spec_on")
     # The same rounds at a low acceptance lose to plain batching.
@@ -207,6 +213,76 @@ def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
     assert decide(MTP, RequestFeatures(100, False), LiveState(0, 0, 100), cpu, accept).method == "mtp"
     plan = decide(MTP, RequestFeatures(100, False), busy, cpu, accept)
     assert (plan.method, plan.reason) == ("none", "concurrency")
+
+
+def test_a_busy_model_tries_speculating_in_a_batch_then_keeps_what_measures_faster():
+    """Issue 45: untuned, a busy model batches plainly by rule, and no lone
+    request ever times a batch's round. A batch trial moves the busy
+    requests onto MTP at depth 1 together (new ones, and plain streams with
+    enough left at their next round) until TRIAL_ROUNDS batched rounds were
+    seen; then the measure decides, and a loser is tried again less and
+    less often."""
+    from specgate.engines.base import Plan
+    from specgate.policies.model_policy import TRIAL_MIN_LEFT, TRIAL_ROUNDS, RequestPlanner
+
+    def trained(batched_s: float) -> LivePolicy:
+        p = LivePolicy(MTP, live_state=lambda: LiveState(4, 0, 100), timed=frozenset({"mtp", "none"}))
+        teach(p, accepted=1, round_s=0.012, plain_s=0.010, depth=1)  # acceptance known, alone
+        for _ in range(8):
+            p.observe(step(0.014, batch=4), "prose")  # plain: 4 sequences in 14 ms
+        return p
+
+    busy, features = LiveState(3, 0, 100), RequestFeatures(100, False, max_tokens=200)
+    for batched_s, winner in ((0.016, "mtp"), (0.040, "none")):
+        p = trained(batched_s)
+        plan, _ = p.start(features, busy)
+        assert (plan.method, plan.depth, plan.source) == ("mtp", 1, "explore")
+        # A plain stream moves over at its next round; one near its end stays.
+        mover = RequestPlanner(p, features, Plan("mlx_plain", "none", 0, "concurrency"))
+        assert mover.plan(LiveState(1, 0, 150)).method == "mtp"
+        near = RequestFeatures(100, False, max_tokens=100 + TRIAL_MIN_LEFT - 1)
+        assert p.next_round(near, LiveState(3, 0, 200), "none").method == "none"
+        # Streams already on MTP stay there while the trial runs, then the measure decides.
+        assert p.next_round(features, LiveState(3, 0, 150), "mtp").method == "mtp"
+        for _ in range(TRIAL_ROUNDS):
+            p.observe(RoundStats("m", "mtp", 1, [True], 2, batched_s, 150, batch=4), "prose")
+        plan = p.next_round(features, LiveState(3, 0, 150), "mtp")
+        assert plan.method == winner and plan.source == "live"
+        starts = []
+        for _ in range(64):
+            starts.append(p.start(features, busy)[0])
+            if starts[-1].source == "explore":  # the trial's batch runs its rounds
+                for _ in range(TRIAL_ROUNDS):
+                    p.observe(RoundStats("m", "mtp", 1, [True], 2, batched_s, 150, batch=4), "prose")
+        if winner == "mtp":  # 4 x 1.5 tokens in 16 ms beats 4 in 14 ms
+            assert {(x.method, x.reason, x.source) for x in starts} == {("mtp", "spec_on", "live")}
+        else:  # the loser: tried again only once in a capped share of busy starts
+            trials = [x for x in starts if x.method == "mtp"]
+            assert 1 <= len(trials) <= 64 / 64 + 1 and {x.source for x in trials} == {"explore"}
+            assert {(x.method, x.reason) for x in starts if x.method == "none"} == {("none", "concurrency")}
+    # A configured concurrency threshold is the whole rule: no trials.
+    ruled = LivePolicy(dataclasses.replace(MTP, concurrency_threshold=2), live_state=lambda: busy,
+                       timed=frozenset({"mtp", "none"}))  # fmt: skip
+    teach(ruled, accepted=1, round_s=0.012, plain_s=0.010, depth=1)
+    assert {ruled.start(features, busy)[0].method for _ in range(20)} == {"none"}
+
+
+def test_a_batch_past_the_engine_s_is_priced_at_the_engine_s():
+    """16 requests on an engine that speculates for 8 at a time: the
+    aggregate is those 8's, the rest waiting (SpecEngine.max_batch)."""
+    from specgate.policies.costs import expected_tokens
+    from specgate.policies.decide import candidates
+
+    live = LiveCosts(min_samples=1)
+    for _ in range(2):
+        live.observe(step(0.050, batch=16))
+        live.observe(step(0.015, batch=8))
+        live.observe(RoundStats("m", "mtp", 1, [True], 2, 0.020, 100, batch=8))
+    capped = dataclasses.replace(MTP, batch_caps={"mtp": 8})
+    accept = {"mtp": [0.8]}
+    found = [c for c in candidates(capped, ["mtp"], RequestFeatures(100, False), LiveState(15, 0, 100),
+                                   CostView(live, None), accept) if c.method == "mtp"]  # fmt: skip
+    assert [c.speed for c in found] == [pytest.approx(8 * expected_tokens([0.8], 1) / 0.020)]
 
 
 def test_explorer_tries_what_is_unmeasured_at_once_then_a_capped_share():

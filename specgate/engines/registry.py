@@ -375,6 +375,12 @@ def batches(engine) -> bool:
     return bool(getattr(engine, "batches_speculation", lambda: False)())
 
 
+def max_batch(engine) -> int | None:
+    """The most requests a batching engine speculates for in one batch (the
+    others wait their turn there), or None (no limit known)."""
+    return getattr(engine, "max_batch", None) if batches(engine) else None
+
+
 def excludes(name: str) -> tuple[str, ...]:
     """The engines a model cannot list beside this one."""
     group = record(name).exclusive

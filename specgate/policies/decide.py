@@ -67,6 +67,9 @@ class ModelPolicy:
     # another, so a batched round's cost means nothing for them (Gemma-4's
     # rotating windows, a quantized KV cache). None: every method batches.
     batching: frozenset[Method] | None = None
+    # The most streams a method's engine speculates in one batch (its
+    # MAX_BATCH); more wait their turn there. Absent: no limit.
+    batch_caps: dict[Method, int] = field(default_factory=dict)
 
     def depth(self, method: Method) -> int:
         return self.depths.get(method, self.max_depth)
@@ -137,8 +140,11 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
             if (cost := view.round(method, depth, context)) is not None:
                 speeds.append((expected_tokens(acceptance[method], depth) / cost.seconds, cost.source))
             batches = policy.batching is None or method in policy.batching
-            if batch > 1 and batches and (cost := view.batched_round(method, depth, batch, context)) is not None:
-                tokens = batch * expected_tokens(acceptance[method], depth)
+            # Past the engine's batch the rest wait: the aggregate is its batch's.
+            together = min(batch, policy.batch_caps.get(method, batch))
+            if together > 1 and batches and (
+                    cost := view.batched_round(method, depth, together, context)) is not None:  # fmt: skip
+                tokens = together * expected_tokens(acceptance[method], depth)
                 speeds.append((tokens / cost.seconds, cost.source))
             if speeds:
                 speed, source = max(speeds)

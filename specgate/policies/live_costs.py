@@ -103,6 +103,7 @@ class LiveCosts:
                 # The engine switched to its kernels once proved (engines/mlx_spec/
                 # kernel_proofs.py): what its stock verify cost no longer holds.
                 self._rounds = {k: e for k, e in self._rounds.items() if k[0] != stats.method}
+                self._batched = {k: e for k, e in self._batched.items() if k[0] != stats.method}
                 self._kernels[stats.method] = stats.kernels
             # By the depth planned, not drafted: what a plan at that depth
             # costs, rounds where a copying proposer drafted less included.
@@ -124,6 +125,12 @@ class LiveCosts:
         at `depth` together (measured only: nothing predicts it yet)."""
         e = self._batched.get((method, depth, batch, bucket))
         return e if e is not None and e.count >= self.min_samples else None
+
+    def batches_measured(self, method: Method, depth: int, bucket: int) -> dict[int, RunningEstimate]:
+        """batch -> trusted estimate of every batch size measured for this
+        method, depth and context bucket."""
+        return {b: e for (m, d, b, k), e in self._batched.items()
+                if (m, d, k) == (method, depth, bucket) and e.count >= self.min_samples}  # fmt: skip
 
     def measured(self, method: Method, bucket: int | None = None) -> dict[tuple[int, int], RunningEstimate]:
         """(width, bucket) -> estimate of every trusted one of this method."""
@@ -180,17 +187,38 @@ class CostView:
     def batched_round(self, method: Method, depth: int, batch: int, context: int) -> Estimate | None:
         """One round of `batch` sequences each drafting `depth` tokens of
         `method`, verified in one forward: live where measured, else the
-        tune prior's (its verify curve at batch x (depth + 1) rows), never
-        less than a plain step of the same batch (the floor `round` keeps)."""
+        tune prior's (its verify curve at batch x (depth + 1) rows), else
+        the nearest batch size measured live (`_nearest_batch`), never less
+        than a plain step of the same batch (the floor `round` keeps)."""
         if (e := self.live.batched(method, depth, batch, context_bucket(context))) is not None:
             est = Estimate(e.mean, "live")
         elif self.prior is not None and method in self.prior.draft and (
                 prior := self.prior.batched_round_cost(method, depth, batch, context)) is not None:  # fmt: skip
             est = Estimate(self.prior.c1_seconds * prior * self._scale, "tune")
+        elif (near := self._nearest_batch(method, depth, batch, context)) is not None:
+            est = near
         else:
             return None
         floor = self.plain(batch, context)
         return Estimate(max(est.seconds, floor.seconds if floor is not None else 0.0), est.source)
+
+    def _nearest_batch(self, method: Method, depth: int, batch: int, context: int) -> Estimate | None:
+        """A batch size not measured, from the nearest one that was: its
+        round scaled as plain steps of the two sizes compare (a batch's
+        speculative round and its plain step grow alike with the rows), or,
+        where a plain step is unknown, by the streams (a pessimistic bound:
+        on a GPU both are nearly flat). A trial (model_policy.py) measures
+        the sizes a burst passes through, rarely the one asked next."""
+        measured = self.live.batches_measured(method, depth, context_bucket(context))
+        if not measured:
+            return None
+        near = min(measured, key=lambda b: (abs(b - batch), b))
+        here, there = self.plain(batch, context), self.plain(near, context)
+        if here is not None and there is not None:
+            scale = here.seconds / there.seconds
+        else:
+            scale = max(1.0, batch / near)
+        return Estimate(measured[near].mean * scale, "live")
 
     def round(self, method: Method, depth: int, context: int) -> Estimate | None:
         """One round of `method` drafting `depth` tokens, never less than one

@@ -8,7 +8,9 @@ every RoundStats back through `observe`. The pieces it joins:
 - live round costs (policies/live_costs.py), with `specgate tune`'s results
   as the prior, read through `prior()` at every decision, so a tune run
   while the server runs is used by the next request;
-- exploration (policies/explore.py) on idle requests;
+- exploration (policies/explore.py) on idle requests, and batch trials on
+  busy ones (below): under concurrency, speculating in the engine's batch
+  is measured before plain batching is preferred to it;
 - each request's own bound (policies/request_guard.py): what its rounds
   really took, against plain decoding, cuts its speculation when it loses.
 """
@@ -37,6 +39,25 @@ log = logging.getLogger("specgate.policy")
 
 # Plans whose reason cannot change while the request runs: no need to ask again.
 _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
+
+# A batch trial: while the model is busy and a batching speculative method's
+# rounds in a batch are not measured (or are due again, as Explorer decides
+# for idle requests), the model's busy requests speculate with it at depth 1
+# together (the ones arriving, and the plain streams at their next round),
+# until TRIAL_ROUNDS of its rounds in a batch were observed (each stream's
+# round is one). Without this, concurrency is plain by rule forever: no
+# request alone ever times a batch's round. Depth 1: the cheapest round and
+# the widest batch its verify widths fit. A stream with less than
+# TRIAL_MIN_LEFT tokens left stays where it is (the handoff would not pay).
+TRIAL_ROUNDS = 48
+TRIAL_MIN_LEFT = 16
+
+
+@dataclass
+class _Trial:
+    plan: Plan
+    rounds_left: int = TRIAL_ROUNDS
+    decisions_left: int = 8 * TRIAL_ROUNDS  # ends it where no batch forms after all
 
 
 def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[str, str],
@@ -74,7 +95,14 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
         proving=lambda: frozenset(m for m, name in methods.items()
                                   if registry.proving(engines[name])),  # fmt: skip
         batching=frozenset(m for m, name in methods.items() if registry.batches(engines[name])),
+        batch_caps={m: cap for m, name in methods.items()
+                    if (cap := registry.max_batch(engines[name])) is not None},  # fmt: skip
     )
+
+
+def capable_of(policy: ModelPolicy, method: Method) -> bool:
+    """Whether `method`'s drafter applies sampling penalties per position."""
+    return policy.penalty_capable is None or method in policy.penalty_capable
 
 
 def timed_methods(engines: Mapping[str, object]) -> frozenset[Method]:
@@ -106,6 +134,11 @@ class LivePolicy:
         # costs are learned apart, starting from the unconstrained ones.
         self.constrained_costs = LiveCosts(fallback=self.costs)
         self._explorers = {c: Explorer(every=explore_every) for c in CONTENT_CLASSES}
+        # Busy starts come in bursts (a burst of B is B - 1 of them), and a
+        # trial moves the whole batch: tried a quarter as often as idle ones.
+        self._batch_explorers = {c: Explorer(every=4 * explore_every, max_every=64 * explore_every)
+                                 for c in CONTENT_CLASSES}  # fmt: skip
+        self._trial: _Trial | None = None
         self.request_floor = request_floor  # policies/request_guard.py; 0: no bound
         # Seconds per token of idle plain rounds as requests' planners saw
         # them (wall time between calls, the way they time speculation too).
@@ -120,6 +153,11 @@ class LivePolicy:
         with self._lock:
             self.acceptance.update(stats, content)
             (self.constrained_costs if stats.constrained else self.costs).observe(stats)
+            trial = self._trial
+            if trial is not None and stats.batch > 1 and stats.method == trial.plan.method:
+                trial.rounds_left -= 1
+                if trial.rounds_left <= 0:
+                    self._trial = None
 
     def view(self, constrained: bool = False) -> CostView | None:
         """The round costs to plan with, or None when nothing can be known
@@ -138,10 +176,50 @@ class LivePolicy:
             if plan.reason in _FIXED_REASONS:
                 return plan, FixedPlanner(plan)
             explored = self._explore(plan, features, live, view, acceptance)
-        hold = self._explorers[features.content].hold_rounds if explored else 0
+            hold = self._explorers[features.content].hold_rounds if explored else 0
+            explored = explored or self._batch_trial(plan, features, live, view, acceptance, start=True)
         bounded = self.request_floor > 0 and "none" in self.policy.engines_by_method
         guard = RequestGuard(self.request_floor) if bounded else None
         return explored or plan, RequestPlanner(self, features, explored or plan, hold, guard)
+
+    def _batch_trial(self, plan: Plan, features: RequestFeatures, live: LiveState,
+                     view: CostView | None, acceptance, *, start: bool = False,
+                     incumbent: Method | None = None) -> Plan | None:  # fmt: skip
+        """The trial's plan for a busy request that `plan` sends to plain
+        batching by rule or by a measure the trial renews (see TRIAL_ROUNDS),
+        starting one on a new request's decision if one is due; else None."""
+        engines, busy = self.policy.engines_by_method, live.active_requests + live.waiting_requests > 0
+        if not busy:
+            self._trial = None  # alone: the idle rules and their exploration
+            return None
+        if (view is None or plan.method != "none" or plan.reason != "concurrency"
+                or features.forced_depth is not None or self.policy.concurrency_threshold is not None):
+            return None
+        trial = self._trial
+        if trial is not None:
+            trial.decisions_left -= 1
+            if trial.decisions_left <= 0:
+                self._trial = trial = None
+        if trial is None and start:
+            context = max(features.prompt_tokens, live.context_tokens)
+            batch = live.active_requests + live.waiting_requests + 1
+            arms = {m: m in acceptance and view.batched_round(m, 1, batch, context) is not None
+                    for m in engines if m != "none" and m in self.timed
+                    and (self.policy.batching is None or m in self.policy.batching)
+                    and (not features.has_penalties or capable_of(self.policy, m))}  # fmt: skip
+            if arms and (arm := self._batch_explorers[features.content].choose("none", {"none": True, **arms})):
+                self._trial = trial = _Trial(Plan(engines[arm], arm, 1, "concurrency", "explore"))
+                log.info("%s: a batch trial of %s at depth 1 (%d requests in flight)", self.model_id,
+                         arm, batch)  # fmt: skip
+        if trial is None:
+            return None
+        if features.has_penalties and not capable_of(self.policy, trial.plan.method):
+            return None
+        if incumbent is not None and incumbent != trial.plan.method and features.max_tokens is not None:
+            left = features.prompt_tokens + features.max_tokens - live.context_tokens
+            if left < TRIAL_MIN_LEFT:
+                return None
+        return trial.plan
 
     def _explore(self, plan: Plan, features: RequestFeatures, live: LiveState,
                  view: CostView | None, acceptance) -> Plan | None:  # fmt: skip
@@ -192,8 +270,10 @@ class LivePolicy:
 
     def next_round(self, features: RequestFeatures, live: LiveState, incumbent: Method) -> Plan:
         with self._lock:
-            return decide(self.policy, features, live, self.view(features.constrained),
-                          self.acceptance.rates(self.model_id, features.content), incumbent)
+            view = self.view(features.constrained)
+            acceptance = self.acceptance.rates(self.model_id, features.content)
+            plan = decide(self.policy, features, live, view, acceptance, incumbent)
+            return self._batch_trial(plan, features, live, view, acceptance, incumbent=incumbent) or plan
 
 
 @dataclass

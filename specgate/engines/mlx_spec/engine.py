@@ -155,6 +155,8 @@ class _Joining:
 
 
 class SpecEngine(WorkerEngine):
+    max_batch = MAX_BATCH  # registry.max_batch: the policy prices no wider batch
+
     def __init__(
         self,
         model_id: str,

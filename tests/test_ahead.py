@@ -180,6 +180,39 @@ def test_a_handoff_after_ahead_rounds_carries_the_exact_state(trunk):
     assert tokens + rest == want
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_sequence_handed_over_from_plain_decoding_queues_ahead_exactly(trunk, compiled):
+    """A plain engine's sequence resumed here: its head has never run (an
+    empty cache), the first round is a plain step, and the rounds queued
+    ahead begin once the head has drafted (an H100 run crashed entering
+    them with the head's cache still empty)."""
+    from specgate.engines.base import Handoff
+
+    model, args = trunk
+    mtp = head(args, 0.25)
+    target = target_for(model)
+    want, margins = greedy_reference(model, PROMPT, 60)
+    cache = target.make_cache()
+    model(mx.array([PROMPT + want[:9]]), cache=cache)  # plain decoding's cache: tokens[:-1]
+    mx.eval([c.state for c in cache])
+    tokens = PROMPT + want[:10]
+    handoff = Handoff(Plan("mlx_mtp", "mtp", 3, "spec_on"), tokens, 10, cache, None, pending=[want[9]])
+    request = GenerationRequest("r", "r", PROMPT, SamplingParams(temperature=0), 60,
+                                Plan("mlx_mtp", "mtp", 3, "spec_on"))  # fmt: skip
+    rounds = CompiledRounds(target, mtp) if compiled else None
+    dec = AheadDecoder(target, MTPProposer(target, mtp), request, cache, len(tokens) - 1, None,
+                       rounds=rounds)  # fmt: skip
+    step = dec.resume(handoff)
+    got = list(step.tokens)
+    drafted = 0
+    while step.finish_reason is None:
+        step = dec.round(3)
+        got += step.tokens
+        drafted += step.stats.drafted
+    assert drafted > 0
+    assert_same_greedy(want[:9] + got, want, margins)
+
+
 def test_fits_only_where_it_is_exact(trunk):
     model, args = trunk
     target = target_for(model)

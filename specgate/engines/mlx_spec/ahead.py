@@ -90,7 +90,7 @@ class AheadDecoder(SpecDecoder):
     # -- the rounds ---------------------------------------------------------------------
 
     def round(self, depth: int) -> Step:
-        if depth == 0 or self.cold:
+        if depth == 0 or self.cold or self._head_blind():
             self._drop_queued()
             return super().round(depth)
         if self._queued is None:
@@ -102,6 +102,12 @@ class AheadDecoder(SpecDecoder):
         if step.finish_reason is not None:
             self._drop_queued()
         return step
+
+    def _head_blind(self) -> bool:
+        """The head has not run yet (a sequence handed over from plain
+        decoding: its cache is empty, so nothing says its buffers' shape):
+        decoder.py's round drafts through it first, then rounds queue ahead."""
+        return self._queued is None and any(c.keys is None for c in self.proposer.cache)
 
     def handoff(self, plan, detokenizer):
         self._drop_queued()

@@ -50,7 +50,7 @@ class PinnedCosts(LiveCosts):
 
     def get(self, method, width, bucket):
         seconds = 0.010 if method == "none" else 0.010 + 0.006 * width
-        return RunningEstimate(mean=seconds, count=self.min_samples, warmed=True)
+        return RunningEstimate(mean=seconds, count=self.min_samples, warm_up=0)
 
     def measured(self, method, bucket=None):
         return {(w, 0): self.get(method, w, 0) for w in range(1, 9)}

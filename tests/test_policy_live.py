@@ -156,7 +156,13 @@ def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_bat
     accept = {"mtp": [0.9, 0.9, 0.9]}
     plan = decide(MTP, RequestFeatures(100, False), busy, CostView(live, None), accept)
     assert (plan.method, plan.reason) == ("none", "concurrency")  # batched rounds unmeasured
-    for _ in range(2):  # two sequences, each drafting 2, verified together in 15 ms
+    # Rounds of two sequences, each drafting 2, verified together in 15 ms;
+    # each stream reports the round. The first round is the warm-up (its
+    # graph built: 1 s), every stream's report of it skipped.
+    for _ in range(2):
+        live.observe(RoundStats("m", "mtp", 2, [True, True], 3, 1.0, 100, batch=2))
+    assert live.batched("mtp", 2, 2, 0) is None
+    for _ in range(2):
         live.observe(RoundStats("m", "mtp", 2, [True, True], 3, 0.015, 100, batch=2))
     assert live.get("mtp", 2, 0).mean == pytest.approx(0.020)  # the lone round's cost unchanged
     view = CostView(live, None)
@@ -277,6 +283,7 @@ def test_a_batch_past_the_engine_s_is_priced_at_the_engine_s():
     for _ in range(2):
         live.observe(step(0.050, batch=16))
         live.observe(step(0.015, batch=8))
+    for _ in range(2 * 8):  # two rounds of 8 streams: the warm-up, then one sample
         live.observe(RoundStats("m", "mtp", 1, [True], 2, 0.020, 100, batch=8))
     capped = dataclasses.replace(MTP, batch_caps={"mtp": 8})
     accept = {"mtp": [0.8]}
@@ -410,7 +417,7 @@ class PinnedCosts(LiveCosts):
         from specgate.policies.live_costs import RunningEstimate
 
         seconds = 0.010 * width if method == "none" else 0.010 + 0.001 * width
-        return RunningEstimate(mean=seconds, count=self.min_samples, warmed=True)
+        return RunningEstimate(mean=seconds, count=self.min_samples, warm_up=0)
 
     def measured(self, method, bucket=None):
         return {(w, 0): self.get(method, w, 0) for w in range(1, 4)}

@@ -38,12 +38,12 @@ def context_bucket(context: int) -> int:
 class RunningEstimate:
     mean: float = 0.0
     var: float = 0.0
-    count: int = 0  # observations in the mean (the warm-up round is not)
-    warmed: bool = False
+    count: int = 0  # observations in the mean (the warm-up round's are not)
+    warm_up: int = 1  # observations still to skip: the shape's first round's
 
     def add(self, x: float, alpha: float) -> None:
-        if not self.warmed:
-            self.warmed = True  # the shape's first round builds its graph: not a cost
+        if self.warm_up > 0:
+            self.warm_up -= 1  # the shape's first round builds its graph: not a cost
             return
         if self.count == 0:
             self.mean = x
@@ -95,8 +95,11 @@ class LiveCosts:
         elif stats.batch > 1:
             # A round inside a batch (issue 45): not what a lone round costs.
             if stats.asked > 0:
+                # Every stream of a round reports that one round: its first
+                # round is B observations to skip, and B more make one sample.
                 key4 = (stats.method, stats.asked, stats.batch, context_bucket(stats.context_tokens))
-                self._batched.setdefault(key4, RunningEstimate()).add(stats.seconds, self.alpha)
+                e = self._batched.setdefault(key4, RunningEstimate(warm_up=stats.batch))
+                e.add(stats.seconds, self.alpha)
             return
         elif stats.asked > 0:
             if self._kernels.setdefault(stats.method, stats.kernels) != stats.kernels:
@@ -124,13 +127,13 @@ class LiveCosts:
         """The trusted estimate of a round of `batch` sequences speculating
         at `depth` together (measured only: nothing predicts it yet)."""
         e = self._batched.get((method, depth, batch, bucket))
-        return e if e is not None and e.count >= self.min_samples else None
+        return e if e is not None and e.count >= self.min_samples * batch else None
 
     def batches_measured(self, method: Method, depth: int, bucket: int) -> dict[int, RunningEstimate]:
         """batch -> trusted estimate of every batch size measured for this
         method, depth and context bucket."""
         return {b: e for (m, d, b, k), e in self._batched.items()
-                if (m, d, k) == (method, depth, bucket) and e.count >= self.min_samples}  # fmt: skip
+                if (m, d, k) == (method, depth, bucket) and e.count >= self.min_samples * b}  # fmt: skip
 
     def measured(self, method: Method, bucket: int | None = None) -> dict[tuple[int, int], RunningEstimate]:
         """(width, bucket) -> estimate of every trusted one of this method."""

@@ -44,8 +44,8 @@ _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
 # rounds in a batch are not measured (or are due again, as Explorer decides
 # for idle requests), the model's busy requests speculate with it at depth 1
 # together (the ones arriving, and the plain streams at their next round),
-# until TRIAL_ROUNDS of its rounds in a batch were observed (each stream's
-# round is one). Without this, concurrency is plain by rule forever: no
+# until a batch size's round is measured (live_costs.LiveCosts.batched), or
+# at most TRIAL_ROUNDS of its streams' rounds in a batch were observed. Without this, concurrency is plain by rule forever: no
 # request alone ever times a batch's round. Depth 1: the cheapest round and
 # the widest batch its verify widths fit. A stream with less than
 # TRIAL_MIN_LEFT tokens left stays where it is (the handoff would not pay).
@@ -156,7 +156,8 @@ class LivePolicy:
             trial = self._trial
             if trial is not None and stats.batch > 1 and stats.method == trial.plan.method:
                 trial.rounds_left -= 1
-                if trial.rounds_left <= 0:
+                measured = self.costs.batches_measured(stats.method, 1, context_bucket(stats.context_tokens))
+                if trial.rounds_left <= 0 or measured:  # what it ran for is known
                     self._trial = None
 
     def view(self, constrained: bool = False) -> CostView | None:

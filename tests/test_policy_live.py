@@ -266,6 +266,16 @@ def test_a_busy_model_tries_speculating_in_a_batch_then_keeps_what_measures_fast
             trials = [x for x in starts if x.method == "mtp"]
             assert 1 <= len(trials) <= 64 / 64 + 1 and {x.source for x in trials} == {"explore"}
             assert {(x.method, x.reason) for x in starts if x.method == "none"} == {("none", "concurrency")}
+    # Where lone rounds already say a batch cannot win, no trial is run:
+    # alone speculation wins (2 tokens in 12 ms against 1 in 10), but a
+    # draft and a row cost 2 ms over a plain step, and 4 x 2 tokens in at
+    # most 4.5 + 4 x 2 ms lose to plain batching's 4 in 4.5 ms.
+    hopeless = LivePolicy(MTP, live_state=lambda: busy, timed=frozenset({"mtp", "none"}))
+    teach(hopeless, accepted=1, round_s=0.012, plain_s=0.010, depth=1)
+    for _ in range(8):
+        hopeless.observe(step(0.0045, batch=4), "prose")
+    assert hopeless.start(features, IDLE)[0].method == "mtp"
+    assert {hopeless.start(features, busy)[0].method for _ in range(20)} == {"none"}
     # A configured concurrency threshold is the whole rule: no trials.
     ruled = LivePolicy(dataclasses.replace(MTP, concurrency_threshold=2), live_state=lambda: busy,
                        timed=frozenset({"mtp", "none"}))  # fmt: skip

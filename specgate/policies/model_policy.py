@@ -29,7 +29,7 @@ from specgate.engines.registry import BuildContext
 from specgate.policies.acceptance import AcceptanceTracker
 from specgate.policies.config import PolicyConfig
 from specgate.policies.content import CONTENT_CLASSES, ContentClass
-from specgate.policies.costs import CostModel
+from specgate.policies.costs import CostModel, expected_tokens
 from specgate.policies.decide import FixedPlanner, ModelPolicy, RequestFeatures, candidates, decide
 from specgate.policies.explore import Explorer
 from specgate.policies.live_costs import CostView, LiveCosts, context_bucket
@@ -98,6 +98,21 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
         batch_caps={m: cap for m, name in methods.items()
                     if (cap := registry.max_batch(engines[name])) is not None},  # fmt: skip
     )
+
+
+def _batch_may_win(view: CostView, acceptance, method: Method, batch: int, context: int) -> bool:
+    """Whether speculating at depth 1 in a batch of `batch` could beat plain
+    batching, judged from what lone rounds measured: a batch's round costs
+    at most a plain step of the batch plus, per stream, what a lone round
+    costs over a lone plain step (its draft and its verify row; in a batch
+    both cost less or as much: the verify curve only flattens). Where even
+    that bound wins, or nothing is known yet, a trial may find out; where
+    it loses (a CPU, on which rows cost what they compute), none is run."""
+    lone, one, many = view.round(method, 1, context), view.plain(1, context), view.plain(batch, context)
+    if not acceptance or lone is None or one is None or many is None:
+        return True
+    bound = many.seconds + batch * (lone.seconds - one.seconds)
+    return batch * expected_tokens(acceptance, 1) / bound > batch / many.seconds
 
 
 def capable_of(policy: ModelPolicy, method: Method) -> bool:
@@ -207,7 +222,8 @@ class LivePolicy:
             arms = {m: m in acceptance and view.batched_round(m, 1, batch, context) is not None
                     for m in engines if m != "none" and m in self.timed
                     and (self.policy.batching is None or m in self.policy.batching)
-                    and (not features.has_penalties or capable_of(self.policy, m))}  # fmt: skip
+                    and (not features.has_penalties or capable_of(self.policy, m))
+                    and _batch_may_win(view, acceptance.get(m), m, batch, context)}  # fmt: skip
             if arms and (arm := self._batch_explorers[features.content].choose("none", {"none": True, **arms})):
                 self._trial = trial = _Trial(Plan(engines[arm], arm, 1, "concurrency", "explore"))
                 log.info("%s: a batch trial of %s at depth 1 (%d requests in flight)", self.model_id,

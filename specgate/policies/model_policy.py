@@ -108,11 +108,14 @@ def _batch_may_win(view: CostView, acceptance, method: Method, batch: int, conte
     both cost less or as much: the verify curve only flattens). Where even
     that bound wins, or nothing is known yet, a trial may find out; where
     it loses (a CPU, on which rows cost what they compute), none is run."""
-    lone, one, many = view.round(method, 1, context), view.plain(1, context), view.plain(batch, context)
-    if not acceptance or lone is None or one is None or many is None:
+    lone, one = view.round(method, 1, context), view.plain(1, context)
+    if not acceptance or lone is None or one is None:
         return True
-    bound = many.seconds + batch * (lone.seconds - one.seconds)
-    return batch * expected_tokens(acceptance, 1) / bound > batch / many.seconds
+    many = view.plain(batch, context)
+    # Unmeasured, a plain step of the batch is at most its streams' steps one by one.
+    step = many.seconds if many is not None else batch * one.seconds
+    # batch x E / (step + batch x extra) > batch / step, rearranged:
+    return step * (expected_tokens(acceptance, 1) - 1) > batch * (lone.seconds - one.seconds)
 
 
 def capable_of(policy: ModelPolicy, method: Method) -> bool:
@@ -216,9 +219,9 @@ class LivePolicy:
             trial.decisions_left -= 1
             if trial.decisions_left <= 0:
                 self._trial = trial = None
+        context = max(features.prompt_tokens, live.context_tokens)
+        batch = live.active_requests + live.waiting_requests + 1
         if trial is None and start:
-            context = max(features.prompt_tokens, live.context_tokens)
-            batch = live.active_requests + live.waiting_requests + 1
             arms = {m: m in acceptance and view.batched_round(m, 1, batch, context) is not None
                     for m in engines if m != "none" and m in self.timed
                     and (self.policy.batching is None or m in self.policy.batching)
@@ -230,9 +233,13 @@ class LivePolicy:
                          arm, batch)  # fmt: skip
         if trial is None:
             return None
-        if features.has_penalties and not capable_of(self.policy, trial.plan.method):
+        method = trial.plan.method
+        if features.has_penalties and not capable_of(self.policy, method):
             return None
-        if incumbent is not None and incumbent != trial.plan.method and features.max_tokens is not None:
+        if not _batch_may_win(view, acceptance.get(method), method, batch, context):
+            self._trial = None  # the batch grew past what it could win at
+            return None
+        if incumbent is not None and incumbent != method and features.max_tokens is not None:
             left = features.prompt_tokens + features.max_tokens - live.context_tokens
             if left < TRIAL_MIN_LEFT:
                 return None

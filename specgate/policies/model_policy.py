@@ -45,10 +45,11 @@ _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
 # for idle requests), the model's busy requests speculate with it at depth 1
 # together (the ones arriving, and the plain streams at their next round),
 # until a batch size's round is measured (live_costs.LiveCosts.batched), or
-# at most TRIAL_ROUNDS of its streams' rounds in a batch were observed. Without this, concurrency is plain by rule forever: no
-# request alone ever times a batch's round. Depth 1: the cheapest round and
-# the widest batch its verify widths fit. A stream with less than
-# TRIAL_MIN_LEFT tokens left stays where it is (the handoff would not pay).
+# at most TRIAL_ROUNDS reports of its streams' rounds in a batch came in.
+# Without it, concurrency is plain by rule forever: no request alone ever
+# times a batch's round. Depth 1: the cheapest round and the widest batch
+# its verify widths fit. A stream with less than TRIAL_MIN_LEFT tokens left
+# stays where it is (the handoff would not pay).
 TRIAL_ROUNDS = 48
 TRIAL_MIN_LEFT = 16
 

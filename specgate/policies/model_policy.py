@@ -52,6 +52,12 @@ _FIXED_REASONS = ("forced_by_request", "no_drafter", "penalties", "small_model")
 # stays where it is (the handoff would not pay).
 TRIAL_ROUNDS = 48
 TRIAL_MIN_LEFT = 16
+# A trial's cost is certain, its gain only possible: it runs only where the
+# bound (_batch_may_win) promises a batch this much faster than plain
+# batching. Lone rounds near break-even on this CPU put 2 streams at the
+# edge, where noise began a trial in 3 of 10 bursts (0.92x those bursts);
+# on an H100 the bound promised 1.6-2x at 2 to 16 streams.
+TRIAL_MARGIN = 0.25
 
 
 @dataclass
@@ -103,7 +109,7 @@ def build_policy(model_id: str, engines: Mapping[str, object], refused: Mapping[
 
 def _batch_may_win(view: CostView, acceptance, method: Method, batch: int, context: int) -> bool:
     """Whether speculating at depth 1 in a batch of `batch` could beat plain
-    batching, judged from what lone rounds measured: a batch's round costs
+    batching by TRIAL_MARGIN, judged from what lone rounds measured: a batch's round costs
     at most a plain step of the batch plus, per stream, what a lone round
     costs over a lone plain step (its draft and its verify row; in a batch
     both cost less or as much: the verify curve only flattens). Where even
@@ -115,8 +121,9 @@ def _batch_may_win(view: CostView, acceptance, method: Method, batch: int, conte
     many = view.plain(batch, context)
     # Unmeasured, a plain step of the batch is at most its streams' steps one by one.
     step = many.seconds if many is not None else batch * one.seconds
-    # batch x E / (step + batch x extra) > batch / step, rearranged:
-    return step * (expected_tokens(acceptance, 1) - 1) > batch * (lone.seconds - one.seconds)
+    # batch x E / (step + batch x extra) > (1 + margin) x batch / step, rearranged:
+    gain = step * (expected_tokens(acceptance, 1) - 1 - TRIAL_MARGIN)
+    return gain > (1 + TRIAL_MARGIN) * batch * (lone.seconds - one.seconds)
 
 
 def capable_of(policy: ModelPolicy, method: Method) -> bool:

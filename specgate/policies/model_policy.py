@@ -55,8 +55,10 @@ TRIAL_MIN_LEFT = 16
 # A trial's cost is certain, its gain only possible: it runs only where the
 # bound (_batch_may_win) promises a batch this much faster than plain
 # batching. Lone rounds near break-even on this CPU put 2 streams at the
-# edge, where noise began a trial in 3 of 10 bursts (0.92x those bursts);
-# on an H100 the bound promised 1.6-2x at 2 to 16 streams.
+# edge, where noise began a trial in 3 of 10 bursts (0.92x those bursts).
+# On an H100 a lone depth-1 round costs little over a plain step (the
+# verify kernels) while a plain step of 2 to 16 streams took 9.5 to 51 ms:
+# the bound is far past the margin there.
 TRIAL_MARGIN = 0.25
 
 

@@ -343,6 +343,9 @@ class PolicySide:
                                  live_state=self.planning_state, timed=timed_methods(self.engines))  # fmt: skip
         self.arrived = 0  # requests of a burst not yet in an engine
         self.methods: dict[str, int] = {}  # tokens by the method that decoded them
+        # Plans decided, each request's first and every handoff's, as
+        # method/reason/source: a batch trial shows as mtp/concurrency/explore.
+        self.plans: dict[str, int] = {}
         self._n = 0
 
     def planning_state(self, arriving: bool = False):
@@ -366,6 +369,7 @@ class PolicySide:
         plan, planner = self.policy.start(RequestFeatures(len(prompt), False, content="code"),
                                           self.planning_state(arriving=True))  # fmt: skip
         self.arrived -= 1
+        self._count(plan)
         request = GenerationRequest(f"policy-{self._n}", "suite", prompt, SamplingParams(temperature=0), n, plan)
         run, engine, resume, method = Run(t0=time.perf_counter()), self.engines[plan.engine], None, plan.method
         while engine is not None:
@@ -373,6 +377,7 @@ class PolicySide:
             async for event in events:
                 if isinstance(event, Handoff):
                     following, resume, method = self.engines[event.plan.engine], event, event.plan.method
+                    self._count(event.plan)
                     break
                 if isinstance(event, RoundStats):
                     self.policy.observe(event, "code")
@@ -388,6 +393,10 @@ class PolicySide:
             await events.aclose()
             engine = following
         return run
+
+    def _count(self, plan) -> None:
+        key = f"{plan.method}/{plan.reason}/{plan.source}"
+        self.plans[key] = self.plans.get(key, 0) + 1
 
     def many(self, prompts: list[list[int]], n: int) -> tuple[list[Run], float]:
         async def all_():
@@ -806,10 +815,12 @@ def section_batchengine(a, target, out: dict) -> None:
            for b, r in result.items()])  # fmt: skip
     if policy is not None:
         print(f"policy: no tune prior (rules, then live measurements); its tokens by method: "
-              f"{policy.methods}")  # fmt: skip
+              f"{policy.methods}; plans decided (method/reason/source, warm-up included): "
+              f"{policy.plans}")  # fmt: skip
     print(f"outputs token-for-token equal to the plain engine's: {'yes' if exact else 'NO'}")
     out["batchengine"] = {"kernels": spec.engine.target.kernels, "rows": switch.rows,
                           "policy_methods": policy.methods if policy is not None else None,
+                          "policy_plans": policy.plans if policy is not None else None,
                           "streams": {str(k): v for k, v in result.items()}, "exact": exact}  # fmt: skip
 
 

@@ -23,30 +23,17 @@ import httpx
 import openai
 import pytest
 
-from specgate.policies.acceptance import AcceptanceTracker
-from specgate.policies.live_costs import LiveCosts, RunningEstimate
 from tests.conftest import in_process_gateway
+from tests.test_plan_switch import PinnedAcceptance, PinnedCosts
 
 N = 160
 
 
-class PinnedLoneCosts(LiveCosts):
-    """Failure injection: lone rounds and plain steps as pinned above; a
-    round inside a batch (LiveCosts._batched) as measured."""
+class PinnedLoneCosts(PinnedCosts):
+    """test_plan_switch's pinned costs with a cheap draft (1 ms): a batch
+    of a few streams then has the clear chance a trial needs."""
 
-    def get(self, method, width, bucket):
-        seconds = 0.010 if method == "none" else 0.010 + 0.001 * width
-        return RunningEstimate(mean=seconds, count=self.min_samples, warm_up=0)
-
-    def measured(self, method, bucket=None):
-        return {(w, 0): self.get(method, w, 0) for w in range(1, 9)}
-
-
-class PinnedAcceptance(AcceptanceTracker):
-    """Failure injection: every draft accepted, as the policy sees it."""
-
-    def rates(self, model, content):
-        return {"mtp": [1.0] * 8}
+    per_draft = 0.001
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,13 @@ class PinnedCosts(LiveCosts):
     """Failure injection: round costs as if this machine had measured a
     plain step at 10 ms at any batch size (batching two is then worth 2x)
     and an MTP round at 10 + 6 ms per draft, whatever it really measures (a
-    CPU running a model this small cannot show speculation winning)."""
+    CPU running a model this small cannot show speculation winning).
+    Rounds inside a batch are not pinned (LiveCosts._batched)."""
+
+    per_draft = 0.006  # seconds a draft adds to a round
 
     def get(self, method, width, bucket):
-        seconds = 0.010 if method == "none" else 0.010 + 0.006 * width
+        seconds = 0.010 if method == "none" else 0.010 + self.per_draft * width
         return RunningEstimate(mean=seconds, count=self.min_samples, warm_up=0)
 
     def measured(self, method, bucket=None):

@@ -247,14 +247,24 @@ def loaded_model(model, vocab: int):
 
 
 class PlainEngine(Driven):
-    """specgate's MLXPlainEngine."""
+    """specgate's MLXPlainEngine. Its batch steps' kernels (engines/mlx_plain/
+    kernels.py) are proved in the background; `wait` (the sections that time
+    it alone) waits for them, so no proof runs beside a timed run."""
 
-    def __init__(self, model, vocab: int, max_concurrent: int, loaded=None):
+    def __init__(self, model, vocab: int, max_concurrent: int, loaded=None, kernels: str = "auto",
+                 wait: bool = True):  # fmt: skip
         from specgate.engines.mlx_plain import MLXPlainEngine
 
+        t0 = time.perf_counter()
         # No prefix cache: every repeat pays its whole prefill, as mlx-lm's side does.
-        super().__init__(MLXPlainEngine("suite", loaded or loaded_model(model, vocab), max_context=32768,
-                                        max_concurrent=max_concurrent, prefix_cache_size=0))  # fmt: skip
+        engine = MLXPlainEngine("suite", loaded or loaded_model(model, vocab), max_context=32768,
+                                max_concurrent=max_concurrent, prefix_cache_size=0, kernels=kernels)  # fmt: skip
+        if wait:
+            decided = engine.kernels_ready(900)
+            print(f"[plain engine] batch steps {'through the kernels' if engine.batch_kernels.on else 'stock'}"
+                  f"{'' if decided else ' (still proving)'}, {time.perf_counter() - t0:.1f} s after "
+                  f"its load", flush=True)  # fmt: skip
+        super().__init__(engine)
 
 
 class OracleSpecEngine(Driven):
@@ -453,7 +463,7 @@ def served_model(a):
 def section_plain(a, target, out: dict) -> None:
     model, _, vocab = target
     rng = random.Random(a.seed + 11)
-    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams))
+    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams), kernels=a.kernels)
     try:
         warm_short, warm_long = prompts_for(rng, vocab, a.prompt, 1)[0], prompts_for(rng, vocab, a.prefill, 1)[0]
         for p, n in ((warm_short, a.tokens), (warm_long, 2)):  # untimed: each shape's kernels built once
@@ -497,7 +507,7 @@ def section_plain(a, target, out: dict) -> None:
 def section_batched(a, target, out: dict) -> None:
     model, _, vocab = target
     rng = random.Random(a.seed + 23)
-    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams))
+    engine = PlainEngine(served_model(a), vocab, max_concurrent=max(a.streams), kernels=a.kernels)
     result: dict = {}
     exact = True
     try:
@@ -528,6 +538,7 @@ def section_batched(a, target, out: dict) -> None:
                       f"BatchGenerator {g_tps:.0f} tok/s", flush=True)  # a timed-out run keeps these
             result[n_streams] = row
     finally:
+        kernels = engine.engine.batch_kernels.on
         engine.close()
     print(f"\n## batched: specgate's plain engine vs mlx-lm BatchGenerator ({a.reps} repeats; "
           f"{a.prompt}-token prompts, {a.tokens} tokens each; the engine's max_concurrent "
@@ -537,8 +548,9 @@ def section_batched(a, target, out: dict) -> None:
           [[str(n), summary(r["specgate tok/s"], ".1f"), summary(r["mlx-lm tok/s"], ".1f"),
             summary(r["ratio"]), summary(r["specgate ttft"], ".1f"), summary(r["mlx-lm ttft"], ".1f"),
             summary(r["ttft ratio"])] for n, r in result.items()])  # fmt: skip
-    print(f"outputs token-for-token equal to BatchGenerator's: {'yes' if exact else 'NO'}")
-    out["batched"] = {"streams": {str(k): v for k, v in result.items()}, "exact": exact}
+    print(f"outputs token-for-token equal to BatchGenerator's: {'yes' if exact else 'NO'}; specgate's batch "
+          f"steps {'through the kernels' if kernels else 'stock'}")  # fmt: skip
+    out["batched"] = {"streams": {str(k): v for k, v in result.items()}, "exact": exact, "kernels": kernels}
 
 
 def section_mtp(a, target, out: dict) -> None:
@@ -742,13 +754,16 @@ def section_batchengine(a, target, out: dict) -> None:
     rng = random.Random(a.seed + 71)
     depths = a.spec_depths
     loaded = loaded_model(model, vocab)  # one model, one lock: the policy side uses both engines
-    plain = PlainEngine(model, vocab, max_concurrent=max(a.spec_streams), loaded=loaded)
+    plain = PlainEngine(model, vocab, max_concurrent=max(a.spec_streams), loaded=loaded, kernels=a.kernels,
+                        wait=False)  # (waited for with the speculative engine's, below)
     t0 = time.perf_counter()
     spec = OracleSpecEngine(model, head, vocab, a.accept, max(max(depths), 1), a.seed, loaded=loaded)
     switch = spec.engine.kernel_switch
-    decided = switch.done.wait(900) and switch.batch_done.wait(900)
+    decided = switch.done.wait(900) and switch.batch_done.wait(900) and plain.engine.kernels_ready(900)
     print(f"\n[batchengine] verify kernels {'on' if spec.engine.target.kernels else 'off'}, proved for "
-          f"up to {switch.rows} rows{'' if decided else ' (still proving)'}, "
+          f"up to {switch.rows} rows; plain batch steps "
+          f"{'through the kernels' if plain.engine.batch_kernels.on else 'stock'}"
+          f"{'' if decided else ' (still proving)'}, "
           f"{time.perf_counter() - t0:.1f} s after the engine's load")  # fmt: skip
     result: dict = {}
     exact = True

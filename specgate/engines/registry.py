@@ -191,7 +191,7 @@ def _plain(ctx: BuildContext) -> Engine:
     return MLXPlainEngine(ctx.model_id, ctx.mlx_model(), max_context=ctx.context_length(),
                           max_concurrent=ctx.max_concurrent, max_queue=ctx.max_queue,
                           prefix_cache_size=ctx.prefix_cache_size, task=ctx.task,
-                          embedding=ctx.embedding)  # fmt: skip
+                          embedding=ctx.embedding, kernels=ctx.kernels)  # fmt: skip
 
 
 def spec_engine(name: str, proposers: str) -> Builder:

@@ -9,7 +9,8 @@ is skipped (MLX builds each shape's graph once), a stall counts at most
 `STALL_CAP` times the current mean, and the mean forgets with weight
 `alpha`, so a machine that got busier is followed within tens of rounds.
 A method's estimates start over when its engine's verify path changes
-(RoundStats.kernels: the kernels proved in the background took over).
+(RoundStats.kernels: the kernels proved in the background took over), and
+plain batch steps' when the plain engine's batches take them.
 
 `CostView` answers the policy's two questions in seconds: what one plain
 step of B sequences costs at a context, and what one speculative round of a
@@ -91,6 +92,11 @@ class LiveCosts:
         if stats.seconds <= 0:
             return  # not timed (llama-server reports sums)
         if stats.method == "none":
+            if stats.batch > 1 and self._kernels.setdefault("none", stats.kernels) != stats.kernels:
+                # The plain engine's batch steps took the kernels once proved
+                # (engines/mlx_plain/kernels.py): the stock steps' costs are gone.
+                self._rounds = {k: e for k, e in self._rounds.items() if k[0] != "none" or k[1] == 1}
+                self._kernels["none"] = stats.kernels
             key = ("none", stats.batch, context_bucket(stats.context_tokens))
         elif stats.batch > 1:
             # A round inside a batch (issue 45): not what a lone round costs.

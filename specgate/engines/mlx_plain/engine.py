@@ -61,10 +61,12 @@ from specgate.engines.forwards.quantized_kv import batchable
 from specgate.engines.grammar.matcher import GrammarError, GrammarState, masked
 from specgate.engines.grammar.thinking import ThinkingState, decoding_state
 from specgate.engines.loading import LoadedModel
+from specgate.engines.mlx_plain.kernels import BatchKernels
 from specgate.engines.mlx_plain.lone import LoneSequence, feed
 from specgate.engines.sampling import PenaltyState, apply_penalties, reportable, sample
 from specgate.engines.settings import EmbeddingSettings, Task
-from specgate.engines.worker import WorkerEngine, default_prefill_step, deliver
+from specgate.engines.worker import STOP_JOIN_S, WorkerEngine, default_prefill_step, deliver
+from specgate.kernels import hook, qmm
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +210,14 @@ class MLXPlainEngine(WorkerEngine):
         lone: bool = True,
         task: Task | None = None,
         embedding: EmbeddingSettings | None = None,
+        kernels: str = "auto",
+        kernel_guard=None,
     ):
         """lone: a sequence alone decodes outside the batch (lone.py); off,
-        it stays in the batch of one (what the bench compares it with)."""
+        it stays in the batch of one (what the bench compares it with).
+        kernels: "auto" proves the small-M kernels in the background and
+        then runs batch steps through them (kernels.py); "off" keeps them
+        stock. kernel_guard: the guard to prove with (None: SPECGATE_HOME's)."""
         super().__init__(model_id, loaded, max_context=max_context, task=task, embedding=embedding)
         self.lone = lone
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
@@ -229,6 +236,18 @@ class MLXPlainEngine(WorkerEngine):
         self._batch: BatchGenerator | None = None
         self._waiting: list[_Slot] = []  # submitted, not yet started (worker only)
         self._lone_uid = 0  # a request started alone has a uid of its own, below 0
+        self.batch_kernels = BatchKernels(
+            f"{model_id} {self.name}", loaded, kernels if self.task == "generate" else "off",
+            range(2, min(max_concurrent, qmm.MAX_M) + 1), kernel_guard)
+        self.batch_kernels.start()
+
+    def kernels_ready(self, timeout: float | None = None) -> bool:
+        """Waits until the batch steps' path is decided (kernels or stock)."""
+        return self.batch_kernels.wait(timeout)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await asyncio.to_thread(self.batch_kernels.stop, STOP_JOIN_S)  # no new proof starts
+        await super().stop(grace_s)
 
     def generate(
         self, request: GenerationRequest, planner: Planner | None = None,
@@ -274,7 +293,8 @@ class MLXPlainEngine(WorkerEngine):
                 # is timed: it is what a plain step costs at this batch size.
                 decoding = [s for s in self._slots.values() if s.started]
                 timed = len(decoding) == len(self._slots)
-                with self.loaded.lock:  # timed inside: waiting for the lock is not the step's cost
+                kernels = self.batch_kernels.on
+                with self.loaded.lock, hook.kernels(kernels):  # timed inside: not the lock's wait
                     t0 = time.perf_counter()
                     prompt_responses, generation_responses = self._batch.next()
                     seconds = time.perf_counter() - t0
@@ -283,7 +303,8 @@ class MLXPlainEngine(WorkerEngine):
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for slot, progress in self._prefill_progress(prompt_responses):
                     by_loop.setdefault(slot.loop, []).append((slot.out, progress))
-                stats = self._step_stats(decoding, seconds) if timed and not prompt_responses else None
+                stats = (self._step_stats(decoding, seconds, kernels) if timed and not prompt_responses
+                         else None)  # fmt: skip
                 for response in generation_responses:
                     if (made := self._event(response)) is not None:
                         slot, event = made
@@ -316,12 +337,13 @@ class MLXPlainEngine(WorkerEngine):
         self._slots.clear()
         self._waiting.clear()
 
-    def _step_stats(self, decoding: list[_Slot], seconds: float) -> RoundStats:
+    def _step_stats(self, decoding: list[_Slot], seconds: float, kernels: bool) -> RoundStats:
         contexts = [len(s.request.prompt_tokens) + s.generated for s in decoding]
         return RoundStats(self.model_id, "none", 0, seconds=seconds, batch=len(decoding),
                           context_tokens=sum(contexts) // max(1, len(contexts)),
                           constrained=any(s.grammar is not None and s.grammar.grammar.constraint
-                                          is not None for s in decoding))  # fmt: skip
+                                          is not None for s in decoding),
+                          kernels=kernels and len(decoding) > 1)  # fmt: skip
 
     def _end_broken_grammars(self) -> None:
         """End the requests whose grammar failed in the step (its processor
@@ -594,7 +616,7 @@ class MLXPlainEngine(WorkerEngine):
             self.lone_tokens += 1
             if len(lone.tokens) % 256 == 0:
                 mx.clear_cache()  # as generate_step: the allocator's cache would grow
-            stats = self._step_stats([slot], now - last) if timed else None
+            stats = self._step_stats([slot], now - last, False) if timed else None
             last, timed = now, True
             if not self._send(slot, token, logprobs, lone, stats):
                 return

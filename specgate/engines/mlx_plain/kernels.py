@@ -1,0 +1,123 @@
+"""The plain engine's batch steps through the proved small-M kernels.
+
+A step of B sequences multiplies B rows by every weight matrix. On CUDA,
+MLX's stock `quantized_matmul` runs a per-row matrix-vector kernel below 8
+rows, which re-reads the weights for every row: on an H100 a plain step of
+4 streams cost ~3.5 one-stream steps, so mlx-lm's continuous batching gave
+246 tok/s at 4 streams against ~218 for one. The small-M kernels the
+speculative engines verify through (kernels/qmm.py, qmm_mma.py) read each
+weight once for 2..16 rows; a verify forward of 4 rows through them cost
+~1.1 one-row forwards on an H200 (kernels/README.md).
+
+So the plain engine proves the same kernels for every width 2..16, off its
+load path (as engines/mlx_spec/kernel_proofs.py does), and then runs its
+`BatchGenerator` steps inside `hook.kernels()`. Every width, not only the
+batch sizes it can reach: a step also prefills prompt chunks, and a chunk
+of 2..16 rows must find its shape proved (a proof inside a step stalls
+every stream for seconds on a GPU). One row (the lone loop, lone.py; a
+batch of one) stays stock, bit for bit mlx-lm's.
+
+What it changes in the numbers: a row's product is the kernel's (within
+the guard's bound of the exact product), as in a speculative engine's
+verify, where before it was MLX's matrix-vector kernel's. Greedy tokens
+are the same unless two logits lie within that rounding.
+
+Off where the config says `kernels: off`, and for a model over several
+ranks (its ranks would prove apart, and could decide apart).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from specgate.engines.loading import LoadedModel
+from specgate.kernels import hook, qmm
+from specgate.kernels.guard import Unproved, recorded_only
+
+log = logging.getLogger(__name__)
+
+# Every width a step's products may have: a batch's rows, or a prompt chunk's.
+WIDTHS = range(qmm.MIN_M, qmm.MAX_M + 1)
+
+
+class BatchKernels:
+    """Whether the plain engine's batch steps run through the kernels:
+    `on` turns true once every width is proved and warmed."""
+
+    def __init__(self, label: str, loaded: LoadedModel, setting: str, warm_widths: range,
+                 guard=None, fused_guard=None):  # fmt: skip
+        """warm_widths: the batch sizes to warm (one step each) once proved;
+        guard None: SPECGATE_HOME's shared guards."""
+        self.label, self.loaded, self.setting = label, loaded, setting
+        self.warm_widths = warm_widths
+        self.guard, self.fused_guard = guard, fused_guard
+        self.on = False  # read by the worker before each step
+        self.wiring = None  # what kernels/wiring.py decided, once it has
+        self.done = threading.Event()  # decided (on or off), and warmed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.setting == "off" or self.loaded.lockstep is not None:
+            self.done.set()
+            return
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kernel-proofs {self.label}")  # fmt: skip
+        self._thread.start()
+
+    def _run(self) -> None:
+        from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
+
+        model = self.loaded.model
+        kw = {"guard": self.guard, "fused_guard": self.fused_guard}
+        try:
+            try:
+                with recorded_only():  # all recorded (a later process): no proof, no wait
+                    kernel_wiring.prove(model, self.setting, WIDTHS, **kw)
+            except Unproved:
+                # One engine proves at a time (LoadedModel.proving): a
+                # speculative engine of this model may be proving most of
+                # these widths already, and its verdicts are read back here.
+                with self.loaded.proving:
+                    if not kernel_wiring.prove(model, self.setting, WIDTHS, stop=self._stop, **kw):
+                        return
+            with self.loaded.lock:  # (it swaps the linears' classes: between two steps)
+                wired = kernel_wiring.prepare(model, self.setting, WIDTHS, **kw)
+            self.wiring = wired
+            if not wired.enabled:
+                return
+            for width in self.warm_widths:
+                if self._stop.is_set():
+                    return
+                with self.loaded.lock:
+                    self._warm(width)
+            self.on = True
+            log.info("%s: batch steps through kernels/hook.py from now on (%s)", self.label,
+                     wired.reason)  # fmt: skip
+        except Exception:
+            log.exception("%s: proving its batch kernels failed; batch steps stay stock", self.label)
+        finally:
+            self.done.set()
+
+    def _warm(self, width: int) -> None:
+        """One decoding step of `width` sequences through the kernels, on a
+        throwaway cache: MLX builds that graph's kernels now, not in the
+        first step that has this many streams."""
+        model = self.loaded.model
+        cache = make_prompt_cache(model)
+        with hook.kernels():
+            mx.eval(model(mx.zeros((width, 1), dtype=mx.int32), cache=cache))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the batch path is decided (within `timeout` seconds)."""
+        return self.done.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Ends the proofs after the one running (a proof cannot be cut short)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,137 @@
+"""The plain engine's batch steps through the proved small-M kernels
+(engines/mlx_plain/kernels.py), on the CPU.
+
+A 4-bit tiny Qwen3 (mlx-lm's converter, float32 activations) served by the
+real MLXPlainEngine, with a guard whose only kernel is a correct one (the
+stock op, counted, as in test_kernel_wiring.py):
+- every width 2..16 is proved in the background, then the batch steps of
+  concurrent requests run through the kernel at their batch's rows, with
+  no proof inside a step, and each request's tokens equal greedy decoding;
+- a request alone (the lone loop, lone.py) never runs through it;
+- its steps report `kernels`, so the policy forgets the stock steps' costs;
+- with `kernels: off` nothing is proved and the kernel never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from greedy import assert_same_greedy, greedy_reference
+from test_kernel_wiring import Counting, counting_guard
+
+from specgate.builders.tiny import build_qwen3_dense
+from specgate.engines.base import GenerationRequest, Plan, RoundStats, SamplingParams, TokenEvent
+from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_plain.engine import MLXPlainEngine
+from specgate.engines.mlx_plain.kernels import WIDTHS
+from specgate.kernels import wiring
+from specgate.policies.live_costs import LiveCosts
+
+N_TOKENS = 16
+PLAN = Plan("mlx_plain", "none", 0, "concurrency")
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("plain_kernels")
+    src = build_qwen3_dense(root / "f32", vocab_size=1024)
+    dest = root / "q4"
+    convert(str(src), mlx_path=str(dest), quantize=True, q_group_size=64, q_bits=4,
+            dtype="float32")  # fmt: skip
+    return load_mlx_model(str(dest))
+
+
+def prompts(vocab: int, n: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(vocab - 3) for _ in range(rng.randint(20, 40))] for _ in range(n)]
+
+
+async def serve(engine, rid: str, prompt: list[int], n: int = N_TOKENS):
+    request = GenerationRequest(rid, "m", prompt, SamplingParams(temperature=0), n, PLAN,
+                                cache_scope=rid)  # fmt: skip
+    tokens, steps = [], []
+    async for event in engine.generate(request):
+        if isinstance(event, TokenEvent):
+            tokens += event.token_ids
+        elif isinstance(event, RoundStats):
+            steps.append(event)
+    return tokens, steps
+
+
+def run(loaded, guard, body, **kw):
+    async def main():
+        engine = MLXPlainEngine("m", loaded, max_context=2048, max_concurrent=4, prefix_cache_size=0,
+                                kernel_guard=guard, **kw)  # fmt: skip
+        try:
+            assert await asyncio.to_thread(engine.kernels_ready, 120)
+            await engine.start()
+            return engine, await body(engine)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def test_batch_steps_run_through_the_proved_kernels_and_decode_greedy(q4, tmp_path):
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+    asks = prompts(q4.vocab_size, 3)
+    lone_prompt = prompts(q4.vocab_size, 4)[-1]
+
+    async def body(engine):
+        assert engine.batch_kernels.on  # proved and warmed before the first request
+        checks = guard.checks_run
+        kernel.rows.clear()
+        together = await asyncio.gather(*(serve(engine, f"r{i}", p) for i, p in enumerate(asks)))
+        batch_rows, proofs = list(kernel.rows), guard.checks_run - checks
+        kernel.rows.clear()
+        alone = await serve(engine, "alone", lone_prompt)
+        return together, batch_rows, proofs, alone, list(kernel.rows)
+
+    engine, (together, batch_rows, proofs, alone, lone_rows) = run(q4, guard, body)
+    shapes = wiring.model_shapes(q4.model)
+    assert engine.batch_kernels.wiring.widths == tuple(WIDTHS)
+    assert guard.checks_run == len(shapes) * len(WIDTHS)  # every width, proved before serving
+    assert proofs == 0  # none inside a step
+    # The three streams' steps (and two's, once one ended) through the kernel.
+    assert 3 in batch_rows and set(batch_rows) <= set(WIDTHS)
+    for prompt, (tokens, _) in zip(asks, together, strict=True):
+        assert_same_greedy(tokens, *greedy_reference(q4.model, prompt, N_TOKENS))
+    batched = [s for _, steps in together for s in steps if s.batch > 1]
+    assert batched and all(s.kernels for s in batched)
+    # Alone: the lone loop, stock.
+    assert lone_rows == []
+    assert_same_greedy(alone[0], *greedy_reference(q4.model, lone_prompt, N_TOKENS))
+
+
+def test_kernels_off_proves_nothing_and_steps_stay_stock(q4, tmp_path):
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+
+    async def body(engine):
+        return await asyncio.gather(*(serve(engine, f"r{i}", p) for i, p in enumerate(prompts(q4.vocab_size, 2))))
+
+    engine, together = run(q4, guard, body, kernels="off")
+    assert not engine.batch_kernels.on and guard.checks_run == 0 and kernel.rows == []
+    assert all(not s.kernels for _, steps in together for s in steps)
+
+
+def test_plain_batch_costs_start_over_when_the_batch_takes_the_kernels():
+    costs = LiveCosts(min_samples=2)
+
+    def step(seconds: float, batch: int, kernels: bool) -> RoundStats:
+        return RoundStats("m", "none", 0, seconds=seconds, batch=batch, context_tokens=64, kernels=kernels)
+
+    for _ in range(4):
+        costs.observe(step(0.040, 4, False))
+        costs.observe(step(0.010, 1, False))
+    assert costs.get("none", 4, 0).mean == 0.040
+    costs.observe(step(0.012, 4, True))  # switched: its first step is the shape's warm-up
+    assert costs.get("none", 4, 0) is None and costs.get("none", 1, 0).mean == 0.010
+    for _ in range(2):
+        costs.observe(step(0.012, 4, True))
+    assert costs.get("none", 4, 0).mean == 0.012

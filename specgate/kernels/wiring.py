@@ -25,7 +25,9 @@ guards of its own) calls once when it loads a model:
   the same way per (group shape, width); where it is refused or cannot
   build, each linear takes its own path as above.
 - the engine then runs each round's verify forward inside
-  `hook.kernels(wired.enabled)`; prefill and one-row steps are never routed.
+  `hook.kernels(wired.enabled)` (the plain engine: its batch steps, whose
+  prompt chunks of 2..16 rows are routed too, every width proved for
+  them); a speculative engine's prefill and one-row steps are never routed.
 
 One guard per verdict cache directory per process (`shared_guard`), so
 engines that share a model share verdicts and its log lines. The directory

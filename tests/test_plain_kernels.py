@@ -7,7 +7,8 @@ stock op, counted, as in test_kernel_wiring.py):
 - every width 2..16 is proved in the background, then the batch steps of
   concurrent requests run through the kernel at their batch's rows, with
   no proof inside a step, and each request's tokens equal greedy decoding;
-- a request alone (the lone loop, lone.py) never runs through it;
+- a request alone (the lone loop, lone.py) runs through it only for an
+  lm_head of hook.WIDE_N columns or more (one row), with greedy's tokens;
 - its steps report `kernels`, so the policy forgets the stock steps' costs;
 - with `kernels: off` nothing is proved and the kernel never runs.
 """
@@ -19,30 +20,34 @@ import random
 
 import pytest
 from greedy import assert_same_greedy, greedy_reference
-from test_kernel_wiring import Counting, counting_guard
+from test_kernel_wiring import Counting, Weights, counting_guard
 
 from specgate.builders.tiny import build_qwen3_dense
 from specgate.engines.base import GenerationRequest, Plan, RoundStats, SamplingParams, TokenEvent
 from specgate.engines.loading import load_mlx_model
 from specgate.engines.mlx_plain.engine import MLXPlainEngine
 from specgate.engines.mlx_plain.kernels import WIDTHS
-from specgate.kernels import wiring
+from specgate.kernels import hook, qmm, wiring
+from specgate.kernels.guard import Candidate, Guard
 from specgate.policies.live_costs import LiveCosts
 
 N_TOKENS = 16
 PLAN = Plan("mlx_plain", "none", 0, "concurrency")
 
 
-@pytest.fixture(scope="module")
-def q4(tmp_path_factory):
+def quantized(root, vocab: int, **dims):
     from mlx_lm import convert
 
-    root = tmp_path_factory.mktemp("plain_kernels")
-    src = build_qwen3_dense(root / "f32", vocab_size=1024)
+    src = build_qwen3_dense(root / "f32", vocab_size=vocab, **dims)
     dest = root / "q4"
     convert(str(src), mlx_path=str(dest), quantize=True, q_group_size=64, q_bits=4,
             dtype="float32")  # fmt: skip
     return load_mlx_model(str(dest))
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    return quantized(tmp_path_factory.mktemp("plain_kernels"), 1024)
 
 
 def prompts(vocab: int, n: int) -> list[list[int]]:
@@ -106,6 +111,30 @@ def test_batch_steps_run_through_the_proved_kernels_and_decode_greedy(q4, tmp_pa
     # Alone: the lone loop, stock.
     assert lone_rows == []
     assert_same_greedy(alone[0], *greedy_reference(q4.model, lone_prompt, N_TOKENS))
+
+
+def test_a_lone_request_takes_the_kernel_for_its_lm_head_alone(tmp_path_factory, tmp_path):
+    """A vocabulary of hook.WIDE_N: the lm_head's one-row product goes
+    through the kernel on the lone loop, every other one-row product stays
+    stock, and the tokens are greedy decoding's."""
+    wide = quantized(tmp_path_factory.mktemp("plain_kernels_wide"), hook.WIDE_N, num_hidden_layers=1,
+                     hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    kernel = Weights()
+    # written for 1..16 rows, as the tensor-core kernel is (qmm_mma.MIN_M)
+    guard = Guard([Candidate("count", "1", kernel, lambda m, *shape: 1 <= m <= qmm.MAX_M)],
+                  cache_dir=tmp_path, machine="test-machine", reps=2, inner=1, margin=float("inf"))  # fmt: skip
+    prompt = prompts(wide.vocab_size, 1)[0]
+
+    async def body(engine):
+        kernel.calls.clear()
+        return await serve(engine, "alone", prompt)
+
+    engine, (tokens, _) = run(wide, guard, body)
+    assert engine.batch_kernels.on and engine.lone_tokens > 0
+    lm_head = id(wide.model.lm_head["weight"])
+    # the lm_head of every token's step, and of nothing else
+    assert len(kernel.calls) >= N_TOKENS - 1 and set(kernel.calls) == {(1, lm_head)}
+    assert_same_greedy(tokens, *greedy_reference(wide.model, prompt, N_TOKENS))
 
 
 def test_kernels_off_proves_nothing_and_steps_stay_stock(q4, tmp_path):

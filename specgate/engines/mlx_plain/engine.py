@@ -565,7 +565,7 @@ class MLXPlainEngine(WorkerEngine):
                 return
             chunk = segments[0][: self.prefill_step_size]
             if chunk:
-                with self.loaded.lock:
+                with self.loaded.lock, hook.kernels(self.batch_kernels.on):
                     feed(self.loaded.model, cache, chunk, stream)
                 tokens += chunk
                 fed += len(chunk)
@@ -580,7 +580,7 @@ class MLXPlainEngine(WorkerEngine):
                     scope = self._prefix_cache.snapshot_scope(slot.request, len(tokens))
                     self._prefix_cache.insert(slot.request.cache_key(tokens), snapshot(cache), scope)
         context = TokenBuffer(tokens) if slot.processors else None
-        with self.loaded.lock:
+        with self.loaded.lock, hook.kernels(self.batch_kernels.on):
             lone = LoneSequence.after_prompt(self.loaded.model, cache, tokens, last, slot.sampler,
                                              slot.processors, context, stream)  # fmt: skip
         self._decode_alone(slot, lone)
@@ -610,7 +610,7 @@ class MLXPlainEngine(WorkerEngine):
             if (plan := self._plan_elsewhere(slot)) is not None:
                 self._hand_off(slot, plan, lone.cache, lone.tokens, lone.pending_token())
                 return
-            with self.loaded.lock:
+            with self.loaded.lock, hook.kernels(self.batch_kernels.on):
                 token, logprobs = lone.step()
             now = time.perf_counter()
             self.lone_tokens += 1

@@ -7,8 +7,10 @@ stock op, counted, as in test_kernel_wiring.py):
 - every width 2..16 is proved in the background, then the batch steps of
   concurrent requests run through the kernel at their batch's rows, with
   no proof inside a step, and each request's tokens equal greedy decoding;
-- a request alone (the lone loop, lone.py) runs through it only for an
-  lm_head of hook.WIDE_N columns or more (one row), with greedy's tokens;
+- a request alone (the lone loop, lone.py) runs through it at one row
+  where the kernel is written for one row: each layer's compiled one-row
+  halves traced through it, and an lm_head of hook.WIDE_N columns; with
+  greedy's tokens;
 - its steps report `kernels`, so the policy forgets the stock steps' costs;
 - with `kernels: off` nothing is proved and the kernel never runs.
 """
@@ -113,28 +115,51 @@ def test_batch_steps_run_through_the_proved_kernels_and_decode_greedy(q4, tmp_pa
     assert_same_greedy(alone[0], *greedy_reference(q4.model, lone_prompt, N_TOKENS))
 
 
-def test_a_lone_request_takes_the_kernel_for_its_lm_head_alone(tmp_path_factory, tmp_path):
-    """A vocabulary of hook.WIDE_N: the lm_head's one-row product goes
-    through the kernel on the lone loop, every other one-row product stays
-    stock, and the tokens are greedy decoding's."""
+def test_a_lone_request_s_one_row_steps_run_through_the_kernels(tmp_path_factory, tmp_path):
+    """A kernel written for one row too (as the tensor-core one is), and a
+    vocabulary of hook.WIDE_N: every shape is proved at one row as well;
+    each layer gets one-row halves traced through the kernel
+    (forwards/one_row.py), which the lone loop runs, while its lm_head goes
+    through the kernel outside the trace; the tokens are greedy decoding's."""
     wide = quantized(tmp_path_factory.mktemp("plain_kernels_wide"), hook.WIDE_N, num_hidden_layers=1,
                      hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     kernel = Weights()
-    # written for 1..16 rows, as the tensor-core kernel is (qmm_mma.MIN_M)
     guard = Guard([Candidate("count", "1", kernel, lambda m, *shape: 1 <= m <= qmm.MAX_M)],
                   cache_dir=tmp_path, machine="test-machine", reps=2, inner=1, margin=float("inf"))  # fmt: skip
     prompt = prompts(wide.vocab_size, 1)[0]
+    layer = wide.model.model.layers[0]
+    lm_head = id(wide.model.lm_head["weight"])
+    linears = {id(m["weight"]) for _, m in layer.named_modules() if hook.eligible(m)}
+    runs = {"kernels": 0, "stock": 0}
+
+    def counted(fn, key):
+        def call(*args):
+            runs[key] += 1
+            return fn(*args)
+
+        return call
 
     async def body(engine):
+        # Traced at the switch: each of the layer's linears at one row.
+        assert {w for m, w in kernel.calls if m == 1} >= linears
+        before, after, enabled = layer.__dict__["_specgate_one_row_kernels"]
+        layer.__dict__["_specgate_one_row_kernels"] = (counted(before, "kernels"), after, enabled)
+        stock = layer.__dict__["_specgate_one_row"]
+        layer.__dict__["_specgate_one_row"] = (counted(stock[0], "stock"), *stock[1:])
         kernel.calls.clear()
         return await serve(engine, "alone", prompt)
 
     engine, (tokens, _) = run(wide, guard, body)
-    assert engine.batch_kernels.on and engine.lone_tokens > 0
-    lm_head = id(wide.model.lm_head["weight"])
-    # the lm_head of every token's step, and of nothing else
+    assert engine.batch_kernels.on and engine.batch_kernels.one_row_layers == 1
+    assert guard.checks_run == len(wiring.model_shapes(wide.model)) * (1 + len(WIDTHS))
+    assert engine.lone_tokens > 0
+    # Every step's layer through the traced kernel halves (replayed: the
+    # kernel's Python is not called again), its lm_head through the kernel.
+    assert runs["kernels"] >= N_TOKENS - 1 and runs["stock"] == 0
     assert len(kernel.calls) >= N_TOKENS - 1 and set(kernel.calls) == {(1, lm_head)}
-    assert_same_greedy(tokens, *greedy_reference(wide.model, prompt, N_TOKENS))
+    want = greedy_reference(wide.model, prompt, N_TOKENS)  # (kernels off: the stock halves)
+    assert runs["stock"] > 0
+    assert_same_greedy(tokens, *want)
 
 
 def test_kernels_off_proves_nothing_and_steps_stay_stock(q4, tmp_path):

@@ -18,17 +18,17 @@ def shared_guard(op: str = "qmm") -> Guard:
 
 
 def prepare(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
-            fused_guard: Guard | None = None) -> Wiring:  # fmt: skip
+            fused_guard: Guard | None = None, one_row: bool = False) -> Wiring:  # fmt: skip
     """specgate.kernels.wiring.prepare; without a `guard`, with SPECGATE_HOME's shared ones."""
     return wiring.prepare(model, setting, widths, guard=guard, fused_guard=fused_guard,
-                          cache_dir=kernel_cache_dir())  # fmt: skip
+                          cache_dir=kernel_cache_dir(), one_row=one_row)  # fmt: skip
 
 
 def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
-          fused_guard: Guard | None = None, stop=None) -> bool:  # fmt: skip
+          fused_guard: Guard | None = None, stop=None, one_row: bool = False) -> bool:  # fmt: skip
     """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's shared ones."""
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
-                        cache_dir=kernel_cache_dir(), stop=stop)  # fmt: skip
+                        cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row)  # fmt: skip
 
 
 __all__ = ["SETTINGS", "Wiring", "describe", "model_shapes", "prepare", "prove", "shared_guard"]

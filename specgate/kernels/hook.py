@@ -58,6 +58,23 @@ def kernels(on: bool = True):
         _local.on = prev
 
 
+@contextmanager
+def one_row(on: bool = True):
+    """While kernels are on, one-row products go through the kernels too,
+    where the guard proved them at one row, on this thread during the block.
+    For what a compiled trace records (engines/forwards/one_row.py's kernel
+    halves), where MLX replays the launches from C++: called from Python, a
+    custom launch costs the host more than MLX's own one-row kernel
+    (bench/plain_probe.py: "mma1" 0.73x `generate_step`, "mmac" 1.14x on an
+    H100 whose GPU bounds decoding)."""
+    prev = getattr(_local, "one_row", False)
+    _local.one_row = on
+    try:
+        yield
+    finally:
+        _local.one_row = prev
+
+
 _UNKNOWN = object()
 
 
@@ -84,9 +101,10 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                 return pending[1]
         guard = d.get("_specgate_guard")
         m = math.prod(x.shape[:-1])
-        if m == 1 and (siblings := d.get("_specgate_siblings")) is not None:
+        one = m == 1 and enabled() and getattr(_local, "one_row", False)
+        if m == 1 and not one and (siblings := d.get("_specgate_siblings")) is not None:
             return self._siblings(x, siblings)
-        if guard is not None and enabled() and (qmm.MIN_M <= m <= qmm.MAX_M
+        if guard is not None and enabled() and (qmm.MIN_M <= m <= qmm.MAX_M or one
                                                 or (m == 1 and self["weight"].shape[0] >= WIDE_N)):
             if d.get("_specgate_group"):
                 y = self._fused(x, m)

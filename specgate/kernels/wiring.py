@@ -166,10 +166,12 @@ class _Proved:
 
 
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
-           cache_dir: Path | None, stop: threading.Event | None = None) -> Wiring | _Proved | None:  # fmt: skip
+           cache_dir: Path | None, stop: threading.Event | None = None,
+           one_row: bool = False) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
-    A Wiring where no kernel can be used, None when `stop` was set."""
+    A Wiring where no kernel can be used, None when `stop` was set.
+    one_row: every shape and sibling group at one row too (hook.one_row)."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -200,14 +202,14 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
     if not fused_keep:
         fused_guard, groups = None, []
     for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
-        for m in (1, *widths) if n >= hook.WIDE_N and widths else widths:  # (hook.WIDE_N: one row too)
+        for m in (1, *widths) if (one_row or n >= hook.WIDE_N) and widths else widths:  # (WIDE_N: one row too)
             for cand in keep:
                 if stop is not None and stop.is_set():
                     return None
                 guard.verdict(cand, m, k, n, dtype, bits, gs)
     fused_ok = 0
     for k, ns, dtype, bits, gs in groups:
-        for m in widths:
+        for m in (1, *widths) if one_row and widths else widths:
             for cand in fused_keep:
                 if stop is not None and stop.is_set():
                     return None
@@ -218,17 +220,18 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
 
 def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
-          cache_dir: Path | None = None, stop: threading.Event | None = None) -> bool:  # fmt: skip
+          cache_dir: Path | None = None, stop: threading.Event | None = None,
+          one_row: bool = False) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
     MLX stream). False when `stop` was set before the end."""
-    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop) is not None
+    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row) is not None
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
             guard: Guard | None = None, fused_guard: Guard | None = None,
-            cache_dir: Path | None = None) -> Wiring:  # fmt: skip
+            cache_dir: Path | None = None, one_row: bool = False) -> Wiring:  # fmt: skip
     """Install the hook on `model` and prove its verify shapes (see the module docstring).
 
     Without a `guard`, this process's shared guards for `cache_dir` are used
@@ -237,7 +240,7 @@ def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
     lock (engines/loading.py): it swaps the classes of the model's linears.
     Inside guard.recorded_only() it proves nothing and raises Unproved
     where a verdict is missing, before installing anything."""
-    found = _prove(model, setting, widths, guard, fused_guard, cache_dir)
+    found = _prove(model, setting, widths, guard, fused_guard, cache_dir, one_row=one_row)
     if isinstance(found, Wiring):
         if found.failed and ("wiring", found.reason) not in found.guard._logged:
             found.guard._logged.add(("wiring", found.reason))  # once per guard

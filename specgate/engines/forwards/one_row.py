@@ -27,6 +27,12 @@ the stock call. `compile_one_row` checks each layer's halves against its
 stock call on a probe row. It keeps them only where the output and the
 cache are bit-equal, so a trace that rounds differently is never used.
 
+`compile_one_row_kernels` gives the same layers a second pair, traced
+with their products through the proved small-M kernels at one row (the
+plain engine does it once they are proved: engines/mlx_plain/kernels.py),
+used while the caller's `enabled()` says kernels are on; each is checked
+bit for bit against the same halves run uncompiled.
+
 May import mlx and mlx-lm only.
 """
 
@@ -59,6 +65,8 @@ class _Offsets:
 
 
 def _halves(layer: nn.Module):
+    """The layer's one-row step before and after its cache write and
+    attention, uncompiled."""
     attn = layer.self_attn
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
@@ -76,23 +84,32 @@ def _halves(layer: nn.Module):
         h = x + attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(1, 1, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    return mx.compile(before), mx.compile(after)
+    return before, after
 
 
 def _one_row(x: mx.array, mask, cache) -> bool:
     return type(cache) is KVCache and mask is None and x.shape[0] == 1 and x.shape[1] == 1
 
 
+def _step(layer: nn.Module, halves, offsets: _Offsets, x: mx.array, cache) -> mx.array:
+    before, after = halves
+    q, k, v = before(x, offsets.of(cache.offset))
+    k, v = cache.update_and_fetch(k, v)
+    attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=layer.self_attn.scale,
+                                            mask=None)  # fmt: skip
+    return after(x, attended)
+
+
 def _compiled_class(stock: type) -> type:
     def __call__(self, x, mask=None, cache=None):
         if not _one_row(x, mask, cache):
             return stock.__call__(self, x, mask, cache)
-        before, after, offsets = self.__dict__["_specgate_one_row"]
-        q, k, v = before(x, offsets.of(cache.offset))
-        k, v = cache.update_and_fetch(k, v)
-        attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.self_attn.scale,
-                                                mask=None)  # fmt: skip
-        return after(x, attended)
+        d = self.__dict__
+        before, after, offsets = d["_specgate_one_row"]
+        kernels = d.get("_specgate_one_row_kernels")
+        if kernels is not None and kernels[2]():  # traced through the kernels, and they are on
+            return _step(self, kernels[:2], offsets, x, cache)
+        return _step(self, (before, after), offsets, x, cache)
 
     return type(f"OneRow{stock.__name__}", (stock,), {"__call__": __call__})
 
@@ -100,14 +117,24 @@ def _compiled_class(stock: type) -> type:
 def _same_as_stock(layer: nn.Module, stock: type, dtype, hidden: int) -> bool:
     """One probe row on a cache holding three: the compiled halves' output and
     cache against the stock call's, bit for bit."""
+    row, caches = _probe(layer, hidden, dtype)
+    return _same(stock.__call__(layer, row, None, caches[0]), layer(row, None, caches[1]), caches)
+
+
+def _probe(layer: nn.Module, hidden: int, dtype) -> tuple[mx.array, tuple[KVCache, KVCache]]:
+    """A probe row, and two caches each holding the same three rows (the
+    layer's stock call fed them: more than one row)."""
     key = mx.random.key(7)
     prefix = mx.random.normal((1, 3, hidden), key=key).astype(dtype)
     row = mx.random.normal((1, 1, hidden), key=mx.random.split(key)[1]).astype(dtype)
     caches = KVCache(), KVCache()
     for cache in caches:
-        stock.__call__(layer, prefix, "causal", cache)
-    want = stock.__call__(layer, row, None, caches[0])
-    got = layer(row, None, caches[1])
+        layer(prefix, "causal", cache)
+    return row, caches
+
+
+def _same(want: mx.array, got: mx.array, caches: tuple[KVCache, KVCache]) -> bool:
+    """Output and caches bit for bit."""
     same = [mx.array_equal(want, got), *(mx.array_equal(a, b) for a, b in
                                          zip(caches[0].state, caches[1].state, strict=True))]  # fmt: skip
     return all(s.item() for s in same)
@@ -131,7 +158,7 @@ def compile_one_row(model: nn.Module) -> int:
             continue
         try:
             before, after = _halves(layer)
-            layer.__dict__["_specgate_one_row"] = (before, after, offsets)
+            layer.__dict__["_specgate_one_row"] = (mx.compile(before), mx.compile(after), offsets)
             layer.__class__ = classes.setdefault(stock, _compiled_class(stock))
             if _same_as_stock(layer, stock, dtype, layer.input_layernorm.weight.shape[-1]):
                 done += 1
@@ -142,3 +169,49 @@ def compile_one_row(model: nn.Module) -> int:
         layer.__class__ = stock
         layer.__dict__.pop("_specgate_one_row", None)
     return done
+
+
+def compile_one_row_kernels(model: nn.Module, enabled, tracing) -> int:
+    """Give each layer that has its compiled one-row halves a second pair,
+    traced inside `tracing()` (the context in which the hook sends one-row
+    products through the proved kernels: kernels/hook.one_row) and used
+    while `enabled()`; returns how many layers have them.
+
+    Why: MLX's one-row quantized kernel (`qmv`) moved ~0.7 TB/s on an
+    H100, the tensor-core kernel about twice that; called from Python a
+    custom launch costs the host more than it saves, but inside a compiled
+    trace MLX replays it from C++ (bench/plain_probe.py "mmac": 1.14x
+    `generate_step` where the GPU bounds decoding). Each pair is kept only
+    where it gives bit for bit what the same halves give uncompiled inside
+    `tracing()`, output and cache, on a probe row; its numbers are then
+    the kernels', as the guard proved them at one row."""
+    inner = getattr(model, "model", None)
+    layers = [layer for layer in getattr(inner, "layers", None) or []
+              if "_specgate_one_row" in layer.__dict__]  # fmt: skip
+    if not layers:
+        return 0
+    dtype = inner.embed_tokens(mx.array([[0]])).dtype
+    done = 0
+    for layer in layers:
+        layer.__dict__.pop("_specgate_one_row_kernels", None)
+        offsets = layer.__dict__["_specgate_one_row"][2]
+        try:
+            raw = _halves(layer)
+            compiled = tuple(mx.compile(f) for f in raw)
+            with tracing():
+                row, caches = _probe(layer, layer.input_layernorm.weight.shape[-1], dtype)
+                want = _step(layer, raw, offsets, row, caches[0])
+                if _same(want, _step(layer, compiled, offsets, row, caches[1]), caches):
+                    layer.__dict__["_specgate_one_row_kernels"] = (*compiled, enabled)
+                    done += 1
+                else:
+                    log.info("one-row kernel halves differ from their uncompiled run: not used")
+        except Exception:  # the stock halves stay
+            log.info("one-row kernel halves failed to trace: not used", exc_info=True)
+    return done
+
+
+def drop_one_row_kernels(model: nn.Module) -> None:
+    """Undo compile_one_row_kernels."""
+    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+        layer.__dict__.pop("_specgate_one_row_kernels", None)

@@ -14,10 +14,18 @@ load path (as engines/mlx_spec/kernel_proofs.py does), and then runs its
 `BatchGenerator` steps inside `hook.kernels()`. Every width, not only the
 batch sizes it can reach: a step also prefills prompt chunks, and a chunk
 of 2..16 rows must find its shape proved (a proof inside a step stalls
-every stream for seconds on a GPU). The lone loop (lone.py) runs inside
-them too, where they route only what they route at one row: an lm_head
-(hook.WIDE_N; on an H100 the tensor-core kernel took 194 us a token where
-MLX's one-row kernel took 330); its other products stay MLX's.
+every stream for seconds on a GPU).
+
+The lone loop (lone.py) runs inside them too. It proves every shape at one
+row as well, and each layer's compiled one-row halves (forwards/one_row.py)
+get a second pair traced with their products through the kernels
+(hook.one_row), used while the kernels are on: MLX's one-row `qmv` moved
+~0.7 TB/s on an H100, the tensor-core kernel about twice that, and inside
+a compiled trace MLX replays its launches from C++ (bench/plain_probe.py
+"mmac": 1.14x `generate_step` where the GPU bounds decoding). Outside a
+trace, at one row, only an lm_head goes through them (hook.WIDE_N: 194
+against MLX's 330 us on an H100). A shape the guard found slower at one
+row stays MLX's there.
 
 What it changes in the numbers: a row's product is the kernel's (within
 the guard's bound of the exact product), as in a speculative engine's
@@ -32,10 +40,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from specgate.engines.forwards.one_row import compile_one_row_kernels
 from specgate.engines.loading import LoadedModel
 from specgate.kernels import hook, qmm
 from specgate.kernels.guard import Unproved, recorded_only
@@ -59,6 +69,7 @@ class BatchKernels:
         self.guard, self.fused_guard = guard, fused_guard
         self.on = False  # read by the worker before each step
         self.wiring = None  # what kernels/wiring.py decided, once it has
+        self.one_row_layers = 0  # layers whose one-row step runs through them (forwards/one_row.py)
         self.done = threading.Event()  # decided (on or off), and warmed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,17 +90,20 @@ class BatchKernels:
         try:
             try:
                 with recorded_only():  # all recorded (a later process): no proof, no wait
-                    kernel_wiring.prove(model, self.setting, WIDTHS, **kw)
+                    kernel_wiring.prove(model, self.setting, WIDTHS, one_row=True, **kw)
             except Unproved:
                 # One engine proves at a time (LoadedModel.proving): a
                 # speculative engine of this model may be proving most of
                 # these widths already, and its verdicts are read back here.
                 with self.loaded.proving:
-                    if not kernel_wiring.prove(model, self.setting, WIDTHS, stop=self._stop, **kw):
+                    if not kernel_wiring.prove(model, self.setting, WIDTHS, stop=self._stop,
+                                               one_row=True, **kw):  # fmt: skip
                         return
             with self.loaded.lock:  # (it swaps the linears' classes: between two steps)
-                wired = kernel_wiring.prepare(model, self.setting, WIDTHS, **kw)
-            self.wiring = wired
+                wired = kernel_wiring.prepare(model, self.setting, WIDTHS, one_row=True, **kw)
+                self.wiring = wired
+                if wired.enabled:
+                    self.one_row_layers = compile_one_row_kernels(model, hook.enabled, _one_row_kernels)
             if not wired.enabled:
                 return
             for width in self.warm_widths:
@@ -98,8 +112,8 @@ class BatchKernels:
                 with self.loaded.lock:
                     self._warm(width)
             self.on = True
-            log.info("%s: batch steps through kernels/hook.py from now on (%s)", self.label,
-                     wired.reason)  # fmt: skip
+            log.info("%s: batch steps through kernels/hook.py from now on (%s); one-row steps "
+                     "through them in %d layers", self.label, wired.reason, self.one_row_layers)  # fmt: skip
         except Exception:
             log.exception("%s: proving its batch kernels failed; batch steps stay stock", self.label)
         finally:
@@ -123,3 +137,11 @@ class BatchKernels:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+@contextmanager
+def _one_row_kernels():
+    """What forwards/one_row.py traces its kernel halves in: kernels on, one
+    row included."""
+    with hook.kernels(), hook.one_row():
+        yield

@@ -30,11 +30,24 @@ from specgate.engines.loading import load_mlx_model
 from specgate.engines.mlx_plain.engine import MLXPlainEngine
 from specgate.engines.mlx_plain.kernels import WIDTHS
 from specgate.kernels import hook, qmm, wiring
-from specgate.kernels.guard import Candidate, Guard
+from specgate.kernels.guard import FUSED_QMM, QMM, Candidate, Guard
 from specgate.policies.live_costs import LiveCosts
 
 N_TOKENS = 16
 PLAN = Plan("mlx_plain", "none", 0, "concurrency")
+
+
+class FusedWeights:
+    """A correct fused kernel (guard.FUSED_QMM: the stock op per part),
+    noting each call's rows and its parts' weights (by id)."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def __call__(self, x, *args):
+        gs, bits, parts = args[-2], args[-1], range(0, len(args) - 2, 3)
+        self.calls.append((x.size // x.shape[-1], tuple(id(args[i]) for i in parts)))
+        return [qmm.reference_qmm(x, *args[i : i + 3], gs, bits) for i in parts]
 
 
 def quantized(root, vocab: int, **dims):
@@ -123,13 +136,22 @@ def test_a_lone_request_s_one_row_steps_run_through_the_kernels(tmp_path_factory
     through the kernel outside the trace; the tokens are greedy decoding's."""
     wide = quantized(tmp_path_factory.mktemp("plain_kernels_wide"), hook.WIDE_N, num_hidden_layers=1,
                      hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
-    kernel = Weights()
-    guard = Guard([Candidate("count", "1", kernel, lambda m, *shape: 1 <= m <= qmm.MAX_M)],
-                  cache_dir=tmp_path, machine="test-machine", reps=2, inner=1, margin=float("inf"))  # fmt: skip
+    kernel, fused = Weights(), FusedWeights()
+
+    def fused_rows(m, k, ns, *rest):  # one row for q/k/v only: gate/up stays stock there
+        return 1 <= m <= qmm.MAX_M and (m > 1 or len(ns) == 3)
+
+    guard, fused_guard = (Guard([Candidate(name, "1", fn, supports)], cache_dir=tmp_path,
+                                machine="test-machine", reps=2, inner=1, margin=float("inf"), op=op)
+                          for name, fn, supports, op in (
+                              ("count", kernel, lambda m, *shape: 1 <= m <= qmm.MAX_M, QMM),
+                              ("count_fused", fused, fused_rows, FUSED_QMM)))  # fmt: skip
     prompt = prompts(wide.vocab_size, 1)[0]
     layer = wide.model.model.layers[0]
     lm_head = id(wide.model.lm_head["weight"])
-    linears = {id(m["weight"]) for _, m in layer.named_modules() if hook.eligible(m)}
+    qkv, gate_up = ({id(m["weight"]) for m in group}
+                    for group in sorted(hook.fuse_groups(layer), key=len, reverse=True))  # fmt: skip
+    alone = {id(m["weight"]) for _, m in layer.named_modules() if hook.eligible(m)} - qkv - gate_up
     runs = {"kernels": 0, "stock": 0}
 
     def counted(fn, key):
@@ -140,23 +162,30 @@ def test_a_lone_request_s_one_row_steps_run_through_the_kernels(tmp_path_factory
         return call
 
     async def body(engine):
-        # Traced at the switch: each of the layer's linears at one row.
-        assert {w for m, w in kernel.calls if m == 1} >= linears
+        # Traced at the switch: each of the layer's linears at one row, q/k/v
+        # in one launch; gate/up, whose group has no kernel at one row, in
+        # the group's one stock launch (hook.fuse_siblings), not one each.
+        one_row = {w for m, w in kernel.calls if m == 1}
+        assert alone and one_row >= alone and not one_row & (qkv | gate_up)
+        assert qkv <= {w for m, ws in fused.calls if m == 1 for w in ws}
         before, after, enabled = layer.__dict__["_specgate_one_row_kernels"]
         layer.__dict__["_specgate_one_row_kernels"] = (counted(before, "kernels"), after, enabled)
         stock = layer.__dict__["_specgate_one_row"]
         layer.__dict__["_specgate_one_row"] = (counted(stock[0], "stock"), *stock[1:])
         kernel.calls.clear()
+        fused.calls.clear()
         return await serve(engine, "alone", prompt)
 
-    engine, (tokens, _) = run(wide, guard, body)
+    engine, (tokens, _) = run(wide, guard, body, kernel_fused_guard=fused_guard)
     assert engine.batch_kernels.on and engine.batch_kernels.one_row_layers == 1
     assert guard.checks_run == len(wiring.model_shapes(wide.model)) * (1 + len(WIDTHS))
+    assert fused_guard.checks_run == len(wiring.group_shapes(wide.model)) * (1 + len(WIDTHS)) - 1
     assert engine.lone_tokens > 0
     # Every step's layer through the traced kernel halves (replayed: the
     # kernel's Python is not called again), its lm_head through the kernel.
     assert runs["kernels"] >= N_TOKENS - 1 and runs["stock"] == 0
     assert len(kernel.calls) >= N_TOKENS - 1 and set(kernel.calls) == {(1, lm_head)}
+    assert fused.calls == []
     want = greedy_reference(wide.model, prompt, N_TOKENS)  # (kernels off: the stock halves)
     assert runs["stock"] > 0
     assert_same_greedy(tokens, *want)

@@ -110,6 +110,8 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                 y = self._fused(x, m)
                 if y is not None:
                     return y
+            if one and (siblings := d.get("_specgate_siblings")) is not None:
+                return self._siblings(x, siblings)  # the group's one stock launch, not three
             # The guard's answer per (rows, dtype), kept on the module: a verify
             # forward asks ~200 times, and a verdict never changes once given.
             fns = d["_specgate_fns"]

@@ -212,12 +212,14 @@ class MLXPlainEngine(WorkerEngine):
         embedding: EmbeddingSettings | None = None,
         kernels: str = "auto",
         kernel_guard=None,
+        kernel_fused_guard=None,
     ):
         """lone: a sequence alone decodes outside the batch (lone.py); off,
         it stays in the batch of one (what the bench compares it with).
         kernels: "auto" proves the small-M kernels in the background and
         then runs batch steps through them (kernels.py); "off" keeps them
-        stock. kernel_guard: the guard to prove with (None: SPECGATE_HOME's)."""
+        stock. kernel_guard, kernel_fused_guard: the guards to prove with (None:
+        SPECGATE_HOME's; a kernel_guard alone fuses no sibling linears)."""
         super().__init__(model_id, loaded, max_context=max_context, task=task, embedding=embedding)
         self.lone = lone
         self.lone_tokens = 0  # decoded by the lone loop (a count the tests read)
@@ -238,7 +240,7 @@ class MLXPlainEngine(WorkerEngine):
         self._lone_uid = 0  # a request started alone has a uid of its own, below 0
         self.batch_kernels = BatchKernels(
             f"{model_id} {self.name}", loaded, kernels if self.task == "generate" else "off",
-            range(2, min(max_concurrent, qmm.MAX_M) + 1), kernel_guard)
+            range(2, min(max_concurrent, qmm.MAX_M) + 1), kernel_guard, kernel_fused_guard)
         self.batch_kernels.start()
 
     def kernels_ready(self, timeout: float | None = None) -> bool:

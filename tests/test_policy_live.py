@@ -25,7 +25,7 @@ import pytest
 
 from specgate.engines.base import LiveState, RoundStats
 from specgate.policies.costs import CostModel
-from specgate.policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures
+from specgate.policies.decide import SWITCH_MARGIN, ModelPolicy, RequestFeatures, decide
 from specgate.policies.explore import Explorer
 from specgate.policies.live_costs import STALL_CAP, CostView, LiveCosts
 from specgate.policies.model_policy import LivePolicy
@@ -145,7 +145,6 @@ def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_bat
     (it is neither a lone round's nor a plain step's cost), and once its
     shape is measured the policy compares the batch's aggregate with plain
     batching's: busy no longer means plain by rule. Unmeasured, the rule."""
-    from specgate.policies.decide import decide
 
     live = LiveCosts(min_samples=1)
     for _ in range(2):
@@ -167,18 +166,46 @@ def test_rounds_speculating_in_a_batch_are_their_own_cost_and_can_beat_plain_bat
     assert live.get("mtp", 2, 0).mean == pytest.approx(0.020)  # the lone round's cost unchanged
     view = CostView(live, None)
     assert view.batched_round("mtp", 2, 2, 100).seconds == pytest.approx(0.015)
-    # Another batch size, from the nearest measured: scaled by the streams
-    # while a plain step of 4 is unknown, then as the plain steps compare.
+    # A larger batch, from the nearest measured: scaled by the streams, also
+    # where plain steps grow less (a speculative batch's work per stream),
+    # by the plain steps where they grow more.
     assert view.batched_round("mtp", 2, 4, 100).seconds == pytest.approx(0.030)
     assert view.batched_round("mtp", 1, 2, 100) is None  # another depth: nothing to scale from
     for _ in range(2):
         live.observe(step(0.018, batch=4))
-    assert CostView(live, None).batched_round("mtp", 2, 4, 100).seconds == pytest.approx(0.015 * 18 / 12)
+    assert CostView(live, None).batched_round("mtp", 2, 4, 100).seconds == pytest.approx(0.030)
+    for _ in range(2):
+        live.observe(step(0.030, batch=3))
+    assert CostView(live, None).batched_round("mtp", 2, 3, 100).seconds == pytest.approx(0.015 * 30 / 12)
     plan = decide(MTP, RequestFeatures(100, False), busy, view, accept)
     assert (plan.method, plan.depth, plan.reason) == ("mtp", 2, "spec_on")
     # The same rounds at a low acceptance lose to plain batching.
     plan = decide(MTP, RequestFeatures(100, False), busy, view, {"mtp": [0.1, 0.1, 0.1]})
     assert plan.method == "none"
+
+
+@pytest.mark.parametrize("second_row, method", [(0.001, "none"), (0.009, "mtp")])
+def test_a_lone_round_beside_a_plain_batch_is_priced_with_the_batch_it_holds_up(second_row, method):
+    """A sequence speculating alone while another decodes plain takes turns
+    with that batch on the model (the engines share its lock): its plan's
+    speed is the model's, this round and one step of the others, not its
+    own. Where a plain step of 2 costs about one of 1 (a GPU's batch
+    through the small-M kernels) that loses to batching the two, though its
+    own speed (2.95 tokens in 12 ms) beats a batched stream's (1 in 11);
+    where a second row costs nearly a step (stock batching), it still wins."""
+    live = LiveCosts(min_samples=2)
+    for _ in range(3):
+        live.observe(step(0.010))
+        live.observe(step(0.010 + second_row, batch=2))
+        for depth in (1, 2, 3):
+            live.observe(spec(depth, depth, 0.009 + 0.001 * depth))
+    accept = {"mtp": [0.8, 0.8, 0.8]}
+    one_other = LiveState(1, 0, 100)
+    plan = decide(MTP, RequestFeatures(100, False), one_other, CostView(live, None), accept)
+    assert plan.method == method
+    if method == "none":
+        assert plan.reason == "concurrency"  # alone, it would speculate
+        assert decide(MTP, RequestFeatures(100, False), IDLE, CostView(live, None), accept).method == "mtp"
 
 
 def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
@@ -189,7 +216,6 @@ def test_the_tune_prior_costs_a_batched_round_until_one_is_measured():
     compute (a CPU) it batches plainly; past the widths tune measured the
     prior says nothing."""
     from specgate.policies.costs import DraftCost
-    from specgate.policies.decide import decide
 
     def prior(verify_row: float) -> CostModel:
         curve = {m: 1 + verify_row * (m - 1) for m in range(1, 17)}

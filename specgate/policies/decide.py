@@ -116,16 +116,26 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
                live: LiveState, costs: CostView | CostModel,
                acceptance: Mapping[Method, Sequence[float]]) -> list[Candidate]:
     """Plain decoding (batched with whatever is in flight) and every measured
-    speculative method at every depth it allows, those whose costs are known.
-    A lone speculative round's speed is that sequence's; where rounds of
-    this many sequences speculating together were measured (a speculative
-    engine's batch, issue 45), that plan's speed is the batch's aggregate."""
+    speculative method at every depth it allows, those whose costs are known,
+    each at the model's aggregate tokens/s.
+    A lone speculative round's is its own while nothing else is in flight.
+    Beside others, it takes turns on the model with their plain batch (the
+    engines share its lock): one round of this sequence, then one step of
+    the others. Priced as this sequence's speed alone, a lone round beat
+    batching wherever a round beat a plain step per sequence, and on an
+    H100 one MTP stream beside seven batched ones cost the eight ~40 % (a
+    plain step through the kernels costs about the same for 1 or 8 rows).
+    Where rounds of this many sequences speculating together were measured
+    (a speculative engine's batch, issue 45), that plan's speed is the
+    batch's aggregate."""
     view = prior_view(costs) if isinstance(costs, CostModel) else costs
     context = max(request.prompt_tokens, live.context_tokens)
     batch = live.active_requests + live.waiting_requests + 1
     out = []
     if (plain := view.plain(batch, context)) is not None:
         out.append(Candidate("none", 0, batch / plain.seconds, plain.source))
+    # The others' plain step, which a lone round alternates with (none alone).
+    others = view.plain(batch - 1, context) if batch > 1 else None
     for method in methods:
         if method not in acceptance:
             continue
@@ -138,7 +148,11 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
         for depth in depths:
             speeds = []
             if (cost := view.round(method, depth, context)) is not None:
-                speeds.append((expected_tokens(acceptance[method], depth) / cost.seconds, cost.source))
+                tokens = expected_tokens(acceptance[method], depth)
+                if others is not None:
+                    speeds.append(((tokens + batch - 1) / (cost.seconds + others.seconds), cost.source))
+                else:
+                    speeds.append((tokens / cost.seconds, cost.source))
             batches = policy.batching is None or method in policy.batching
             # Past the engine's batch the rest wait: the aggregate is its batch's.
             together = min(batch, policy.batch_caps.get(method, batch))

@@ -212,21 +212,25 @@ class CostView:
         return Estimate(max(est.seconds, floor.seconds if floor is not None else 0.0), est.source)
 
     def _nearest_batch(self, method: Method, depth: int, batch: int, context: int) -> Estimate | None:
-        """A batch size not measured, from the nearest one that was: its
-        round scaled as plain steps of the two sizes compare (a batch's
-        speculative round and its plain step grow alike with the rows), or,
-        where a plain step is unknown, by the streams (a pessimistic bound:
-        on a GPU both are nearly flat). A trial (model_policy.py) measures
-        the sizes a burst passes through, rarely the one asked next."""
+        """A batch size not measured, from the nearest one that was. A trial
+        (model_policy.py) measures the sizes a burst passes through, rarely
+        the one asked next. Down to a smaller batch, its round is scaled as
+        plain steps of the two sizes compare. Up to a larger one, by the
+        streams at least: a speculative batch's round carries work per
+        stream (each decoder's drafts, its host work) that a plain step of
+        the same rows does not. Scaled as plain steps, an H100's rounds of 2
+        streams promised 8 a round of 10 ms where it took 16, and a policy
+        moved 8 streams onto a batch slower than plain batching (whose
+        steps, through the small-M kernels, cost about the same for 2 or 8
+        rows). An estimate too high only delays a win; one too low loses."""
         measured = self.live.batches_measured(method, depth, context_bucket(context))
         if not measured:
             return None
         near = min(measured, key=lambda b: (abs(b - batch), b))
         here, there = self.plain(batch, context), self.plain(near, context)
-        if here is not None and there is not None:
-            scale = here.seconds / there.seconds
-        else:
-            scale = max(1.0, batch / near)
+        scale = here.seconds / there.seconds if here is not None and there is not None else 1.0
+        if batch > near:
+            scale = max(scale, batch / near)
         return Estimate(measured[near].mean * scale, "live")
 
     def round(self, method: Method, depth: int, context: int) -> Estimate | None:

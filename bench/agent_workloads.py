@@ -382,6 +382,11 @@ class InProcess:
         for e in self.engines.values():  # timed rounds are on the verify path they will keep
             if hasattr(e, "kernels_ready"):
                 e.kernels_ready()
+            # ... and no proof of a batch width runs beside them: a proof times
+            # its kernels on the GPU (an H100 run's first policy requests, timed
+            # while three engines proved theirs, ran 0.04-0.28x plain).
+            if (switch := getattr(e, "kernel_switch", None)) is not None:
+                switch.batch_done.wait()
 
     def close(self) -> None:
         """Every engine stopped, and no thread of theirs (or of the loop's

@@ -68,6 +68,14 @@ class LoopWatch:
                 if (late := time.monotonic() - sent - self.lag_s) > 0:  # seen only now
                     self._paused(sent + self.lag_s, late, waited)
                 continue
+            if (late := time.monotonic() - sent - self.lag_s) > self.lag_s:
+                # This watch woke late itself: the whole process was held (a
+                # thread holding the GIL, a machine out of CPUs), the loop with
+                # it. When the hold ends, this thread and the loop race for the
+                # GIL; this one winning is no stall of the loop's own.
+                self._paused(sent + self.lag_s, late, waited)
+                if answered.wait(self.lag_s):
+                    continue
             if self._stop.is_set():
                 continue
             log.warning("the event loop has not answered for %.1f s: every stream waits on it\n%s",

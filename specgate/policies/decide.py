@@ -122,9 +122,11 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
     Beside others, it takes turns on the model with their plain batch (the
     engines share its lock): one round of this sequence, then one step of
     the others. Priced as this sequence's speed alone, a lone round beat
-    batching wherever a round beat a plain step per sequence, and on an
-    H100 one MTP stream beside seven batched ones cost the eight ~40 % (a
-    plain step through the kernels costs about the same for 1 or 8 rows).
+    batching wherever a round beat a plain step per sequence; with an
+    H100's costs (a lone depth-4 MTP round ~5.9 ms for 3.4 tokens, a plain
+    step of 7 or 8 streams through the kernels ~7.3 ms) one MTP stream
+    beside seven batched ones makes the eight about a quarter slower than
+    batching all eight.
     Where rounds of this many sequences speculating together were measured
     (a speculative engine's batch, issue 45), that plan's speed is the
     batch's aggregate."""

@@ -219,10 +219,10 @@ class CostView:
         streams at least: a speculative batch's round carries work per
         stream (each decoder's drafts, its host work) that a plain step of
         the same rows does not. Scaled as plain steps, an H100's rounds of 2
-        streams promised 8 a round of 10 ms where it took 16, and a policy
-        moved 8 streams onto a batch slower than plain batching (whose
-        steps, through the small-M kernels, cost about the same for 2 or 8
-        rows). An estimate too high only delays a win; one too low loses."""
+        streams promised 8 a round of ~10 ms where forced rounds of 8 took
+        ~16, slower than plain batching there (whose steps, through the
+        small-M kernels, cost about the same for 2 or 8 rows). An estimate
+        too high only delays a win; one too low loses."""
         measured = self.live.batches_measured(method, depth, context_bucket(context))
         if not measured:
             return None

@@ -209,9 +209,3 @@ def compile_one_row_kernels(model: nn.Module, enabled, tracing) -> int:
         except Exception:  # the stock halves stay
             log.info("one-row kernel halves failed to trace: not used", exc_info=True)
     return done
-
-
-def drop_one_row_kernels(model: nn.Module) -> None:
-    """Undo compile_one_row_kernels."""
-    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
-        layer.__dict__.pop("_specgate_one_row_kernels", None)

@@ -121,12 +121,12 @@ def candidates(policy: ModelPolicy, methods: Sequence[Method], request: RequestF
     A lone speculative round's is its own while nothing else is in flight.
     Beside others, it takes turns on the model with their plain batch (the
     engines share its lock): one round of this sequence, then one step of
-    the others. Priced as this sequence's speed alone, a lone round beat
-    batching wherever a round beat a plain step per sequence; with an
-    H100's costs (a lone depth-4 MTP round ~5.9 ms for 3.4 tokens, a plain
-    step of 7 or 8 streams through the kernels ~7.3 ms) one MTP stream
-    beside seven batched ones makes the eight about a quarter slower than
-    batching all eight.
+    the others. Priced as this sequence's speed alone against the batch's
+    aggregate, a lone round won at a few streams where the model lost: with
+    an H100's costs through the kernels (a plain step of 1 stream ~4.6 ms,
+    of 2 ~4.8 ms, a lone depth-4 MTP round ~5.9 ms for 3.4 tokens), one
+    stream of two "won" at 0.57 tokens/ms against batching's 0.42, while
+    the two together ran at 0.41.
     Where rounds of this many sequences speculating together were measured
     (a speculative engine's batch, issue 45), that plan's speed is the
     batch's aggregate."""

@@ -191,7 +191,7 @@ def test_a_lone_round_beside_a_plain_batch_is_priced_with_the_batch_it_holds_up(
     speed is the model's, this round and one step of the others, not its
     own. Where a plain step of 2 costs about one of 1 (a GPU's batch
     through the small-M kernels) that loses to batching the two, though its
-    own speed (2.95 tokens in 12 ms) beats a batched stream's (1 in 11);
+    own speed (2.95 tokens in 12 ms) beats batching's aggregate (2 in 11);
     where a second row costs nearly a step (stock batching), it still wins."""
     live = LiveCosts(min_samples=2)
     for _ in range(3):

@@ -23,6 +23,7 @@ import json
 import logging
 import random
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -37,6 +38,7 @@ from specgate.engines.drafting.mtp import proposer as mtp
 from specgate.engines.drafting.mtp.loading import load_mtp_head
 from specgate.engines.drafting.mtp.proposer import MTPProposer
 from specgate.engines.loading import load_mlx_model
+from specgate.engines.mlx_plain.engine import MLXPlainEngine
 from specgate.engines.mlx_spec.decoder import SpecDecoder
 from specgate.engines.mlx_spec.engine import SpecEngine
 from specgate.engines.settings import MTPSettings
@@ -361,6 +363,49 @@ def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
     assert not engine.kernels_proving and engine.target.kernels and engine.kernel_wiring.enabled
     assert settled(engine)  # its widths warmed in the background, with no proof
     assert again.checks_run == 0
+
+
+class Slow(Counting):
+    """Failure injection: every call of a correct kernel takes `seconds`
+    longer (a fresh GPU's builds do), and the thread that made it is noted."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.threads: list[str] = []
+        self.proved_by: list[str] = []  # the thread of each call from a proof (2-D x; a forward's is 3-D)
+
+    def __call__(self, x, *args):
+        self.threads.append(threading.current_thread().name)
+        if x.ndim == 2:
+            self.proved_by.append(self.threads[-1])
+        time.sleep(self.seconds)
+        return super().__call__(x, *args)
+
+
+def test_a_speculative_engine_s_widths_are_proved_before_the_plain_engine_s_batches(q4, tmp_path):
+    """The plain engine proves every width 1..16 for its batches (225 s on a
+    fresh H100); a speculative engine loaded after it started still gets its
+    lone verify widths proved first (its first speculative token waits for
+    them): the plain engine yields the model's proving lock between two
+    verdicts (LoadedModel.urgent_proofs), then goes on."""
+    kernel = Slow(0.003)
+    guard = counting_guard(tmp_path, kernel)
+    plain = MLXPlainEngine("m", q4, max_context=4096, kernel_guard=guard)
+    deadline = time.monotonic() + 60
+    while "kernel-proofs m mlx_plain" not in kernel.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "kernel-proofs m mlx_plain" in kernel.threads  # its proofs under way
+    engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=guard)
+    assert engine.kernels_proving
+    assert engine.kernels_ready(120) and engine.target.kernels
+    # Its lone widths proved by itself, before the plain engine's last proof.
+    spec, plain_thread = "kernel-proofs m mlx_mtp", "kernel-proofs m mlx_plain"
+    assert spec in kernel.proved_by
+    assert plain.kernels_ready(300) and plain.batch_kernels.on
+    assert settled(engine)
+    order = kernel.proved_by
+    assert order.index(spec) < len(order) - 1 - order[::-1].index(plain_thread)
 
 
 class Weights(Counting):

@@ -10,7 +10,9 @@ weight once for 2..16 rows; a verify forward of 4 rows through them cost
 ~1.1 one-row forwards on an H200 (kernels/README.md).
 
 So the plain engine proves the same kernels for every width 2..16, off its
-load path (as engines/mlx_spec/kernel_proofs.py does), and then runs its
+load path (as engines/mlx_spec/kernel_proofs.py does; a speculative
+engine's lone widths go first, since its first speculative token waits on
+them: these proofs yield to them between two verdicts), and then runs its
 `BatchGenerator` steps inside `hook.kernels()`. Every width, not only the
 batch sizes it can reach: a step also prefills prompt chunks, and a chunk
 of 2..16 rows must find its shape proved (a proof inside a step stalls
@@ -92,13 +94,8 @@ class BatchKernels:
                 with recorded_only():  # all recorded (a later process): no proof, no wait
                     kernel_wiring.prove(model, self.setting, WIDTHS, one_row=True, **kw)
             except Unproved:
-                # One engine proves at a time (LoadedModel.proving): a
-                # speculative engine of this model may be proving most of
-                # these widths already, and its verdicts are read back here.
-                with self.loaded.proving:
-                    if not kernel_wiring.prove(model, self.setting, WIDTHS, stop=self._stop,
-                                               one_row=True, **kw):  # fmt: skip
-                        return
+                if not self._prove(kernel_wiring.prove, model, kw):
+                    return
             with self.loaded.lock:  # (it swaps the linears' classes: between two steps)
                 wired = kernel_wiring.prepare(model, self.setting, WIDTHS, one_row=True, **kw)
                 self.wiring = wired
@@ -119,6 +116,21 @@ class BatchKernels:
         finally:
             self.done.set()
 
+    def _prove(self, prove, model, kw: dict) -> bool:
+        """Every verdict, proved one engine at a time (LoadedModel.proving:
+        a speculative engine of this model may have recorded most of them,
+        read back here), and after any proof a first speculative token waits
+        for (LoadedModel.urgent_proofs): this yields the lock to one between
+        two verdicts and takes it again once none is pending. False: stopped."""
+        urgent = self.loaded.urgent_proofs
+        yielding = _Either(self._stop, lambda: urgent.pending)
+        while not self._stop.is_set():
+            urgent.wait_none(self._stop)
+            with self.loaded.proving:
+                if prove(model, self.setting, WIDTHS, stop=yielding, one_row=True, **kw):
+                    return True
+        return False
+
     def _warm(self, width: int) -> None:
         """One decoding step of `width` sequences through the kernels, on a
         throwaway cache: MLX builds that graph's kernels now, not in the
@@ -137,6 +149,17 @@ class BatchKernels:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+class _Either:
+    """What kernels/wiring.prove checks between two verdicts: an event set,
+    or a condition true."""
+
+    def __init__(self, event: threading.Event, condition) -> None:
+        self.event, self.condition = event, condition
+
+    def is_set(self) -> bool:
+        return self.event.is_set() or self.condition()
 
 
 @contextmanager

@@ -4,7 +4,9 @@ At load (`KernelSwitch.start`), the engine asks the guards for the verdicts
 its verify widths need, reading only what is recorded for this machine
 (kernels/guard.recorded_only): all there, the kernels are wired at once, as
 before. Otherwise the engine serves at once on the stock verify path, and a
-background thread (one at a time per model: LoadedModel.proving):
+background thread (one at a time per model: LoadedModel.proving; until
+its lone widths are proved it counts in LoadedModel.urgent_proofs, and the
+plain engine's batch proofs give the lock way to it between two verdicts):
 1. proves what is missing (kernels/wiring.prove). No model lock: a proof
    makes its own random arrays on this thread's MLX stream, and MLX
    evaluates independent arrays from several threads (engines of two models
@@ -79,6 +81,7 @@ class KernelSwitch:
         self.batch_done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._urgent = False  # counted in LoadedModel.urgent_proofs until the lone widths are proved
 
     def _prepare(self) -> Wiring:
         """The trunk's wiring (what decides kernels on or off), the drafter's
@@ -98,6 +101,10 @@ class KernelSwitch:
                 wired = self._prepare()
         except Unproved:
             self.proving = True
+            # Pending from now until its lone widths are proved: the plain
+            # engine's proofs yield the model's proving lock to these.
+            self._urgent = True
+            self.loaded.urgent_proofs.begin()
             self._background(self._run)
             log.info("%s: verify stock while its kernels are proved in the background", self.label)
             return
@@ -181,6 +188,9 @@ class KernelSwitch:
         finally:
             self.proving = False
             self.done.set()
+            if self._urgent:
+                self._urgent = False
+                self.loaded.urgent_proofs.end()
 
     def _run_batch(self) -> None:
         """Step 4: the batch widths, after the switch (the lone stream's

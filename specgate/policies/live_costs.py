@@ -218,11 +218,12 @@ class CostView:
         plain steps of the two sizes compare. Up to a larger one, by the
         streams at least: a speculative batch's round carries work per
         stream (each decoder's drafts, its host work) that a plain step of
-        the same rows does not. Scaled as plain steps, an H100's rounds of 2
-        streams promised 8 a round of ~10 ms where forced rounds of 8 took
-        ~16, slower than plain batching there (whose steps, through the
-        small-M kernels, cost about the same for 2 or 8 rows). An estimate
-        too high only delays a win; one too low loses."""
+        the same rows does not. On an H100, plain steps through the small-M
+        kernels grow little from 2 rows to 8, so scaled as plain steps, its
+        rounds of 2 streams (~8 ms) promised 8 streams a round of about as
+        much, where forced rounds of 8 took ~16 ms, slower than plain
+        batching there. An estimate too high only delays a win; one too low
+        loses."""
         measured = self.live.batches_measured(method, depth, context_bucket(context))
         if not measured:
             return None

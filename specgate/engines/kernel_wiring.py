@@ -5,6 +5,8 @@ environment for it."""
 
 from __future__ import annotations
 
+import threading
+
 from specgate.engines.home import kernel_cache_dir
 from specgate.kernels import wiring
 from specgate.kernels.guard import Guard
@@ -31,4 +33,32 @@ def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | No
                         cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row)  # fmt: skip
 
 
-__all__ = ["SETTINGS", "Wiring", "describe", "model_shapes", "prepare", "prove", "shared_guard"]
+class ProofThread:
+    """An engine's kernel proofs on a background thread of their own, named
+    `kernel-proofs <label>`: `done` is set once its path is decided, and
+    `stop` ends them after the proof running (a proof cannot be cut short).
+    The speculative engines' verify kernels (mlx_spec/kernel_proofs.py) and
+    the plain engine's batch kernels (mlx_plain/kernels.py) are such."""
+
+    def __init__(self, label: str):
+        self.label = label  # "<model> <engine>", for the log and the thread's name
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _background(self, run) -> None:
+        self._thread = threading.Thread(target=run, daemon=True, name=f"kernel-proofs {self.label}")
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the path is decided (within `timeout` seconds)."""
+        return self.done.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+__all__ = ["SETTINGS", "ProofThread", "Wiring", "describe", "model_shapes", "prepare", "prove",
+           "shared_guard"]

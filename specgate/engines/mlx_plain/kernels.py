@@ -47,6 +47,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
 from specgate.engines.forwards.one_row import compile_one_row_kernels
 from specgate.engines.loading import LoadedModel
 from specgate.kernels import hook, qmm
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 WIDTHS = range(qmm.MIN_M, qmm.MAX_M + 1)
 
 
-class BatchKernels:
+class BatchKernels(kernel_wiring.ProofThread):
     """Whether the plain engine's batch steps run through the kernels:
     `on` turns true once every width is proved and warmed."""
 
@@ -66,27 +67,23 @@ class BatchKernels:
                  guard=None, fused_guard=None):  # fmt: skip
         """warm_widths: the batch sizes to warm (one step each) once proved;
         guard None: SPECGATE_HOME's shared guards."""
-        self.label, self.loaded, self.setting = label, loaded, setting
+        super().__init__(label)
+        self.loaded, self.setting = loaded, setting
         self.warm_widths = warm_widths
         self.guard, self.fused_guard = guard, fused_guard
         self.on = False  # read by the worker before each step
         self.wiring = None  # what kernels/wiring.py decided, once it has
         self.one_row_layers = 0  # layers whose one-row step runs through them (forwards/one_row.py)
-        self.done = threading.Event()  # decided (on or off), and warmed
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.setting == "off" or self.loaded.lockstep is not None:
             self.done.set()
             return
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kernel-proofs {self.label}")  # fmt: skip
-        self._thread.start()
+        self._background(self._run)
 
     def _run(self) -> None:
-        from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
-
+        """Prove (or read back), wire, trace the one-row kernel halves, warm;
+        `done` set whatever happens (`on` only once all of it did)."""
         model = self.loaded.model
         kw = {"guard": self.guard, "fused_guard": self.fused_guard}
         try:
@@ -94,7 +91,7 @@ class BatchKernels:
                 with recorded_only():  # all recorded (a later process): no proof, no wait
                     kernel_wiring.prove(model, self.setting, WIDTHS, one_row=True, **kw)
             except Unproved:
-                if not self._prove(kernel_wiring.prove, model, kw):
+                if not self._prove(model, kw):
                     return
             with self.loaded.lock:  # (it swaps the linears' classes: between two steps)
                 wired = kernel_wiring.prepare(model, self.setting, WIDTHS, one_row=True, **kw)
@@ -116,7 +113,7 @@ class BatchKernels:
         finally:
             self.done.set()
 
-    def _prove(self, prove, model, kw: dict) -> bool:
+    def _prove(self, model, kw: dict) -> bool:
         """Every verdict, proved one engine at a time (LoadedModel.proving:
         a speculative engine of this model may have recorded most of them,
         read back here), and after any proof a first speculative token waits
@@ -127,7 +124,7 @@ class BatchKernels:
         while not self._stop.is_set():
             urgent.wait_none(self._stop)
             with self.loaded.proving:
-                if prove(model, self.setting, WIDTHS, stop=yielding, one_row=True, **kw):
+                if kernel_wiring.prove(model, self.setting, WIDTHS, stop=yielding, one_row=True, **kw):
                     return True
         return False
 
@@ -139,16 +136,6 @@ class BatchKernels:
         cache = make_prompt_cache(model)
         with hook.kernels():
             mx.eval(model(mx.zeros((width, 1), dtype=mx.int32), cache=cache))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether the batch path is decided (within `timeout` seconds)."""
-        return self.done.wait(timeout)
-
-    def stop(self, timeout: float) -> None:
-        """Ends the proofs after the one running (a proof cannot be cut short)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
 
 class _Either:

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
 from specgate.engines.loading import LoadedModel
 from specgate.engines.mlx_spec.batch_decoder import batched_caches, unbatchable
 from specgate.engines.targets import Target
@@ -53,13 +54,13 @@ from specgate.kernels.wiring import Wiring
 log = logging.getLogger(__name__)
 
 
-class KernelSwitch:
+class KernelSwitch(kernel_wiring.ProofThread):
     """One engine's verify path: stock, proving (stock meanwhile) or kernels."""
 
     def __init__(self, label: str, loaded: LoadedModel, target: Target, setting: str,
                  widths: range, guard=None, drafter=None,
                  batch_shapes: Sequence[tuple[int, int]] = ()):  # fmt: skip
-        self.label = label  # "<model> <engine>", for the log
+        super().__init__(label)  # its `done`: decided, `wiring` set (or the proofs failed or stopped)
         self.loaded, self.target, self.setting = loaded, target, setting
         # Drafting.kernel_module (the MTP head): wired and proved with the
         # trunk, its multi-row forwards then run inside verify_kernels too.
@@ -75,19 +76,14 @@ class KernelSwitch:
         # Verify rows the kernels are proved for up to: the lone widths' once
         # switched, the batch widths' too once those are.
         self.rows = 0
-        self.done = threading.Event()  # decided: `wiring` is set (or the proofs failed or stopped)
         # `rows` is final (batch widths proved, or never will be) and the batch
         # shapes are warmed
         self.batch_done = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._urgent = False  # counted in LoadedModel.urgent_proofs until the lone widths are proved
 
     def _prepare(self) -> Wiring:
         """The trunk's wiring (what decides kernels on or off), the drafter's
         beside it where the trunk's kernels are on."""
-        from specgate.engines import kernel_wiring  # the guards' verdicts in SPECGATE_HOME
-
         wired = kernel_wiring.prepare(self.loaded.model, self.setting, self.widths, guard=self.guard)
         if wired.enabled and self.drafter is not None:
             kernel_wiring.prepare(self.drafter, self.setting, self.widths, guard=self.guard)
@@ -119,10 +115,6 @@ class KernelSwitch:
         else:
             self._background(self._run_batch)
 
-    def _background(self, run) -> None:
-        self._thread = threading.Thread(target=run, daemon=True, name=f"kernel-proofs {self.label}")
-        self._thread.start()
-
     def _use(self, wired: Wiring) -> None:
         self.wiring = wired
         self.target.kernels = wired.enabled
@@ -135,8 +127,6 @@ class KernelSwitch:
 
     def _recorded(self, widths: Sequence[int]) -> bool:
         """Whether every verdict for `widths` is recorded for this machine."""
-        from specgate.engines import kernel_wiring
-
         try:
             with recorded_only():
                 for module in self._modules():
@@ -147,8 +137,6 @@ class KernelSwitch:
 
     def _prove(self, widths: Sequence[int]) -> bool:
         """Proves `widths` for the trunk and the drafter (False: stopped)."""
-        from specgate.engines import kernel_wiring
-
         return all(kernel_wiring.prove(module, self.setting, widths, guard=self.guard,
                                        stop=self._stop)  # fmt: skip
                    for module in self._modules())
@@ -258,13 +246,3 @@ class KernelSwitch:
         with hook.kernels():
             forward = self.target.forward(tokens, cache)
             mx.eval(self.target.logits(forward.hidden))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether the verify path is decided (within `timeout` seconds)."""
-        return self.done.wait(timeout)
-
-    def stop(self, timeout: float) -> None:
-        """Ends the proofs after the one running (a proof cannot be cut short)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)

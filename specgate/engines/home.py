@@ -33,6 +33,7 @@ this: the engines hand it its directory (engines/kernel_wiring.py).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -90,6 +91,14 @@ def use_mlx_kernel_cache(mlx_version: str) -> None:
     the variable at its first compile, so this runs before a model loads."""
     if not os.environ.get("MLX_PTX_CACHE_DIR"):
         os.environ["MLX_PTX_CACHE_DIR"] = str(mlx_kernel_cache_dir(mlx_version))
+
+
+def mlx_ptx_dir(mlx_version: str) -> Path:
+    """The directory MLX's CUDA backend reads built kernels from in this
+    process: MLX_PTX_CACHE_DIR, else MLX's own default
+    (mlx/backend/cuda/jit_module.cpp: <temp dir>/mlx/<version>/ptx)."""
+    named = os.environ.get("MLX_PTX_CACHE_DIR")
+    return Path(named) if named else Path(tempfile.gettempdir()) / "mlx" / mlx_version / "ptx"
 
 
 def prefix_cache_dir(home: Path | None = None) -> Path:

@@ -1,16 +1,65 @@
 """kernels/wiring.py as the engines (and `specgate tune`) call it: the shared
 guards keep their verdicts in $SPECGATE_HOME/kernels (engines/home.py),
 read at each call, since kernels/ sits below the engines and reads no
-environment for it."""
+environment for it. Where MLX builds kernels with NVRTC (CUDA), what the
+proofs and a model's first prompts would build one at a time is built side
+by side first, by this process's worker processes (kernels/prebuild.py)."""
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 
-from specgate.engines.home import kernel_cache_dir
+import mlx.core as mx
+
+from specgate.engines.home import kernel_cache_dir, mlx_ptx_dir
 from specgate.kernels import wiring
 from specgate.kernels.guard import Guard
+from specgate.kernels.prebuild import Builder, default_workers
 from specgate.kernels.wiring import SETTINGS, Wiring, describe, model_shapes
+
+log = logging.getLogger(__name__)
+
+# Worker processes that build kernels side by side (None: one core left
+# free, up to prebuild.MAX_WORKERS; 0: none, each built where first called).
+build_workers: int | None = None
+_builder: Builder | None = None
+_builder_lock = threading.Lock()
+
+
+def builder() -> Builder | None:
+    """This process's kernel builders, where MLX's backend is CUDA (and
+    `build_workers` is not 0); None elsewhere."""
+    global _builder
+    workers = default_workers() if build_workers is None else build_workers
+    if workers <= 0 or not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+        return None
+    with _builder_lock:
+        if _builder is None:
+            _builder = Builder(mlx_ptx_dir(mx.__version__), workers)
+            atexit.register(_builder.close)  # (its workers would end at their stdin's EOF, after a build)
+        _builder.workers = workers
+        return _builder
+
+
+def prebuild_forward(model) -> threading.Thread | None:
+    """MLX's own quantized matmuls at `model`'s prompt-chunk shapes, built
+    side by side in the background (wiring.forward_jobs); None where there
+    is no builder."""
+    b = builder()
+    jobs = wiring.forward_jobs(model) if b is not None else []
+    if not jobs:
+        return None
+
+    def run():
+        report = b.build(jobs)
+        log.info("prompt kernels: %d of %d builds done side by side in %.1f s", report.built, len(jobs),
+                 report.seconds)  # fmt: skip
+
+    thread = threading.Thread(target=run, daemon=True, name="kernel-build prompt shapes")
+    thread.start()
+    return thread
 
 
 def shared_guard(op: str = "qmm") -> Guard:
@@ -28,9 +77,11 @@ def prepare(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | 
 
 def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
           fused_guard: Guard | None = None, stop=None, one_row: bool = False) -> bool:  # fmt: skip
-    """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's shared ones."""
+    """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's
+    shared ones; what it will build, built side by side first (`builder`)."""
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
-                        cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row)  # fmt: skip
+                        cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row,
+                        builder=builder())  # fmt: skip
 
 
 class ProofThread:
@@ -60,5 +111,5 @@ class ProofThread:
             self._thread.join(timeout)
 
 
-__all__ = ["SETTINGS", "ProofThread", "Wiring", "describe", "model_shapes", "prepare", "prove",
-           "shared_guard"]
+__all__ = ["SETTINGS", "ProofThread", "Wiring", "builder", "describe", "model_shapes",
+           "prebuild_forward", "prepare", "prove", "shared_guard"]

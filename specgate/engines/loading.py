@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from specgate.engines import kernel_wiring  # (on CUDA: prompt kernels built side by side at load)
 from specgate.engines.base import CacheSettings
 from specgate.engines.cache.prefix_cache import PrefixCache, set_ram_budget
 from specgate.engines.embedding.pooling import Pooling, read_pooling
@@ -196,6 +197,8 @@ def load_mlx_model(path: str, cache: CacheSettings | None = None, distribution=N
             if distribution is None:
                 # A rank's shard has sharded linears: neither applies to it.
                 prepare_for_decoding(model)
+                # On CUDA: MLX's prompt kernels built side by side meanwhile.
+                kernel_wiring.prebuild_forward(model)
                 kv = _quantized_kv(model, config, kv_bits, kv_group_size)
                 prefix = _prefix_cache(key, model, cache or CacheSettings(), dequantize, upcast, kv)
                 vision, refused = _vision(local_checkpoint(path), config, model)

@@ -86,6 +86,11 @@ def recorded_only() -> Iterator[None]:
         _local.recorded_only = prev
 
 
+def only_recorded() -> bool:
+    """Whether this thread is inside `recorded_only()`."""
+    return getattr(_local, "recorded_only", False)
+
+
 def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
@@ -374,7 +379,7 @@ class Guard:
             known = self._load().get(key)
             if known is not None:
                 return known
-            if getattr(_local, "recorded_only", False):
+            if only_recorded():
                 raise Unproved(f"{self.op.name}: {key}")
             v = self.check(cand, *shape)
             self._verdicts[key] = v
@@ -390,6 +395,11 @@ class Guard:
                             self.op.describe(*shape), v.status,
                             f" ({v.detail})" if v.detail else "", self.op.stock_name)  # fmt: skip
         return v
+
+    def recorded(self, cand: Candidate, *shape) -> bool:
+        """Whether a verdict for `shape` is recorded (read back or proved)."""
+        with self._lock:
+            return self.op.key(cand.name, cand.version, *shape) in self._load()
 
     def kernel_for(self, *args):
         """The fastest candidate proved ok for this call's shape, or None

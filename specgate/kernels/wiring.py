@@ -44,8 +44,10 @@ from pathlib import Path
 
 import mlx.nn as nn
 
+from specgate.kernels import guard as guards
 from specgate.kernels import hook, qmm
 from specgate.kernels.guard import FUSED_QMM, Guard, Verdict, cuda_mma_fused_candidate, dtype_name
+from specgate.kernels.prebuild import Builder, Job
 
 log = logging.getLogger("specgate.kernels")
 
@@ -165,13 +167,67 @@ class _Proved:
     fused_ok: int
 
 
+def _cases(guard: Guard, keep: list, shapes: list[Shape], fused_guard: Guard | None, fused_keep: list,
+           groups: list[tuple], widths: tuple[int, ...], one_row: bool):  # fmt: skip
+    """(guard, candidate, shape) of every verdict a model's wiring reads:
+    every kernel at every shape and width (an lm_head, hook.WIDE_N, and with
+    `one_row` every shape, at one row too), then every sibling group's.
+    Shape by shape, the widths inside: the order the builds are spread in
+    (kernels/prebuild.py)."""
+    for k, n, dtype, bits, gs in shapes:
+        for m in (1, *widths) if (one_row or n >= hook.WIDE_N) and widths else widths:
+            for cand in keep:
+                yield guard, cand, (m, k, n, dtype, bits, gs)
+    for k, ns, dtype, bits, gs in groups:
+        for m in (1, *widths) if one_row and widths else widths:
+            for cand in fused_keep:
+                yield fused_guard, cand, (m, k, ns, dtype, bits, gs)
+
+
+def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
+                 widths: tuple[int, ...], one_row: bool, model: nn.Module,
+                 stop: threading.Event | None) -> None:  # fmt: skip
+    """Every call the proofs below will build, built side by side first
+    (kernels/prebuild.py): each unrecorded verdict's kernel, at its shape,
+    for every kernel not dropped whose backend is here."""
+    def live(g: Guard | None) -> list:
+        return [] if g is None else [c for c in g.candidates
+                                     if c.name not in g.dropped and guards.backend_present(c.name)]  # fmt: skip
+
+    fused = live(fused_guard)
+    groups = group_shapes(model) if fused else []
+    jobs = [Job(g.op.name, cand.name, (*shape[:3], dtype_name(shape[3]), *shape[4:]))
+            for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row)
+            if cand.supports(*shape) and not g.recorded(cand, *shape)]  # fmt: skip
+    if not jobs:
+        return
+    report = builder.build(jobs, stop)
+    log.info("kernels: %d of %d builds done side by side in %.1f s on up to %d processes%s", report.built,
+             len(jobs), report.seconds, builder.workers,
+             f" ({report.failed} failed there: built here instead)" if report.failed else "")  # fmt: skip
+
+
+def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> list[Job]:
+    """MLX's own quantized matmul at the model's shapes and prompt-chunk
+    row counts: on CUDA each of its tile sizes is a CUTLASS template MLX
+    builds at first use (a fresh machine's first prompt waits ~40 s for a
+    4-bit model's, kernels/README.md), built side by side by
+    kernels/prebuild.py instead. Shape by shape, row counts inside."""
+    return [Job(QMM_OP, "stock", (m, k, n, dtype_name(dtype), bits, gs))
+            for k, n, dtype, bits, gs in model_shapes(model) for m in rows]  # fmt: skip
+
+
+QMM_OP = guards.QMM.name
+
+
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
            cache_dir: Path | None, stop: threading.Event | None = None,
-           one_row: bool = False) -> Wiring | _Proved | None:  # fmt: skip
+           one_row: bool = False, builder: Builder | None = None) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
     A Wiring where no kernel can be used, None when `stop` was set.
-    one_row: every shape and sibling group at one row too (hook.one_row)."""
+    one_row: every shape and sibling group at one row too (hook.one_row).
+    builder: what is not recorded is built side by side first (kernels/prebuild.py)."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -184,6 +240,8 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
             raise ValueError("kernels: prepare needs a guard, or the cache_dir of the shared ones")
         guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
+    if builder is not None and not guards.only_recorded():
+        _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop)
     with guard._lock:
         keep, failed = _usable(guard, shapes)
         guard.candidates = keep
@@ -201,32 +259,25 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
         failed.update(fused_failed)
     if not fused_keep:
         fused_guard, groups = None, []
-    for k, n, dtype, bits, gs in shapes:  # the warm-up: every kernel at every shape and width
-        for m in (1, *widths) if (one_row or n >= hook.WIDE_N) and widths else widths:  # (WIDE_N: one row too)
-            for cand in keep:
-                if stop is not None and stop.is_set():
-                    return None
-                guard.verdict(cand, m, k, n, dtype, bits, gs)
     fused_ok = 0
-    for k, ns, dtype, bits, gs in groups:
-        for m in (1, *widths) if one_row and widths else widths:
-            for cand in fused_keep:
-                if stop is not None and stop.is_set():
-                    return None
-                v = fused_guard.verdict(cand, m, k, ns, dtype, bits, gs)
-                fused_ok += v is not None and v.ok
+    for g, cand, shape in _cases(guard, keep, shapes, fused_guard, fused_keep, groups, widths, one_row):
+        if stop is not None and stop.is_set():
+            return None
+        v = g.verdict(cand, *shape)
+        fused_ok += g is fused_guard and v is not None and v.ok
     return _Proved(guard, fused_guard, shapes, widths, keep, failed, groups, fused_ok)
 
 
 def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
           cache_dir: Path | None = None, stop: threading.Event | None = None,
-          one_row: bool = False) -> bool:  # fmt: skip
+          one_row: bool = False, builder: Builder | None = None) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
-    MLX stream). False when `stop` was set before the end."""
-    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row) is not None
+    MLX stream). False when `stop` was set before the end. `builder`: what
+    is not recorded is built side by side first (kernels/prebuild.py)."""
+    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder) is not None
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,

@@ -1,0 +1,193 @@
+"""A fresh machine's first answers: how long after its engines start a model
+serves plain, and speculates through the proved kernels (issue 44: the first
+speculative token <= 20 s, plain answers from the first second).
+
+    python bench/cold_start.py [--modes parallel,serial] [--reps 1] [--depth 4]
+    python bench/cold_start.py --tiny --modes parallel    # the same path on a CPU
+
+Each run is a process of its own with a new SPECGATE_HOME and a new, empty
+MLX_PTX_CACHE_DIR, so nothing MLX or the guard built before is found: a fresh
+machine. Modes:
+- serial:   every kernel built where it is first called, one at a time
+            (kernel_wiring.build_workers = 0: specgate before
+            kernels/prebuild.py);
+- parallel: the product's way: kernels/prebuild.py's worker processes build
+            the model's prompt kernels and the proofs' kernels side by side.
+In a run: the target (bench/gpu_suite.py's 4-bit 7B-shape qwen3 with the
+bigram path and an MTP head, random weights) is built in memory, prepared
+as loading prepares what it serves (prepare_for_decoding, then
+kernel_wiring.prebuild_forward as load_mlx_model calls it), and then the
+plain engine and the MTP SpecEngine (oracle drafts at --accept) start on it,
+as the registry starts them. Time 0 is that start. Then, one after the
+other:
+- a plain request (--prompt tokens, 16 new): its first token;
+- plain requests every second while the MTP engine proves: the slowest
+  TTFT among them;
+- once the MTP engine has switched to its kernels (kernel_proofs.py), a
+  request held to MTP at --depth: when its first speculative round's
+  tokens came (the first speculative token), and that its output equals
+  the plain engine's;
+- when the plain engine's batch steps took the kernels (up to --deadline).
+Prints a table of seconds per run and mode, median [min, max] over --reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+MODES = ("parallel", "serial")
+COLUMNS = ("target built", "first plain token", "slowest plain TTFT while proving",
+           "MTP kernels on", "first speculative token", "plain batch kernels on")  # fmt: skip
+
+
+def child(a) -> dict:
+    """One fresh run (this process's environment names fresh caches)."""
+    t_start = time.perf_counter()
+    import mlx.core as mx
+    from gpu_suite import OracleSpecEngine, PlainEngine, bigram_target, loaded_model, prompts_for
+
+    from specgate.engines import kernel_wiring
+    from specgate.engines.base import RoundStats, TokenEvent
+    from specgate.engines.loading import prepare_for_decoding
+
+    kernel_wiring.build_workers = 0 if a.child == "serial" else None
+    out: dict = {}
+    model, head, vocab = bigram_target(a)
+    prepare_for_decoding(model)
+    out["target built"] = time.perf_counter() - t_start
+    t0 = time.perf_counter()
+    kernel_wiring.prebuild_forward(model)  # as load_mlx_model does
+    loaded = loaded_model(model, vocab)
+    plain = PlainEngine(model, vocab, max_concurrent=8, loaded=loaded, wait=False)
+    spec = OracleSpecEngine(model, head, vocab, a.accept, a.depth, a.seed, loaded=loaded)
+    spec.depth = a.depth
+    rng = random.Random(a.seed)
+    prompt = prompts_for(rng, vocab, a.prompt, 1)[0]
+    first = plain.one(prompt, 16)
+    out["first plain token"] = first.times[0] - t0
+    spec.refs[tuple(prompt)] = plain.one(prompt, a.tokens).tokens
+    ttfts = []
+    switch = spec.engine.kernel_switch
+    while not switch.done.is_set() and time.perf_counter() - t0 < a.deadline:
+        t = time.perf_counter()
+        ttfts.append(plain.one(prompts_for(rng, vocab, a.prompt, 1)[0], 4).ttft)
+        time.sleep(max(0.0, 1.0 - (time.perf_counter() - t)))
+    out["slowest plain TTFT while proving"] = max(ttfts) if ttfts else None
+    out["plain requests while proving"] = len(ttfts)
+    # Where no kernel builds (a CPU) the engine verifies stock: its first
+    # speculative token is still timed, with "MTP kernels on" empty.
+    out["MTP kernels on"] = time.perf_counter() - t0 if spec.engine.target.kernels else None
+
+    async def first_spec():
+        request, planner = spec.request("cold-spec", prompt, a.tokens)
+        tokens, when = [], None
+        async for event in spec.engine.generate(request, planner):
+            if isinstance(event, TokenEvent) and event.token_ids:
+                tokens += event.token_ids
+            elif isinstance(event, RoundStats) and event.drafted and when is None:
+                when = time.perf_counter() - t0
+        return tokens, when
+
+    if switch.done.is_set():
+        tokens, out["first speculative token"] = spec.loop.run_until_complete(first_spec())
+        out["exact"] = tokens == spec.refs[tuple(prompt)]
+    if plain.engine.kernels_ready(max(0.0, a.deadline - (time.perf_counter() - t0))):
+        out["plain batch kernels on"] = time.perf_counter() - t0 if plain.engine.batch_kernels.on else None
+    b = kernel_wiring.builder()
+    out["build workers"] = 0 if b is None else b.workers
+    out["device"] = str(mx.default_device())
+    spec.close()
+    plain.close()
+    return out
+
+
+def run_child(a, mode: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
+        env = dict(os.environ, SPECGATE_HOME=str(Path(tmp) / "home"),
+                   MLX_PTX_CACHE_DIR=str(Path(tmp) / "ptx"), PYTHONUNBUFFERED="1")  # fmt: skip
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--result", str(result),
+               *a.passthrough]  # fmt: skip
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, timeout=a.deadline + 600)
+        if proc.returncode != 0 or not result.exists():
+            print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
+            return {}
+        out = json.loads(result.read_text())
+        print(f"[{mode}] {json.dumps(out)} ({time.perf_counter() - t:.0f} s)", flush=True)
+        return out
+
+
+def summary(xs: list) -> str:
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="a small shape (a CPU check)")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--accept", type=float, default=0.8)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline", type=float, default=400.0, help="seconds a run waits at most")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.shape = "tiny" if a.tiny else "7b"
+    a.modes = [m for m in a.modes.split(",") if m]
+    if not a.modes or not set(a.modes) <= set(MODES):
+        ap.error(f"--modes takes {', '.join(MODES)}")
+    a.passthrough = [f"--depth={a.depth}", f"--accept={a.accept}", f"--prompt={a.prompt}",
+                     f"--tokens={a.tokens}", f"--seed={a.seed}", f"--deadline={a.deadline}",
+                     *(["--tiny"] if a.tiny else [])]  # fmt: skip
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.child:
+        out = child(a)
+        a.result.write_text(json.dumps(out))
+        return 0
+    runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+    for rep in range(a.reps):
+        for mode in a.modes if rep % 2 == 0 else a.modes[::-1]:
+            runs[mode].append(run_child(a, mode))
+    print(f"\n## cold start: seconds after the engines start ({a.shape} shape, 4-bit; MTP depth {a.depth}, "
+          f"a = {a.accept}; {a.reps} run(s) per mode, median [min, max])\n")  # fmt: skip
+    print("| mode | " + " | ".join(COLUMNS) + " | exact | workers |")
+    print("|---" * (len(COLUMNS) + 3) + "|")
+    for mode, rs in runs.items():
+        cells = [summary([r.get(c) for r in rs]) for c in COLUMNS]
+        exact = ", ".join(str(r.get("exact", "-")) for r in rs)
+        workers = ", ".join(str(r.get("build workers", "-")) for r in rs)
+        print(f"| {mode} | " + " | ".join(cells) + f" | {exact} | {workers} |")
+    if a.json:
+        a.json.write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from mlx_exit import end_process
+
+    end_process(main())

@@ -1,0 +1,355 @@
+"""A model's CUDA kernels built side by side in worker processes, before the
+proofs and the first forwards call them.
+
+Why: on CUDA, MLX builds each kernel at its first call with NVRTC (each of
+the guard's kernels at each row count ~0.7 s; MLX's own quantized matmuls,
+CUTLASS templates, several seconds each), one at a time in a process:
+threads do not help (bench/proof_cost.py: 44.8 s on 8 threads against
+51.9 s on one). On a fresh machine the first speculative token waited
+~100 s for such builds, and the plain engine's batch proofs ~170 s.
+
+MLX reads a kernel back from MLX_PTX_CACHE_DIR before building it
+(mlx/backend/cuda/jit_module.cpp: <module>.ptx, then <module>.txt), so
+other processes can build for it. Each worker (`python -m
+specgate.kernels.prebuild SHARED`) builds one job at a time into a private
+directory and then moves what it built into the shared one, the .ptx last
+(os.replace: a reader never finds half a module). Before each job it links
+in what the others finished, so a module is built once where the jobs are
+ordered to spread (shape by shape, row counts inside: what `wiring._prove`
+walks).
+
+Opportunistic: a call the workers have not reached is built by the
+process itself, as without them, and a worker that fails, hangs or dies
+costs nothing but speed (it is killed after JOB_TIMEOUT_S). Used only
+where MLX's backend is CUDA (engines/kernel_wiring.py): Metal compiles
+in milliseconds and a CPU builds none of these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("specgate.kernels")
+
+JOB_TIMEOUT_S = 300.0  # one build; NVRTC's slowest CUTLASS template takes ~10 s
+IDLE_S = 5.0  # a worker with nothing to do exits after this long
+MAX_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class Job:
+    """One call to build: `kernel` (a guard candidate's name, or "stock":
+    MLX's own quantized matmul alone) at `shape`, the guard op's shape with
+    its dtype as a name (QMM: M, K, N, dtype, bits, group size; FUSED_QMM:
+    N a tuple). A candidate's job builds the stock op and the exact
+    reference at that shape too, as its proof calls them."""
+
+    op: str
+    kernel: str
+    shape: tuple
+
+    def line(self) -> str:
+        return json.dumps({"op": self.op, "kernel": self.kernel, "shape": list(self.shape)})
+
+
+@dataclass
+class Report:
+    """What one `Builder.build` call got done."""
+
+    built: int = 0
+    failed: int = 0
+    known: int = 0  # built before, in this process's workers
+    cancelled: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def default_workers() -> int:
+    """Side by side builds: one core left to the process serving meanwhile."""
+    return max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+
+
+class _Batch:
+    def __init__(self, n: int):
+        self.left = n
+        self.cancelled = False
+        self.report = Report()
+
+
+class Builder:
+    """Worker processes that build jobs into the MLX kernel cache `ptx_dir`,
+    up to `workers` at once, started on demand and gone when idle."""
+
+    def __init__(self, ptx_dir: Path, workers: int | None = None, *, job_timeout: float = JOB_TIMEOUT_S,
+                 idle_s: float = IDLE_S):  # fmt: skip
+        self.ptx_dir = Path(ptx_dir)
+        self.workers = default_workers() if workers is None else workers
+        self.job_timeout, self.idle_s = job_timeout, idle_s
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Job, _Batch]] = deque()
+        self._done: set[Job] = set()  # built (or failed) by a worker of this process
+        self._threads = 0
+        self._procs: set[subprocess.Popen] = set()
+        self._closed = False
+        self._seq = 0
+
+    def build(self, jobs: Iterable[Job], stop: threading.Event | None = None) -> Report:
+        """Build `jobs` (in order, side by side), returning once each is built
+        or failed, or at once when `stop` is set: jobs no worker has taken
+        are dropped (one taken finishes, and still lands in the cache)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            unique = list(dict.fromkeys(jobs))
+            todo = [j for j in unique if j not in self._done]
+            batch = _Batch(len(todo))
+            batch.report.known = len(unique) - len(todo)
+            if self._closed:
+                batch.report.cancelled = len(todo)
+                return batch.report
+            self._queue.extend((j, batch) for j in todo)
+            while self._threads < min(self.workers, len(self._queue)):
+                self._threads += 1
+                self._seq += 1
+                threading.Thread(target=self._work, args=(self._seq,), daemon=True,
+                                 name=f"kernel-build-{self._seq}").start()  # fmt: skip
+            self._cond.notify_all()
+            while batch.left > 0:
+                if stop is not None and stop.is_set():
+                    batch.cancelled = True
+                    kept = deque(item for item in self._queue if item[1] is not batch)
+                    batch.report.cancelled = len(self._queue) - len(kept)
+                    self._queue = kept
+                    break
+                self._cond.wait(0.1)
+        batch.report.seconds = time.perf_counter() - t0
+        return batch.report
+
+    @property
+    def done(self) -> set[Job]:
+        """The jobs this process's workers built or failed."""
+        with self._cond:
+            return set(self._done)
+
+    def close(self) -> None:
+        """Kill the workers (a process exiting or an engine stopping)."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            procs = list(self._procs)
+            self._cond.notify_all()
+        for p in procs:
+            _kill(p)
+
+    # ------------------------------------------------------------ workers
+    def _take(self) -> tuple[Job, _Batch] | None:
+        with self._cond:
+            deadline = time.monotonic() + self.idle_s
+            while not self._queue and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return None if self._closed else self._queue.popleft()
+
+    def _work(self, seq: int) -> None:
+        proc = None
+        private = self.ptx_dir / f".build-{os.getpid()}-{seq}"
+        try:
+            while True:
+                item = self._take()
+                if item is None:
+                    return
+                job, batch = item
+                if proc is None or proc.poll() is not None:
+                    proc = self._spawn(private)
+                ok, why = self._run(proc, job)
+                if not ok and proc.poll() is None and why.startswith("timed out"):
+                    _kill(proc)
+                with self._cond:
+                    self._done.add(job)
+                    batch.left -= 1
+                    if ok:
+                        batch.report.built += 1
+                    else:
+                        batch.report.failed += 1
+                        batch.report.errors.append(f"{job.kernel} {job.shape}: {why}")
+                    self._cond.notify_all()
+        except Exception:  # noqa: BLE001 - a builder is an optimisation: it never takes a proof down
+            log.exception("kernel build worker %d failed", seq)
+        finally:
+            with self._cond:
+                self._threads -= 1
+                self._cond.notify_all()
+            if proc is not None:
+                _stop(proc)
+                with self._cond:
+                    self._procs.discard(proc)
+            shutil.rmtree(private, ignore_errors=True)
+
+    def _spawn(self, private: Path) -> subprocess.Popen:
+        private.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, "-m", "specgate.kernels.prebuild", str(self.ptx_dir)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, text=True)  # fmt: skip
+        with self._cond:
+            self._procs.add(proc)
+            if self._closed:
+                _kill(proc)
+        return proc
+
+    def _run(self, proc: subprocess.Popen, job: Job) -> tuple[bool, str]:
+        """Hand `job` to `proc` and read its answer: (built, why not)."""
+        try:
+            proc.stdin.write(job.line() + "\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:
+            return False, f"worker gone ({type(e).__name__})"
+        ready, _, _ = select.select([proc.stdout], [], [], self.job_timeout)
+        if not ready:
+            return False, f"timed out after {self.job_timeout:.0f} s"
+        line = proc.stdout.readline()
+        if not line:
+            return False, f"worker exited ({proc.poll()})"
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return False, f"unreadable answer {line[:80]!r}"
+        return bool(answer.get("ok")), str(answer.get("error", ""))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ---------------------------------------------------------------- the cache's files
+
+
+def hand_over(private: Path, shared: Path, seen: set[str]) -> list[str]:
+    """Move each module built in `private` (not `seen`: linked in from
+    `shared`) into `shared`, its other files before its .ptx (MLX takes a
+    module to be there once its .ptx is), each by os.replace (atomic on one
+    filesystem); each moved is seen from then on. Returns those moved."""
+    moved = []
+    for ptx in sorted(private.glob("*.ptx")):
+        stem = ptx.name[: -len(".ptx")]
+        if stem in seen:
+            continue
+        for suffix in _OTHERS:
+            if (private / (stem + suffix)).exists():
+                os.replace(private / (stem + suffix), shared / (stem + suffix))
+        os.replace(ptx, shared / ptx.name)
+        seen.add(stem)
+        moved.append(stem)
+    return moved
+
+
+def take_in(shared: Path, private: Path, seen: set[str]) -> int:
+    """Link into `private` the modules in `shared` not `seen` (linked
+    before, or built here and handed over: in this process's memory), the
+    .ptx last: MLX reads only its own cache directory. Returns the modules
+    linked."""
+    linked = 0
+    for ptx in shared.glob("*.ptx"):
+        stem = ptx.name[: -len(".ptx")]
+        if stem in seen or (private / ptx.name).exists():
+            continue
+        try:
+            for suffix in (*_OTHERS, ".ptx"):
+                if (shared / (stem + suffix)).exists() and not (private / (stem + suffix)).exists():
+                    _link(shared / (stem + suffix), private / (stem + suffix))
+        except OSError:
+            continue  # (gone meanwhile: built here if needed)
+        seen.add(stem)
+        linked += 1
+    return linked
+
+
+_OTHERS = (".txt", ".cu")  # what MLX writes beside a module's .ptx
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # (a filesystem without hard links: a copy is as good)
+        shutil.copyfile(src, dst)
+
+
+# ---------------------------------------------------------------- the worker process
+
+
+def _build(job: dict) -> None:
+    """Make the calls a proof (or a forward) makes first at the job's shape."""
+    import mlx.core as mx
+
+    from specgate.kernels import guard
+
+    ops = {"qmm": guard.QMM, "qmm_fused": guard.FUSED_QMM}
+    op = ops[job["op"]]
+    shape = [tuple(s) if isinstance(s, list) else s for s in job["shape"]]
+    shape = [getattr(mx, s) if isinstance(s, str) else s for s in shape]
+    args = op.inputs(0, *shape)
+    outs = [op.joined(op.stock(*args))]
+    if job["kernel"] != "stock":
+        cands = {c.name: c for c in [*guard.default_candidates(), guard.cuda_mma_fused_candidate()]}
+        outs += [op.joined(cands[job["kernel"]].fn(*args)), op.exact(*args)]
+    mx.eval(outs)
+
+
+def main(argv: list[str]) -> int:
+    """Read one job per line on stdin, build it, move what was built into
+    the shared cache (argv[0]), answer one JSON line; exit at EOF."""
+    shared = Path(argv[0])
+    private = Path(os.environ["MLX_PTX_CACHE_DIR"])
+    import mlx.core as mx
+
+    seen: set[str] = set()  # modules in both caches (linked in, or built and handed over)
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        answer: dict = {"ok": True}
+        try:
+            take_in(shared, private, seen)
+            _build(json.loads(line))
+        except Exception as e:  # noqa: BLE001 - reported; the proof builds it itself
+            answer = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+        try:
+            answer["built"] = len(hand_over(private, shared, seen))
+        except OSError as e:
+            answer = {"ok": False, "error": f"hand over: {e}"}
+        mx.clear_cache()
+        answer["s"] = round(time.perf_counter() - t0, 3)
+        answer["pid"] = os.getpid()
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""Kernels built side by side in worker processes (specgate/kernels/prebuild.py), on the CPU.
+
+On CUDA, MLX builds each kernel at its first call, one at a time per
+process; the builder's worker processes build them into MLX's kernel cache
+first. What a CPU can show of it:
+- a module a worker built reaches the shared cache whole, and a worker
+  links in what the others built;
+- jobs run in worker processes (MLX's stock op builds on a CPU too; a CUDA
+  kernel's job fails there and says why), each once, and the workers exit
+  when idle;
+- a stop drops the jobs not taken; a worker past its time is killed; a bad
+  job is an error, not a dead builder;
+- kernels/wiring.prove hands the builder exactly the verdicts it is about
+  to prove, and nothing once they are recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from specgate.kernels import qmm, wiring
+from specgate.kernels.guard import Candidate, Guard
+from specgate.kernels.prebuild import Builder, Job, hand_over, take_in
+
+STOCK = [Job("qmm", "stock", (m, 256, 512, "bfloat16", 4, 64)) for m in (16, 32, 64)]
+
+
+def _module(d, stem: str, text: str) -> None:
+    for suffix in (".txt", ".cu", ".ptx"):
+        (d / f"{stem}{suffix}").write_text(f"{text}{suffix}")
+
+
+def test_a_built_module_moves_whole_and_others_are_linked_in(tmp_path):
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir()
+    shared.mkdir()
+    _module(private, "mine", "m")
+    (private / "half.txt").write_text("no .ptx yet")  # MLX writes it with its .ptx: not a module yet
+    seen: set[str] = set()
+    assert hand_over(private, shared, seen) == ["mine"]
+    assert sorted(p.name for p in shared.iterdir()) == ["mine.cu", "mine.ptx", "mine.txt"]
+    assert (shared / "mine.ptx").read_text() == "m.ptx" and (shared / "mine.txt").read_text() == "m.txt"
+    assert sorted(p.name for p in private.iterdir()) == ["half.txt"]
+
+    _module(shared, "theirs", "t")  # another worker's
+    assert take_in(shared, private, seen) == 1
+    assert (private / "theirs.ptx").read_text() == "t.ptx" and (private / "theirs.txt").exists()
+    assert not (private / "mine.ptx").exists()  # handed over: in the worker's memory already
+    assert take_in(shared, private, seen) == 0
+    assert hand_over(private, shared, seen) == []  # what was linked in is not handed back
+
+
+def test_jobs_run_in_worker_processes_once_and_the_workers_leave(tmp_path):
+    b = Builder(tmp_path, 2, idle_s=0.5)
+    cuda = Job("qmm", "cuda_qmm_mma", (4, 256, 512, "bfloat16", 4, 64))
+    report = b.build([*STOCK, cuda, STOCK[0]])
+    assert (report.built, report.failed) == (3, 1)
+    assert "CUDA" in report.errors[0] and "cuda_qmm_mma" in report.errors[0]
+    assert b.done == {*STOCK, cuda}
+    again = b.build(STOCK)
+    assert (again.built, again.failed, again.known) == (0, 0, 3)
+    deadline = time.monotonic() + 30
+    while (b._threads or b._procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b._threads == 0 and not b._procs  # idle: exited, no process left behind
+    assert list(tmp_path.iterdir()) == []  # their private directories removed
+
+
+def test_a_stop_drops_untaken_jobs_and_a_late_worker_is_killed(tmp_path):
+    b = Builder(tmp_path, 1, idle_s=0.5)
+    stop = threading.Event()
+    stop.set()
+    report = b.build(STOCK, stop)
+    assert report.cancelled >= len(STOCK) - 1 and report.built == 0
+    b.close()
+
+    slow = Builder(tmp_path, 1, job_timeout=0.001, idle_s=0.5)  # no worker answers within 1 ms
+    report = slow.build(STOCK[:1])
+    assert report.failed == 1 and "timed out" in report.errors[0]
+    deadline = time.monotonic() + 30
+    while slow._procs and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not slow._procs
+
+
+def test_a_bad_job_is_an_error_and_the_worker_goes_on(tmp_path):
+    b = Builder(tmp_path, 1, idle_s=0.5)
+    report = b.build([Job("no_such_op", "stock", (2, 64, 64, "bfloat16", 4, 64)), STOCK[0]])
+    assert (report.built, report.failed) == (1, 1)
+    assert "no_such_op" in report.errors[0]
+    b.close()
+
+
+class Stock:
+    """A correct kernel: the stock op."""
+
+    def __call__(self, x, wq, s, b, gs, bits):
+        return qmm.reference_qmm(x, wq, s, b, gs, bits)
+
+
+def test_prove_hands_the_builder_the_verdicts_it_proves(tmp_path):
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
+    nn.quantize(model, group_size=64, bits=4)
+    cand = Candidate("test_stock", "v1", Stock())
+    guard = Guard([cand], cache_dir=tmp_path / "verdicts", machine="test", reps=1, inner=1)
+    b = Builder(tmp_path / "ptx", 1, idle_s=0.5)
+    (tmp_path / "ptx").mkdir()
+    assert wiring.prove(model, "auto", range(2, 4), guard=guard, builder=b)
+    # Its worker cannot build a kernel it does not know (a test's): each job
+    # failed there and was built by the proof here instead.
+    shapes = [(m, k, n, "float32", 4, 64) for k, n in ((128, 256), (256, 128)) for m in (2, 3)]
+    assert b.done == {Job("qmm", "test_stock", s) for s in shapes}
+    assert len(guard.verdicts()) == len(shapes)
+    before = set(b.done)
+    assert wiring.prove(model, "auto", range(2, 4), guard=guard, builder=b)  # all recorded
+    assert b.done == before
+    b.close()
+
+
+def test_forward_jobs_cover_every_shape_at_each_row_count():
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
+    nn.quantize(model, group_size=64, bits=4)
+    jobs = wiring.forward_jobs(model, (16, 2048))
+    assert len(jobs) == 4 and set(jobs) == {Job("qmm", "stock", (m, k, n, "float32", 4, 64))
+                                            for k, n in ((128, 256), (256, 128)) for m in (16, 2048)}  # fmt: skip
+    assert [j.shape[0] for j in jobs] == [16, 2048, 16, 2048]  # shape by shape: the builds spread

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -63,6 +64,9 @@ def child(a) -> dict:
     from specgate.engines.base import RoundStats, TokenEvent
     from specgate.engines.loading import prepare_for_decoding
 
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(relativeCreated)8.0f ms %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("specgate").setLevel(logging.INFO)
     kernel_wiring.build_workers = 0 if a.child == "serial" else None
     out: dict = {}
     model, head, vocab = bigram_target(a)

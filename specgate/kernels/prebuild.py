@@ -200,7 +200,9 @@ class Builder:
 
     def _spawn(self, private: Path) -> subprocess.Popen:
         private.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private), PYTHONUNBUFFERED="1")
+        # (this process's import path: specgate is found where it was found here)
+        path = os.pathsep.join(p for p in sys.path if p)
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private), PYTHONUNBUFFERED="1", PYTHONPATH=path)
         proc = subprocess.Popen([sys.executable, "-m", "specgate.kernels.prebuild", str(self.ptx_dir)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 env=env, text=True)  # fmt: skip

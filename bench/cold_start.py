@@ -112,6 +112,10 @@ def child(a) -> dict:
         out["plain batch kernels on"] = time.perf_counter() - t0 if plain.engine.batch_kernels.on else None
     b = kernel_wiring.builder()
     out["build workers"] = 0 if b is None else b.workers
+    guard = kernel_wiring.shared_guard()
+    out["machine key"] = guard.machine
+    out["verdicts"] = {k: v.status for op in ("qmm", "qmm_fused")
+                       for k, v in kernel_wiring.shared_guard(op).verdicts().items()}  # fmt: skip
     out["device"] = str(mx.default_device())
     spec.close()
     plain.close()
@@ -131,7 +135,8 @@ def run_child(a, mode: str) -> dict:
             print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
             return {}
         out = json.loads(result.read_text())
-        print(f"[{mode}] {json.dumps(out)} ({time.perf_counter() - t:.0f} s)", flush=True)
+        brief = {k: v for k, v in out.items() if k != "verdicts"}
+        print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
         return out
 
 
@@ -186,6 +191,14 @@ def main(argv=None) -> int:
         exact = ", ".join(str(r.get("exact", "-")) for r in rs)
         workers = ", ".join(str(r.get("build workers", "-")) for r in rs)
         print(f"| {mode} | " + " | ".join(cells) + f" | {exact} | {workers} |")
+    every = [r for rs in runs.values() for r in rs if r.get("verdicts")]
+    print(f"\nmachine keys: {sorted({r.get('machine key') for r in every})}")
+    for r in every[1:]:  # the same machine, proved afresh: the same verdicts?
+        first = every[0]["verdicts"]
+        both = set(first) & set(r["verdicts"])
+        differ = sorted(k for k in both if first[k] != r["verdicts"][k])
+        print(f"verdicts against the first run's: {len(both) - len(differ)} of {len(both)} the same"
+              + (f"; differ: {differ[:8]}" if differ else ""))  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(runs, indent=1))
     return 0

@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -73,9 +74,11 @@ def child(a) -> dict:
     prepare_for_decoding(model)
     out["target built"] = time.perf_counter() - t_start
     t0 = time.perf_counter()
+    timeline: list[tuple[float, int]] = []  # (s, modules in MLX's kernel cache): who built what when
+    threading.Thread(target=watch_cache, args=(t0, timeline), daemon=True).start()
     kernel_wiring.prebuild_forward(model)  # as load_mlx_model does
     loaded = loaded_model(model, vocab)
-    plain = PlainEngine(model, vocab, max_concurrent=8, loaded=loaded, wait=False)
+    plain = PlainEngine(model, vocab, max_concurrent=8, loaded=loaded, wait=False, kernels=a.plain_kernels)
     spec = OracleSpecEngine(model, head, vocab, a.accept, a.depth, a.seed, loaded=loaded)
     spec.depth = a.depth
     rng = random.Random(a.seed)
@@ -98,8 +101,11 @@ def child(a) -> dict:
     async def first_spec():
         request, planner = spec.request("cold-spec", prompt, a.tokens)
         tokens, when = [], None
+        out["speculative request sent"] = time.perf_counter() - t0
         async for event in spec.engine.generate(request, planner):
             if isinstance(event, TokenEvent) and event.token_ids:
+                if not tokens:
+                    out["its first token (prefill)"] = time.perf_counter() - t0
                 tokens += event.token_ids
             elif isinstance(event, RoundStats) and event.drafted and when is None:
                 when = time.perf_counter() - t0
@@ -117,9 +123,19 @@ def child(a) -> dict:
     out["verdicts"] = {k: v.status for op in ("qmm", "qmm_fused")
                        for k, v in kernel_wiring.shared_guard(op).verdicts().items()}  # fmt: skip
     out["device"] = str(mx.default_device())
+    out["kernel cache timeline"] = timeline[::5]
     spec.close()
     plain.close()
     return out
+
+
+def watch_cache(t0: float, timeline: list) -> None:
+    """Modules in MLX's kernel cache, each second (the workers' private
+    directories, .build-*, not counted)."""
+    ptx = Path(os.environ["MLX_PTX_CACHE_DIR"])
+    while True:
+        timeline.append((round(time.perf_counter() - t0, 1), len(list(ptx.glob("*.ptx")))))
+        time.sleep(1.0)
 
 
 def run_child(a, mode: str) -> dict:
@@ -135,7 +151,7 @@ def run_child(a, mode: str) -> dict:
             print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
             return {}
         out = json.loads(result.read_text())
-        brief = {k: v for k, v in out.items() if k != "verdicts"}
+        brief = {k: v for k, v in out.items() if k not in ("verdicts", "kernel cache timeline")}
         print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
         return out
 
@@ -158,6 +174,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=400.0, help="seconds a run waits at most")
+    ap.add_argument("--plain-kernels", default="auto", choices=("auto", "off"),
+                    help="the plain engine's batch kernels (off: its proofs do not run beside)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -168,6 +186,7 @@ def parse(argv=None) -> argparse.Namespace:
         ap.error(f"--modes takes {', '.join(MODES)}")
     a.passthrough = [f"--depth={a.depth}", f"--accept={a.accept}", f"--prompt={a.prompt}",
                      f"--tokens={a.tokens}", f"--seed={a.seed}", f"--deadline={a.deadline}",
+                     f"--plain-kernels={a.plain_kernels}",
                      *(["--tiny"] if a.tiny else [])]  # fmt: skip
     return a
 

@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from specgate.kernels import qmm, wiring
 from specgate.kernels.guard import Candidate, Guard
-from specgate.kernels.prebuild import Builder, Job, hand_over, take_in
+from specgate.kernels.prebuild import Builder, Job, _Batch, hand_over, take_in
 
 STOCK = [Job("qmm", "stock", (m, 256, 512, "bfloat16", 4, 64)) for m in (16, 32, 64)]
 
@@ -93,6 +93,26 @@ def test_a_bad_job_is_an_error_and_the_worker_goes_on(tmp_path):
     assert (report.built, report.failed) == (1, 1)
     assert "no_such_op" in report.errors[0]
     b.close()
+
+
+def test_one_job_of_a_group_builds_at_a_time(tmp_path):
+    """Jobs at one op, row count and precision likely build the same
+    modules: the next of them waits for the first (then links its modules
+    in) while other groups go ahead."""
+    b = Builder(tmp_path, 4)
+    a, same, other = (Job("qmm", "stock", (16, 256, 512, "bfloat16", 4, 64)),
+                      Job("qmm", "stock", (16, 512, 256, "bfloat16", 4, 64)),
+                      Job("qmm", "stock", (32, 256, 512, "bfloat16", 4, 64)))  # fmt: skip
+    assert a.group == same.group != other.group
+    batch = _Batch(3)
+    b._queue.extend([(a, batch), (same, batch), (other, batch)])
+    assert b._take()[0] == a
+    assert b._take()[0] == other  # `same` waits: a's group is being built
+    with b._cond:
+        b._finish(a, batch, True, "", 0.5, 2)
+    assert b._take()[0] == same
+    assert (batch.report.built, batch.report.modules) == (1, 2)
+
 
 
 class Stock:

@@ -76,12 +76,14 @@ def prepare(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | 
 
 
 def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
-          fused_guard: Guard | None = None, stop=None, one_row: bool = False) -> bool:  # fmt: skip
+          fused_guard: Guard | None = None, stop=None, one_row: bool = False,
+          urgent: bool = False) -> bool:  # fmt: skip
     """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's
-    shared ones; what it will build, built side by side first (`builder`)."""
+    shared ones; what it will build, built side by side first (`builder`;
+    `urgent`: ahead of what is queued, as a first speculative token waits)."""
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
                         cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row,
-                        builder=builder())  # fmt: skip
+                        builder=builder(), urgent=urgent)  # fmt: skip
 
 
 class ProofThread:

@@ -63,6 +63,17 @@ class Job:
     def line(self) -> str:
         return json.dumps({"op": self.op, "kernel": self.kernel, "shape": list(self.shape)})
 
+    @property
+    def group(self) -> tuple:
+        """Jobs that likely build the same modules: one op at one row count
+        and precision. MLX's kernels are templates over the row count's tile
+        and the precision, not K and N, and ours over the rows and a launch
+        configuration few shapes differ in. One job of a group builds at a
+        time: the next then links in what it built instead of building the
+        same module beside it (a first H100 run, without this, built each of
+        MLX's prompt tiles on up to 8 workers at once)."""
+        return (self.op, self.shape[0], *self.shape[3:])
+
 
 @dataclass
 class Report:
@@ -73,7 +84,12 @@ class Report:
     known: int = 0  # built before, in this process's workers
     cancelled: int = 0
     seconds: float = 0.0
+    modules: int = 0  # modules the workers built (the rest of the jobs' were linked in)
     errors: list[str] = field(default_factory=list)
+    slowest: list[tuple[float, Job]] = field(default_factory=list)  # (seconds, job), slowest first
+
+    def note(self, seconds: float, job: Job) -> None:
+        self.slowest = sorted([*self.slowest, (seconds, job)], key=lambda x: -x[0])[:5]
 
 
 def default_workers() -> int:
@@ -100,15 +116,19 @@ class Builder:
         self._cond = threading.Condition()
         self._queue: deque[tuple[Job, _Batch]] = deque()
         self._done: set[Job] = set()  # built (or failed) by a worker of this process
+        self._building: set[tuple] = set()  # the groups of the jobs workers are on
         self._threads = 0
         self._procs: set[subprocess.Popen] = set()
         self._closed = False
         self._seq = 0
 
-    def build(self, jobs: Iterable[Job], stop: threading.Event | None = None) -> Report:
+    def build(self, jobs: Iterable[Job], stop: threading.Event | None = None, *,
+              urgent: bool = False) -> Report:  # fmt: skip
         """Build `jobs` (in order, side by side), returning once each is built
         or failed, or at once when `stop` is set: jobs no worker has taken
-        are dropped (one taken finishes, and still lands in the cache)."""
+        are dropped (one taken finishes, and still lands in the cache).
+        `urgent`: ahead of every job queued (a first speculative token waits
+        for these), else behind them."""
         t0 = time.perf_counter()
         with self._cond:
             unique = list(dict.fromkeys(jobs))
@@ -118,7 +138,11 @@ class Builder:
             if self._closed:
                 batch.report.cancelled = len(todo)
                 return batch.report
-            self._queue.extend((j, batch) for j in todo)
+            items = [(j, batch) for j in todo]
+            if urgent:
+                self._queue.extendleft(reversed(items))
+            else:
+                self._queue.extend(items)
             while self._threads < min(self.workers, len(self._queue)):
                 self._threads += 1
                 self._seq += 1
@@ -130,6 +154,7 @@ class Builder:
                     batch.cancelled = True
                     kept = deque(item for item in self._queue if item[1] is not batch)
                     batch.report.cancelled = len(self._queue) - len(kept)
+                    batch.left -= batch.report.cancelled
                     self._queue = kept
                     break
                 self._cond.wait(0.1)
@@ -154,18 +179,46 @@ class Builder:
 
     # ------------------------------------------------------------ workers
     def _take(self) -> tuple[Job, _Batch] | None:
+        """The first queued job whose group no worker is building (None:
+        idle for idle_s, or closed); a job built meanwhile is answered here."""
         with self._cond:
             deadline = time.monotonic() + self.idle_s
-            while not self._queue and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return None if self._closed else self._queue.popleft()
+            while not self._closed:
+                for i, (job, batch) in enumerate(self._queue):
+                    if job in self._done:
+                        del self._queue[i]
+                        self._finish(job, batch, True, "", 0.0, 0)
+                        break
+                    if job.group not in self._building:
+                        del self._queue[i]
+                        self._building.add(job.group)
+                        return job, batch
+                else:
+                    left = deadline - time.monotonic()
+                    if not self._queue and left <= 0:
+                        return None
+                    self._cond.wait(max(0.05, left) if not self._queue else 0.5)
+            return None
+
+    def _finish(self, job: Job, batch: _Batch, ok: bool, why: str, seconds: float, modules: int) -> None:
+        """(holding the condition)"""
+        self._done.add(job)
+        self._building.discard(job.group)
+        batch.left -= 1
+        r = batch.report
+        if ok:
+            r.built += 1
+        else:
+            r.failed += 1
+            r.errors.append(f"{job.kernel} {job.shape}: {why}")
+        r.modules += modules
+        r.note(seconds, job)
+        self._cond.notify_all()
 
     def _work(self, seq: int) -> None:
         proc = None
         private = self.ptx_dir / f".build-{os.getpid()}-{seq}"
+        item = None
         try:
             while True:
                 item = self._take()
@@ -174,20 +227,18 @@ class Builder:
                 job, batch = item
                 if proc is None or proc.poll() is not None:
                     proc = self._spawn(private)
-                ok, why = self._run(proc, job)
+                t = time.perf_counter()
+                ok, why, modules = self._run(proc, job)
                 if not ok and proc.poll() is None and why.startswith("timed out"):
                     _kill(proc)
                 with self._cond:
-                    self._done.add(job)
-                    batch.left -= 1
-                    if ok:
-                        batch.report.built += 1
-                    else:
-                        batch.report.failed += 1
-                        batch.report.errors.append(f"{job.kernel} {job.shape}: {why}")
-                    self._cond.notify_all()
+                    self._finish(job, batch, ok, why, time.perf_counter() - t, modules)
+                item = None
         except Exception:  # noqa: BLE001 - a builder is an optimisation: it never takes a proof down
             log.exception("kernel build worker %d failed", seq)
+            if item is not None:
+                with self._cond:
+                    self._finish(*item, False, "worker failed", 0.0, 0)
         finally:
             with self._cond:
                 self._threads -= 1
@@ -212,24 +263,24 @@ class Builder:
                 _kill(proc)
         return proc
 
-    def _run(self, proc: subprocess.Popen, job: Job) -> tuple[bool, str]:
-        """Hand `job` to `proc` and read its answer: (built, why not)."""
+    def _run(self, proc: subprocess.Popen, job: Job) -> tuple[bool, str, int]:
+        """Hand `job` to `proc` and read its answer: (built, why not, modules built)."""
         try:
             proc.stdin.write(job.line() + "\n")
             proc.stdin.flush()
         except (BrokenPipeError, ValueError, OSError) as e:
-            return False, f"worker gone ({type(e).__name__})"
+            return False, f"worker gone ({type(e).__name__})", 0
         ready, _, _ = select.select([proc.stdout], [], [], self.job_timeout)
         if not ready:
-            return False, f"timed out after {self.job_timeout:.0f} s"
+            return False, f"timed out after {self.job_timeout:.0f} s", 0
         line = proc.stdout.readline()
         if not line:
-            return False, f"worker exited ({proc.poll()})"
+            return False, f"worker exited ({proc.poll()})", 0
         try:
             answer = json.loads(line)
         except ValueError:
-            return False, f"unreadable answer {line[:80]!r}"
-        return bool(answer.get("ok")), str(answer.get("error", ""))
+            return False, f"unreadable answer {line[:80]!r}", 0
+        return bool(answer.get("ok")), str(answer.get("error", "")), int(answer.get("built", 0))
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -186,10 +186,11 @@ def _cases(guard: Guard, keep: list, shapes: list[Shape], fused_guard: Guard | N
 
 def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
                  widths: tuple[int, ...], one_row: bool, model: nn.Module,
-                 stop: threading.Event | None) -> None:  # fmt: skip
+                 stop: threading.Event | None, urgent: bool) -> None:  # fmt: skip
     """Every call the proofs below will build, built side by side first
     (kernels/prebuild.py): each unrecorded verdict's kernel, at its shape,
-    for every kernel not dropped whose backend is here."""
+    for every kernel not dropped whose backend is here; `urgent` ones ahead
+    of what is queued."""
     def live(g: Guard | None) -> list:
         return [] if g is None else [c for c in g.candidates
                                      if c.name not in g.dropped and guards.backend_present(c.name)]  # fmt: skip
@@ -201,10 +202,13 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
             if cand.supports(*shape) and not g.recorded(cand, *shape)]  # fmt: skip
     if not jobs:
         return
-    report = builder.build(jobs, stop)
-    log.info("kernels: %d of %d builds done side by side in %.1f s on up to %d processes%s", report.built,
-             len(jobs), report.seconds, builder.workers,
-             f" ({report.failed} failed there: built here instead)" if report.failed else "")  # fmt: skip
+    report = builder.build(jobs, stop, urgent=urgent)
+    slowest = ", ".join(f"{j.kernel} M={j.shape[0]} K={j.shape[1]} N={j.shape[2]} {t:.1f} s"
+                        for t, j in report.slowest[:3])  # fmt: skip
+    log.info("kernels: %d of %d builds done side by side (%d modules) in %.1f s on up to %d "
+             "processes%s%s", report.built, len(jobs), report.modules, report.seconds, builder.workers,
+             f" ({report.failed} failed there: built here instead)" if report.failed else "",
+             f"; slowest {slowest}" if slowest else "")  # fmt: skip
 
 
 def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> list[Job]:
@@ -222,12 +226,14 @@ QMM_OP = guards.QMM.name
 
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
            cache_dir: Path | None, stop: threading.Event | None = None,
-           one_row: bool = False, builder: Builder | None = None) -> Wiring | _Proved | None:  # fmt: skip
+           one_row: bool = False, builder: Builder | None = None,
+           urgent: bool = False) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
     A Wiring where no kernel can be used, None when `stop` was set.
     one_row: every shape and sibling group at one row too (hook.one_row).
-    builder: what is not recorded is built side by side first (kernels/prebuild.py)."""
+    builder: what is not recorded is built side by side first (kernels/prebuild.py),
+    `urgent`ly: ahead of the builds queued."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -241,7 +247,7 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
         guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
     if builder is not None and not guards.only_recorded():
-        _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop)
+        _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     with guard._lock:
         keep, failed = _usable(guard, shapes)
         guard.candidates = keep
@@ -271,13 +277,15 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
 def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
           cache_dir: Path | None = None, stop: threading.Event | None = None,
-          one_row: bool = False, builder: Builder | None = None) -> bool:  # fmt: skip
+          one_row: bool = False, builder: Builder | None = None, urgent: bool = False) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
     MLX stream). False when `stop` was set before the end. `builder`: what
-    is not recorded is built side by side first (kernels/prebuild.py)."""
-    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder) is not None
+    is not recorded is built side by side first (kernels/prebuild.py;
+    `urgent`: ahead of the builds queued)."""
+    return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder,
+                  urgent) is not None  # fmt: skip
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,

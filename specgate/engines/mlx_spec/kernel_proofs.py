@@ -135,10 +135,11 @@ class KernelSwitch(kernel_wiring.ProofThread):
             return False
         return True
 
-    def _prove(self, widths: Sequence[int]) -> bool:
-        """Proves `widths` for the trunk and the drafter (False: stopped)."""
+    def _prove(self, widths: Sequence[int], urgent: bool = False) -> bool:
+        """Proves `widths` for the trunk and the drafter (False: stopped);
+        `urgent`: their builds ahead of what is queued (kernels/prebuild.py)."""
         return all(kernel_wiring.prove(module, self.setting, widths, guard=self.guard,
-                                       stop=self._stop)  # fmt: skip
+                                       stop=self._stop, urgent=urgent)  # fmt: skip
                    for module in self._modules())
 
     def _run(self) -> None:
@@ -152,7 +153,7 @@ class KernelSwitch(kernel_wiring.ProofThread):
         """Steps 1-3."""
         try:
             with self.loaded.proving:
-                if not self._prove(self.widths):
+                if not self._prove(self.widths, urgent=True):
                     return
                 with self.loaded.lock:
                     try:

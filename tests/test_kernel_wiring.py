@@ -365,6 +365,28 @@ def test_serves_on_the_stock_path_while_its_kernels_are_proved(q4, tmp_path):
     assert again.checks_run == 0
 
 
+def test_background_proofs_take_turns_with_the_model_s_rounds(q4, tmp_path):
+    """A proof waits for the round (or step) holding the model's lock before
+    it starts: MLX builds one kernel at a time, and proofs back to back held
+    off a first round's own builds (91 s on an H100). The lock is not kept
+    through a proof, so a slow one never stops serving (the test above)."""
+    kernel = Gated()
+    guard = counting_guard(tmp_path, kernel)
+    engine = mtp_engine(q4, settings=MTPSettings(depth=2), kernel_guard=guard)
+    try:
+        assert kernel.entered.wait(60)  # its first proof under way
+        with q4.lock:  # a round in progress
+            started = guard.checks_run
+            kernel.release.set()  # that proof ends; the next waits for the round
+            time.sleep(0.5)
+            assert guard.checks_run == started and engine.kernels_proving
+        assert settled(engine) and engine.target.kernels
+        assert guard.checks_run > started
+    finally:
+        kernel.release.set()
+        engine.kernel_switch.stop(30)
+
+
 class Slow(Counting):
     """Failure injection: every call of a correct kernel takes `seconds`
     longer (a fresh GPU's builds do), and the thread that made it is noted."""

@@ -8,6 +8,7 @@ by side first, by this process's worker processes (kernels/prebuild.py)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 
@@ -77,13 +78,30 @@ def prepare(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | 
 
 def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | None = None,
           fused_guard: Guard | None = None, stop=None, one_row: bool = False,
-          urgent: bool = False) -> bool:  # fmt: skip
+          urgent: bool = False, loaded=None) -> bool:  # fmt: skip
     """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's
     shared ones; what it will build, built side by side first (`builder`;
-    `urgent`: ahead of what is queued, as a first speculative token waits)."""
+    `urgent`: ahead of what is queued, as a first speculative token waits).
+    With the `loaded` model the proofs run beside (engines/loading.LoadedModel),
+    each waits for its turn at the model's lock first (`model_turn`)."""
+    turn = None if loaded is None or loaded.lockstep is not None else functools.partial(model_turn, loaded)
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
                         cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row,
-                        builder=builder(), urgent=urgent)  # fmt: skip
+                        builder=builder(), urgent=urgent, turn=turn)  # fmt: skip
+
+
+def model_turn(loaded) -> None:
+    """Returns once the step or round holding the model's lock, and those
+    waiting before this call, have had it; the lock is not kept. A proof
+    builds its kernel in-process (MLX keeps our kernels out of its disk
+    cache), and MLX builds one kernel at a time: proofs back to back held
+    off a request's own first builds. On an H100 the first speculative round
+    after the switch waited 91 s for the batch widths' proofs; taking turns,
+    a round waits for one proof at most, and a proof for one round. Not
+    held during the proof: a slow one (tens of seconds for a new tile)
+    never stops serving."""
+    with loaded.lock:
+        pass
 
 
 class ProofThread:

@@ -227,13 +227,15 @@ QMM_OP = guards.QMM.name
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
            cache_dir: Path | None, stop: threading.Event | None = None,
            one_row: bool = False, builder: Builder | None = None,
-           urgent: bool = False) -> Wiring | _Proved | None:  # fmt: skip
+           urgent: bool = False, turn=None) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
     A Wiring where no kernel can be used, None when `stop` was set.
     one_row: every shape and sibling group at one row too (hook.one_row).
     builder: what is not recorded is built side by side first (kernels/prebuild.py),
-    `urgent`ly: ahead of the builds queued."""
+    `urgent`ly: ahead of the builds queued. turn: called before each proof,
+    returns when it may run (the engines: once the model's step or round in
+    progress has ended)."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -269,6 +271,8 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
     for g, cand, shape in _cases(guard, keep, shapes, fused_guard, fused_keep, groups, widths, one_row):
         if stop is not None and stop.is_set():
             return None
+        if turn is not None and not g.recorded(cand, *shape):
+            turn()
         v = g.verdict(cand, *shape)
         fused_ok += g is fused_guard and v is not None and v.ok
     return _Proved(guard, fused_guard, shapes, widths, keep, failed, groups, fused_ok)
@@ -277,15 +281,17 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
 def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
           cache_dir: Path | None = None, stop: threading.Event | None = None,
-          one_row: bool = False, builder: Builder | None = None, urgent: bool = False) -> bool:  # fmt: skip
+          one_row: bool = False, builder: Builder | None = None, urgent: bool = False,
+          turn=None) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
     MLX stream). False when `stop` was set before the end. `builder`: what
     is not recorded is built side by side first (kernels/prebuild.py;
-    `urgent`: ahead of the builds queued)."""
+    `urgent`: ahead of the builds queued); `turn` is called before each
+    proof and returns when it may run."""
     return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder,
-                  urgent) is not None  # fmt: skip
+                  urgent, turn) is not None  # fmt: skip
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,

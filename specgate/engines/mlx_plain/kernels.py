@@ -124,7 +124,8 @@ class BatchKernels(kernel_wiring.ProofThread):
         while not self._stop.is_set():
             urgent.wait_none(self._stop)
             with self.loaded.proving:
-                if kernel_wiring.prove(model, self.setting, WIDTHS, stop=yielding, one_row=True, **kw):
+                if kernel_wiring.prove(model, self.setting, WIDTHS, stop=yielding, one_row=True,
+                                       loaded=self.loaded, **kw):  # fmt: skip
                     return True
         return False
 

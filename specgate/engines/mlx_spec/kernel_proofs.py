@@ -139,7 +139,7 @@ class KernelSwitch(kernel_wiring.ProofThread):
         """Proves `widths` for the trunk and the drafter (False: stopped);
         `urgent`: their builds ahead of what is queued (kernels/prebuild.py)."""
         return all(kernel_wiring.prove(module, self.setting, widths, guard=self.guard,
-                                       stop=self._stop, urgent=urgent)  # fmt: skip
+                                       stop=self._stop, urgent=urgent, loaded=self.loaded)  # fmt: skip
                    for module in self._modules())
 
     def _run(self) -> None:

@@ -1,12 +1,13 @@
 """A model's CUDA kernels built side by side in worker processes, before the
 proofs and the first forwards call them.
 
-Why: on CUDA, MLX builds each kernel at its first call with NVRTC (each of
-the guard's kernels at each row count ~0.7 s; MLX's own quantized matmuls,
-CUTLASS templates, several seconds each), one at a time in a process:
-threads do not help (bench/proof_cost.py: 44.8 s on 8 threads against
-51.9 s on one). On a fresh machine the first speculative token waited
-~100 s for such builds, and the plain engine's batch proofs ~170 s.
+Why: on CUDA, MLX builds each kernel at its first call with NVRTC, one at
+a time in a process: threads do not help (bench/proof_cost.py: 44.8 s on 8
+threads against 51.9 s on one). Its own quantized matmul from 8 rows up is
+a CUTLASS tile per row range and precision, ~27 s each on an H100: the
+float32 and bfloat16 references the plain engine's proofs compare with at
+9-16 rows made most of their 225 s, and a 4-bit model's prompt tiles most
+of a fresh machine's ~50 s first prompt.
 
 MLX reads a kernel back from MLX_PTX_CACHE_DIR before building it
 (mlx/backend/cuda/jit_module.cpp: <module>.ptx, then <module>.txt), so
@@ -14,15 +15,17 @@ other processes can build for it. Each worker (`python -m
 specgate.kernels.prebuild SHARED`) builds one job at a time into a private
 directory and then moves what it built into the shared one, the .ptx last
 (os.replace: a reader never finds half a module). Before each job it links
-in what the others finished, so a module is built once where the jobs are
-ordered to spread (shape by shape, row counts inside: what `wiring._prove`
-walks).
+in what the others finished, and jobs likely to build the same modules
+(Job.group) run one at a time, so a module is built once.
 
-Opportunistic: a call the workers have not reached is built by the
-process itself, as without them, and a worker that fails, hangs or dies
-costs nothing but speed (it is killed after JOB_TIMEOUT_S). Used only
-where MLX's backend is CUDA (engines/kernel_wiring.py): Metal compiles
-in milliseconds and a CPU builds none of these.
+Only MLX's own kernels: MLX reads a custom kernel (ours, mx.fast.cuda_kernel)
+from that cache but never writes one there, so a worker's build of one is
+lost to the serving process. Opportunistic: a call the workers have not
+reached is built by the process itself, as without them, and a worker that
+fails, hangs or dies costs nothing but speed (it is killed after
+JOB_TIMEOUT_S). Used only where MLX's backend is CUDA
+(engines/kernel_wiring.py): Metal compiles in milliseconds and a CPU builds
+none of these.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ MAX_WORKERS = 8
 
 @dataclass(frozen=True)
 class Job:
-    """One call to build: `kernel` (a guard candidate's name, or "stock":
-    MLX's own quantized matmul alone) at `shape`, the guard op's shape with
-    its dtype as a name (QMM: M, K, N, dtype, bits, group size; FUSED_QMM:
-    N a tuple). A candidate's job builds the stock op and the exact
-    reference at that shape too, as its proof calls them."""
+    """One call to build at `shape`, the guard op's shape with its dtype as
+    a name (QMM: M, K, N, dtype, bits, group size; FUSED_QMM: N a tuple):
+    `kernel` "stock" (the op as MLX runs it: a forward's), "reference"
+    (that and the float32 product a proof compares with), or a guard
+    candidate's name (the kernel, and both of those)."""
 
     op: str
     kernel: str
@@ -372,8 +375,10 @@ def _build(job: dict) -> None:
     args = op.inputs(0, *shape)
     outs = [op.joined(op.stock(*args))]
     if job["kernel"] != "stock":
+        outs.append(op.exact(*args))
+    if job["kernel"] not in ("stock", "reference"):
         cands = {c.name: c for c in [*guard.default_candidates(), guard.cuda_mma_fused_candidate()]}
-        outs += [op.joined(cands[job["kernel"]].fn(*args)), op.exact(*args)]
+        outs.append(op.joined(cands[job["kernel"]].fn(*args)))
     mx.eval(outs)
 
 

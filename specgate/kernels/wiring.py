@@ -184,30 +184,45 @@ def _cases(guard: Guard, keep: list, shapes: list[Shape], fused_guard: Guard | N
                 yield fused_guard, cand, (m, k, ns, dtype, bits, gs)
 
 
+# MLX's quantized matmul on CUDA below this many rows is its precompiled
+# matrix-vector kernel; from it on, a CUTLASS tile built at first use.
+TILE_ROWS = 8
+
+
 def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
                  widths: tuple[int, ...], one_row: bool, model: nn.Module,
                  stop: threading.Event | None, urgent: bool) -> None:  # fmt: skip
-    """Every call the proofs below will build, built side by side first
-    (kernels/prebuild.py): each unrecorded verdict's kernel, at its shape,
-    for every kernel not dropped whose backend is here; `urgent` ones ahead
-    of what is queued."""
+    """What the proofs below would wait for MLX to build, built side by side
+    first (kernels/prebuild.py; `urgent`: ahead of what is queued): the
+    stock op and the float32 reference every unrecorded verdict compares
+    with, where they are MLX's tiles (TILE_ROWS rows up), each shape once.
+
+    Not our kernels themselves: MLX keeps a custom kernel out of its disk
+    cache (it reads one there, but never writes it), so a worker's build
+    of one never reaches this process. On an H100 the workers built 0
+    modules for a speculative engine's widths 2..5 (46 jobs, 13-44 s spent
+    before its proofs), and 7 for the plain engine's 108: MLX's tiles at
+    9-16 rows, ~27 s each, most of those proofs' 225 s."""
     def live(g: Guard | None) -> list:
         return [] if g is None else [c for c in g.candidates
                                      if c.name not in g.dropped and guards.backend_present(c.name)]  # fmt: skip
 
     fused = live(fused_guard)
     groups = group_shapes(model) if fused else []
-    jobs = [Job(g.op.name, cand.name, (*shape[:3], dtype_name(shape[3]), *shape[4:]))
-            for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row)
-            if cand.supports(*shape) and not g.recorded(cand, *shape)]  # fmt: skip
+    jobs = []
+    for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row):
+        m, k, ns, dtype, bits, gs = shape
+        if m < TILE_ROWS or not cand.supports(*shape) or g.recorded(cand, *shape):
+            continue
+        for n in ns if isinstance(ns, tuple) else (ns,):  # (a group: each part's product)
+            jobs.append(Job(guards.QMM.name, "reference", (m, k, n, dtype_name(dtype), bits, gs)))
     if not jobs:
         return
     report = builder.build(jobs, stop, urgent=urgent)
-    slowest = ", ".join(f"{j.kernel} M={j.shape[0]} K={j.shape[1]} N={j.shape[2]} {t:.1f} s"
-                        for t, j in report.slowest[:3])  # fmt: skip
-    log.info("kernels: %d of %d builds done side by side (%d modules) in %.1f s on up to %d "
-             "processes%s%s", report.built, len(jobs), report.modules, report.seconds, builder.workers,
-             f" ({report.failed} failed there: built here instead)" if report.failed else "",
+    slowest = ", ".join(f"M={j.shape[0]} K={j.shape[1]} N={j.shape[2]} {t:.1f} s" for t, j in report.slowest[:3])
+    log.info("kernels: the proofs' references built side by side: %d of %d jobs (%d modules) in %.1f s "
+             "on up to %d processes%s%s", report.built, len(set(jobs)), report.modules, report.seconds,
+             builder.workers, f" ({report.failed} failed there: built here instead)" if report.failed else "",
              f"; slowest {slowest}" if slowest else "")  # fmt: skip
 
 

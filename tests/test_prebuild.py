@@ -112,6 +112,12 @@ def test_one_job_of_a_group_builds_at_a_time(tmp_path):
         b._finish(a, batch, True, "", 0.5, 2)
     assert b._take()[0] == same
     assert (batch.report.built, batch.report.modules) == (1, 2)
+    # A job another caller queued again once it was built is answered as
+    # known, and leaves the group of the one being built alone.
+    again = _Batch(2)
+    b._queue.extend([(a, again), (Job("qmm", "stock", (64, 256, 512, "bfloat16", 4, 64)), again)])
+    assert b._take()[0].shape[0] == 64
+    assert a.group in b._building and (again.left, again.report.known) == (1, 1)
 
 
 

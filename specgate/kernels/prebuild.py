@@ -46,7 +46,7 @@ from pathlib import Path
 
 log = logging.getLogger("specgate.kernels")
 
-JOB_TIMEOUT_S = 300.0  # one build; NVRTC's slowest CUTLASS template takes ~10 s
+JOB_TIMEOUT_S = 300.0  # one job; MLX's slowest CUTLASS tile took ~27 s on an H100
 IDLE_S = 5.0  # a worker with nothing to do exits after this long
 MAX_WORKERS = 8
 
@@ -84,7 +84,7 @@ class Report:
 
     built: int = 0
     failed: int = 0
-    known: int = 0  # built before, in this process's workers
+    known: int = 0  # built before by this process's workers (for another caller)
     cancelled: int = 0
     seconds: float = 0.0
     modules: int = 0  # modules the workers built (the rest of the jobs' were linked in)
@@ -103,7 +103,6 @@ def default_workers() -> int:
 class _Batch:
     def __init__(self, n: int):
         self.left = n
-        self.cancelled = False
         self.report = Report()
 
 
@@ -154,7 +153,6 @@ class Builder:
             self._cond.notify_all()
             while batch.left > 0:
                 if stop is not None and stop.is_set():
-                    batch.cancelled = True
                     kept = deque(item for item in self._queue if item[1] is not batch)
                     batch.report.cancelled = len(self._queue) - len(kept)
                     batch.left -= batch.report.cancelled
@@ -188,9 +186,11 @@ class Builder:
             deadline = time.monotonic() + self.idle_s
             while not self._closed:
                 for i, (job, batch) in enumerate(self._queue):
-                    if job in self._done:
+                    if job in self._done:  # (queued twice by two callers: the first built it)
                         del self._queue[i]
-                        self._finish(job, batch, True, "", 0.0, 0)
+                        batch.left -= 1
+                        batch.report.known += 1
+                        self._cond.notify_all()
                         break
                     if job.group not in self._building:
                         del self._queue[i]
@@ -234,6 +234,8 @@ class Builder:
                 ok, why, modules = self._run(proc, job)
                 if not ok and proc.poll() is None and why.startswith("timed out"):
                     _kill(proc)
+                    with self._cond:
+                        self._procs.discard(proc)
                 with self._cond:
                     self._finish(job, batch, ok, why, time.perf_counter() - t, modules)
                 item = None

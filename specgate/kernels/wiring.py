@@ -229,14 +229,11 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
 def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> list[Job]:
     """MLX's own quantized matmul at the model's shapes and prompt-chunk
     row counts: on CUDA each of its tile sizes is a CUTLASS template MLX
-    builds at first use (a fresh machine's first prompt waits ~40 s for a
-    4-bit model's, kernels/README.md), built side by side by
-    kernels/prebuild.py instead. Shape by shape, row counts inside."""
-    return [Job(QMM_OP, "stock", (m, k, n, dtype_name(dtype), bits, gs))
+    builds at first use (a fresh H100's first 4-bit prompt waited ~50 s,
+    kernels/README.md), built side by side by kernels/prebuild.py instead.
+    Shape by shape, row counts inside."""
+    return [Job(guards.QMM.name, "stock", (m, k, n, dtype_name(dtype), bits, gs))
             for k, n, dtype, bits, gs in model_shapes(model) for m in rows]  # fmt: skip
-
-
-QMM_OP = guards.QMM.name
 
 
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,

@@ -2,7 +2,7 @@
 serves plain, and speculates through the proved kernels (issue 44: the first
 speculative token <= 20 s, plain answers from the first second).
 
-    python bench/cold_start.py [--modes parallel,serial] [--reps 1] [--depth 4]
+    python bench/cold_start.py [--modes parallel,serial,restart] [--reps 1] [--depth 4]
     python bench/cold_start.py --tiny --modes parallel    # the same path on a CPU
 
 Each run is a process of its own with a new SPECGATE_HOME and a new, empty
@@ -12,7 +12,9 @@ machine. Modes:
             (kernel_wiring.build_workers = 0: specgate before
             kernels/prebuild.py);
 - parallel: the product's way: kernels/prebuild.py's worker processes build
-            the model's prompt kernels and the proofs' kernels side by side.
+            MLX's prompt tiles and the proofs' references side by side;
+- restart:  a second process on the home the repeat's last fresh run left
+            (its verdicts and MLX's kernels recorded; ours MLX builds again).
 In a run: the target (bench/gpu_suite.py's 4-bit 7B-shape qwen3 with the
 bigram path and an MTP head, random weights) is built in memory, prepared
 as loading prepares what it serves (prepare_for_decoding, then
@@ -38,6 +40,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-MODES = ("parallel", "serial")
+MODES = ("parallel", "serial", "restart")
 COLUMNS = ("target built", "first plain token", "slowest plain TTFT while proving",
            "MTP kernels on", "first speculative token", "plain batch kernels on")  # fmt: skip
 
@@ -68,7 +71,7 @@ def child(a) -> dict:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(relativeCreated)8.0f ms %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("specgate").setLevel(logging.INFO)
-    kernel_wiring.build_workers = 0 if a.child == "serial" else None
+    kernel_wiring.build_workers = 0 if a.child == "serial" else None  # (restart: as parallel)
     out: dict = {}
     model, head, vocab = bigram_target(a)
     prepare_for_decoding(model)
@@ -138,22 +141,43 @@ def watch_cache(t0: float, timeline: list) -> None:
         time.sleep(1.0)
 
 
-def run_child(a, mode: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
-        env = dict(os.environ, SPECGATE_HOME=str(Path(tmp) / "home"),
-                   MLX_PTX_CACHE_DIR=str(Path(tmp) / "ptx"), PYTHONUNBUFFERED="1")  # fmt: skip
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--result", str(result),
-               *a.passthrough]  # fmt: skip
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, timeout=a.deadline + 600)
-        if proc.returncode != 0 or not result.exists():
-            print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
-            return {}
-        out = json.loads(result.read_text())
-        brief = {k: v for k, v in out.items() if k not in ("verdicts", "kernel cache timeline")}
-        print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
-        return out
+def run_child(a, mode: str, tmp: Path) -> dict:
+    """One run in a process of its own, its home and MLX kernel cache in
+    `tmp` (new for a fresh run; a fresh run's, for a restart)."""
+    env = dict(os.environ, SPECGATE_HOME=str(tmp / "home"), MLX_PTX_CACHE_DIR=str(tmp / "ptx"),
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    result = tmp / f"result-{mode}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--result", str(result),
+           *a.passthrough]  # fmt: skip
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=a.deadline + 600)
+    if proc.returncode != 0 or not result.exists():
+        print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
+        return {}
+    out = json.loads(result.read_text())
+    brief = {k: v for k, v in out.items() if k not in ("verdicts", "kernel cache timeline")}
+    print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
+    return out
+
+
+def one_rep(a, modes: list[str]) -> dict[str, dict]:
+    """Each mode once; a restart on the home the fresh run before it left."""
+    out: dict[str, dict] = {}
+    homes: list[Path] = []
+    try:
+        for mode in modes:
+            if mode == "restart":
+                if not homes:
+                    print("[restart] skipped: no fresh run before it in this repeat", flush=True)
+                    continue
+                out[mode] = run_child(a, mode, homes[-1])
+            else:
+                homes.append(Path(tempfile.mkdtemp(prefix="cold-start-")))
+                out[mode] = run_child(a, mode, homes[-1])
+    finally:
+        for tmp in homes:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def summary(xs: list) -> str:
@@ -165,7 +189,9 @@ def summary(xs: list) -> str:
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="parallel,serial",
+                    help=f"of {', '.join(MODES)} (restart: a second process on the home the last "
+                         "fresh run left: its verdicts and MLX's kernels recorded)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="a small shape (a CPU check)")
     ap.add_argument("--depth", type=int, default=4)
@@ -198,9 +224,11 @@ def main(argv=None) -> int:
         a.result.write_text(json.dumps(out))
         return 0
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+    fresh = [m for m in a.modes if m != "restart"]
     for rep in range(a.reps):
-        for mode in a.modes if rep % 2 == 0 else a.modes[::-1]:
-            runs[mode].append(run_child(a, mode))
+        order = fresh if rep % 2 == 0 else fresh[::-1]  # (a restart goes last: on the last fresh run's home)
+        for mode, out in one_rep(a, order + ["restart"] * ("restart" in a.modes)).items():
+            runs[mode].append(out)
     print(f"\n## cold start: seconds after the engines start ({a.shape} shape, 4-bit; MTP depth {a.depth}, "
           f"a = {a.accept}; {a.reps} run(s) per mode, median [min, max])\n")  # fmt: skip
     print("| mode | " + " | ".join(COLUMNS) + " | exact | workers |")

@@ -87,6 +87,18 @@ def test_a_stop_drops_untaken_jobs_and_a_late_worker_is_killed(tmp_path):
     assert not slow._procs
 
 
+def test_a_builder_that_cannot_start_fails_its_jobs_at_once(tmp_path):
+    """No worker can start (its directory cannot be made): the jobs fail at
+    once, each built where it is called, rather than a proof waiting forever."""
+    (tmp_path / "file").write_text("not a directory")
+    b = Builder(tmp_path / "file" / "ptx", 2, idle_s=0.5)
+    report = b.build(STOCK)
+    assert report.failed == len(STOCK) and report.built == 0
+    assert b.build(STOCK[:1]).cancelled == 0  # known (failed) already: nothing queued
+    later = b.build([Job("qmm", "stock", (128, 256, 512, "bfloat16", 4, 64))])
+    assert later.cancelled == 1  # off from then on
+
+
 def test_a_bad_job_is_an_error_and_the_worker_goes_on(tmp_path):
     b = Builder(tmp_path, 1, idle_s=0.5)
     report = b.build([Job("no_such_op", "stock", (2, 64, 64, "bfloat16", 4, 64)), STOCK[0]])

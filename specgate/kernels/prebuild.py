@@ -239,11 +239,18 @@ class Builder:
                 with self._cond:
                     self._finish(job, batch, ok, why, time.perf_counter() - t, modules)
                 item = None
-        except Exception:  # noqa: BLE001 - a builder is an optimisation: it never takes a proof down
-            log.exception("kernel build worker %d failed", seq)
-            if item is not None:
-                with self._cond:
-                    self._finish(*item, False, "worker failed", 0.0, 0)
+        except Exception as e:  # noqa: BLE001 - a builder is an optimisation: it never takes a proof down
+            # (a cache directory it cannot write, no Python to start): every
+            # queued job fails now, built where it is called, and this
+            # process builds nothing side by side from now on
+            log.warning("kernel builds side by side are off: %s: %s", type(e).__name__, e)
+            with self._cond:
+                if item is not None:
+                    self._finish(*item, False, f"worker failed: {e}", 0.0, 0)
+                self._closed = True
+                while self._queue:
+                    job, batch = self._queue.popleft()
+                    self._finish(job, batch, False, f"builder off: {e}", 0.0, 0)
         finally:
             with self._cond:
                 self._threads -= 1

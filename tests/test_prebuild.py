@@ -79,12 +79,14 @@ def test_a_stop_drops_untaken_jobs_and_a_late_worker_is_killed(tmp_path):
     b.close()
 
     slow = Builder(tmp_path, 1, job_timeout=0.001, idle_s=0.5)  # no worker answers within 1 ms
-    report = slow.build(STOCK[:1])
-    assert report.failed == 1 and "timed out" in report.errors[0]
+    report = slow.build(STOCK)
+    assert report.failed == len(STOCK) and "timed out" in report.errors[0]
+    assert all("builder off" in e for e in report.errors[1:])  # stuck: the rest fail at once
     deadline = time.monotonic() + 30
     while slow._procs and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not slow._procs
+    assert slow.build([Job("qmm", "stock", (128, 256, 512, "bfloat16", 4, 64))]).cancelled == 1
 
 
 def test_a_builder_that_cannot_start_fails_its_jobs_at_once(tmp_path):

@@ -22,8 +22,10 @@ Only MLX's own kernels: MLX reads a custom kernel (ours, mx.fast.cuda_kernel)
 from that cache but never writes one there, so a worker's build of one is
 lost to the serving process. Opportunistic: a call the workers have not
 reached is built by the process itself, as without them, and a worker that
-fails, hangs or dies costs nothing but speed (it is killed after
-JOB_TIMEOUT_S). Used only where MLX's backend is CUDA
+fails or dies costs nothing but speed. One stuck past JOB_TIMEOUT_S, or
+none that can start, is killed, logged once, and the builder is off for
+the process: its queued jobs fail at once, built where they are called.
+Used only where MLX's backend is CUDA
 (engines/kernel_wiring.py): Metal compiles in milliseconds and a CPU builds
 none of these.
 """
@@ -233,16 +235,19 @@ class Builder:
                 t = time.perf_counter()
                 ok, why, modules = self._run(proc, job)
                 if not ok and proc.poll() is None and why.startswith("timed out"):
+                    # A build that hangs is a stuck compiler, not a slow one.
                     _kill(proc)
                     with self._cond:
                         self._procs.discard(proc)
+                    raise _Stuck(f"{job.kernel} {job.shape}: {why}")
                 with self._cond:
                     self._finish(job, batch, ok, why, time.perf_counter() - t, modules)
                 item = None
         except Exception as e:  # noqa: BLE001 - a builder is an optimisation: it never takes a proof down
-            # (a cache directory it cannot write, no Python to start): every
-            # queued job fails now, built where it is called, and this
-            # process builds nothing side by side from now on
+            # (a worker stuck past JOB_TIMEOUT_S, a cache directory it cannot
+            # write, no Python to start): every queued job fails now, built
+            # where it is called, and this process builds nothing side by
+            # side from now on
             log.warning("kernel builds side by side are off: %s: %s", type(e).__name__, e)
             with self._cond:
                 if item is not None:
@@ -293,6 +298,10 @@ class Builder:
         except ValueError:
             return False, f"unreadable answer {line[:80]!r}", 0
         return bool(answer.get("ok")), str(answer.get("error", "")), int(answer.get("built", 0))
+
+
+class _Stuck(RuntimeError):
+    """A worker that did not answer within JOB_TIMEOUT_S (killed)."""
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -73,6 +73,10 @@ def child(a) -> dict:
     logging.getLogger("specgate").setLevel(logging.INFO)
     kernel_wiring.build_workers = 0 if a.child == "serial" else None  # (restart: as parallel)
     out: dict = {}
+
+    def save() -> None:  # after each milestone: a run cut short still reports what it reached
+        a.result.write_text(json.dumps(out))
+
     model, head, vocab = bigram_target(a)
     prepare_for_decoding(model)
     out["target built"] = time.perf_counter() - t_start
@@ -88,6 +92,7 @@ def child(a) -> dict:
     prompt = prompts_for(rng, vocab, a.prompt, 1)[0]
     first = plain.one(prompt, 16)
     out["first plain token"] = first.times[0] - t0
+    save()
     spec.refs[tuple(prompt)] = plain.one(prompt, a.tokens).tokens
     ttfts = []
     switch = spec.engine.kernel_switch
@@ -100,6 +105,7 @@ def child(a) -> dict:
     # Where no kernel builds (a CPU) the engine verifies stock: its first
     # speculative token is still timed, with "MTP kernels on" empty.
     out["MTP kernels on"] = time.perf_counter() - t0 if spec.engine.target.kernels else None
+    save()
 
     async def first_spec():
         request, planner = spec.request("cold-spec", prompt, a.tokens)
@@ -117,6 +123,7 @@ def child(a) -> dict:
     if switch.done.is_set():
         tokens, out["first speculative token"] = spec.loop.run_until_complete(first_spec())
         out["exact"] = tokens == spec.refs[tuple(prompt)]
+        save()
     if plain.engine.kernels_ready(max(0.0, a.deadline - (time.perf_counter() - t0))):
         out["plain batch kernels on"] = time.perf_counter() - t0 if plain.engine.batch_kernels.on else None
     b = kernel_wiring.builder()
@@ -127,6 +134,7 @@ def child(a) -> dict:
                        for k, v in kernel_wiring.shared_guard(op).verdicts().items()}  # fmt: skip
     out["device"] = str(mx.default_device())
     out["kernel cache timeline"] = timeline[::5]
+    save()
     spec.close()
     plain.close()
     return out
@@ -150,11 +158,16 @@ def run_child(a, mode: str, tmp: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--result", str(result),
            *a.passthrough]  # fmt: skip
     t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, timeout=a.deadline + 600)
-    if proc.returncode != 0 or not result.exists():
-        print(f"[{mode}] run failed (exit {proc.returncode})", flush=True)
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=a.deadline + 300).returncode
+    except subprocess.TimeoutExpired:  # (killed: what it saved still counts)
+        rc = "timed out"
+    if not result.exists():
+        print(f"[{mode}] run failed (exit {rc}), nothing saved", flush=True)
         return {}
     out = json.loads(result.read_text())
+    if rc != 0:
+        out["incomplete"] = f"exit {rc}"
     brief = {k: v for k, v in out.items() if k not in ("verdicts", "kernel cache timeline")}
     print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
     return out
@@ -220,8 +233,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse(argv)
     if a.child:
-        out = child(a)
-        a.result.write_text(json.dumps(out))
+        child(a)
         return 0
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     fresh = [m for m in a.modes if m != "restart"]

@@ -55,7 +55,8 @@ sys.path.insert(0, str(HERE))
 
 MODES = ("parallel", "serial", "restart")
 COLUMNS = ("target built", "first plain token", "slowest plain TTFT while proving",
-           "MTP kernels on", "first speculative token", "plain batch kernels on")  # fmt: skip
+           "MTP kernels on", "its first token (prefill)", "first speculative token",
+           "plain batch kernels on")  # fmt: skip
 
 
 def child(a) -> dict:

@@ -8,10 +8,13 @@ first. What a CPU can show of it:
 - jobs run in worker processes (MLX's stock op builds on a CPU too; a CUDA
   kernel's job fails there and says why), each once, and the workers exit
   when idle;
-- a stop drops the jobs not taken; a worker past its time is killed; a bad
-  job is an error, not a dead builder;
-- kernels/wiring.prove hands the builder exactly the verdicts it is about
-  to prove, and nothing once they are recorded.
+- one job of a group (likely the same modules) builds at a time;
+- a stop drops the jobs not taken; a worker past its time is killed and
+  turns the builders off, as does one that cannot start; a bad job is an
+  error, not a dead builder;
+- kernels/wiring.prove hands the builder the references (MLX's own
+  products) of exactly the verdicts it is about to prove, and nothing once
+  they are recorded.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ import logging
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+
+from gpu_suite import summary  # noqa: E402 - median [min, max]
 
 MODES = ("parallel", "serial", "restart")
 COLUMNS = ("target built", "first plain token", "slowest plain TTFT while proving",
@@ -194,13 +195,6 @@ def one_rep(a, modes: list[str]) -> dict[str, dict]:
     return out
 
 
-def summary(xs: list) -> str:
-    xs = [x for x in xs if isinstance(x, (int, float))]
-    if not xs:
-        return "-"
-    return f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]"
-
-
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="parallel,serial",
@@ -247,7 +241,8 @@ def main(argv=None) -> int:
     print("| mode | " + " | ".join(COLUMNS) + " | exact | workers |")
     print("|---" * (len(COLUMNS) + 3) + "|")
     for mode, rs in runs.items():
-        cells = [summary([r.get(c) for r in rs]) for c in COLUMNS]
+        cells = [summary([r[c] for r in rs if isinstance(r.get(c), (int, float))], ".1f")
+                 for c in COLUMNS]  # fmt: skip
         exact = ", ".join(str(r.get("exact", "-")) for r in rs)
         workers = ", ".join(str(r.get("build workers", "-")) for r in rs)
         print(f"| {mode} | " + " | ".join(cells) + f" | {exact} | {workers} |")

@@ -5,9 +5,9 @@ process; the builder's worker processes build them into MLX's kernel cache
 first. What a CPU can show of it:
 - a module a worker built reaches the shared cache whole, and a worker
   links in what the others built;
-- jobs run in worker processes (MLX's stock op builds on a CPU too; a CUDA
-  kernel's job fails there and says why), each once, and the workers exit
-  when idle;
+- jobs run in worker processes (MLX's stock op builds on a CPU too; a job
+  for one of our kernels is refused and says why), each once, and the
+  workers exit when idle;
 - one job of a group (likely the same modules) builds at a time;
 - a stop drops the jobs not taken; a worker past its time is killed and
   turns the builders off, as does one that cannot start; a bad job is an
@@ -62,7 +62,7 @@ def test_jobs_run_in_worker_processes_once_and_the_workers_leave(tmp_path):
     cuda = Job("qmm", "cuda_qmm_mma", (4, 256, 512, "bfloat16", 4, 64))
     report = b.build([*STOCK, cuda, STOCK[0]])
     assert (report.built, report.failed) == (3, 1)
-    assert "CUDA" in report.errors[0] and "cuda_qmm_mma" in report.errors[0]
+    assert "unknown job kind 'cuda_qmm_mma'" in report.errors[0]  # never our kernels: MLX would not keep them
     assert b.done == {*STOCK, cuda}
     again = b.build(STOCK)
     assert (again.built, again.failed, again.known) == (0, 0, 3)

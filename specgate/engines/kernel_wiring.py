@@ -15,9 +15,10 @@ import threading
 import mlx.core as mx
 
 from specgate.engines.home import kernel_cache_dir, mlx_ptx_dir
-from specgate.kernels import wiring
+from specgate.kernels import hook, wiring
 from specgate.kernels.guard import Guard
 from specgate.kernels.prebuild import Builder, default_workers
+from specgate.kernels.tiles import TileWatch
 from specgate.kernels.wiring import SETTINGS, Wiring, describe, model_shapes
 
 log = logging.getLogger(__name__)
@@ -46,17 +47,24 @@ def builder() -> Builder | None:
 
 def prebuild_forward(model) -> threading.Thread | None:
     """MLX's own quantized matmuls at `model`'s prompt-chunk shapes, built
-    side by side in the background (wiring.forward_jobs); None where there
+    side by side in the background (wiring.forward_jobs); meanwhile a
+    product whose tile is not built yet is computed without it
+    (kernels/tiles.py), so no prompt waits for a build. None where there
     is no builder."""
     b = builder()
     jobs = wiring.forward_jobs(model) if b is not None else []
     if not jobs:
         return None
+    finished = threading.Event()
+    hook.watch_tiles(model, TileWatch(b.built_groups, finished))
 
     def run():
-        report = b.build(jobs)
-        log.info("prompt kernels: %d of %d builds done side by side in %.1f s", report.built, len(jobs),
-                 report.seconds)  # fmt: skip
+        try:
+            report = b.build(jobs)
+            log.info("prompt kernels: %d of %d builds done side by side in %.1f s", report.built, len(jobs),
+                     report.seconds)  # fmt: skip
+        finally:
+            finished.set()
 
     thread = threading.Thread(target=run, daemon=True, name="kernel-build prompt shapes")
     thread.start()

@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from specgate.kernels import qmm
+from specgate.kernels.tiles import TILE_ROWS, TileWatch, dequantized_matmul
 
 _local = threading.local()
 
@@ -123,6 +124,11 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                 y = fn(x, self["weight"], self["scales"], self["biases"], self.group_size,
                        self.bits)  # fmt: skip
                 return y + self["bias"] if "bias" in self else y
+        tiles = d.get("_specgate_tiles")
+        if tiles is not None and m >= TILE_ROWS and not tiles.ready(m, x.dtype, self.bits, self.group_size):
+            y = dequantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size,
+                                   self.bits)  # fmt: skip
+            return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
     def _siblings(self, x: mx.array, siblings: tuple) -> mx.array:
@@ -240,11 +246,28 @@ def install(model: nn.Module, guard, fused_guard=None) -> int:
     return count
 
 
+def watch_tiles(model: nn.Module, watch: TileWatch) -> int:
+    """Every eligible quantized linear of `model` computes a product of
+    TILE_ROWS rows or more as dequantize + matmul while `watch` says MLX's
+    tile for it is not built yet (kernels/tiles.py); returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        if eligible(module):
+            if type(module) is nn.QuantizedLinear:
+                module.__class__ = _KernelQuantizedLinear
+                module.__dict__.setdefault("_specgate_guard", None)
+                module.__dict__.setdefault("_specgate_fns", {})
+            module.__dict__["_specgate_tiles"] = watch
+            count += 1
+    return count
+
+
 def uninstall(model: nn.Module) -> None:
-    """Undo `install` (a model whose siblings are fused keeps that)."""
+    """Undo `install` (a model whose siblings are fused, or whose tiles are
+    watched, keeps that)."""
     for _, module in model.named_modules():
         if type(module) is _KernelQuantizedLinear:
-            if "_specgate_joined" in module.__dict__:
+            if "_specgate_joined" in module.__dict__ or "_specgate_tiles" in module.__dict__:
                 module.__dict__["_specgate_guard"] = None
                 module.__dict__["_specgate_fns"] = {}
                 for key in ("_specgate_group", "_specgate_fused_guard", "_specgate_fused_fns"):

@@ -119,6 +119,7 @@ class Builder:
         self._cond = threading.Condition()
         self._queue: deque[tuple[Job, _Batch]] = deque()
         self._done: set[Job] = set()  # built (or failed) by a worker of this process
+        self._built_groups: set[tuple] = set()  # the groups of the jobs built
         self._building: set[tuple] = set()  # the groups of the jobs workers are on
         self._threads = 0
         self._procs: set[subprocess.Popen] = set()
@@ -169,6 +170,11 @@ class Builder:
         with self._cond:
             return set(self._done)
 
+    def built_groups(self) -> set[tuple]:
+        """The groups (Job.group) of the jobs this process's workers built."""
+        with self._cond:
+            return set(self._built_groups)
+
     def close(self) -> None:
         """Kill the workers (a process exiting or an engine stopping)."""
         with self._cond:
@@ -212,6 +218,7 @@ class Builder:
         r = batch.report
         if ok:
             r.built += 1
+            self._built_groups.add(job.group)
         else:
             r.failed += 1
             r.errors.append(f"{job.kernel} {job.shape}: {why}")

@@ -48,6 +48,7 @@ from specgate.kernels import guard as guards
 from specgate.kernels import hook, qmm
 from specgate.kernels.guard import FUSED_QMM, Guard, Verdict, cuda_mma_fused_candidate, dtype_name
 from specgate.kernels.prebuild import Builder, Job
+from specgate.kernels.tiles import TILE_ROWS
 
 log = logging.getLogger("specgate.kernels")
 
@@ -182,11 +183,6 @@ def _cases(guard: Guard, keep: list, shapes: list[Shape], fused_guard: Guard | N
         for m in (1, *widths) if one_row and widths else widths:
             for cand in fused_keep:
                 yield fused_guard, cand, (m, k, ns, dtype, bits, gs)
-
-
-# MLX's quantized matmul on CUDA below this many rows is its precompiled
-# matrix-vector kernel; from it on, a CUTLASS tile built at first use.
-TILE_ROWS = 8
 
 
 def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,

@@ -1,0 +1,105 @@
+"""A prompt's products while MLX's tiles build (specgate/kernels/tiles.py), on the CPU.
+
+On CUDA, MLX's quantized matmul from 8 rows up is a tile built at its
+first call (~27 s); until the builder's workers built the one a product
+needs, a watched model computes it as dequantize + matmul. What a CPU
+can show of it:
+- a row count's range is never wider than one tile's;
+- a tile is ready once a job of its range, dtype, bits and group size is
+  built, or once the builds finished, and not before;
+- a watched linear takes the dequantized path from 8 rows up while its
+  tile is not ready, with the stock product's values, and the stock path
+  once it is; fewer rows never wait for a tile; the kernels' hook leaves
+  the watch in place when it goes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from specgate.kernels import hook, tiles
+from specgate.kernels.prebuild import Builder, Job
+from specgate.kernels.tiles import TileWatch, row_range
+
+
+def test_a_row_range_is_never_wider_than_a_tile_s():
+    assert [row_range(m) for m in (8, 16, 17, 32, 33, 64, 65, 128, 129, 2048)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]  # fmt: skip
+
+
+def test_a_tile_is_ready_once_built_or_once_the_builds_finished():
+    built: set[tuple] = set()
+    finished = threading.Event()
+    watch = TileWatch(lambda: built, finished)
+    assert not watch.ready(100, mx.float16, 4, 64)
+    built.add(("qmm", 2048, "float16", 4, 64))  # another range
+    built.add(("qmm", 128, "bfloat16", 4, 64))  # another dtype
+    built.add(("qmm", 128, "float16", 8, 64))  # other bits
+    assert not watch.ready(100, mx.float16, 4, 64)
+    built.add(("qmm", 128, "float16", 4, 64))
+    assert watch.ready(100, mx.float16, 4, 64) and watch.ready(65, mx.float16, 4, 64)
+    assert not watch.ready(16, mx.float16, 4, 64)
+    finished.set()  # (what is left, MLX builds where it is called)
+    assert watch.ready(16, mx.float16, 4, 64) and watch.ready(3000, mx.bfloat16, 8, 32)
+
+
+class _Counting(TileWatch):
+    """The watch, counting the products it was asked about (instrumentation)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked: list[int] = []
+
+    def ready(self, rows, dtype, bits, group_size):
+        self.asked.append(rows)
+        return super().ready(rows, dtype, bits, group_size)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_watched_linear_computes_without_its_tile_until_it_is_built(dtype):
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(256, 384, bias=True))
+    nn.quantize(model, group_size=64, bits=4)
+    model.set_dtype(dtype)
+    lin = model.layers[0]
+    built: set[tuple] = set()
+    finished = threading.Event()
+    watch = _Counting(lambda: built, finished)
+    assert hook.watch_tiles(model, watch) == 1
+    x = mx.random.normal((1, 40, 256)).astype(dtype)
+    stock = mx.quantized_matmul(x, lin.weight, lin.scales, lin.biases, transpose=True, group_size=64,
+                                bits=4) + lin.bias  # fmt: skip
+    waiting = model(x)
+    assert watch.asked == [40]
+    want = tiles.dequantized_matmul(x, lin.weight, lin.scales, lin.biases, 64, 4) + lin.bias
+    assert mx.array_equal(waiting, want)
+    # As close to the float32 product as the stock one is (or one rounding of the output).
+    exact = x.astype(mx.float32) @ mx.dequantize(lin.weight, lin.scales, lin.biases, 64, 4).T + lin.bias
+    err = (waiting.astype(mx.float32) - exact).abs().max().item()
+    stock_err = (stock.astype(mx.float32) - exact).abs().max().item()
+    assert err <= max(stock_err, 2 * 2.0**-8 * exact.abs().max().item())
+
+    small = mx.random.normal((1, 7, 256)).astype(dtype)  # MLX's precompiled kernel: nothing to wait for
+    assert mx.array_equal(model(small), mx.quantized_matmul(small, lin.weight, lin.scales, lin.biases,
+                                                            transpose=True, group_size=64, bits=4) + lin.bias)
+    assert watch.asked == [40]
+
+    built.add(("qmm", 64, tiles.dtype_name(dtype), 4, 64))
+    assert mx.array_equal(model(x), stock)
+
+    hook.uninstall(model)  # the verify kernels' hook going: the watch stays
+    assert lin.__dict__["_specgate_tiles"] is watch
+
+
+def test_a_real_builder_s_finished_job_readies_its_tile(tmp_path):
+    b = Builder(tmp_path, 1, idle_s=0.5)
+    watch = TileWatch(b.built_groups, threading.Event())
+    assert not watch.ready(200, mx.bfloat16, 4, 64)
+    report = b.build([Job("qmm", "stock", (256, 256, 512, "bfloat16", 4, 64))])
+    assert report.built == 1
+    assert watch.ready(200, mx.bfloat16, 4, 64) and not watch.ready(20, mx.bfloat16, 4, 64)
+    b.close()

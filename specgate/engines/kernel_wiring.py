@@ -15,7 +15,7 @@ import threading
 import mlx.core as mx
 
 from specgate.engines.home import kernel_cache_dir, mlx_ptx_dir
-from specgate.kernels import hook, wiring
+from specgate.kernels import hook, nvrtc, wiring
 from specgate.kernels.guard import Guard
 from specgate.kernels.prebuild import Builder, default_workers
 from specgate.kernels.tiles import TileWatch
@@ -43,6 +43,29 @@ def builder() -> Builder | None:
             atexit.register(_builder.close)  # (its workers would end at their stdin's EOF, after a build)
         _builder.workers = workers
         return _builder
+
+
+_seeder: nvrtc.Seeder | None = None
+
+
+def seeder() -> nvrtc.Seeder | None:
+    """This process's compiler of our kernels into MLX's cache
+    (kernels/nvrtc.py), where MLX's backend is CUDA, NVRTC loads and
+    `build_workers` is not 0; None elsewhere."""
+    global _seeder
+    workers = default_workers() if build_workers is None else build_workers
+    if workers <= 0 or not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+        return None
+    with _builder_lock:
+        if _seeder is None:
+            compiler = nvrtc.nvrtc()
+            if compiler is None:
+                log.info("kernels: ours are built by MLX, one at a time (%s)", nvrtc.unavailable())
+                return None
+            arch = str(mx.device_info().get("architecture", ""))
+            _seeder = nvrtc.Seeder(compiler, mlx_ptx_dir(mx.__version__), arch, workers)
+        _seeder.threads = workers
+        return _seeder
 
 
 def prebuild_forward(model) -> threading.Thread | None:
@@ -95,7 +118,7 @@ def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | No
     turn = None if loaded is None or loaded.lockstep is not None else functools.partial(model_turn, loaded)
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
                         cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row,
-                        builder=builder(), urgent=urgent, turn=turn)  # fmt: skip
+                        builder=builder(), urgent=urgent, turn=turn, seeder=seeder())  # fmt: skip
 
 
 def model_turn(loaded) -> None:

@@ -216,6 +216,9 @@ class Candidate:
     version: str
     fn: Callable[..., mx.array]
     supports: Callable[..., bool] = qmm.supports
+    # (shape) -> the kernel's launch as MLX writes it, for a CUDA kernel
+    # compiled ahead into MLX's cache (kernels/nvrtc.py); None: MLX builds it
+    launch: Callable[..., object] | None = None
 
 
 def backend_present(kernel: str) -> bool:
@@ -229,17 +232,18 @@ def backend_present(kernel: str) -> bool:
 
 
 def cuda_candidate() -> Candidate:
-    return Candidate("cuda_qmm", qmm.CUDA_VERSION, qmm.cuda_qmm)
+    return Candidate("cuda_qmm", qmm.CUDA_VERSION, qmm.cuda_qmm, launch=qmm.cuda_launch)
 
 
 def cuda_mma_candidate() -> Candidate:
-    return Candidate("cuda_qmm_mma", qmm_mma.VERSION, qmm_mma.cuda_qmm_mma, qmm_mma.supports)
+    return Candidate("cuda_qmm_mma", qmm_mma.VERSION, qmm_mma.cuda_qmm_mma, qmm_mma.supports,
+                     qmm_mma.cuda_launch)  # fmt: skip
 
 
 def cuda_mma_fused_candidate() -> Candidate:
     """For a Guard(op=FUSED_QMM)."""
     return Candidate("cuda_qmm_mma_fused", qmm_mma.FUSED_VERSION, qmm_mma.cuda_qmm_mma_fused,
-                     qmm_mma.supports_fused)  # fmt: skip
+                     qmm_mma.supports_fused, qmm_mma.cuda_launch)  # fmt: skip
 
 
 def metal_candidate() -> Candidate:
@@ -395,6 +399,12 @@ class Guard:
                             self.op.describe(*shape), v.status,
                             f" ({v.detail})" if v.detail else "", self.op.stock_name)  # fmt: skip
         return v
+
+    def recorded_ok(self, cand: Candidate, *shape) -> bool | None:
+        """The recorded verdict's `ok` for `shape`, None where none is recorded."""
+        with self._lock:
+            v = self._load().get(self.op.key(cand.name, cand.version, *shape))
+        return None if v is None else v.ok
 
     def recorded(self, cand: Candidate, *shape) -> bool:
         """Whether a verdict for `shape` is recorded (read back or proved)."""

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from specgate.kernels import nvrtc
+
 KC = 64  # K values a warp handles per chunk
 MIN_M, MAX_M = 2, 16
 BITS = (4, 8)
@@ -353,17 +355,31 @@ def check_shapes(x, wq, scales, group_size, bits, written_for=None, what="small-
 def _launch(kind: str, x, wq, scales, biases, group_size: int, bits: int,
             w: int | None = None, cpl: int | None = None):  # fmt: skip
     m, k, n = check_shapes(x, wq, scales, group_size, bits)
-    dw, dcpl = launch_config(m, k, n, max_shared=48 * 1024 if kind == "cuda" else 32 * 1024)
-    w, cpl = w or dw, cpl or dcpl
+    template, w, cpl = _template(kind, m, k, n, x.dtype, scales.dtype, bits, group_size, w, cpl)
     x2 = x.reshape(m, k)
     (y,) = _kernel(kind)(
-        inputs=[x2, wq, scales, biases],
-        template=[("T", x.dtype), ("S", scales.dtype), ("M", m), ("BITS", bits),
-                  ("GS", group_size), ("W", w), ("CPL", cpl)],
+        inputs=[x2, wq, scales, biases], template=template,
         grid=(-(-n // (32 * cpl)) * w * 32, 1, 1), threadgroup=(w * 32, 1, 1),
         output_shapes=[(m, n)], output_dtypes=[x.dtype],
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
+
+
+def _template(kind: str, m: int, k: int, n: int, dtype, sdtype, bits: int, group_size: int,
+              w: int | None = None, cpl: int | None = None) -> tuple[list, int, int]:  # fmt: skip
+    """(template arguments, W, CPL) of a launch."""
+    dw, dcpl = launch_config(m, k, n, max_shared=48 * 1024 if kind == "cuda" else 32 * 1024)
+    w, cpl = w or dw, cpl or dcpl
+    return [("T", dtype), ("S", sdtype), ("M", m), ("BITS", bits), ("GS", group_size), ("W", w),
+            ("CPL", cpl)], w, cpl  # fmt: skip
+
+
+def cuda_launch(m: int, k: int, n: int, dtype, bits: int, group_size: int, sdtype=None) -> nvrtc.Launch:
+    """`cuda_qmm`'s launch at this shape as MLX writes it (kernels/nvrtc.py)."""
+    template, _, _ = _template("cuda", m, k, n, dtype, sdtype or dtype, bits, group_size)
+    return nvrtc.launch(f"specgate_qmm_{CUDA_VERSION}", "", _CUDA_SOURCE,
+                        [("x", dtype, 2), ("wq", mx.uint32, 2), ("scales", sdtype or dtype, 2),
+                         ("biases", sdtype or dtype, 2)], [("y", dtype)], template)  # fmt: skip
 
 
 def cuda_qmm(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, w=None, cpl=None):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from specgate.kernels import qmm
+from specgate.kernels import nvrtc, qmm
 
 MIN_M, MAX_M = 1, 16
 BITS = (4, 8)
@@ -348,6 +348,29 @@ def _check(x, wq, scales, group_size, bits) -> tuple[int, int, int]:
 _launches: dict[tuple, dict] = {}
 
 
+def _template(dtype, sdtype, m: int, bits: int, group_size: int, w: int, nt: int) -> list:
+    return [("T", dtype), ("S", sdtype), ("BF", int(dtype == mx.bfloat16)), ("M", m), ("BITS", bits),
+            ("GS", group_size), ("W", w), ("NT", nt)]  # fmt: skip
+
+
+def cuda_launch(m: int, k: int, ns, dtype, bits: int, group_size: int, sdtype=None) -> nvrtc.Launch:
+    """The launch at this shape as MLX writes it (kernels/nvrtc.py): the
+    single kernel for an int `ns`, the fused one for a tuple of 2 or 3."""
+    sdtype = sdtype or dtype
+    if isinstance(ns, int):
+        w, nt = launch_config(m, k, ns, bits)
+        names, outs, src, tag = ["x", "wq", "scales", "biases"], ["y"], _SOURCE, VERSION
+    else:
+        w, nt = launch_config(m, k, sum(ns), bits)
+        names = ["x"] + [f"{a}{i}" for i in range(len(ns)) for a in ("wq", "s", "b")]
+        outs, src, tag = [f"y{i}" for i in range(len(ns))], _FUSED_SOURCES[len(ns)], FUSED_VERSION
+    parts = 1 if isinstance(ns, int) else len(ns)
+    # (x's ndim: any above 0 gives the same text; wq uint32, scales and biases sdtype)
+    inputs = [(n, dtype if n == "x" else mx.uint32 if n.startswith("wq") else sdtype, 2) for n in names]
+    return nvrtc.launch(f"sg_mma{parts}_{tag}", compact(_HEADER), compact(src), inputs,
+                        [(o, dtype) for o in outs], _template(dtype, sdtype, m, bits, group_size, w, nt))  # fmt: skip
+
+
 def cuda_qmm_mma(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, w=None, nt=None):
     """The tensor-core kernel (mx.fast.cuda_kernel); raises where there is no CUDA.
 
@@ -360,8 +383,7 @@ def cuda_qmm_mma(x, wq, scales, biases, group_size: int = 64, bits: int = 4, *, 
         dw, dnt = launch_config(m, k, n, bits)
         w, nt = w or dw, nt or dnt
         launch = _launches[key] = dict(
-            template=[("T", x.dtype), ("S", scales.dtype), ("BF", int(x.dtype == mx.bfloat16)),
-                      ("M", m), ("BITS", bits), ("GS", group_size), ("W", w), ("NT", nt)],
+            template=_template(x.dtype, scales.dtype, m, bits, group_size, w, nt),
             grid=(-(-n // (8 * nt)) * w * 32, 1, 1), threadgroup=(w * 32, 1, 1),
             output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])  # fmt: skip
     # x keeps its leading dims (the kernel takes K from wq's shape and writes
@@ -394,8 +416,7 @@ def cuda_qmm_mma_fused(x, *args) -> list:
         w, nt = launch_config(m, k, sum(ns), bits)
         blocks = sum(-(-n // (8 * nt)) for n in ns)
         launch = _launches[key] = dict(
-            template=[("T", x.dtype), ("S", flat[1].dtype), ("BF", int(x.dtype == mx.bfloat16)),
-                      ("M", m), ("BITS", bits), ("GS", group_size), ("W", w), ("NT", nt)],
+            template=_template(x.dtype, flat[1].dtype, m, bits, group_size, w, nt),
             grid=(blocks * w * 32, 1, 1), threadgroup=(w * 32, 1, 1),
             output_shapes=[(*x.shape[:-1], n) for n in ns], output_dtypes=[x.dtype] * len(ns))  # fmt: skip
     return _kernel(len(flat) // 3)(inputs=[x, *flat], **launch)

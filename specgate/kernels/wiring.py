@@ -45,7 +45,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from specgate.kernels import guard as guards
-from specgate.kernels import hook, qmm
+from specgate.kernels import hook, nvrtc, qmm
 from specgate.kernels.guard import FUSED_QMM, Guard, Verdict, cuda_mma_fused_candidate, dtype_name
 from specgate.kernels.prebuild import Builder, Job
 from specgate.kernels.tiles import TILE_ROWS
@@ -222,6 +222,33 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
              f"; slowest {slowest}" if slowest else "")  # fmt: skip
 
 
+def _seed(seeder: nvrtc.Seeder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
+          widths: tuple[int, ...], one_row: bool, model: nn.Module, stop: threading.Event | None,
+          urgent: bool) -> None:  # fmt: skip
+    """Our CUDA kernels at every width the wiring will launch them (the
+    verdicts to prove, and those recorded ok), compiled side by side into
+    MLX's cache first (kernels/nvrtc.py): neither the proofs nor the first
+    rounds wait for MLX to build them one at a time, and a restart finds
+    them built."""
+    def live(g: Guard | None) -> list:
+        return [] if g is None else [c for c in g.candidates if c.launch is not None and c.name not in g.dropped
+                                     and guards.backend_present(c.name)]  # fmt: skip
+
+    fused = live(fused_guard)
+    groups = group_shapes(model) if fused else []
+    launches = []
+    for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row):
+        if cand.supports(*shape) and g.recorded_ok(cand, *shape) is not False:
+            launches.append(cand.launch(*shape))
+    if not launches:
+        return
+    report = seeder.seed(launches, stop, urgent=urgent)
+    if report.compiled or report.failed:
+        log.info("kernels: %d of ours compiled side by side in %.1f s on up to %d threads (%d built before)%s",
+                 report.compiled, report.seconds, seeder.threads, report.cached,
+                 f"; {report.failed} failed (MLX builds those): {report.errors[0]}" if report.failed else "")  # fmt: skip
+
+
 def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> list[Job]:
     """MLX's own quantized matmul at the model's shapes and prompt-chunk
     row counts: on CUDA each of its tile sizes is a CUTLASS template MLX
@@ -235,7 +262,8 @@ def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> li
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
            cache_dir: Path | None, stop: threading.Event | None = None,
            one_row: bool = False, builder: Builder | None = None,
-           urgent: bool = False, turn=None) -> Wiring | _Proved | None:  # fmt: skip
+           urgent: bool = False, turn=None,
+           seeder: nvrtc.Seeder | None = None) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
     A Wiring where no kernel can be used, None when `stop` was set.
@@ -243,7 +271,8 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
     builder: what is not recorded is built side by side first (kernels/prebuild.py),
     `urgent`ly: ahead of the builds queued. turn: called before each proof,
     returns when it may run (the engines: once the model's step or round in
-    progress has ended)."""
+    progress has ended). seeder: our kernels compiled ahead into MLX's
+    cache (kernels/nvrtc.py)."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -256,6 +285,8 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
             raise ValueError("kernels: prepare needs a guard, or the cache_dir of the shared ones")
         guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
+    if seeder is not None and not guards.only_recorded():
+        _seed(seeder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     if builder is not None and not guards.only_recorded():
         _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     with guard._lock:
@@ -290,16 +321,17 @@ def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
           cache_dir: Path | None = None, stop: threading.Event | None = None,
           one_row: bool = False, builder: Builder | None = None, urgent: bool = False,
-          turn=None) -> bool:  # fmt: skip
+          turn=None, seeder: nvrtc.Seeder | None = None) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
     MLX stream). False when `stop` was set before the end. `builder`: what
     is not recorded is built side by side first (kernels/prebuild.py;
     `urgent`: ahead of the builds queued); `turn` is called before each
-    proof and returns when it may run."""
+    proof and returns when it may run; `seeder` compiles our kernels ahead
+    (kernels/nvrtc.py)."""
     return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder,
-                  urgent, turn) is not None  # fmt: skip
+                  urgent, turn, seeder) is not None  # fmt: skip
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,

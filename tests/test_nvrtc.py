@@ -1,0 +1,129 @@
+"""Our CUDA kernels compiled ahead into MLX's kernel cache (specgate/kernels/nvrtc.py), on the CPU.
+
+NVRTC compiles for a GPU without one (NVIDIA's PyPI wheels, a dev
+dependency), so a CPU shows all but MLX loading the result:
+- module names use libstdc++'s std::hash exactly (checked against g++'s
+  where g++ is here, and against values it printed);
+- the text is MLX's build_kernel's, byte for byte, for a launch of each
+  kind (the parameter list follows which shapes the source reads);
+- our real kernels (one matrix, tensor cores, fused) compile from that
+  text with the prelude in place of MLX's device header, to a cubin
+  holding the kernel's lowered name, written where MLX looks, .ptx last;
+- the seeder compiles each module once, side by side, finds a cache's
+  entries without compiling, puts urgent launches first, and reports a
+  launch NVRTC refuses without stopping the others.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from specgate.kernels import nvrtc, qmm, qmm_mma
+
+KNOWN = {b"": 0x553E93901E462A6E, b"a": 0x454DDEE488C1ED6B, b"abcdefgh": 0x783DB3E38DB898BB,
+         b"hello world, specgate!": 0xA46FA991D75B5939}  # fmt: skip  (g++ 12, libstdc++)
+
+
+def test_module_names_hash_as_libstdcxx_does(tmp_path):
+    for data, want in KNOWN.items():
+        assert nvrtc.std_hash(data) == want
+    if shutil.which("g++") is None:
+        return
+    src = tmp_path / "h.cpp"
+    src.write_text("#include <iostream>\n#include <iterator>\n#include <string>\nint main() {\n"
+                   "  std::string s((std::istreambuf_iterator<char>(std::cin)), {});\n"
+                   "  std::cout << std::hex << std::hash<std::string>{}(s);\n}\n")  # fmt: skip
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(src)], check=True, timeout=120)
+    for n in (0, 7, 8, 9, 15, 16, 1000, 4097):
+        data = bytes((i * 37 + n) % 256 for i in range(n))
+        out = subprocess.run([str(tmp_path / "h")], input=data, capture_output=True, check=True, timeout=30)
+        assert int(out.stdout, 16) == nvrtc.std_hash(data)
+
+
+def test_the_text_is_mlx_s():
+    launch = nvrtc.launch("k", "// h\n", "  y[0] = x[x_shape[0] - 1] + w_strides[0];\n",
+                          [("x", mx.bfloat16, 2), ("w", mx.uint32, 2), ("s", mx.float32, 0)],
+                          [("y", mx.bfloat16), ("z", mx.float32)],
+                          [("T", mx.float16), ("M", 3), ("B", True)])  # fmt: skip
+    assert launch.kernel_name == "custom_kernel_k_float16_t_3_t"
+    assert launch.mlx_text() == (
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+        "// h\n"
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        "__global__ void custom_kernel_k_float16_t_3_t(\n"
+        "    const __nv_bfloat16* x,\n"
+        "    const __grid_constant__ Shape x_shape,\n"
+        "    const uint32_t* w,\n"
+        "    const __grid_constant__ Strides w_strides,\n"
+        "    const float* s,\n"
+        "    __nv_bfloat16* y,\n"
+        "    float* z) {\n"
+        "  using T = __half;\n  constexpr int M = 3;\n  constexpr bool B = true;\n\n"
+        "  y[0] = x[x_shape[0] - 1] + w_strides[0];\n"
+        "\n}\n\n} // namespace mlx::core::cu\n")  # fmt: skip
+    assert launch.module_name == f"custom_kernel_k_float16_t_3_t_{nvrtc.std_hash(launch.mlx_text().encode()):x}"
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    c = nvrtc.nvrtc()
+    if c is None:
+        pytest.skip(f"no NVRTC here ({nvrtc.unavailable()}): the dev dependencies install it on Linux x86-64")
+    return c
+
+
+LAUNCHES = [qmm.cuda_launch(4, 256, 512, mx.bfloat16, 4, 64),
+            qmm_mma.cuda_launch(5, 256, 512, mx.float16, 4, 64),
+            qmm_mma.cuda_launch(3, 256, (512, 128, 128), mx.bfloat16, 8, 32)]  # fmt: skip
+
+
+def test_our_kernels_compile_into_mlx_s_cache(compiler, tmp_path):
+    for launch in LAUNCHES:
+        assert nvrtc.seed(compiler, tmp_path, launch, "sm_90")
+        ptx = tmp_path / f"{launch.module_name}.ptx"
+        code = ptx.read_bytes()
+        name, lowered = (tmp_path / f"{launch.module_name}.txt").read_text().rstrip("\n").split("\t")
+        assert name == f"mlx::core::cu::{launch.kernel_name}"
+        assert code[:4] == b"\x7fELF" and lowered.encode() in code  # a cubin with that kernel in it
+        assert not nvrtc.seed(compiler, tmp_path, launch, "sm_90")  # there already: not compiled again
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == sorted([".cu", ".ptx", ".txt"] * 3)  # no temporaries
+
+
+def test_the_seeder_compiles_each_once_side_by_side_and_reports_a_refusal(compiler, tmp_path):
+    broken = nvrtc.launch("broken", "", "  this is not C++;\n", [("x", mx.float16, 1)], [("y", mx.float16)], [])
+    s = nvrtc.Seeder(compiler, tmp_path, "sm_90", 2)
+    report = s.seed([*LAUNCHES, broken, LAUNCHES[0]])
+    assert (report.compiled, report.failed, report.cached) == (3, 1, 0)
+    assert "custom_kernel_broken" in report.errors[0] and "error" in report.errors[0]
+    again = s.seed(LAUNCHES)
+    assert (again.compiled, again.cached) == (0, 3)
+    fresh = nvrtc.Seeder(compiler, tmp_path, "sm_90", 2)  # another process: finds the cache's entries
+    assert fresh.seed(LAUNCHES).cached == 3
+
+    order = []
+    slow = nvrtc.Seeder(compiler, tmp_path / "order", "sm_90", 1)
+    real = nvrtc.seed
+
+    def noting(c, d, launch, arch):  # (instrumentation: the order the one thread takes them)
+        order.append(launch.module_name)
+        return real(c, d, launch, arch)
+
+    nvrtc.seed = noting
+    try:
+        late = [qmm.cuda_launch(m, 256, 512, mx.float16, 4, 64) for m in (2, 3)]
+        t = threading.Thread(target=slow.seed, args=(late,))
+        t.start()
+        while not order:
+            time.sleep(0.01)
+        report = slow.seed([LAUNCHES[1]], urgent=True)
+        t.join()
+    finally:
+        nvrtc.seed = real
+    assert report.compiled == 1
+    assert order == [late[0].module_name, LAUNCHES[1].module_name, late[1].module_name]

@@ -108,17 +108,18 @@ def test_a_gateway_that_fails_to_start_is_reported_with_its_log(tmp_path):
 
 
 def test_cold_start_runs_fresh_processes_and_prints_its_table(tmp_path):
-    """bench/cold_start.py: each fresh mode a process of its own on fresh
-    caches, a restart on the last one's; on a CPU no kernel builds, so the
+    """bench/cold_start.py: a fresh mode a process of its own on fresh
+    caches, a restart on its; on a CPU no kernel builds, so the
     speculative token comes on the stock verify, equal to the plain
-    engine's tokens."""
+    engine's tokens. (Serial differs from parallel only where a builder
+    exists: on CUDA.)"""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "bench/cold_start.py", "--tiny", "--modes", "parallel,serial,restart",
+    r = subprocess.run([sys.executable, "bench/cold_start.py", "--tiny", "--modes", "parallel,restart",
                         "--deadline", "60", "--json", str(tmp_path / "out.json")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     runs = json.loads((tmp_path / "out.json").read_text())
-    for mode in ("parallel", "serial", "restart"):
+    for mode in ("parallel", "restart"):
         (run,) = runs[mode]
         assert run["exact"] is True and run["first speculative token"] > 0 and run["first plain token"] > 0
         assert run["machine key"].startswith("cpu-")

@@ -127,3 +127,37 @@ def test_the_seeder_compiles_each_once_side_by_side_and_reports_a_refusal(compil
         nvrtc.seed = real
     assert report.compiled == 1
     assert order == [late[0].module_name, LAUNCHES[1].module_name, late[1].module_name]
+
+
+def test_prove_compiles_what_the_wiring_will_launch_first(compiler, tmp_path):
+    """wiring.prove hands the seeder the launch of every (kernel, shape,
+    width) it is about to prove, and the probe at 2 rows, before proving;
+    once recorded, only those recorded ok (none here: the kernel is wrong
+    on purpose, failure injection), so a restart compiles nothing it would
+    not launch."""
+    import mlx.nn as nn
+
+    from specgate.kernels import wiring
+    from specgate.kernels.guard import Candidate, Guard
+
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
+    nn.quantize(model, group_size=64, bits=4)
+
+    def wrong(x, wq, scales, biases, group_size, bits):
+        return mx.zeros((*x.shape[:-1], wq.shape[0]), x.dtype)
+
+    cand = Candidate("test_wrong", "v1", wrong, launch=qmm.cuda_launch)
+    guard = Guard([cand], cache_dir=tmp_path / "verdicts", machine="test", reps=1, inner=1)
+    s = nvrtc.Seeder(compiler, tmp_path / "ptx", "sm_90", 2)
+    wiring.prove(model, "auto", range(6, 8), guard=guard, seeder=s)
+    want = {qmm.cuda_launch(m, k, n, mx.float32, 4, 64).module_name
+            for k, n in ((128, 256), (256, 128)) for m in (6, 7)}  # fmt: skip
+    k, n, dtype, bits, gs = wiring.model_shapes(model)[0]
+    want.add(qmm.cuda_launch(2, k, n, dtype, bits, gs).module_name)  # the probe, at the first shape
+    assert {p.name.removesuffix(".ptx") for p in (tmp_path / "ptx").glob("*.ptx")} == want
+    assert guard.verdicts() and not any(v.ok for v in guard.verdicts().values())
+
+    again = nvrtc.Seeder(compiler, tmp_path / "ptx2", "sm_90", 2)  # a fresh kernel cache, verdicts kept
+    wiring.prove(model, "auto", range(6, 8), guard=guard, seeder=again)
+    assert not (tmp_path / "ptx2").exists()  # nothing it would launch: nothing compiled

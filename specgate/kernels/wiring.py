@@ -237,6 +237,10 @@ def _seed(seeder: nvrtc.Seeder, guard: Guard, shapes: list[Shape], fused_guard: 
     fused = live(fused_guard)
     groups = group_shapes(model) if fused else []
     launches = []
+    for cand in live(guard):  # `_usable`'s probe, at the first shape it is written for
+        probe = next(((qmm.MIN_M, *s) for s in shapes if cand.supports(qmm.MIN_M, *s)), None)
+        if probe is not None and guard.recorded_ok(cand, *probe) is not False:
+            launches.append(cand.launch(*probe))
     for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row):
         if cand.supports(*shape) and g.recorded_ok(cand, *shape) is not False:
             launches.append(cand.launch(*shape))

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.models import qwen3
@@ -311,3 +313,36 @@ def test_the_mtp_engine_serves_ahead_and_its_prefix_cache_entry_resumes_exactly(
     # The second found the first's entry: its caches and head state as the
     # last round read left them (a hybrid's entry is whole: every token but the last).
     assert cached == len(first) + len(a) - 1
+
+
+def test_a_compiled_round_never_records_the_way_round_an_unbuilt_tile(trunk):
+    """A trace keeps the branch it took: traced while MLX's tile for the
+    verify rows was not built (kernels/tiles.py, a watch that never says
+    ready: failure injection), a replayed round would stay on the way
+    round for good. CompiledRounds traces under tiles.stock(): the watch is
+    asked about the prefill, never about the 8 verify rows of depth 7."""
+    from mlx.utils import tree_map
+
+    from specgate.kernels import hook as kernel_hook
+    from specgate.kernels.tiles import TileWatch
+
+    model, args = trunk
+    quantized = qwen3.Model(args)
+    quantized.update(tree_map(lambda a: a, model.parameters()))
+    nn.quantize(quantized, group_size=64, bits=4)
+    asked = []
+
+    class Never(TileWatch):
+        def ready(self, rows, dtype, bits, group_size):
+            asked.append(rows)
+            return False
+
+    kernel_hook.watch_tiles(quantized, Never(set, threading.Event()))
+    mtp = head(args, 0.0)
+    prompt = [(i * 13 + 5) % V for i in range(20)]
+    want, margins = greedy_reference(quantized, prompt, 24)
+    asked.clear()
+    got, rounds, _, _ = decode(quantized, mtp, (7,), 24, rounds=CompiledRounds(target_for(quantized), mtp),
+                               prompt=prompt)  # fmt: skip
+    assert_same_greedy(got, want, margins)
+    assert asked and set(asked) == {20}  # the prefill's products only

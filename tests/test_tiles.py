@@ -7,10 +7,12 @@ can show of it:
 - a row count's range is never wider than one tile's;
 - a tile is ready once a job of its range, dtype, bits and group size is
   built, or once the builds finished, and not before;
-- a watched linear takes the dequantized path from 8 rows up while its
-  tile is not ready, with the stock product's values, and the stock path
-  once it is; fewer rows never wait for a tile; the kernels' hook leaves
-  the watch in place when it goes.
+- a watched linear goes without the tile from 8 rows up while it is not
+  ready (under 64 rows in chunks of 7 through MLX's matrix-vector
+  kernel, each row as a lone step's; from 64 dequantized, as close to the
+  float32 product as the stock one), and the stock path once it is, or
+  inside `tiles.stock()` (what a compiled trace records); fewer rows
+  never wait for a tile; the kernels' hook leaves the watch when it goes.
 """
 
 from __future__ import annotations
@@ -59,8 +61,14 @@ class _Counting(TileWatch):
         return super().ready(rows, dtype, bits, group_size)
 
 
+def _stock(x, lin):
+    return mx.quantized_matmul(x, lin.weight, lin.scales, lin.biases, transpose=True, group_size=64,
+                               bits=4) + lin.bias  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_a_watched_linear_computes_without_its_tile_until_it_is_built(dtype):
+@pytest.mark.parametrize("rows", [40, 100])
+def test_a_watched_linear_computes_without_its_tile_until_it_is_built(dtype, rows):
     mx.random.seed(0)
     model = nn.Sequential(nn.Linear(256, 384, bias=True))
     nn.quantize(model, group_size=64, bits=4)
@@ -70,25 +78,31 @@ def test_a_watched_linear_computes_without_its_tile_until_it_is_built(dtype):
     finished = threading.Event()
     watch = _Counting(lambda: built, finished)
     assert hook.watch_tiles(model, watch) == 1
-    x = mx.random.normal((1, 40, 256)).astype(dtype)
-    stock = mx.quantized_matmul(x, lin.weight, lin.scales, lin.biases, transpose=True, group_size=64,
-                                bits=4) + lin.bias  # fmt: skip
+    x = mx.random.normal((2, rows // 2, 256)).astype(dtype)
+    stock = _stock(x, lin)
     waiting = model(x)
-    assert watch.asked == [40]
-    want = tiles.dequantized_matmul(x, lin.weight, lin.scales, lin.biases, 64, 4) + lin.bias
-    assert mx.array_equal(waiting, want)
-    # As close to the float32 product as the stock one is (or one rounding of the output).
-    exact = x.astype(mx.float32) @ mx.dequantize(lin.weight, lin.scales, lin.biases, 64, 4).T + lin.bias
-    err = (waiting.astype(mx.float32) - exact).abs().max().item()
-    stock_err = (stock.astype(mx.float32) - exact).abs().max().item()
-    assert err <= max(stock_err, 2 * 2.0**-8 * exact.abs().max().item())
+    assert watch.asked == [rows]
+    if rows < tiles.SPLIT_BELOW:  # chunks of 7 rows through MLX's matrix-vector kernel: each row as a lone step
+        x2 = x.reshape(rows, 256)
+        want = mx.concatenate([_stock(x2[i : i + 7], lin) for i in range(0, rows, 7)]).reshape(stock.shape)
+        assert mx.array_equal(waiting, want)
+        assert mx.array_equal(waiting[0, :1], _stock(x[0, :1], lin))
+    else:
+        want = tiles.dequantized_matmul(x, lin.weight, lin.scales, lin.biases, 64, 4) + lin.bias
+        assert mx.array_equal(waiting, want)
+        # As close to the float32 product as the stock one is (or one rounding of the output).
+        exact = x.astype(mx.float32) @ mx.dequantize(lin.weight, lin.scales, lin.biases, 64, 4).T + lin.bias
+        err = (waiting.astype(mx.float32) - exact).abs().max().item()
+        stock_err = (stock.astype(mx.float32) - exact).abs().max().item()
+        assert err <= max(stock_err, 2 * 2.0**-8 * exact.abs().max().item())
 
     small = mx.random.normal((1, 7, 256)).astype(dtype)  # MLX's precompiled kernel: nothing to wait for
-    assert mx.array_equal(model(small), mx.quantized_matmul(small, lin.weight, lin.scales, lin.biases,
-                                                            transpose=True, group_size=64, bits=4) + lin.bias)
-    assert watch.asked == [40]
+    assert mx.array_equal(model(small), _stock(small, lin))
+    with tiles.stock():  # what a compiled trace records
+        assert mx.array_equal(model(x), stock)
+    assert watch.asked == [rows]
 
-    built.add(("qmm", 64, tiles.dtype_name(dtype), 4, 64))
+    built.add(("qmm", 128 if rows <= 128 else 256, tiles.dtype_name(dtype), 4, 64))
     assert mx.array_equal(model(x), stock)
 
     hook.uninstall(model)  # the verify kernels' hook going: the watch stays

@@ -38,8 +38,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from specgate.kernels import qmm
-from specgate.kernels.tiles import TILE_ROWS, TileWatch, dequantized_matmul
+from specgate.kernels import qmm, tiles
+from specgate.kernels.tiles import TileWatch
 
 _local = threading.local()
 
@@ -124,10 +124,9 @@ class _KernelQuantizedLinear(nn.QuantizedLinear):
                 y = fn(x, self["weight"], self["scales"], self["biases"], self.group_size,
                        self.bits)  # fmt: skip
                 return y + self["bias"] if "bias" in self else y
-        tiles = d.get("_specgate_tiles")
-        if tiles is not None and m >= TILE_ROWS and not tiles.ready(m, x.dtype, self.bits, self.group_size):
-            y = dequantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size,
-                                   self.bits)  # fmt: skip
+        if tiles.waiting(d.get("_specgate_tiles"), m, x.dtype, self.bits, self.group_size):
+            y = tiles.untiled_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size,
+                                     self.bits)  # fmt: skip
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
@@ -248,8 +247,8 @@ def install(model: nn.Module, guard, fused_guard=None) -> int:
 
 def watch_tiles(model: nn.Module, watch: TileWatch) -> int:
     """Every eligible quantized linear of `model` computes a product of
-    TILE_ROWS rows or more as dequantize + matmul while `watch` says MLX's
-    tile for it is not built yet (kernels/tiles.py); returns how many."""
+    TILE_ROWS rows or more without MLX's tile (tiles.untiled_matmul) while
+    `watch` says that tile is not built yet; returns how many."""
     count = 0
     for _, module in model.named_modules():
         if eligible(module):

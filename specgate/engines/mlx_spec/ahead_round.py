@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
+from specgate.kernels import tiles
 
 
 @dataclass
@@ -105,8 +106,9 @@ class CompiledRounds:
                 trunk = [_traced(*buffers[2 * i : 2 * i + 2], trunk_offset) for i in range(n_trunk)]
                 heads = [_traced(*buffers[2 * i : 2 * i + 2], head_offset)
                          for i in range(n_trunk, len(buffers) // 2)]  # fmt: skip
-                r = round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
-                                hook, hook_inputs)  # fmt: skip
+                with tiles.stock():  # (a trace keeps its branch: never the way round a tile's build)
+                    r = round_graph(target, head, k, pairs, hidden, standing, last, trunk, heads,
+                                    hook, hook_inputs)  # fmt: skip
                 return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
                         heads[0].offset, *[a for c in (*trunk, *heads) for a in (c.keys, c.values)])  # fmt: skip
 

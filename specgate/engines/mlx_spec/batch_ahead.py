@@ -58,6 +58,7 @@ from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import DraftsHook, buffers_of, make_room, took_back
 from specgate.engines.mlx_spec.decoder import Step
 from specgate.kernels import hook as kernel_hook
+from specgate.kernels import tiles
 
 
 @dataclass
@@ -283,8 +284,10 @@ class CompiledBatchRounds:
                                         else head_offset, bound=0)  # fmt: skip  (grown already)
                           for i in range(len(buffers) // 2)]
                 trunk, heads = caches[:n_trunk], caches[n_trunk:]
-                r = batch_round_graph(target, head, k, limit, pairs, hidden, standing, last, trunk, heads,
-                                      partial(kernel_hook.kernels, kernels), hook, hook_inputs)  # fmt: skip
+                with tiles.stock():  # (a trace keeps its branch: never the way round a tile's build)
+                    r = batch_round_graph(target, head, k, limit, pairs, hidden, standing, last, trunk,
+                                          heads, partial(kernel_hook.kernels, kernels), hook,
+                                          hook_inputs)  # fmt: skip
                 return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
                         heads[0].offset, *[a for c in caches for a in (c.keys, c.values)])  # fmt: skip
 

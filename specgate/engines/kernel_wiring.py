@@ -111,7 +111,8 @@ def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | No
           fused_guard: Guard | None = None, stop=None, one_row: bool = False,
           urgent: bool = False, loaded=None) -> bool:  # fmt: skip
     """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's
-    shared ones; what it will build, built side by side first (`builder`;
+    shared ones; what it will build, built side by side first (MLX's own
+    kernels by `builder`'s processes, ours by `seeder`'s threads;
     `urgent`: ahead of what is queued, as a first speculative token waits).
     With the `loaded` model the proofs run beside (engines/loading.LoadedModel),
     each waits for its turn at the model's lock first (`model_turn`)."""

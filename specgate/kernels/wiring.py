@@ -195,7 +195,7 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
 
     Not our kernels themselves: MLX keeps a custom kernel out of its disk
     cache (it reads one there, but never writes it), so a worker's build
-    of one never reaches this process. On an H100 the workers built 0
+    of one never reaches this process (`_seed` writes ours there). On an H100 the workers built 0
     modules for a speculative engine's widths 2..5 (46 jobs, 13-44 s spent
     before its proofs), and 7 for the plain engine's 108: MLX's tiles at
     9-16 rows, ~27 s each, most of those proofs' 225 s."""

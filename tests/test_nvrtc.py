@@ -9,22 +9,23 @@ dependency), so a CPU shows all but MLX loading the result:
 - our real kernels (one matrix, tensor cores, fused) compile from that
   text with the prelude in place of MLX's device header, to a cubin
   holding the kernel's lowered name, written where MLX looks, .ptx last;
-- the seeder compiles each module once, side by side, finds a cache's
-  entries without compiling, puts urgent launches first, and reports a
-  launch NVRTC refuses without stopping the others.
+- the builder's worker processes (kernels/prebuild.py, Job kind "ours")
+  compile each module once into the shared cache, find a cache's entries
+  without compiling, and report a launch NVRTC refuses without stopping
+  the others;
+- kernels/wiring.prove has exactly what it will launch compiled first.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
-import time
 
 import mlx.core as mx
 import pytest
 
 from specgate.kernels import nvrtc, qmm, qmm_mma
+from specgate.kernels.prebuild import Builder, Job
 
 KNOWN = {b"": 0x553E93901E462A6E, b"a": 0x454DDEE488C1ED6B, b"abcdefgh": 0x783DB3E38DB898BB,
          b"hello world, specgate!": 0xA46FA991D75B5939}  # fmt: skip  (g++ 12, libstdc++)
@@ -95,38 +96,23 @@ def test_our_kernels_compile_into_mlx_s_cache(compiler, tmp_path):
     assert sorted(p.suffix for p in tmp_path.iterdir()) == sorted([".cu", ".ptx", ".txt"] * 3)  # no temporaries
 
 
-def test_the_seeder_compiles_each_once_side_by_side_and_reports_a_refusal(compiler, tmp_path):
+def _ours(launch) -> Job:
+    return Job("qmm", "ours", (0,), launch, "sm_90")
+
+
+def test_worker_processes_compile_each_once_and_report_a_refusal(compiler, tmp_path):
     broken = nvrtc.launch("broken", "", "  this is not C++;\n", [("x", mx.float16, 1)], [("y", mx.float16)], [])
-    s = nvrtc.Seeder(compiler, tmp_path, "sm_90", 2)
-    report = s.seed([*LAUNCHES, broken, LAUNCHES[0]])
-    assert (report.compiled, report.failed, report.cached) == (3, 1, 0)
+    b = Builder(tmp_path, 2, idle_s=0.5, arch="sm_90")
+    report = b.build([_ours(lu) for lu in (*LAUNCHES, broken, LAUNCHES[0])])
+    assert (report.built, report.failed, report.modules) == (3, 1, 3)
     assert "custom_kernel_broken" in report.errors[0] and "error" in report.errors[0]
-    again = s.seed(LAUNCHES)
-    assert (again.compiled, again.cached) == (0, 3)
-    fresh = nvrtc.Seeder(compiler, tmp_path, "sm_90", 2)  # another process: finds the cache's entries
-    assert fresh.seed(LAUNCHES).cached == 3
-
-    order = []
-    slow = nvrtc.Seeder(compiler, tmp_path / "order", "sm_90", 1)
-    real = nvrtc.seed
-
-    def noting(c, d, launch, arch):  # (instrumentation: the order the one thread takes them)
-        order.append(launch.module_name)
-        return real(c, d, launch, arch)
-
-    nvrtc.seed = noting
-    try:
-        late = [qmm.cuda_launch(m, 256, 512, mx.float16, 4, 64) for m in (2, 3)]
-        t = threading.Thread(target=slow.seed, args=(late,))
-        t.start()
-        while not order:
-            time.sleep(0.01)
-        report = slow.seed([LAUNCHES[1]], urgent=True)
-        t.join()
-    finally:
-        nvrtc.seed = real
-    assert report.compiled == 1
-    assert order == [late[0].module_name, LAUNCHES[1].module_name, late[1].module_name]
+    for launch in LAUNCHES:
+        assert nvrtc.cached(tmp_path, launch)
+    again = Builder(tmp_path, 2, idle_s=0.5, arch="sm_90")  # another process: finds the cache's entries
+    report = again.build([_ours(lu) for lu in LAUNCHES])
+    assert (report.built, report.modules) == (3, 0)  # done, nothing compiled
+    b.close()
+    again.close()
 
 
 def test_prove_compiles_what_the_wiring_will_launch_first(compiler, tmp_path):
@@ -149,15 +135,20 @@ def test_prove_compiles_what_the_wiring_will_launch_first(compiler, tmp_path):
 
     cand = Candidate("test_wrong", "v1", wrong, launch=qmm.cuda_launch)
     guard = Guard([cand], cache_dir=tmp_path / "verdicts", machine="test", reps=1, inner=1)
-    s = nvrtc.Seeder(compiler, tmp_path / "ptx", "sm_90", 2)
-    wiring.prove(model, "auto", range(6, 8), guard=guard, seeder=s)
+    (tmp_path / "ptx").mkdir()
+    b = Builder(tmp_path / "ptx", 2, idle_s=0.5, arch="sm_90")
+    wiring.prove(model, "auto", range(6, 8), guard=guard, builder=b)
     want = {qmm.cuda_launch(m, k, n, mx.float32, 4, 64).module_name
             for k, n in ((128, 256), (256, 128)) for m in (6, 7)}  # fmt: skip
     k, n, dtype, bits, gs = wiring.model_shapes(model)[0]
     want.add(qmm.cuda_launch(2, k, n, dtype, bits, gs).module_name)  # the probe, at the first shape
     assert {p.name.removesuffix(".ptx") for p in (tmp_path / "ptx").glob("*.ptx")} == want
+    assert b.done and all(j.kernel in ("ours", "reference") for j in b.done)
     assert guard.verdicts() and not any(v.ok for v in guard.verdicts().values())
 
-    again = nvrtc.Seeder(compiler, tmp_path / "ptx2", "sm_90", 2)  # a fresh kernel cache, verdicts kept
-    wiring.prove(model, "auto", range(6, 8), guard=guard, seeder=again)
-    assert not (tmp_path / "ptx2").exists()  # nothing it would launch: nothing compiled
+    b.close()
+    (tmp_path / "ptx2").mkdir()
+    again = Builder(tmp_path / "ptx2", 2, idle_s=0.5, arch="sm_90")  # a fresh kernel cache, verdicts kept
+    wiring.prove(model, "auto", range(6, 8), guard=guard, builder=again)
+    assert not list((tmp_path / "ptx2").glob("*.ptx"))  # nothing it would launch: nothing compiled
+    again.close()

@@ -7,7 +7,8 @@ Two processes, each with a fresh MLX_PTX_CACHE_DIR, run the same launches
 (the per-linear kernel, the tensor-core kernel, the fused one; 7B shapes):
 - "mlx": MLX builds each at its first call. The text MLX generates
   (verbose=True, its stdout captured) is compared with Launch.mlx_text();
-- "ours": the Seeder compiles them all side by side first; then each
+- "ours": the builder's processes compile them all side by side first
+  (kernels/prebuild.py, Job kind "ours"); then each
   first call is timed (a cache hit takes milliseconds, a build seconds).
 Prints, per launch: text equal, MLX's build, the first call after the
 seeding, and whether both processes' outputs are equal bit for bit.
@@ -104,13 +105,16 @@ def child(mode: str, out_dir: Path) -> dict:
     rows = []
     seeded = None
     if mode == "ours":
-        compiler = nvrtc.nvrtc()
-        assert compiler is not None, nvrtc.unavailable()
-        seeder = nvrtc.Seeder(compiler, Path(os.environ["MLX_PTX_CACHE_DIR"]),
-                              str(mx.device_info()["architecture"]), 8)  # fmt: skip
-        r = seeder.seed([_launch(*s) for s in SHAPES])
-        seeded = {"compiled": r.compiled, "failed": r.failed, "seconds": round(r.seconds, 2),
-                  "errors": r.errors[:3], "nvrtc": compiler.version}  # fmt: skip
+        from specgate.kernels.prebuild import Builder, Job
+
+        arch = str(mx.device_info()["architecture"])
+        ptx = Path(os.environ["MLX_PTX_CACHE_DIR"])
+        ptx.mkdir(parents=True, exist_ok=True)
+        b = Builder(ptx, 8, arch=arch)
+        r = b.build([Job("qmm", "ours", (i,), _launch(*s), arch) for i, s in enumerate(SHAPES)])
+        b.close()
+        seeded = {"compiled": r.modules, "failed": r.failed, "seconds": round(r.seconds, 2),
+                  "errors": r.errors[:3], "nvrtc": nvrtc.nvrtc().version}  # fmt: skip
     for i, shape in enumerate(SHAPES):
         launch = _launch(*shape)
         t = time.perf_counter()

@@ -15,7 +15,7 @@ import threading
 import mlx.core as mx
 
 from specgate.engines.home import kernel_cache_dir, mlx_ptx_dir
-from specgate.kernels import hook, nvrtc, wiring
+from specgate.kernels import hook, wiring
 from specgate.kernels.guard import Guard
 from specgate.kernels.prebuild import Builder, default_workers
 from specgate.kernels.tiles import TileWatch
@@ -39,33 +39,11 @@ def builder() -> Builder | None:
         return None
     with _builder_lock:
         if _builder is None:
-            _builder = Builder(mlx_ptx_dir(mx.__version__), workers)
+            arch = str(mx.device_info().get("architecture", ""))
+            _builder = Builder(mlx_ptx_dir(mx.__version__), workers, arch=arch if arch.startswith("sm_") else "")
             atexit.register(_builder.close)  # (its workers would end at their stdin's EOF, after a build)
         _builder.workers = workers
         return _builder
-
-
-_seeder: nvrtc.Seeder | None = None
-
-
-def seeder() -> nvrtc.Seeder | None:
-    """This process's compiler of our kernels into MLX's cache
-    (kernels/nvrtc.py), where MLX's backend is CUDA, NVRTC loads and
-    `build_workers` is not 0; None elsewhere."""
-    global _seeder
-    workers = default_workers() if build_workers is None else build_workers
-    if workers <= 0 or not mx.cuda.is_available() or mx.default_device() != mx.gpu:
-        return None
-    with _builder_lock:
-        if _seeder is None:
-            compiler = nvrtc.nvrtc()
-            if compiler is None:
-                log.info("kernels: ours are built by MLX, one at a time (%s)", nvrtc.unavailable())
-                return None
-            arch = str(mx.device_info().get("architecture", ""))
-            _seeder = nvrtc.Seeder(compiler, mlx_ptx_dir(mx.__version__), arch, workers)
-        _seeder.threads = workers
-        return _seeder
 
 
 def prebuild_forward(model) -> threading.Thread | None:
@@ -112,14 +90,14 @@ def prove(model, setting: str = "auto", widths=range(2, 4), *, guard: Guard | No
           urgent: bool = False, loaded=None) -> bool:  # fmt: skip
     """specgate.kernels.wiring.prove; without a `guard`, with SPECGATE_HOME's
     shared ones; what it will build, built side by side first (MLX's own
-    kernels by `builder`'s processes, ours by `seeder`'s threads;
+    kernels and ours, by `builder`'s processes;
     `urgent`: ahead of what is queued, as a first speculative token waits).
     With the `loaded` model the proofs run beside (engines/loading.LoadedModel),
     each waits for its turn at the model's lock first (`model_turn`)."""
     turn = None if loaded is None or loaded.lockstep is not None else functools.partial(model_turn, loaded)
     return wiring.prove(model, setting, widths, guard=guard, fused_guard=fused_guard,
                         cache_dir=kernel_cache_dir(), stop=stop, one_row=one_row,
-                        builder=builder(), urgent=urgent, turn=turn, seeder=seeder())  # fmt: skip
+                        builder=builder(), urgent=urgent, turn=turn)  # fmt: skip
 
 
 def model_turn(loaded) -> None:

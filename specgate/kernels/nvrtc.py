@@ -1,5 +1,5 @@
-"""Our CUDA kernels compiled here with NVRTC, side by side on threads, and
-handed to MLX through its kernel cache, so that MLX never builds them.
+"""Our CUDA kernels compiled with NVRTC ahead of MLX, and handed to it
+through its kernel cache, so that MLX never builds them.
 
 Why: MLX builds a custom kernel (mx.fast.cuda_kernel) with NVRTC at its
 first launch, one kernel at a time per process, and never writes it to
@@ -18,8 +18,12 @@ for:
   Strides parameter types), with MLX's options;
 - the cubin and the lowered name land in the cache, the .ptx last.
 
-ctypes releases the GIL around each NVRTC call, so threads compile side by
-side, and the entries outlive the process: a restart builds nothing. If a
+NVRTC compiles one program at a time in a process (on an H100, 24 of our
+kernels took 50 s on 8 threads: 2.1 s each, one after the other), and
+meanwhile every build MLX needs in that process waits too, so the
+compiles run in kernels/prebuild.py's worker processes (Job kind "ours"),
+each writing into the shared cache. The entries outlive the process: a
+restart builds nothing. If a
 future MLX generates other text, the name misses and MLX builds the kernel
 itself, as before: slower, never wrong (kernels/guard.py proves whatever
 runs).
@@ -33,9 +37,7 @@ import glob
 import os
 import sys
 import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # ---------------------------------------------------------------- MLX's text
@@ -81,6 +83,15 @@ class Launch:
     inputs: tuple[tuple[str, str, int], ...]
     outputs: tuple[tuple[str, str], ...]
     template: tuple[tuple[str, int | str], ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Launch:
+        """The Launch `to_dict` gave (JSON's lists back to tuples)."""
+        return cls(d["name"], d["header"], d["source"], tuple(tuple(i) for i in d["inputs"]),
+                   tuple(tuple(o) for o in d["outputs"]), tuple(tuple(t) for t in d["template"]))  # fmt: skip
 
     @property
     def kernel_name(self) -> str:
@@ -344,85 +355,3 @@ def seed(compiler: Nvrtc, cache_dir: Path, launch: Launch, arch: str) -> bool:
     os.replace(str(ptx) + tmp, ptx)  # last: MLX takes a module to be there once its .ptx is
     return True
 
-
-@dataclass
-class SeedReport:
-    """What one `Seeder.seed` call got done."""
-
-    compiled: int = 0
-    cached: int = 0  # in the cache already (a restart, or another caller's)
-    failed: int = 0
-    cancelled: int = 0
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
-
-
-class Seeder:
-    """Launches compiled into MLX's cache `cache_dir` on up to `threads`
-    threads, each module once; `seed(..., urgent=True)` goes ahead of what
-    is queued (a first speculative token waits for it)."""
-
-    def __init__(self, compiler: Nvrtc, cache_dir: Path, arch: str, threads: int):
-        self.compiler, self.cache_dir, self.arch, self.threads = compiler, Path(cache_dir), arch, threads
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[Launch, list]] = deque()
-        self._done: dict[str, str | None] = {}  # module -> None (ok) or the error
-        self._running = 0
-
-    def seed(self, launches, stop: threading.Event | None = None, *, urgent: bool = False) -> SeedReport:
-        t0 = time.perf_counter()
-        report = SeedReport()
-        todo = []
-        for launch in {lu.module_name: lu for lu in launches}.values():
-            if launch.module_name in self._done or cached(self.cache_dir, launch):
-                report.cached += 1
-            else:
-                todo.append(launch)
-        waiting = [len(todo)]
-        with self._cond:
-            items = [(lu, waiting) for lu in todo]
-            if urgent:
-                self._queue.extendleft(reversed(items))
-            else:
-                self._queue.extend(items)
-            while self._running < min(self.threads, len(self._queue)):
-                self._running += 1
-                threading.Thread(target=self._work, daemon=True, name="kernel-compile").start()
-            while waiting[0] > 0:
-                if stop is not None and stop.is_set():
-                    kept = deque(item for item in self._queue if item[1] is not waiting)
-                    report.cancelled = len(self._queue) - len(kept)
-                    self._queue = kept
-                    break
-                self._cond.wait(0.1)
-            for lu in todo:
-                error = self._done.get(lu.module_name, "")
-                if error is None:
-                    report.compiled += 1
-                elif error:
-                    report.failed += 1
-                    report.errors.append(f"{lu.kernel_name}: {error}")
-        report.seconds = time.perf_counter() - t0
-        return report
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if not self._queue:
-                        self._running -= 1
-                        return
-                    launch, waiting = self._queue.popleft()
-                    if launch.module_name not in self._done:
-                        break
-                    waiting[0] -= 1  # (queued twice: compiled meanwhile)
-                    self._cond.notify_all()
-            error = None
-            try:
-                seed(self.compiler, self.cache_dir, launch, self.arch)
-            except Exception as e:  # noqa: BLE001 - reported; MLX builds it where it is called
-                error = f"{type(e).__name__}: {str(e)[:300]}"
-            with self._cond:
-                self._done[launch.module_name] = error
-                waiting[0] -= 1
-                self._cond.notify_all()

@@ -18,9 +18,11 @@ directory and then moves what it built into the shared one, the .ptx last
 in what the others finished, and jobs likely to build the same modules
 (Job.group) run one at a time, so a module is built once.
 
-Only MLX's own kernels: MLX reads a custom kernel (ours, mx.fast.cuda_kernel)
-from that cache but never writes one there, so a worker's build of one is
-lost to the serving process. Opportunistic: a call the workers have not
+MLX reads a custom kernel (ours, mx.fast.cuda_kernel) from that cache but
+never writes one there: a worker compiles ours itself instead (Job kind
+"ours", kernels/nvrtc.py) and writes it into the shared cache. NVRTC
+compiles one program at a time in a process, so processes, not threads.
+Opportunistic: a call the workers have not
 reached is built by the process itself, as without them, and a worker that
 fails or dies costs nothing but speed. One stuck past JOB_TIMEOUT_S, or
 none that can start, is killed, logged once, and the builder is off for
@@ -32,6 +34,7 @@ none of these.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -46,11 +49,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specgate.kernels import nvrtc
+
 log = logging.getLogger("specgate.kernels")
 
 JOB_TIMEOUT_S = 300.0  # one job; MLX's slowest CUTLASS tile took ~27 s on an H100
 IDLE_S = 5.0  # a worker with nothing to do exits after this long
 MAX_WORKERS = 8
+_worker_seq = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -58,15 +64,21 @@ class Job:
     """One call to build at `shape`, the guard op's shape with its dtype as
     a name (QMM: M, K, N, dtype, bits, group size; FUSED_QMM: N a tuple):
     `kernel` "stock" (the op as MLX runs it: a forward's) or "reference"
-    (that and the float32 product a proof compares with). Never one of our
-    kernels: MLX would not keep it (the module docstring)."""
+    (that and the float32 product a proof compares with), built by MLX; or
+    "ours": one of our kernels' `launch`, compiled for `arch` by
+    kernels/nvrtc.py into the shared cache (MLX never writes ours there)."""
 
     op: str
     kernel: str
     shape: tuple
+    launch: nvrtc.Launch | None = field(default=None, repr=False)
+    arch: str = ""
 
     def line(self) -> str:
-        return json.dumps({"op": self.op, "kernel": self.kernel, "shape": list(self.shape)})
+        d = {"op": self.op, "kernel": self.kernel, "shape": list(self.shape)}
+        if self.launch is not None:
+            d.update(launch=self.launch.to_dict(), arch=self.arch)
+        return json.dumps(d)
 
     @property
     def group(self) -> tuple:
@@ -75,7 +87,9 @@ class Job:
         and the precision, not K and N. One job of a group builds at a
         time: the next then links in what it built instead of building the
         same module beside it (a first H100 run, without this, built each of
-        MLX's prompt tiles on up to 8 workers at once)."""
+        MLX's prompt tiles on up to 8 workers at once). Ours: one module."""
+        if self.launch is not None:
+            return ("ours", self.launch.module_name)
         return (self.op, self.shape[0], *self.shape[3:])
 
 
@@ -112,8 +126,9 @@ class Builder:
     up to `workers` at once, started on demand and gone when idle."""
 
     def __init__(self, ptx_dir: Path, workers: int | None = None, *, job_timeout: float = JOB_TIMEOUT_S,
-                 idle_s: float = IDLE_S):  # fmt: skip
+                 idle_s: float = IDLE_S, arch: str = ""):  # fmt: skip
         self.ptx_dir = Path(ptx_dir)
+        self.arch = arch  # the GPU our kernels compile for ("sm_90"); "": they are not
         self.workers = default_workers() if workers is None else workers
         self.job_timeout, self.idle_s = job_timeout, idle_s
         self._cond = threading.Condition()
@@ -124,7 +139,6 @@ class Builder:
         self._threads = 0
         self._procs: set[subprocess.Popen] = set()
         self._closed = False
-        self._seq = 0
 
     def build(self, jobs: Iterable[Job], stop: threading.Event | None = None, *,
               urgent: bool = False) -> Report:  # fmt: skip
@@ -149,9 +163,9 @@ class Builder:
                 self._queue.extend(items)
             while self._threads < min(self.workers, len(self._queue)):
                 self._threads += 1
-                self._seq += 1
-                threading.Thread(target=self._work, args=(self._seq,), daemon=True,
-                                 name=f"kernel-build-{self._seq}").start()  # fmt: skip
+                seq = next(_worker_seq)  # (across builders: each worker's private directory its own)
+                threading.Thread(target=self._work, args=(seq,), daemon=True,
+                                 name=f"kernel-build-{seq}").start()  # fmt: skip
             self._cond.notify_all()
             while batch.left > 0:
                 if stop is not None and stop.is_set():
@@ -386,23 +400,31 @@ def _link(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------- the worker process
 
 
-def _build(job: dict) -> None:
-    """Make the calls a proof (or a forward) makes first at the job's shape."""
+def _build(job: dict, shared: Path) -> int:
+    """Make the calls a proof (or a forward) makes first at the job's
+    shape; or compile our kernel's launch into `shared` (returns 1 where it
+    was compiled here)."""
     import mlx.core as mx
 
     from specgate.kernels import guard
 
+    if job["kernel"] == "ours":
+        compiler = nvrtc.nvrtc()
+        if compiler is None:
+            raise RuntimeError(f"no NVRTC: {nvrtc.unavailable()}")
+        return int(nvrtc.seed(compiler, shared, nvrtc.Launch.from_dict(job["launch"]), job["arch"]))
     ops = {"qmm": guard.QMM, "qmm_fused": guard.FUSED_QMM}
     op = ops[job["op"]]
     shape = [tuple(s) if isinstance(s, list) else s for s in job["shape"]]
     shape = [getattr(mx, s) if isinstance(s, str) else s for s in shape]
     if job["kernel"] not in ("stock", "reference"):
-        raise ValueError(f"unknown job kind {job['kernel']!r}: stock or reference")
+        raise ValueError(f"unknown job kind {job['kernel']!r}: stock, reference or ours")
     args = op.inputs(0, *shape)
     outs = [op.joined(op.stock(*args))]
     if job["kernel"] == "reference":
         outs.append(op.exact(*args))
     mx.eval(outs)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -416,13 +438,14 @@ def main(argv: list[str]) -> int:
     for line in sys.stdin:
         t0 = time.perf_counter()
         answer: dict = {"ok": True}
+        ours = 0
         try:
             take_in(shared, private, seen)
-            _build(json.loads(line))
+            ours = _build(json.loads(line), shared)
         except Exception as e:  # noqa: BLE001 - reported; the proof builds it itself
-            answer = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+            answer = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
         try:
-            answer["built"] = len(hand_over(private, shared, seen))
+            answer["built"] = ours + len(hand_over(private, shared, seen))
         except OSError as e:
             answer = {"ok": False, "error": f"hand over: {e}"}
         mx.clear_cache()

@@ -195,7 +195,7 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
 
     Not our kernels themselves: MLX keeps a custom kernel out of its disk
     cache (it reads one there, but never writes it), so a worker's build
-    of one never reaches this process (`_seed` writes ours there). On an H100 the workers built 0
+    of one never reaches this process (`_seed` has ours compiled there). On an H100 the workers built 0
     modules for a speculative engine's widths 2..5 (46 jobs, 13-44 s spent
     before its proofs), and 7 for the plain engine's 108: MLX's tiles at
     9-16 rows, ~27 s each, most of those proofs' 225 s."""
@@ -222,35 +222,42 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
              f"; slowest {slowest}" if slowest else "")  # fmt: skip
 
 
-def _seed(seeder: nvrtc.Seeder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
+def _seed(builder: Builder, guard: Guard, shapes: list[Shape], fused_guard: Guard | None,
           widths: tuple[int, ...], one_row: bool, model: nn.Module, stop: threading.Event | None,
           urgent: bool) -> None:  # fmt: skip
     """Our CUDA kernels at every width the wiring will launch them (the
-    verdicts to prove, and those recorded ok), compiled side by side into
-    MLX's cache first (kernels/nvrtc.py): neither the proofs nor the first
-    rounds wait for MLX to build them one at a time, and a restart finds
-    them built."""
+    verdicts to prove, those recorded ok, and `_usable`'s probe), compiled
+    into MLX's cache by the builder's processes first (kernels/nvrtc.py):
+    neither the proofs nor the first rounds wait for MLX to build them one
+    at a time, and a restart finds them built."""
     def live(g: Guard | None) -> list:
         return [] if g is None else [c for c in g.candidates if c.launch is not None and c.name not in g.dropped
                                      and guards.backend_present(c.name)]  # fmt: skip
 
     fused = live(fused_guard)
     groups = group_shapes(model) if fused else []
-    launches = []
+    cases = []
     for cand in live(guard):  # `_usable`'s probe, at the first shape it is written for
         probe = next(((qmm.MIN_M, *s) for s in shapes if cand.supports(qmm.MIN_M, *s)), None)
-        if probe is not None and guard.recorded_ok(cand, *probe) is not False:
-            launches.append(cand.launch(*probe))
-    for g, cand, shape in _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row):
-        if cand.supports(*shape) and g.recorded_ok(cand, *shape) is not False:
-            launches.append(cand.launch(*shape))
-    if not launches:
+        if probe is not None:
+            cases.append((guard, cand, probe))
+    cases += _cases(guard, live(guard), shapes, fused_guard, fused, groups, widths, one_row)
+    jobs, before = [], 0
+    for g, cand, shape in cases:
+        if not cand.supports(*shape) or g.recorded_ok(cand, *shape) is False:
+            continue
+        launch = cand.launch(*shape)
+        if nvrtc.cached(builder.ptx_dir, launch):
+            before += 1
+            continue
+        m, k, ns, dtype, bits, gs = shape
+        jobs.append(Job(g.op.name, "ours", (m, k, ns, dtype_name(dtype), bits, gs), launch, builder.arch))
+    if not jobs:
         return
-    report = seeder.seed(launches, stop, urgent=urgent)
-    if report.compiled or report.failed:
-        log.info("kernels: %d of ours compiled side by side in %.1f s on up to %d threads (%d built before)%s",
-                 report.compiled, report.seconds, seeder.threads, report.cached,
-                 f"; {report.failed} failed (MLX builds those): {report.errors[0]}" if report.failed else "")  # fmt: skip
+    report = builder.build(jobs, stop, urgent=urgent)
+    log.info("kernels: %d of ours compiled side by side in %.1f s on up to %d processes (%d built before)%s",
+             report.built, report.seconds, builder.workers, before,
+             f"; {report.failed} failed (MLX builds those): {report.errors[0]}" if report.failed else "")  # fmt: skip
 
 
 def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> list[Job]:
@@ -266,17 +273,16 @@ def forward_jobs(model: nn.Module, rows=(16, 32, 64, 128, 256, 512, 2048)) -> li
 def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_guard: Guard | None,
            cache_dir: Path | None, stop: threading.Event | None = None,
            one_row: bool = False, builder: Builder | None = None,
-           urgent: bool = False, turn=None,
-           seeder: nvrtc.Seeder | None = None) -> Wiring | _Proved | None:  # fmt: skip
+           urgent: bool = False, turn=None) -> Wiring | _Proved | None:  # fmt: skip
     """Every verdict `prepare` reads, proved where not recorded (inside
     guard.recorded_only(): Unproved raised instead); nothing installed.
     A Wiring where no kernel can be used, None when `stop` was set.
     one_row: every shape and sibling group at one row too (hook.one_row).
-    builder: what is not recorded is built side by side first (kernels/prebuild.py),
-    `urgent`ly: ahead of the builds queued. turn: called before each proof,
-    returns when it may run (the engines: once the model's step or round in
-    progress has ended). seeder: our kernels compiled ahead into MLX's
-    cache (kernels/nvrtc.py)."""
+    builder: what is not recorded is built side by side first (kernels/prebuild.py;
+    with its `arch`, our kernels too: kernels/nvrtc.py), `urgent`ly: ahead
+    of the builds queued. turn: called before each proof, returns when it
+    may run (the engines: once the model's step or round in progress has
+    ended)."""
     if setting not in SETTINGS:
         raise ValueError(f"kernels: expected one of {SETTINGS}, got {setting!r}")
     if setting == "off":  # (a hook another engine installed stays; this one's verify says off)
@@ -289,8 +295,8 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
             raise ValueError("kernels: prepare needs a guard, or the cache_dir of the shared ones")
         guard, fused_guard = shared_guard(cache_dir), shared_guard(cache_dir, "qmm_fused")
     widths = tuple(m for m in widths if qmm.MIN_M <= m <= qmm.MAX_M)
-    if seeder is not None and not guards.only_recorded():
-        _seed(seeder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
+    if builder is not None and builder.arch and not guards.only_recorded():
+        _seed(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     if builder is not None and not guards.only_recorded():
         _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     with guard._lock:
@@ -325,17 +331,16 @@ def prove(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,
           guard: Guard | None = None, fused_guard: Guard | None = None,
           cache_dir: Path | None = None, stop: threading.Event | None = None,
           one_row: bool = False, builder: Builder | None = None, urgent: bool = False,
-          turn=None, seeder: nvrtc.Seeder | None = None) -> bool:  # fmt: skip
+          turn=None) -> bool:  # fmt: skip
     """Every verdict `prepare` will read for this model, proved now, and
     nothing installed: what an engine runs off its load path (no model lock
     is needed: the proofs run on their own random arrays, on this thread's
     MLX stream). False when `stop` was set before the end. `builder`: what
     is not recorded is built side by side first (kernels/prebuild.py;
     `urgent`: ahead of the builds queued); `turn` is called before each
-    proof and returns when it may run; `seeder` compiles our kernels ahead
-    (kernels/nvrtc.py)."""
+    proof and returns when it may run."""
     return _prove(model, setting, widths, guard, fused_guard, cache_dir, stop, one_row, builder,
-                  urgent, turn, seeder) is not None  # fmt: skip
+                  urgent, turn) is not None  # fmt: skip
 
 
 def prepare(model: nn.Module, setting: str = "auto", widths=range(2, 4), *,

@@ -175,3 +175,36 @@ def test_forward_jobs_cover_every_shape_at_each_row_count():
     assert len(jobs) == 4 and set(jobs) == {Job("qmm", "stock", (m, k, n, "float32", 4, 64))
                                             for k, n in ((128, 256), (256, 128)) for m in (16, 2048)}  # fmt: skip
     assert [j.shape[0] for j in jobs] == [16, 2048, 16, 2048]  # shape by shape: the builds spread
+
+
+def test_an_urgent_batch_does_not_wait_for_busy_workers(tmp_path):
+    """Every worker busy with slow builds (MLX's prompt tiles, ~27 s each on
+    an H100), an urgent batch starts workers of its own: it is done while
+    the others are still building."""
+    b = Builder(tmp_path, 1, idle_s=0.5)
+    slow = [Job("qmm", "reference", (m, 2048, 2048, "float32", 4, 64)) for m in (512, 513)]  # ~4 s each
+    t = threading.Thread(target=b.build, args=(slow,))
+    t.start()
+    while not b._building:
+        time.sleep(0.05)
+    report = b.build([STOCK[0]], urgent=True)
+    assert report.built == 1 and slow[0] not in b.done  # the busy worker's build is not over
+    b.close()  # (the slow batch's caller returns too: its queued job is cancelled)
+    t.join(60)
+    assert not t.is_alive()
+
+
+def test_closing_returns_every_caller(tmp_path):
+    """A builder closed (an engine stopping, the process exiting) while jobs
+    wait: their callers return, the jobs cancelled, instead of waiting for
+    builds that will never run."""
+    b = Builder(tmp_path, 1, idle_s=0.5)
+    slow = [Job("qmm", "reference", (m, 2048, 2048, "float32", 4, 64)) for m in (512, 513, 514)]
+    reports = []
+    t = threading.Thread(target=lambda: reports.append(b.build(slow)))
+    t.start()
+    while not b._building:
+        time.sleep(0.05)
+    b.close()
+    t.join(30)
+    assert not t.is_alive() and reports[0].cancelled == 2

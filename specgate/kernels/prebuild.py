@@ -161,7 +161,11 @@ class Builder:
                 self._queue.extendleft(reversed(items))
             else:
                 self._queue.extend(items)
-            while self._threads < min(self.workers, len(self._queue)):
+            # An urgent batch may start as many workers again: a first
+            # speculative token should not wait for MLX's ~27 s prompt tiles
+            # that the others are building.
+            limit = self.workers * (2 if urgent else 1)
+            while self._threads < min(limit, len(self._queue)):
                 self._threads += 1
                 seq = next(_worker_seq)  # (across builders: each worker's private directory its own)
                 threading.Thread(target=self._work, args=(seq,), daemon=True,
@@ -193,6 +197,9 @@ class Builder:
         """Kill the workers (a process exiting or an engine stopping)."""
         with self._cond:
             self._closed = True
+            for _, batch in self._queue:  # (their callers return: nothing will build them)
+                batch.left -= 1
+                batch.report.cancelled += 1
             self._queue.clear()
             procs = list(self._procs)
             self._cond.notify_all()

@@ -12,9 +12,11 @@ machine. Modes:
             (kernel_wiring.build_workers = 0: specgate before
             kernels/prebuild.py);
 - parallel: the product's way: kernels/prebuild.py's worker processes build
-            MLX's prompt tiles and the proofs' references side by side;
+            MLX's prompt tiles and the proofs' references side by side, and
+            compile ours into MLX's cache (kernels/nvrtc.py); prompts go
+            without a tile not built yet (kernels/tiles.py);
 - restart:  a second process on the home the repeat's last fresh run left
-            (its verdicts and MLX's kernels recorded; ours MLX builds again).
+            (its verdicts, MLX's kernels and ours in the cache).
 In a run: the target (bench/gpu_suite.py's 4-bit 7B-shape qwen3 with the
 bigram path and an MTP head, random weights) is built in memory, prepared
 as loading prepares what it serves (prepare_for_decoding, then

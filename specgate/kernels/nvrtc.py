@@ -23,10 +23,9 @@ kernels took 50 s on 8 threads: 2.1 s each, one after the other), and
 meanwhile every build MLX needs in that process waits too, so the
 compiles run in kernels/prebuild.py's worker processes (Job kind "ours"),
 each writing into the shared cache. The entries outlive the process: a
-restart builds nothing. If a
-future MLX generates other text, the name misses and MLX builds the kernel
-itself, as before: slower, never wrong (kernels/guard.py proves whatever
-runs).
+restart builds nothing. If a future MLX generates other text, the name
+misses and MLX builds the kernel itself, as before: slower, never wrong
+(kernels/guard.py proves whatever runs).
 """
 
 from __future__ import annotations
@@ -45,12 +44,17 @@ from pathlib import Path
 # custom_kernel.cpp's default_header, and what this module compiles instead
 # of the header it includes (MLX's wheel does not ship it: MLX hands NVRTC
 # its device headers from memory). Only the parameter types the generated
-# signature uses; our kernels use nothing else of it.
+# signature uses; our kernels use nothing else of it. Their size is MLX's
+# MAX_NDIM, read from the config.h its wheel does ship (the text does not
+# name it: a mismatch would pass arguments the kernel reads wrong).
 MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 PRELUDE = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/array>
+#if __has_include("mlx/backend/cuda/device/config.h")
+#include "mlx/backend/cuda/device/config.h"
+#endif
 #ifndef MAX_NDIM
 #define MAX_NDIM 10
 #endif

@@ -195,10 +195,11 @@ def _build_first(builder: Builder, guard: Guard, shapes: list[Shape], fused_guar
 
     Not our kernels themselves: MLX keeps a custom kernel out of its disk
     cache (it reads one there, but never writes it), so a worker's build
-    of one never reaches this process (`_seed` has ours compiled there). On an H100 the workers built 0
-    modules for a speculative engine's widths 2..5 (46 jobs, 13-44 s spent
-    before its proofs), and 7 for the plain engine's 108: MLX's tiles at
-    9-16 rows, ~27 s each, most of those proofs' 225 s."""
+    of one never reaches this process (`_seed` has ours compiled there).
+    On an H100 the workers built 0 modules for a speculative engine's
+    widths 2..5 (46 jobs, 13-44 s spent before its proofs), and 7 for the
+    plain engine's 108: MLX's tiles at 9-16 rows, ~27 s each, most of
+    those proofs' 225 s."""
     def live(g: Guard | None) -> list:
         return [] if g is None else [c for c in g.candidates
                                      if c.name not in g.dropped and guards.backend_present(c.name)]  # fmt: skip

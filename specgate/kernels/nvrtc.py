@@ -218,10 +218,20 @@ class Nvrtc:
         self.lib.nvrtcGetProgramLog(prog, buf)
         return "\n" + buf.value.decode(errors="replace")[-2000:]
 
-    def compile(self, source: str, name: str, expressions: list[str], arch: str) -> tuple[bytes, bool, dict]:
-        """(code, is_cubin, {expression: lowered name}); `arch` as in
-        device_info ("sm_90"). Options as MLX's (jit_module.cpp: compile)."""
+    def compile(self, source: str, name: str, expressions: list[str], arch: str) -> tuple[bytes, dict]:
+        """(code, {expression: lowered name}); `arch` as in device_info
+        ("sm_90"). Options as MLX's (jit_module.cpp: compile): the device's
+        code (a cubin), else PTX where this NVRTC is older than the device
+        (the driver finishes it)."""
         cc = int(arch.removeprefix("sm_"))
+        suffix = "a" if cc >= 90 else ""
+        try:
+            return self._compile(source, name, expressions, f"sm_{cc}{suffix}", cubin=True)
+        except NvrtcError:
+            return self._compile(source, name, expressions, f"compute_{cc}{suffix}", cubin=False)
+
+    def _compile(self, source: str, name: str, expressions: list[str], target: str,
+                 cubin: bool) -> tuple[bytes, dict]:  # fmt: skip
         lib, c = self.lib, ctypes
         prog = c.c_void_p()
         self._check(lib.nvrtcCreateProgram(c.byref(prog), source.encode(), name.encode(), 0, None, None),
@@ -229,34 +239,22 @@ class Nvrtc:
         try:
             for e in expressions:
                 self._check(lib.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression", prog)
-            suffix = "a" if cc >= 90 else ""
-            for sass in (True, False):
-                target = f"--gpu-architecture={'sm' if sass else 'compute'}_{cc}{suffix}"
-                opts = [b"--device-as-default-execution-space", target.encode(),
-                        *(f"--include-path={p}".encode() for p in self.include_paths)]  # fmt: skip
-                arr = (c.c_char_p * len(opts))(*opts)
-                result = lib.nvrtcCompileProgram(prog, len(opts), arr)
-                if result == 0 or not sass:
-                    break
-                # (an NVRTC older than the device: PTX, which the driver finishes)
-                lib.nvrtcDestroyProgram(c.byref(prog))
-                self._check(lib.nvrtcCreateProgram(c.byref(prog), source.encode(), name.encode(), 0, None,
-                                                   None), "nvrtcCreateProgram")  # fmt: skip
-                for e in expressions:
-                    self._check(lib.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression", prog)
-            self._check(result, "nvrtcCompileProgram", prog)
+            opts = [b"--device-as-default-execution-space", f"--gpu-architecture={target}".encode(),
+                    *(f"--include-path={p}".encode() for p in self.include_paths)]  # fmt: skip
+            arr = (c.c_char_p * len(opts))(*opts)
+            self._check(lib.nvrtcCompileProgram(prog, len(opts), arr), "nvrtcCompileProgram", prog)
             lowered = {}
             for e in expressions:
                 out = c.c_char_p()
                 self._check(lib.nvrtcGetLoweredName(prog, e.encode(), c.byref(out)), "nvrtcGetLoweredName", prog)
                 lowered[e] = out.value.decode()
             size = c.c_size_t()
-            get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if sass else \
+            get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin else \
                 (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)  # fmt: skip
             self._check(get_size(prog, c.byref(size)), "code size", prog)
             buf = c.create_string_buffer(size.value)
             self._check(get(prog, buf), "code", prog)
-            return buf.raw, sass, lowered
+            return buf.raw, lowered
         finally:
             lib.nvrtcDestroyProgram(c.byref(prog))
 
@@ -347,7 +345,7 @@ def seed(compiler: Nvrtc, cache_dir: Path, launch: Launch, arch: str) -> bool:
     text = launch.mlx_text()
     ours = text.replace(MLX_HEADER, PRELUDE, 1)
     name = f"mlx::core::cu::{launch.kernel_name}"
-    code, _, lowered = compiler.compile(ours, module + ".cu", [name], arch)
+    code, lowered = compiler.compile(ours, module + ".cu", [name], arch)
     ptx.parent.mkdir(parents=True, exist_ok=True)
     tmp = f".{os.getpid()}-{threading.get_ident()}.tmp"
     txt = ptx.with_suffix(".txt")

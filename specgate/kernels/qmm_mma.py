@@ -327,17 +327,22 @@ def compact(src: str) -> str:
     return "\n".join(out)
 
 
+def _spec(parts: int) -> tuple[str, list[str], list[str], str]:
+    """(name, input names, output names, source) of the kernel over 1
+    matrix, or 2 / 3 sharing x: what `_kernel` makes and `cuda_launch`
+    describes, from one place (a mismatch would miss MLX's cache)."""
+    if parts == 1:
+        return f"sg_mma1_{VERSION}", ["x", "wq", "scales", "biases"], ["y"], _SOURCE
+    names = ["x"] + [f"{a}{i}" for i in range(parts) for a in ("wq", "s", "b")]
+    return f"sg_mma{parts}_{FUSED_VERSION}", names, [f"y{i}" for i in range(parts)], _FUSED_SOURCES[parts]
+
+
 def _kernel(parts: int = 1):
     """The mx.fast kernel over 1 matrix, or 2 / 3 sharing x; made once."""
     if parts not in _compiled:
-        if parts == 1:
-            names, outs, src, tag = ["x", "wq", "scales", "biases"], ["y"], _SOURCE, VERSION
-        else:
-            names = ["x"] + [f"{a}{i}" for i in range(parts) for a in ("wq", "s", "b")]
-            outs, src, tag = [f"y{i}" for i in range(parts)], _FUSED_SOURCES[parts], FUSED_VERSION
-        _compiled[parts] = mx.fast.cuda_kernel(
-            name=f"sg_mma{parts}_{tag}", input_names=names, output_names=outs,
-            source=compact(src), header=compact(_HEADER))  # fmt: skip
+        name, names, outs, src = _spec(parts)
+        _compiled[parts] = mx.fast.cuda_kernel(name=name, input_names=names, output_names=outs,
+                                               source=compact(src), header=compact(_HEADER))  # fmt: skip
     return _compiled[parts]
 
 
@@ -357,17 +362,12 @@ def cuda_launch(m: int, k: int, ns, dtype, bits: int, group_size: int, sdtype=No
     """The launch at this shape as MLX writes it (kernels/nvrtc.py): the
     single kernel for an int `ns`, the fused one for a tuple of 2 or 3."""
     sdtype = sdtype or dtype
-    if isinstance(ns, int):
-        w, nt = launch_config(m, k, ns, bits)
-        names, outs, src, tag = ["x", "wq", "scales", "biases"], ["y"], _SOURCE, VERSION
-    else:
-        w, nt = launch_config(m, k, sum(ns), bits)
-        names = ["x"] + [f"{a}{i}" for i in range(len(ns)) for a in ("wq", "s", "b")]
-        outs, src, tag = [f"y{i}" for i in range(len(ns))], _FUSED_SOURCES[len(ns)], FUSED_VERSION
     parts = 1 if isinstance(ns, int) else len(ns)
+    w, nt = launch_config(m, k, ns if parts == 1 else sum(ns), bits)
+    name, names, outs, src = _spec(parts)
     # (x's ndim: any above 0 gives the same text; wq uint32, scales and biases sdtype)
     inputs = [(n, dtype if n == "x" else mx.uint32 if n.startswith("wq") else sdtype, 2) for n in names]
-    return nvrtc.launch(f"sg_mma{parts}_{tag}", compact(_HEADER), compact(src), inputs,
+    return nvrtc.launch(name, compact(_HEADER), compact(src), inputs,
                         [(o, dtype) for o in outs], _template(dtype, sdtype, m, bits, group_size, w, nt))  # fmt: skip
 
 

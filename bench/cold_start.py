@@ -33,6 +33,9 @@ other:
   the plain engine's;
 - when the plain engine's batch steps took the kernels (up to --deadline).
 Prints a table of seconds per run and mode, median [min, max] over --reps.
+--json keeps, per run, what says where the time went: MLX's kernel cache's
+module count each 5 s, every module with the second it appeared, and each
+thread's spans of 1 s or more in one place (sampled four times a second).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def child(a) -> dict:
     t0 = time.perf_counter()
     timeline: list[tuple[float, int]] = []  # (s, modules in MLX's kernel cache): who built what when
     threading.Thread(target=watch_cache, args=(t0, timeline), daemon=True).start()
+    spans: list[list] = []  # [thread, where, from s, to s]: what each thread waited in
+    threading.Thread(target=sample_threads, args=(t0, spans), daemon=True).start()
     kernel_wiring.prebuild_forward(model)  # as load_mlx_model does
     loaded = loaded_model(model, vocab)
     plain = PlainEngine(model, vocab, max_concurrent=8, loaded=loaded, wait=False, kernels=a.plain_kernels)
@@ -138,6 +143,8 @@ def child(a) -> dict:
                        for k, v in kernel_wiring.shared_guard(op).verdicts().items()}  # fmt: skip
     out["device"] = str(mx.default_device())
     out["kernel cache timeline"] = timeline[::5]
+    out["thread spans"] = [x for x in spans if x[3] - x[2] >= 1.0]
+    out["modules"] = modules(t0)
     save()
     spec.close()
     plain.close()
@@ -151,6 +158,49 @@ def watch_cache(t0: float, timeline: list) -> None:
     while True:
         timeline.append((round(time.perf_counter() - t0, 1), len(list(ptx.glob("*.ptx")))))
         time.sleep(1.0)
+
+
+def sample_threads(t0: float, spans: list) -> None:
+    """Where each thread of this process is, four times a second, as spans
+    of unchanged place: the innermost frame, and the innermost two of
+    specgate's, mlx-lm's or this bench's. A thread inside a native call (an
+    eval building kernels) shows the Python line that called it."""
+    me = threading.get_ident()
+    ours = ("specgate" + os.sep, "mlx_lm" + os.sep, "bench" + os.sep)
+    last: dict[int, list] = {}
+    while True:
+        now = round(time.perf_counter() - t0, 2)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            stack = []
+            f = frame
+            while f is not None:
+                stack.append(f)
+                f = f.f_back
+            mine = [x for x in stack if any(o in x.f_code.co_filename for o in ours)][:2]
+            where = " < ".join(f"{Path(x.f_code.co_filename).name}:{x.f_code.co_name}:{x.f_lineno}"
+                               for x in [stack[0], *mine])  # fmt: skip
+            span = last.get(ident)
+            if span is not None and span[1] == where:
+                span[3] = now
+            else:
+                span = last[ident] = [names.get(ident, str(ident)), where, now, now]
+                spans.append(span)
+        time.sleep(0.25)
+
+
+def modules(t0: float) -> list:
+    """MLX's kernel cache at the end: each module's name, when (s after t0)
+    its .ptx appeared, and its link count (2: a worker's, handed over)."""
+    ptx = Path(os.environ["MLX_PTX_CACHE_DIR"])
+    now_wall, now = time.time(), time.perf_counter() - t0
+    out = []
+    for p in ptx.glob("*.ptx"):
+        st = p.stat()
+        out.append([p.stem, round(now - (now_wall - st.st_mtime), 1), st.st_nlink])
+    return sorted(out, key=lambda x: x[1])
 
 
 def run_child(a, mode: str, tmp: Path) -> dict:
@@ -172,7 +222,8 @@ def run_child(a, mode: str, tmp: Path) -> dict:
     out = json.loads(result.read_text())
     if rc != 0:
         out["incomplete"] = f"exit {rc}"
-    brief = {k: v for k, v in out.items() if k not in ("verdicts", "kernel cache timeline")}
+    brief = {k: v for k, v in out.items()
+             if k not in ("verdicts", "kernel cache timeline", "thread spans", "modules")}  # fmt: skip
     print(f"[{mode}] {json.dumps(brief)} ({time.perf_counter() - t:.0f} s)", flush=True)
     return out
 

@@ -38,6 +38,9 @@ def test_a_tile_is_ready_once_built_or_once_the_builds_finished():
     finished = threading.Event()
     watch = TileWatch(lambda: built, finished)
     assert not watch.ready(100, mx.float16, 4, 64)
+    # Our compiles' groups name a module, not a tile (the first H100 run with both
+    # failed every prompt on this: "'>' not supported between 'int' and 'str'").
+    built.add(("ours", "cuda_qmm_mma_4a6f"))
     built.add(("qmm", 2048, "float16", 4, 64))  # another range
     built.add(("qmm", 128, "bfloat16", 4, 64))  # another dtype
     built.add(("qmm", 128, "float16", 8, 64))  # other bits

@@ -74,7 +74,9 @@ class TileWatch:
     where it is called, as without workers)."""
 
     def __init__(self, built, finished: threading.Event):
-        self._built = built  # () -> set of (op, rows, dtype name, bits, group size)
+        # () -> the builder's groups: (op, rows, dtype name, bits, group size) for MLX's
+        # builds, ("ours", module name) for our compiles, which say nothing of a tile.
+        self._built = built
         self._finished = finished
         self._ready: set[tuple] = set()
 
@@ -82,7 +84,7 @@ class TileWatch:
         key = (row_range(rows), dtype_name(dtype), bits, group_size)
         if key in self._ready or self._finished.is_set():
             return True
-        if any((row_range(g[1]), *g[2:]) == key for g in self._built()):
+        if any(len(g) == 5 and (row_range(g[1]), *g[2:]) == key for g in self._built()):
             self._ready.add(key)
             return True
         return False

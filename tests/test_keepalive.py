@@ -295,3 +295,68 @@ def test_the_wait_for_a_first_piece_counts_from_the_request_s_arrival():
     assert 0.9 < asyncio.run(waited(0.0, 1.0)) < 1.5  # nothing spent before: the whole period
     assert asyncio.run(waited(0.8, 1.0)) < 0.7  # 0.8 s spent: what is left (0.25 s at least)
     assert asyncio.run(waited(5.0, 1.0)) >= MIN_PATIENCE_S - 0.05
+
+
+def test_message_start_reports_the_cache_reads_of_a_slow_prompt(server):
+    """message_start carries the prompt's usage, and its cache reads are
+    known once the engine looked the prompt up, not once the first token
+    came: a cached system prompt before a long new message (its prefill
+    outlasts the patience before the response starts) still reads as
+    cached there. Before, message_start went out at the patience's end
+    with 0 cache reads (ci15's flake in test_prefix_cache_gateway, a loaded
+    machine's slow first token), and message_delta had no input counts."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    system = long_text("six")
+    c.messages.create(model="tiny", max_tokens=1, system=system,
+                      messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    t0 = time.monotonic()
+    with c.messages.stream(model="tiny", max_tokens=2, system=system,
+                           messages=[{"role": "user", "content": long_text("seven")}]) as s:  # fmt: skip
+        start = first = delta = None
+        for event in s:
+            if event.type == "message_start":
+                start = event.message.usage
+            elif event.type == "message_delta":
+                delta = event.usage  # cumulative, as Anthropic's: the input counts too
+            elif event.type == "content_block_delta" and first is None:
+                first = time.monotonic() - t0
+        final = s.get_final_message().usage
+    # The new message's prefill outlasted the patience (or this shows nothing).
+    assert first is not None and first > 2 * PERIOD_S, first
+    assert start.cache_read_input_tokens > PROMPT_TOKENS // 2, start
+    assert (start.input_tokens, start.cache_read_input_tokens) == \
+        (delta.input_tokens, delta.cache_read_input_tokens) == \
+        (final.input_tokens, final.cache_read_input_tokens)  # fmt: skip
+    assert final.input_tokens > PROMPT_TOKENS // 2  # the new message's, prefilled
+
+
+def test_waiting_for_a_first_piece_stops_once_its_condition_holds():
+    """FirstPiece.waiting(until=...): Anthropic's stream waits so for the
+    prompt's lookup before message_start, yielding a keep-alive at once and
+    then each period, and stops when the condition holds though the piece
+    has not come."""
+    import asyncio
+
+    from specgate.gateway.api.chat import FirstPiece
+
+    async def body() -> int:
+        never = asyncio.Event()
+
+        async def pieces():
+            await never.wait()
+            yield None
+
+        it = pieces()
+        start = FirstPiece(asyncio.ensure_future(anext(it)), it)
+        looked_up = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, looked_up.set)
+        yields = 0
+        async for _ in start.waiting(3600.0, until=looked_up.is_set):
+            yields += 1
+        assert not start.done
+        await start.close()
+        return yields
+
+    assert asyncio.run(asyncio.wait_for(body(), 60)) == 1  # at once; the hour's next never came

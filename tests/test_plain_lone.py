@@ -107,8 +107,8 @@ def test_a_request_arriving_mid_prefill_takes_the_rest_of_the_prompt_into_the_ba
     async def body(engine):
         it = aiter(engine.generate(request("long", long, 25)))
         progress = []
-        while not progress:  # its prompt is being fed, chunk by chunk
-            if isinstance(event := await anext(it), PrefillProgress):
+        while not progress or progress[-1].processed == 0:  # its prompt is being fed, chunk by chunk
+            if isinstance(event := await anext(it), PrefillProgress):  # (the first: its lookup)
                 progress.append(event)
         # Holding the model's lock parks the worker before its next chunk,
         # so the second request is queued while chunks of the first remain.

@@ -286,10 +286,13 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class PrefillProgress:
-    """How far a request's prompt is in the cache, sent between prefill
-    chunks before its first token: a long prompt's stream then tells the
-    client it is alive, and how far along (gateway/api/chat.py). Engines
-    that prefill in one piece send none."""
+    """How far a request's prompt is in the cache, sent before its first
+    token: once the prompt was looked up in the prefix cache (`processed`
+    then counts what the lookup served: the usage's cache reads are known
+    from here, and an Anthropic stream's message_start reports them), and
+    between prefill chunks, so that a long prompt's stream tells the client
+    it is alive, and how far along (gateway/api/chat.py). Engines that
+    prefill in one piece and keep no prefix cache send none."""
 
     processed: int  # prompt tokens in the cache, cached ones included
     total: int  # the prompt's tokens

@@ -458,6 +458,7 @@ class MLXPlainEngine(WorkerEngine):
             # end, where _store_prompt_caches keeps the cache.
             cuts = [fed, *(p for p in self._prefix_cache.snapshot_points(request, hit.cached) if p > fed)]
             rest = [prompt[a:b] for a, b in zip(cuts, [*cuts[1:], len(prompt)], strict=True)]
+            slot.post(PrefillProgress(fed, len(prompt), slot.cached_tokens))  # the lookup's outcome
         sampling = request.sampling
         # Where its first sampled token goes: after everything it is fed.
         position = len(resume.tokens) if resume is not None else len(prompt)

@@ -120,6 +120,8 @@ class _Joining:
         self.stream = _Stream(job, decoder, detok, self.cached)
         self.step: Step | None = None
         self.fed, self.total = self.cached, len(request.prompt_tokens)
+        if not resume:  # the lookup's outcome, before the first chunk (PrefillProgress)
+            job.post(PrefillProgress(self.cached, self.total, self.cached))
         self.points = [] if resume else prefix.snapshot_points(request, self.cached)
         self._chunks = None if resume else decoder.prefill_chunks(self.points)
 

@@ -24,7 +24,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specgate.gateway.api import structured
 from specgate.gateway.api.anthropic_schema import CountTokensRequest, MessagesRequest
-from specgate.gateway.api.chat import ClientGone, first_piece, render_chat, until_disconnect
+from specgate.gateway.api.chat import (
+    ClientGone,
+    first_piece,
+    keepalive_comment,
+    render_chat,
+    until_disconnect,
+)
 from specgate.gateway.api.thinking import OutputStream, Thought, sign
 from specgate.gateway.api.tools import ToolCall
 from specgate.gateway.errors import APIError
@@ -263,15 +269,23 @@ async def messages(body: MessagesRequest, request: Request):
         return Response(status_code=499)
 
     async def events():
-        opening = head | {
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": _usage(usage) | {"output_tokens": 0},
-        }
-        yield _sse({"type": "message_start", "message": opening})
-        blocks = _Blocks()
         try:
+            # message_start comes first and carries the prompt's usage, whose
+            # cache reads are known once the engine looked the prompt up (its
+            # first PrefillProgress); a prompt waiting for that (queued, or the
+            # engine busy) keeps the connection alive with SSE comments, which
+            # every client skips, where an event before message_start would break
+            # Anthropic's order.
+            async for _ in start.waiting(keepalive_s, until=lambda: usage.prefill is not None):
+                yield keepalive_comment(usage)
+            opening = head | {
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": _usage(usage) | {"output_tokens": 0},
+            }
+            yield _sse({"type": "message_start", "message": opening})
+            blocks = _Blocks()
             async for _ in start.waiting(keepalive_s):
                 yield _sse({"type": "ping"})  # Anthropic's own keep-alive event
             output = _output(_prepend(start.piece(), pieces), chat.output_stream(), outcome)
@@ -286,8 +300,9 @@ async def messages(body: MessagesRequest, request: Request):
                     yield b"".join(_sse(e) for e in out)
             delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
             out = blocks.close() + [
+                # Cumulative, as Anthropic's own: its input counts too.
                 {"type": "message_delta", "delta": delta,
-                 "usage": {"output_tokens": usage.completion_tokens}},
+                 "usage": _usage(usage) | {"output_tokens": usage.completion_tokens}},
                 {"type": "message_stop"},
             ]  # fmt: skip
             yield b"".join(_sse(e) for e in out)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -91,12 +91,19 @@ class FirstPiece:
     def __init__(self, task: asyncio.Future, pieces: AsyncIterator[Piece]):
         self._task, self._pieces = task, pieces
 
-    async def waiting(self, every_s: float) -> AsyncIterator[None]:
+    async def waiting(self, every_s: float, until: Callable[[], bool] | None = None,
+                      ) -> AsyncIterator[None]:  # fmt: skip
         """While the first piece is not there: at once (the response starts
-        only after `patience_s` of silence), then every `every_s` seconds."""
-        while not self._task.done():
-            yield
-            await asyncio.wait({self._task}, timeout=every_s)
+        only after `patience_s` of silence), then every `every_s` seconds.
+        With `until`, it also stops once that holds (looked at every 50 ms)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while not self._task.done() and not (until is not None and until()):
+            if loop.time() >= due:
+                yield
+                due = loop.time() + every_s
+            wait = due - loop.time() if until is None else min(UNTIL_POLL_S, due - loop.time())
+            await asyncio.wait({self._task}, timeout=max(0.0, wait))
 
     @property
     def done(self) -> bool:
@@ -116,6 +123,9 @@ class FirstPiece:
             await asyncio.wait({self._task})
         await self._pieces.aclose()
 
+
+# How often FirstPiece.waiting looks at its `until` (a flag another task sets).
+UNTIL_POLL_S = 0.05
 
 # The least a stream waits for its first piece before its response starts,
 # however long the request took to get there: an overload or an engine

@@ -187,7 +187,7 @@ async def _prefill_progress(start: FirstPiece, usage: Usage, keepalive_s: float,
     sent = None
     async for _ in start.waiting(min(keepalive_s, PROGRESS_EVERY_S)):
         now, p = time.monotonic(), usage.prefill
-        if p is not None and p != sent:
+        if p is not None and p != sent and p.processed:  # (0: looked up, nothing in the cache yet)
             sent, quiet_since = p, now
             yield _sse(base | {"choices": [], "prompt_progress": {
                 "total": p.total, "cache": p.cached, "processed": p.processed,

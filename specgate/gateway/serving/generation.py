@@ -395,6 +395,15 @@ async def run(
         work.charge(key, usage.prompt_tokens)
         principal.usage.count_tokens(time.monotonic(), usage.prompt_tokens)
         metrics.key_prompt_tokens(key, usage.prompt_tokens)
+
+        def from_cache(tokens: int) -> None:
+            # The engine's lookup served `tokens` of the prompt (its first
+            # PrefillProgress or first TokenEvent says so): counted once.
+            if tokens and not usage.cached_tokens:
+                work.charge(key, -tokens)
+                record.cached_tokens += tokens
+                usage.cached_tokens = tokens
+
         first = served.engines.get(request.plan.engine)
         if first is None:  # unloaded by an admin while this request waited
             raise APIError(503, f"model '{served.id}' was unloaded by an admin",
@@ -414,6 +423,7 @@ async def run(
                         continue
                     if isinstance(event, PrefillProgress):
                         usage.prefill = event
+                        from_cache(event.cached)
                         continue
                     now = time.perf_counter()
                     if ttft is None:
@@ -426,11 +436,8 @@ async def run(
                         last_token_at = now
                     usage.completion_tokens += len(event.token_ids)
                     live.generated = usage.completion_tokens
-                    if event.cached_tokens and not usage.cached_tokens:
-                        work.charge(key, -event.cached_tokens)  # served from the prefix cache
-                        record.cached_tokens += event.cached_tokens
+                    from_cache(event.cached_tokens)
                     work.charge(key, len(event.token_ids))
-                    usage.cached_tokens = event.cached_tokens or usage.cached_tokens
                     text = matcher.feed(event.text)
                     if matcher.stopped:
                         status = "ok"

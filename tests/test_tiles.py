@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from specgate.kernels import hook, tiles
+from specgate.engines import kernel_wiring
+from specgate.kernels import hook, tiles, wiring
 from specgate.kernels.prebuild import Builder, Job
 from specgate.kernels.tiles import TileWatch, row_range
 
@@ -119,4 +120,43 @@ def test_a_real_builder_s_finished_job_readies_its_tile(tmp_path):
     report = b.build([Job("qmm", "stock", (256, 256, 512, "bfloat16", 4, 64))])
     assert report.built == 1
     assert watch.ready(200, mx.bfloat16, 4, 64) and not watch.ready(20, mx.bfloat16, 4, 64)
+    b.close()
+
+
+class _Recording(Builder):
+    """A real builder that records the jobs each build call was given (instrumentation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.given: list[list[tuple]] = []
+
+    def build(self, jobs, **kwargs):
+        self.given.append(sorted(j.shape for j in jobs))
+        return super().build(jobs, **kwargs)
+
+
+def _quantized(*dims: tuple[int, int]) -> nn.Module:
+    model = nn.Sequential(*(nn.Linear(k, n) for k, n in dims))
+    nn.quantize(model, group_size=64, bits=4)
+    return model
+
+
+def test_a_head_beside_its_trunk_queues_only_its_own_shapes(tmp_path, monkeypatch):
+    """prebuild_forward on an MTP head after its trunk: the shapes they
+    share are queued once, and the head's watch waits for the trunk's
+    builds of them as well as its own."""
+    b = _Recording(tmp_path, 1, idle_s=0.5)
+    monkeypatch.setattr(kernel_wiring, "builder", lambda: b)  # (a CPU has none: a real one here)
+    trunk, head = _quantized((256, 384), (384, 256)), _quantized((256, 384), (512, 256))
+    threads = [kernel_wiring.prebuild_forward(trunk), kernel_wiring.prebuild_forward(head)]
+    assert kernel_wiring.prebuild_forward(_quantized((384, 256))) is None  # nothing new: no build
+    for t in threads:
+        t.join(300)
+    rows = len(wiring.forward_jobs(_quantized((256, 384))))
+    assert [len(g) for g in b.given] == [2 * rows, rows]
+    assert {shape[1:3] for shape in b.given[1]} == {(512, 256)}
+    trunk_watch, head_watch = (m.layers[0].__dict__["_specgate_tiles"] for m in (trunk, head))
+    assert len(trunk_watch._finished) == 1 and len(head_watch._finished) == 2
+    assert set(trunk_watch._finished) < set(head_watch._finished)
+    assert all(e.is_set() for e in head_watch._finished)
     b.close()

@@ -11,6 +11,7 @@ import atexit
 import functools
 import logging
 import threading
+import weakref
 
 import mlx.core as mx
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 build_workers: int | None = None
 _builder: Builder | None = None
 _builder_lock = threading.Lock()
+# Per builder, each prompt-tile job handed to it, (op, shape), with the
+# event its batch sets when done: a second module with some of the same
+# shapes (an MTP head beside its trunk) watches those builds, not new ones.
+_prompt_jobs: weakref.WeakKeyDictionary[Builder, dict[tuple, threading.Event]] = weakref.WeakKeyDictionary()
 
 
 def builder() -> Builder | None:
@@ -50,14 +55,21 @@ def prebuild_forward(model) -> threading.Thread | None:
     """MLX's own quantized matmuls at `model`'s prompt-chunk shapes, built
     side by side in the background (wiring.forward_jobs); meanwhile a
     product whose tile is not built yet is computed without it
-    (kernels/tiles.py), so no prompt waits for a build. None where there
-    is no builder."""
+    (kernels/tiles.py), so no prompt waits for a build. Shapes another
+    module's call queued already are not queued again. None where there is
+    no builder or nothing new to build."""
     b = builder()
-    jobs = wiring.forward_jobs(model) if b is not None else []
-    if not jobs:
+    every = wiring.forward_jobs(model) if b is not None else []
+    if not every:
         return None
     finished = threading.Event()
-    hook.watch_tiles(model, TileWatch(b.built_groups, finished))
+    with _builder_lock:
+        queued = _prompt_jobs.setdefault(b, {})
+        batches = [queued.setdefault((j.op, j.shape), finished) for j in every]
+    hook.watch_tiles(model, TileWatch(b.built_groups, list({id(e): e for e in batches}.values())))
+    jobs = [j for j, batch in zip(every, batches, strict=True) if batch is finished]
+    if not jobs:
+        return None
 
     def run():
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -73,16 +74,18 @@ class TileWatch:
     every one once the builds are `finished` (then MLX builds what is left
     where it is called, as without workers)."""
 
-    def __init__(self, built, finished: threading.Event):
+    def __init__(self, built, finished: threading.Event | Iterable[threading.Event]):
         # () -> the builder's groups: (op, rows, dtype name, bits, group size) for MLX's
         # builds, ("ours", module name) for our compiles, which say nothing of a tile.
         self._built = built
-        self._finished = finished
+        # Every build batch its tiles are in (one event, or several where
+        # another module's prebuild queued some of them first).
+        self._finished = (finished,) if isinstance(finished, threading.Event) else tuple(finished)
         self._ready: set[tuple] = set()
 
     def ready(self, rows: int, dtype: mx.Dtype, bits: int, group_size: int) -> bool:
         key = (row_range(rows), dtype_name(dtype), bits, group_size)
-        if key in self._ready or self._finished.is_set():
+        if key in self._ready or all(e.is_set() for e in self._finished):
             return True
         if any(len(g) == 5 and (row_range(g[1]), *g[2:]) == key for g in self._built()):
             self._ready.add(key)

@@ -30,7 +30,9 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
+from specgate.engines import kernel_wiring
 from specgate.engines.base import (
     EngineError,
     EngineOverloaded,
@@ -190,6 +192,12 @@ class SpecEngine(WorkerEngine):
         self.target = target_for(loaded.model)
         self.drafting = drafting(loaded, self.target, drafter, settings)
         self.method: Method = self.drafting.method
+        # On CUDA, MLX's prompt tiles at the drafter's own shapes (the MTP
+        # head's prefill runs every prompt row through it), built side by
+        # side as loading builds the target's; no prompt waits for them.
+        for module in {id(m): m for m in (self.drafting.kernel_module, self.drafting.weights)
+                       if isinstance(m, nn.Module)}.values():  # fmt: skip
+            kernel_wiring.prebuild_forward(module)
         self.max_drafts = self.drafting.max_drafts
         self.kernels_setting = kernels
         # Greedy MTP rounds queued one ahead (mlx_spec/ahead.py) where a GPU

@@ -142,6 +142,55 @@ def test_compiled_rounds_give_the_same_rounds_across_buffer_growth(trunk):
         assert all(c.offset == len(dec.tokens) - 1 for c in dec.cache)
 
 
+class _Counted(CompiledRounds):
+    """The compiled rounds, counting the rounds that ran uncompiled while
+    their kernels were built (instrumentation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.uncompiled: list[int] = []
+
+    def __call__(self, k, *args, **kwargs):
+        r = super().__call__(k, *args, **kwargs)
+        if r is None:
+            self.uncompiled.append(k)
+        return r
+
+
+def test_rounds_run_uncompiled_while_their_kernels_are_built_then_compiled(trunk):
+    """warm_first (the engine's on a GPU): a depth's first rounds run
+    uncompiled while a thread builds its trace's kernels, under the given
+    lock; then that depth's rounds are compiled. Every token is plain
+    greedy's and every round the same as rounds built in Python."""
+    model, args = trunk
+    mtp = head(args, 0.25)
+    traced = []
+
+    class Lock:  # the engine's model lock, as the warm-up takes it (instrumentation)
+        def __enter__(self):
+            traced.append(threading.current_thread().name)
+
+        def __exit__(self, *exc):
+            return False
+
+    rounds = _Counted(target_for(model), mtp, warm_first=True, warm_lock=Lock())
+    prompt = [(i * 13 + 5) % V for i in range(40)]
+    depths = (4, 4, 2, 3, 4)
+    want, margins = greedy_reference(model, prompt, 120)
+    got, got_rounds, _, _ = decode(model, mtp, depths, 120, rounds=rounds, prompt=prompt)
+    ref, ref_rounds, _, _ = decode(model, mtp, depths, 120, prompt=prompt)
+    assert_same_greedy(got, want, margins)
+    assert got == ref and [r.accepted for r in got_rounds] == [r.accepted for r in ref_rounds]
+    assert rounds.wait_built(300)
+    assert set(rounds.uncompiled) == {2, 3, 4}  # each depth's first, at least
+    assert sorted(n.split()[-1] for n in traced) == ["2", "3", "4"]  # one warm-up each, under the lock
+    # Built: the next request's rounds are all compiled, and still exact.
+    rounds.uncompiled.clear()
+    again, _, _, _ = decode(model, mtp, depths, 120, rounds=rounds, prompt=prompt)
+    assert again == ref and not rounds.uncompiled
+    assert {key[0] for key in rounds._compiled} == {2, 3, 4}
+
+
 def test_depth_zero_and_cuts_hand_back_to_the_decoder_exactly(trunk):
     model, args = trunk
     mtp = head(args, 0.25)

@@ -160,9 +160,8 @@ class AheadDecoder(SpecDecoder):
         t0 = time.perf_counter()
         args = (k, self._pairs, self._hidden, self._standing, self._last, trunk, heads)
         hook_inputs = self._hook_inputs(k, None if self._queued is None else self._queued.accepted)
-        if self.rounds is not None and compilable(trunk, heads):
-            r = self.rounds(*args, hook_inputs)
-        else:
+        r = self.rounds(*args, hook_inputs) if self.rounds is not None and compilable(trunk, heads) else None
+        if r is None:  # (None from the compiled rounds: its kernels are being built)
             r = round_graph(self.target, self.proposer.head, *args, self.rounds_hook, hook_inputs)
         self._pairs, self._hidden, self._standing, self._last = r.pairs, r.hidden, r.accepted + 1, r.bonus
         mx.async_eval(r.drafts, r.accepted, r.bonus, r.pairs, [c.state for c in trunk],

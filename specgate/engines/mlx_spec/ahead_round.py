@@ -18,11 +18,24 @@ cache's `bound`, as DeviceOffsetKV's own writes would.
 
 Exactness: the compiled round computes the same graph as `round_graph`
 (tests/test_ahead.py runs both against plain greedy decoding).
+
+Built before it is used (`warm_first`, the engine's on a GPU): MLX builds a
+compiled graph's fused kernels at its first evaluation, with NVRTC on CUDA,
+one at a time in a process; a fresh H100's first MTP round waited ~70 s for
+them. So the first call of a trace runs the round uncompiled (the same
+graph, from Python, on kernels MLX ships built) and starts a thread that
+traces the same function, compiled anew, on zeros of the round's shapes,
+on a stream of its own, and evaluates it: MLX keeps a built module for the
+process by its name, which its text decides, so the engine's own trace
+finds every kernel built. The rounds are compiled from then on.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,6 +43,7 @@ import mlx.core as mx
 from specgate.engines.forwards.kv_buffer import DeviceOffsetKV
 from specgate.kernels import tiles
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class RoundOut:
@@ -90,15 +104,25 @@ def compilable(trunk: list, head_cache: list) -> bool:
 
 class CompiledRounds:
     """`round_graph` compiled, for one target and MTP head (one per engine:
-    the traces serve every request)."""
+    the traces serve every request). warm_first: a trace's kernels are built
+    in the background before it is used (the module's docstring); meanwhile
+    `__call__` returns None and the caller runs `round_graph`. warm_lock:
+    held while the background thread traces (the engine's model lock: the
+    trace calls the same modules its rounds do)."""
 
-    def __init__(self, target, head, hook: DraftsHook | None = None):
+    def __init__(self, target, head, hook: DraftsHook | None = None, *, warm_first: bool = False,
+                 warm_lock: AbstractContextManager | None = None):  # fmt: skip
         self.target, self.head, self.hook = target, head, hook
         self._compiled: dict[tuple, object] = {}
+        self.warm_first, self._warm_lock = warm_first, warm_lock or nullcontext()
+        self._built: set[tuple] = set()  # keys whose kernels are built (or whose warm-up failed)
+        self._warming: dict[tuple, threading.Thread] = {}
 
-    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int):
+    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int, fresh: bool = False):
+        """The compiled round for this key; `fresh`: a new compiled function
+        (a warm-up's: its trace and stream apart from the engine's)."""
         key = (k, kernels, n_trunk, n_hook)
-        if key not in self._compiled:
+        if key not in self._compiled or fresh:
             target, head, hook = self.target, self.head, self.hook
 
             def one_round(pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
@@ -112,22 +136,61 @@ class CompiledRounds:
                 return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
                         heads[0].offset, *[a for c in (*trunk, *heads) for a in (c.keys, c.values)])  # fmt: skip
 
+            if fresh:
+                return mx.compile(one_round)
             self._compiled[key] = mx.compile(one_round)
         return self._compiled[key]
 
     def __call__(self, k: int, pairs: mx.array, hidden: mx.array, standing: mx.array,
-                 last: mx.array, trunk: list, head_cache: list, hook_inputs: tuple = ()) -> RoundOut:  # fmt: skip
+                 last: mx.array, trunk: list, head_cache: list, hook_inputs: tuple = ()) -> RoundOut | None:  # fmt: skip
+        """The round, compiled; None where its kernels are still being built
+        (warm_first): the caller runs `round_graph`."""
         head_rows = make_room(trunk, head_cache, k, pairs.shape[1])
-        fn = self._function(k, bool(self.target.kernels), len(trunk), len(hook_inputs))
+        key = (k, bool(self.target.kernels), len(trunk), len(hook_inputs))
         # One offset for the trunk's caches and one for the head's: each
         # group is written and kept alike, so their offsets are equal, and
         # one input each lets the trace merge every layer's identical offset
         # arithmetic (its rows, its keep) into one launch instead of one a layer.
-        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
-            pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset, *hook_inputs,
-            *buffers_of(trunk, head_cache))  # fmt: skip
+        inputs = (pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset, *hook_inputs,
+                  *buffers_of(trunk, head_cache))  # fmt: skip
+        if self.warm_first and key not in self._built:
+            self._warm(key, inputs)
+            return None
+        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = \
+            self._function(*key)(*inputs)  # fmt: skip
         took_back(trunk, head_cache, buffers, trunk_offset, head_offset, k, head_rows)
         return RoundOut(drafts, accepted, bonus, pairs, hidden)
+
+    def _warm(self, key: tuple, inputs: tuple) -> None:
+        """Build `key`'s kernels in a thread (once): its own compiled
+        function, traced on zeros shaped as `inputs` (`standing` 1: a
+        round's pairs stand at least that), evaluated on a stream of its own."""
+        if key in self._warming:
+            return
+        shapes = [(a.shape, a.dtype) for a in inputs]
+
+        def run() -> None:
+            try:
+                with mx.stream(mx.new_stream(mx.default_device())):
+                    dummies = [mx.zeros(s, d) for s, d in shapes]
+                    dummies[2] = mx.ones_like(dummies[2])
+                    with self._warm_lock:  # (the trace runs the modules' Python)
+                        outs = self._function(*key, fresh=True)(*dummies)
+                    mx.eval(outs)
+            except Exception as e:  # the engine's own trace then builds them, as without this
+                log.warning("compiled MTP round %s: building its kernels ahead failed (%s: %s)", key,
+                            type(e).__name__, e)  # fmt: skip
+            self._built.add(key)
+
+        thread = self._warming[key] = threading.Thread(target=run, daemon=True,
+                                                        name=f"mtp-round-warm {key[0]}")  # fmt: skip
+        thread.start()
+
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Whether every warm-up started has ended, waiting up to `timeout`."""
+        for thread in list(self._warming.values()):
+            thread.join(timeout)
+        return all(not t.is_alive() for t in self._warming.values())
 
 
 def make_room(trunk: list, head_cache: list, k: int, pairs: int) -> int:

@@ -271,7 +271,10 @@ class SpecEngine(WorkerEngine):
         if not (self.ahead and AheadDecoder.fits(self.target, proposer, request, grammar)):
             return SpecDecoder(*args, grammar=grammar, vision=vision)
         if self.compiled_rounds and self._rounds is None:  # the engine's head: one for every request
-            self._rounds = CompiledRounds(self.target, proposer.head)
+            # (its kernels built in the background: a GPU's first round
+            # would wait for MLX's in-process builds; ahead_round.py)
+            self._rounds = CompiledRounds(self.target, proposer.head, warm_first=True,
+                                          warm_lock=self.loaded.lock)  # fmt: skip
         return AheadDecoder(*args, grammar=grammar, vision=vision,
                             rounds=self._rounds if self.compiled_rounds else None)  # fmt: skip
 

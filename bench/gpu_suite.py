@@ -315,9 +315,11 @@ class OracleSpecEngine(Driven):
         super().__init__(Engine("suite", loaded or loaded_model(model, vocab), name="mlx_mtp",
                                 drafting=drafting, max_context=32768,
                                 settings=MTPSettings(depth=max_depth)))  # fmt: skip
-        # The engine's compiled rounds (alone and batched), with the oracle's hook.
+        # The engine's compiled rounds (alone and batched), with the oracle's
+        # hook; alone, built in the background first, as the engine's own.
         e = self.engine
-        e._rounds = CompiledRounds(e.target, head, oracle_hook(vocab))
+        e._rounds = CompiledRounds(e.target, head, oracle_hook(vocab), warm_first=True,
+                                   warm_lock=e.loaded.lock)  # fmt: skip
         e._batch_rounds = CompiledBatchRounds(e.target, head, oracle_hook(vocab))
 
     def request(self, rid: str, prompt: list[int], n: int):

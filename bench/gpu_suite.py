@@ -320,7 +320,8 @@ class OracleSpecEngine(Driven):
         e = self.engine
         e._rounds = CompiledRounds(e.target, head, oracle_hook(vocab), warm_first=True,
                                    warm_lock=e.loaded.lock)  # fmt: skip
-        e._batch_rounds = CompiledBatchRounds(e.target, head, oracle_hook(vocab))
+        e._batch_rounds = CompiledBatchRounds(e.target, head, oracle_hook(vocab), warm_first=True,
+                                              warm_lock=e.loaded.lock)  # fmt: skip
 
     def request(self, rid: str, prompt: list[int], n: int):
         from specgate.engines.base import GenerationRequest, Plan, SamplingParams

@@ -181,9 +181,11 @@ def test_rounds_run_uncompiled_while_their_kernels_are_built_then_compiled(trunk
     ref, ref_rounds, _, _ = decode(model, mtp, depths, 120, prompt=prompt)
     assert_same_greedy(got, want, margins)
     assert got == ref and [r.accepted for r in got_rounds] == [r.accepted for r in ref_rounds]
-    assert rounds.wait_built(300)
+    assert rounds.built_first.wait(300)
     assert set(rounds.uncompiled) == {2, 3, 4}  # each depth's first, at least
-    assert sorted(n.split()[-1] for n in traced) == ["2", "3", "4"]  # one warm-up each, under the lock
+    # One build per depth, each traced under the lock on its own thread.
+    assert sorted(key[0] for key in rounds.built_first._threads) == [2, 3, 4]
+    assert len(traced) == 3 and all(name.startswith("round-build") for name in traced)
     # Built: the next request's rounds are all compiled, and still exact.
     rounds.uncompiled.clear()
     again, _, _, _ = decode(model, mtp, depths, 120, rounds=rounds, prompt=prompt)

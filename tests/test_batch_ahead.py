@@ -111,12 +111,16 @@ def test_batched_rounds_run_ahead_and_each_stream_decodes_as_plain_greedy(trunk,
         assert {0, 4} <= {a for a, _ in every} and any(0 < a < d for a, d in every)  # mixed verdicts
 
 
-def test_compiled_batched_rounds_give_the_same_rounds_across_buffer_growth(trunk):  # noqa: F811
+@pytest.mark.parametrize("warm_first", [False, True])
+def test_compiled_batched_rounds_give_the_same_rounds_across_buffer_growth(trunk, warm_first):  # noqa: F811
     """CompiledBatchRounds: the same tokens and accepted counts as batched
     rounds built in Python, with streams whose caches grow past 256
     columns (new traces), depths that change, joins, leaves and ends. The
     head's attention is switched on (its output projection random), so
-    its drafts read its own cache: a wrong offset or row shows."""
+    its drafts read its own cache: a wrong offset or row shows. warm_first
+    (the engine's on a GPU): a shape's rounds run uncompiled until a thread
+    built its kernels, then compiled; a second run of the same batches is
+    compiled throughout, and still the same."""
     model, args = trunk
     mtp = bigram_head(args, 0.25)
     o_proj = mtp.layers[0].self_attn.o_proj
@@ -125,10 +129,17 @@ def test_compiled_batched_rounds_give_the_same_rounds_across_buffer_growth(trunk
     vocab = model.args.vocab_size
     prompts = {f"s{i}": [rng.randrange(vocab) for _ in range(n)] for i, n in enumerate((120, 30, 200, 9))}
     lengths = {"s0": 150, "s1": 90, "s2": 80, "s3": 60}
-    rounds = CompiledBatchRounds(target_for(model), mtp)
+    rounds = CompiledBatchRounds(target_for(model), mtp, warm_first=warm_first)
     got, counts, ran_ahead = run(model, mtp, prompts, lengths, True, rounds=rounds)
     ref, ref_counts, _ = run(model, mtp, prompts, lengths, True)
     assert got == ref and counts == ref_counts
+    if warm_first:
+        assert rounds.built_first.wait(300)
+        built = set(rounds.built_first._threads)
+        assert len(built) >= 4  # (depth, batch) shapes
+        again, again_counts, _ = run(model, mtp, prompts, lengths, True, rounds=rounds)
+        assert again == ref and again_counts == ref_counts
+        assert set(rounds.built_first._threads) == built  # no new shape: every round compiled
     assert ran_ahead >= 30 and len(rounds._compiled) >= 4  # (depth, batch) shapes traced
     for key, prompt in prompts.items():
         want, margins = greedy_reference(model, prompt, lengths[key])

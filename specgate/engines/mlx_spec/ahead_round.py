@@ -114,9 +114,7 @@ class CompiledRounds:
                  warm_lock: AbstractContextManager | None = None):  # fmt: skip
         self.target, self.head, self.hook = target, head, hook
         self._compiled: dict[tuple, object] = {}
-        self.warm_first, self._warm_lock = warm_first, warm_lock or nullcontext()
-        self._built: set[tuple] = set()  # keys whose kernels are built (or whose warm-up failed)
-        self._warming: dict[tuple, threading.Thread] = {}
+        self.built_first = BuiltFirst(warm_lock) if warm_first else None
 
     def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int, fresh: bool = False):
         """The compiled round for this key; `fresh`: a new compiled function
@@ -153,44 +151,55 @@ class CompiledRounds:
         # arithmetic (its rows, its keep) into one launch instead of one a layer.
         inputs = (pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset, *hook_inputs,
                   *buffers_of(trunk, head_cache))  # fmt: skip
-        if self.warm_first and key not in self._built:
-            self._warm(key, inputs)
+        if self.built_first is not None and not self.built_first.ready(
+                key, lambda: self._function(*key, fresh=True), inputs, ones=(2,)):  # (2: standing)
             return None
         drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = \
             self._function(*key)(*inputs)  # fmt: skip
         took_back(trunk, head_cache, buffers, trunk_offset, head_offset, k, head_rows)
         return RoundOut(drafts, accepted, bonus, pairs, hidden)
 
-    def _warm(self, key: tuple, inputs: tuple) -> None:
-        """Build `key`'s kernels in a thread (once): its own compiled
-        function, traced on zeros shaped as `inputs` (`standing` 1: a
-        round's pairs stand at least that), evaluated on a stream of its own."""
-        if key in self._warming:
-            return
-        shapes = [(a.shape, a.dtype) for a in inputs]
 
-        def run() -> None:
-            try:
-                with mx.stream(mx.new_stream(mx.default_device())):
-                    dummies = [mx.zeros(s, d) for s, d in shapes]
-                    dummies[2] = mx.ones_like(dummies[2])
-                    with self._warm_lock:  # (the trace runs the modules' Python)
-                        outs = self._function(*key, fresh=True)(*dummies)
-                    mx.eval(outs)
-            except Exception as e:  # the engine's own trace then builds them, as without this
-                log.warning("compiled MTP round %s: building its kernels ahead failed (%s: %s)", key,
-                            type(e).__name__, e)  # fmt: skip
-            self._built.add(key)
+class BuiltFirst:
+    """Which traces' kernels are built, and the threads building the others
+    (the module's docstring: warm_first). `lock`: held while a thread traces."""
 
-        thread = self._warming[key] = threading.Thread(target=run, daemon=True,
-                                                        name=f"mtp-round-warm {key[0]}")  # fmt: skip
-        thread.start()
+    def __init__(self, lock: AbstractContextManager | None = None):
+        self._lock = lock or nullcontext()
+        self._built: set[tuple] = set()  # (a failed build too: the trace then builds in place)
+        self._threads: dict[tuple, threading.Thread] = {}
 
-    def wait_built(self, timeout: float | None = None) -> bool:
-        """Whether every warm-up started has ended, waiting up to `timeout`."""
-        for thread in list(self._warming.values()):
+    def ready(self, key: tuple, make: Callable[[], Callable], inputs: tuple, ones: tuple[int, ...] = ()) -> bool:
+        """Whether `key`'s kernels are built; if not, a thread (one per key)
+        builds them: `make()`, a compiled function of its own, called on
+        zeros shaped as `inputs` (ones at the positions `ones`) on a stream
+        of its own, and evaluated."""
+        if key in self._built:
+            return True
+        if key not in self._threads:
+            shapes = [(a.shape, a.dtype) for a in inputs]
+            self._threads[key] = threading.Thread(target=self._build, args=(key, make, shapes, ones),
+                                                  daemon=True, name=f"round-build {key}")  # fmt: skip
+            self._threads[key].start()
+        return False
+
+    def _build(self, key: tuple, make: Callable[[], Callable], shapes: list, ones: tuple[int, ...]) -> None:
+        try:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                dummies = [(mx.ones if i in ones else mx.zeros)(s, d) for i, (s, d) in enumerate(shapes)]
+                with self._lock:  # (the trace runs the modules' Python)
+                    outs = make()(*dummies)
+                mx.eval(outs)
+        except Exception as e:
+            log.warning("compiled round %s: building its kernels first failed (%s: %s); its first "
+                        "compiled round builds them", key, type(e).__name__, e)  # fmt: skip
+        self._built.add(key)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every build started has ended, waiting up to `timeout` each."""
+        for thread in list(self._threads.values()):
             thread.join(timeout)
-        return all(not t.is_alive() for t in self._warming.values())
+        return not any(t.is_alive() for t in self._threads.values())
 
 
 def make_room(trunk: list, head_cache: list, k: int, pairs: int) -> int:

@@ -55,7 +55,13 @@ from specgate.engines.base import RoundStats
 from specgate.engines.drafting.mtp.proposer import _HeadInput
 from specgate.engines.forwards.batch_kv import BatchOffsetKV
 from specgate.engines.mlx_spec.ahead import AheadDecoder
-from specgate.engines.mlx_spec.ahead_round import DraftsHook, buffers_of, make_room, took_back
+from specgate.engines.mlx_spec.ahead_round import (
+    BuiltFirst,
+    DraftsHook,
+    buffers_of,
+    make_room,
+    took_back,
+)
 from specgate.engines.mlx_spec.decoder import Step
 from specgate.kernels import hook as kernel_hook
 from specgate.kernels import tiles
@@ -193,9 +199,8 @@ class BatchAhead:
                            for b, d in enumerate(self.decoders)]  # fmt: skip
         limit = mx.array(depths, dtype=mx.int32)
         args = (k, limit, self.pairs, self.hidden, self.standing, self.last, self.trunk, self.head_cache)
-        if compiled:
-            out = self.rounds(*args, on, hook_inputs)
-        else:
+        out = self.rounds(*args, on, hook_inputs) if compiled else None
+        if out is None:  # (None from the compiled rounds: its kernels are being built)
             out = batch_round_graph(self.target, self.head, *args, partial(kernel_hook.kernels, on), hook,
                                     hook_inputs)  # fmt: skip
         self.pairs, self.hidden, self.standing, self.last = out.pairs, out.hidden, out.accepted + 1, out.bonus
@@ -268,13 +273,16 @@ class CompiledBatchRounds:
     C++ until a buffer grows or the batch changes, so a batched round pays
     no Python module calls. One per engine: the traces serve every batch."""
 
-    def __init__(self, target, head, hook: DraftsHook | None = None):
+    def __init__(self, target, head, hook: DraftsHook | None = None, *, warm_first: bool = False,
+                 warm_lock: AbstractContextManager | None = None):  # fmt: skip
+        """warm_first, warm_lock: as CompiledRounds' (its kernels built first)."""
         self.target, self.head, self.hook = target, head, hook
         self._compiled: dict[tuple, object] = {}
+        self.built_first = BuiltFirst(warm_lock) if warm_first else None
 
-    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int, batch: int):
+    def _function(self, k: int, kernels: bool, n_trunk: int, n_hook: int, batch: int, fresh: bool = False):
         key = (k, kernels, n_trunk, n_hook, batch)
-        if key not in self._compiled:
+        if key not in self._compiled or fresh:
             target, head, hook = self.target, self.head, self.hook
 
             def one_round(limit, pairs, hidden, standing, last, trunk_offset, head_offset, *inputs):
@@ -291,21 +299,29 @@ class CompiledBatchRounds:
                 return (r.drafts, r.accepted, r.bonus, r.pairs, r.hidden, trunk[0].offset,
                         heads[0].offset, *[a for c in caches for a in (c.keys, c.values)])  # fmt: skip
 
+            if fresh:  # (a build's own: its trace and stream apart from the engine's)
+                return mx.compile(one_round)
             self._compiled[key] = mx.compile(one_round)
         return self._compiled[key]
 
     def __call__(self, k: int, limit: mx.array, pairs: mx.array, hidden: mx.array, standing: mx.array,
                  last: mx.array, trunk: list, head_cache: list, kernels: bool,
-                 hook_inputs: list[tuple] = ()) -> BatchRound:  # fmt: skip
+                 hook_inputs: list[tuple] = ()) -> BatchRound | None:  # fmt: skip
+        """The round, compiled; None while its kernels are built (warm_first):
+        the caller runs `batch_round_graph`."""
         head_rows = make_room(trunk, head_cache, k, pairs.shape[1])
         batch = pairs.shape[0]
         n_hook = len(hook_inputs[0]) if hook_inputs else 0
-        fn = self._function(k, kernels, len(trunk), n_hook, batch)
+        key = (k, kernels, len(trunk), n_hook, batch)
         # One offset input for the trunk's caches and one for the head's
         # (each group is written and kept alike), as CompiledRounds does.
-        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = fn(
-            limit, pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
-            *[a for inputs in hook_inputs for a in inputs], *buffers_of(trunk, head_cache))  # fmt: skip
+        inputs = (limit, pairs, hidden, standing, last, trunk[0].offset, head_cache[0].offset,
+                  *[a for inputs in hook_inputs for a in inputs], *buffers_of(trunk, head_cache))  # fmt: skip
+        if self.built_first is not None and not self.built_first.ready(
+                key, lambda: self._function(*key, fresh=True), inputs, ones=(3,)):  # (3: standing)
+            return None
+        drafts, accepted, bonus, pairs, hidden, trunk_offset, head_offset, *buffers = \
+            self._function(*key)(*inputs)  # fmt: skip
         took_back(trunk, head_cache, buffers, trunk_offset, head_offset, k, head_rows)
         return BatchRound(drafts, accepted, bonus, pairs, hidden)
 

@@ -483,7 +483,8 @@ class SpecEngine(WorkerEngine):
         """The engine's compiled batched rounds for its MTP head (one for
         every batch: their traces are kept), where rounds are compiled."""
         if self.compiled_rounds and self._batch_rounds is None:
-            self._batch_rounds = CompiledBatchRounds(self.target, head)
+            self._batch_rounds = CompiledBatchRounds(self.target, head, warm_first=True,
+                                                     warm_lock=self.loaded.lock)  # fmt: skip
         return self._batch_rounds if self.compiled_rounds else None
 
     def _batched(self, first: _Stream, waiting: deque[_Job]) -> _Stream | None:

@@ -160,6 +160,14 @@ class CompiledRounds:
         return RoundOut(drafts, accepted, bonus, pairs, hidden)
 
 
+# A build's zeros stand for the caches' buffers (batch, heads, rows, head
+# dim) with at most this many rows: a long context's first round would
+# otherwise copy its whole cache for it (~0.5 GB per 4096 rows for a 7B).
+# MLX passes sizes to its fused kernels as arguments, so fewer rows should
+# build the same modules; where one differs, the round builds it in place.
+BUILD_ROWS = 4096
+
+
 class BuiltFirst:
     """Which traces' kernels are built, and the threads building the others
     (the module's docstring: warm_first). `lock`: held while a thread traces."""
@@ -172,12 +180,14 @@ class BuiltFirst:
     def ready(self, key: tuple, make: Callable[[], Callable], inputs: tuple, ones: tuple[int, ...] = ()) -> bool:
         """Whether `key`'s kernels are built; if not, a thread (one per key)
         builds them: `make()`, a compiled function of its own, called on
-        zeros shaped as `inputs` (ones at the positions `ones`) on a stream
-        of its own, and evaluated."""
+        zeros shaped as `inputs` (ones at the positions `ones`; a cache
+        buffer's rows at most BUILD_ROWS) on a stream of its own, and
+        evaluated."""
         if key in self._built:
             return True
         if key not in self._threads:
-            shapes = [(a.shape, a.dtype) for a in inputs]
+            shapes = [((*a.shape[:2], min(a.shape[2], BUILD_ROWS), *a.shape[3:]) if a.ndim == 4 else a.shape,
+                       a.dtype) for a in inputs]  # fmt: skip
             self._threads[key] = threading.Thread(target=self._build, args=(key, make, shapes, ones),
                                                   daemon=True, name=f"round-build {key}")  # fmt: skip
             self._threads[key].start()

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache
 from specgate.engines.base import GenerationRequest, Plan, SamplingParams
 from specgate.engines.drafting.mtp.head import MTPHead
 from specgate.engines.drafting.mtp.proposer import MTPProposer
+from specgate.engines.mlx_spec import ahead_round
 from specgate.engines.mlx_spec.ahead import AheadDecoder
 from specgate.engines.mlx_spec.ahead_round import CompiledRounds
 from specgate.engines.mlx_spec.decoder import SpecDecoder
@@ -182,7 +183,8 @@ def test_rounds_run_uncompiled_while_their_kernels_are_built_then_compiled(trunk
     assert_same_greedy(got, want, margins)
     assert got == ref and [r.accepted for r in got_rounds] == [r.accepted for r in ref_rounds]
     assert rounds.built_first.wait(300)
-    assert set(rounds.uncompiled) == {2, 3, 4}  # each depth's first, at least
+    # Each depth's first BUILD_AT_CALL calls at least (its build starts at that one).
+    assert all(rounds.uncompiled.count(k) >= ahead_round.BUILD_AT_CALL for k in (2, 3, 4)), rounds.uncompiled
     # One build per depth, each traced under the lock on its own thread.
     assert sorted(key[0] for key in rounds.built_first._threads) == [2, 3, 4]
     assert len(traced) == 3 and all(name.startswith("round-build") for name in traced)

@@ -167,6 +167,13 @@ class CompiledRounds:
 # build the same modules; where one differs, the round builds it in place.
 BUILD_ROWS = 4096
 
+# A shape's build starts at its third call: a round queued ahead is read
+# after the next is queued, so by then its first uncompiled round has been
+# evaluated, and what MLX built for that in this process (its gathers and
+# scatters, one at a time as every NVRTC build here) did not wait behind
+# the build's fused kernels.
+BUILD_AT_CALL = 3
+
 
 class BuiltFirst:
     """Which traces' kernels are built, and the threads building the others
@@ -176,16 +183,18 @@ class BuiltFirst:
         self._lock = lock or nullcontext()
         self._built: set[tuple] = set()  # (a failed build too: the trace then builds in place)
         self._threads: dict[tuple, threading.Thread] = {}
+        self._calls: dict[tuple, int] = {}
 
     def ready(self, key: tuple, make: Callable[[], Callable], inputs: tuple, ones: tuple[int, ...] = ()) -> bool:
-        """Whether `key`'s kernels are built; if not, a thread (one per key)
-        builds them: `make()`, a compiled function of its own, called on
+        """Whether `key`'s kernels are built; if not, from its BUILD_AT_CALL'th
+        call a thread (one per key) builds them: `make()`, a compiled function of its own, called on
         zeros shaped as `inputs` (ones at the positions `ones`; a cache
         buffer's rows at most BUILD_ROWS) on a stream of its own, and
         evaluated."""
         if key in self._built:
             return True
-        if key not in self._threads:
+        self._calls[key] = calls = self._calls.get(key, 0) + 1
+        if calls >= BUILD_AT_CALL and key not in self._threads:
             shapes = [((*a.shape[:2], min(a.shape[2], BUILD_ROWS), *a.shape[3:]) if a.ndim == 4 else a.shape,
                        a.dtype) for a in inputs]  # fmt: skip
             self._threads[key] = threading.Thread(target=self._build, args=(key, make, shapes, ones),

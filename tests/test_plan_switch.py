@@ -33,7 +33,13 @@ import pytest
 from greedy import assert_same_greedy, greedy_reference
 from mlx_lm.utils import load_model
 
-from specgate.engines.base import GenerationRequest, LiveState, Plan, SamplingParams
+from specgate.engines.base import (
+    GenerationRequest,
+    LiveState,
+    Plan,
+    PrefillProgress,
+    SamplingParams,
+)
 from specgate.policies.acceptance import AcceptanceTracker
 from specgate.policies.decide import FixedPlanner
 from specgate.policies.live_costs import LiveCosts, RunningEstimate
@@ -207,7 +213,10 @@ def test_a_request_decoded_to_its_end_is_not_counted_while_its_answer_is_sent(gw
     async def decoded_not_taken() -> LiveState:
         events = served.engines[engine].generate(request, FixedPlanner(plan))
         try:
-            await anext(events)  # submitted and decoding; the rest is left unread
+            # Submitted and decoding (its first token; before it, the prefix
+            # cache's lookup: PrefillProgress); the rest is left unread.
+            while isinstance(await anext(events), PrefillProgress):
+                pass
             while served.engines[engine].live_state().active_requests:
                 await asyncio.sleep(0.01)  # until the worker has decoded its last token
             return served.planning_state()

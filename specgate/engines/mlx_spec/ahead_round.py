@@ -22,12 +22,12 @@ Exactness: the compiled round computes the same graph as `round_graph`
 Built before it is used (`warm_first`, the engine's on a GPU): MLX builds a
 compiled graph's fused kernels at its first evaluation, with NVRTC on CUDA,
 one at a time in a process; a fresh H100's first MTP round waited ~70 s for
-them. So the first call of a trace runs the round uncompiled (the same
-graph, from Python, on kernels MLX ships built) and starts a thread that
-traces the same function, compiled anew, on zeros of the round's shapes,
-on a stream of its own, and evaluates it: MLX keeps a built module for the
-process by its name, which its text decides, so the engine's own trace
-finds every kernel built. The rounds are compiled from then on.
+them. So a trace's first rounds run uncompiled (the same graph, from
+Python), and from its BUILD_AT_CALL'th call a thread traces the same
+function, compiled anew, on zeros of the round's shapes, on a stream of
+its own, and evaluates it: MLX keeps a built module for the process by
+its name, which its text decides, so the engine's own trace finds every
+kernel built. The rounds are compiled from then on.
 """
 
 from __future__ import annotations

@@ -307,6 +307,13 @@ def main(argv=None) -> int:
         differ = sorted(k for k in both if first[k] != r["verdicts"][k])
         print(f"verdicts against the first run's: {len(both) - len(differ)} of {len(both)} the same"
               + (f"; differ: {differ[:8]}" if differ else ""))  # fmt: skip
+    for mode, rs in runs.items():  # where the time went: each thread's longest waits
+        for i, r in enumerate(rs):
+            spans = sorted(r.get("thread spans", []), key=lambda s: s[3] - s[2], reverse=True)[:12]
+            if spans:
+                print(f"\n{mode} #{i + 1}: the longest spans in one place (s after the start; thread; where)")
+                for name, where, t0, t1 in sorted(spans, key=lambda s: s[2]):
+                    print(f"  {t0:6.1f}-{t1:6.1f} {name[:24]:24s} {where[:140]}")
     if a.json:
         a.json.write_text(json.dumps(runs, indent=1))
     return 0

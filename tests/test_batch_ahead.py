@@ -238,3 +238,41 @@ def test_the_engine_runs_concurrent_requests_ahead_in_one_batch(trunk):  # noqa:
     assert max(s.batch for _, stats, _ in outs for s in stats) >= 3
     assert sum(ahead_rounds) >= 10, ahead_rounds
     assert engine_rounds and engine_rounds[0]._compiled  # the batch's rounds ran compiled
+
+
+def test_stopping_the_engine_waits_for_a_round_build_in_flight(trunk):  # noqa: F811
+    """A compiled round's build (ahead_round.BuiltFirst) is one MLX
+    evaluation on its own thread: SpecEngine.stop waits for it (bounded),
+    so no thread of a stopped engine still runs MLX work as a process exits."""
+    import threading
+    import time
+
+    from test_batch_engine import _Ids
+
+    from specgate.engines.cache.prefix_cache import PrefixCache
+    from specgate.engines.drafting.base import Drafting
+    from specgate.engines.loading import LoadedModel
+    from specgate.engines.mlx_spec.engine import SpecEngine
+
+    model, args = trunk
+    mtp = bigram_head(args, 0.25)
+    loaded = LoadedModel("bigram", model, _Ids(), {"model_type": "qwen3", "vocab_size": model.args.vocab_size},
+                         PrefixCache("bigram", 0))  # fmt: skip
+
+    def drafting(loaded, target, drafter=None, settings=None):
+        return Drafting("mtp", lambda t: MTPProposer(t, mtp), weights=mtp, kernel_module=mtp)
+
+    engine = SpecEngine("bigram", loaded, name="mlx_mtp", drafting=drafting, max_context=4096,
+                        kernels="off")  # fmt: skip
+    engine.ahead = engine.compiled_rounds = True
+    built_first = engine._batch_rounds_for(mtp).built_first
+    # A build still running as the engine stops (failure injection: a sleep for the evaluation).
+    slow = built_first._threads[("in flight",)] = threading.Thread(target=time.sleep, args=(1.5,))
+    slow.start()
+
+    async def main():
+        await engine.start()
+        await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert not slow.is_alive()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -215,9 +216,10 @@ class BuiltFirst:
         self._built.add(key)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether every build started has ended, waiting up to `timeout` each."""
+        """Whether every build started has ended, waiting up to `timeout` in all."""
+        end = None if timeout is None else time.monotonic() + timeout
         for thread in list(self._threads.values()):
-            thread.join(timeout)
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
         return not any(t.is_alive() for t in self._threads.values())
 
 

@@ -250,6 +250,12 @@ class SpecEngine(WorkerEngine):
     async def stop(self, grace_s: float | None = None) -> None:
         if self.kernel_switch is not None:  # the proof running ends, no other starts
             await asyncio.to_thread(self.kernel_switch.stop, STOP_JOIN_S)
+        # A compiled round's build in flight (ahead_round.BuiltFirst) is one
+        # MLX evaluation: waited for, bounded, so that no thread of this engine
+        # runs MLX work as a process exits.
+        for rounds in (self._rounds, self._batch_rounds):
+            if rounds is not None and rounds.built_first is not None:
+                await asyncio.to_thread(rounds.built_first.wait, STOP_JOIN_S)
         await super().stop(grace_s)
 
     def memory(self) -> list[HeldMemory]:

@@ -24,6 +24,7 @@ import json
 import random
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -92,7 +93,32 @@ def gw(tiny_model, tmp_path_factory):
         policy = served.policy
         policy.costs = policy.constrained_costs = PinnedCosts()
         policy.acceptance = PinnedAcceptance()
-        yield SimpleNamespace(base_url=base, api=base + "/v1", served=served)
+        trace = trace_plans(policy, app.state.metrics)
+        yield SimpleNamespace(base_url=base, api=base + "/v1", served=served, trace=trace)
+
+
+def trace_plans(policy, metrics) -> list[tuple]:
+    """A failure's evidence (not a fake: the real calls, recorded): each
+    plan counted, and each change in the model's state as a thread's
+    planner saw it, with the thread (an engine's worker, or the event loop
+    planning an arrival)."""
+    trace, last = [], {}
+    state, planned = policy.live_state, metrics.planned
+
+    def traced_state():
+        live, thread = state(), threading.current_thread().name
+        if last.get(thread) != live:
+            last[thread] = live
+            trace.append((time.monotonic(), thread, "sees", live.active_requests,
+                          live.waiting_requests))  # fmt: skip
+        return live
+
+    def traced_plan(model, plan):
+        trace.append((time.monotonic(), threading.current_thread().name, plan.method, plan.reason))
+        planned(model, plan)
+
+    policy.live_state, metrics.planned = traced_state, traced_plan
+    return trace
 
 
 def decisions(gw) -> dict[str, float]:
@@ -126,7 +152,7 @@ def test_a_stream_under_a_grammar_switches_with_the_same_output(gw):
               temperature=0, max_tokens=1000,
               response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
-    before = decisions(gw)
+    before, since = decisions(gw), len(gw.trace)
     b = threading.Thread(target=second_request, args=(client,))
     pieces = []
     for chunk in client.chat.completions.create(**kw, stream=True):
@@ -139,7 +165,7 @@ def test_a_stream_under_a_grammar_switches_with_the_same_output(gw):
     want = client.chat.completions.create(**kw, extra_headers={"X-Specgate-Method": "none"})
     assert "".join(pieces) == want.choices[0].message.content
     assert len(json.loads(want.choices[0].message.content)["s"]) == 400
-    assert grew == DANCE, grew
+    assert grew == DANCE, (grew, gw.trace[since:])
 
 
 def test_a_seeded_sampled_stream_switches_with_the_same_output(gw):
@@ -151,7 +177,7 @@ def test_a_seeded_sampled_stream_switches_with_the_same_output(gw):
     kw = dict(model="switch", prompt=prompt, max_tokens=N, temperature=0.8, top_p=0.95, seed=3,
               extra_body={"ignore_eos": True, "return_token_ids": True})
     client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
-    before = decisions(gw)
+    before, since = decisions(gw), len(gw.trace)
     b = threading.Thread(target=second_request, args=(client,))
     got = []
     for chunk in client.completions.create(**kw, stream=True):
@@ -163,7 +189,7 @@ def test_a_seeded_sampled_stream_switches_with_the_same_output(gw):
     grew = switched(gw, before)
     want = client.completions.create(**kw, extra_headers={"X-Specgate-Method": "none"})
     assert got == want.choices[0].token_ids and len(got) == N
-    assert grew == DANCE, grew
+    assert grew == DANCE, (grew, gw.trace[since:])
 
 
 def second_request(client) -> None:
@@ -178,7 +204,7 @@ def test_stream_switches_to_batching_and_back_with_the_same_output(gw, tiny_mode
     prompt = [random.Random(7).randrange(2000) for _ in range(24)]
     want, margins = greedy_reference(model, prompt, N)
     client = openai.OpenAI(base_url=gw.api, api_key="none", max_retries=0, timeout=120)
-    before = decisions(gw)
+    before, since = decisions(gw), len(gw.trace)
     stream = client.completions.create(model="switch", prompt=prompt, max_tokens=N,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -193,7 +219,7 @@ def test_stream_switches_to_batching_and_back_with_the_same_output(gw, tiny_mode
     ties = assert_same_greedy(got, want, margins)
     grew = switched(gw, before)
     print(f"\nplan decisions during the test: {grew}; near-tie divergences: {ties}")
-    assert grew == DANCE, grew
+    assert grew == DANCE, (grew, gw.trace[since:])
 
 
 @pytest.mark.parametrize("engine", ["mlx_plain", "mlx_mtp"])

@@ -430,6 +430,24 @@ def test_a_speculative_engine_s_widths_are_proved_before_the_plain_engine_s_batc
     assert order.index(spec) < len(order) - 1 - order[::-1].index(plain_thread)
 
 
+def test_a_proof_stopped_before_its_probes_runs_none(q4, tmp_path):
+    """A `prove` whose stop is set (the plain engine yielding to a
+    speculative engine's proofs) returns before `_usable`'s probes: a probe
+    builds our kernel in this process. On a fresh H100 the plain engine's
+    probes ran after its cancelled builds, 16 s of in-process builds
+    holding the proving lock, and the guard's, while the speculative
+    engine's urgent proofs waited."""
+    kernel = Counting()
+    guard = counting_guard(tmp_path, kernel)
+    stop = threading.Event()
+    stop.set()
+    assert not wiring.prove(q4.model, "auto", range(2, 4), guard=guard, stop=stop)
+    assert kernel.rows == [] and guard.verdicts() == {}
+    # Not stopped, the same call probes and proves.
+    assert wiring.prove(q4.model, "auto", range(2, 4), guard=guard)
+    assert kernel.rows and guard.verdicts()
+
+
 class Weights(Counting):
     """A correct kernel noting each call's rows and weight (by id)."""
 

@@ -134,13 +134,16 @@ def group_shapes(model: nn.Module) -> list[tuple]:
     return list(out)
 
 
-def _usable(guard: Guard, shapes: list[Shape]) -> tuple[list, dict[str, str]]:
+def _usable(guard: Guard, shapes: list[Shape],
+            stop: threading.Event | None = None) -> tuple[list, dict[str, str]] | None:  # fmt: skip
     """The guard's kernels that build on this device (probed at the first
     shape they are written for, M = 2), and why the others do not. A kernel
     written for none of the model's shapes (e.g. tensor cores at float32)
-    is dropped without a word."""
+    is dropped without a word. None: `stop` was set before a probe."""
     keep, failed = [], {}
     for cand in guard.candidates:
+        if stop is not None and stop.is_set():
+            return None
         v = None
         for k, n, dtype, bits, gs in shapes:
             v = guard.verdict(cand, qmm.MIN_M, k, n, dtype, bits, gs)
@@ -300,8 +303,17 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
         _seed(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
     if builder is not None and not guards.only_recorded():
         _build_first(builder, guard, shapes, fused_guard, widths, one_row, model, stop, urgent)
+    # Stopped (or yielding: the plain engine gives way to a speculative
+    # engine's proofs) before a probe, which builds our kernels in this
+    # process where the cancelled builds above did not: on a fresh H100 the
+    # plain engine's probes, after its builds were cancelled at once, held
+    # the proving lock 16 s, and the process's NVRTC, before the speculative
+    # engine's proofs could start.
     with guard._lock:
-        keep, failed = _usable(guard, shapes)
+        found = _usable(guard, shapes, stop)
+        if found is None:
+            return None
+        keep, failed = found
         guard.candidates = keep
         guard.dropped.update(failed)  # (a later call, or engine, finds them gone: says why)
         failed = dict(guard.dropped)
@@ -313,7 +325,10 @@ def _prove(model: nn.Module, setting: str, widths, guard: Guard | None, fused_gu
     fused_keep = []
     if groups:  # (the guard is shared: its candidates stay; a failed build is a verdict)
         with fused_guard._lock:
-            fused_keep, fused_failed = _usable(fused_guard, groups)
+            found = _usable(fused_guard, groups, stop)
+        if found is None:
+            return None
+        fused_keep, fused_failed = found
         failed.update(fused_failed)
     if not fused_keep:
         fused_guard, groups = None, []

@@ -166,6 +166,12 @@ def test_a_stream_under_a_grammar_switches_with_the_same_output(gw):
     assert "".join(pieces) == want.choices[0].message.content
     assert len(json.loads(want.choices[0].message.content)["s"]) == 400
     assert grew == DANCE, (grew, gw.trace[since:])
+    # Every response has ended (its lease given back just after): none is
+    # left counted as answering, which would hide an arriving request.
+    deadline = time.monotonic() + 10
+    while gw.served.in_use and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (gw.served.in_use, gw.served.answering) == (0, 0)
 
 
 def test_a_seeded_sampled_stream_switches_with_the_same_output(gw):

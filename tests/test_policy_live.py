@@ -16,6 +16,7 @@ directly; then real gateways with the real openai SDK:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import re
 
@@ -602,6 +603,7 @@ def test_a_burst_counts_requests_still_rendering():
     being planned is not one of its own others; nor is one whose answer is
     being sent after its slot went back."""
     from specgate.gateway.config import parse_config
+    from specgate.gateway.serving import models
     from specgate.gateway.serving.models import ServedModel
     from specgate.policies.model_policy import LivePolicy
 
@@ -617,3 +619,13 @@ def test_a_burst_counts_requests_still_rendering():
     assert served.gate.reserve("k") is None  # one of them takes a slot: holding, not arriving
     assert served.planning_state(arriving=True) == LiveState(1, 1, 0)
     assert served.planning_state() == LiveState(1, 2, 0)  # a round's planner: all others count
+
+    def answered():  # (in an HTTP request's context, as ModelLeases gives it)
+        models._leases.set(models._Lease())
+        served.gate.release()  # decoded to its end: its slot went back, as generation.run does,
+        models.answering(served, True)  # its answer still on its way (it holds the model)
+        return served.planning_state()
+
+    # Neither holding nor arriving: counted as arriving, it sent a stream it
+    # had left alone back to batching for a round (test_plan_switch, once).
+    assert contextvars.copy_context().run(answered) == LiveState(0, 2, 0)

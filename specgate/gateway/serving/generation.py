@@ -38,7 +38,7 @@ from specgate.gateway.access.auth import Principal, current_principal
 from specgate.gateway.access.quotas import Rejected
 from specgate.gateway.errors import APIError
 from specgate.gateway.serving.metrics import Metrics
-from specgate.gateway.serving.models import ModelRegistry, ServedModel
+from specgate.gateway.serving.models import ModelRegistry, ServedModel, answering
 from specgate.gateway.serving.stops import StopMatcher
 from specgate.policies.content import ContentClass, content_class
 from specgate.policies.decide import FixedPlanner, OverrideError, RequestFeatures
@@ -390,6 +390,7 @@ async def run(
             status = "rejected"
             raise
         admitted = True
+        answering(served, False)  # (a request's second generation on the model)
         live = metrics.live.begin(request.request_id, served.id, key, method, usage.prompt_tokens)
         work = served.gate.work  # the fair queue's measure: tokens this key had processed
         work.charge(key, usage.prompt_tokens)
@@ -478,6 +479,7 @@ async def run(
         record.generation_ended(status)
         if admitted:
             served.gate.release()
+            answering(served, True)
             principal.usage.finish()
             metrics.live.end(request.request_id)
         metrics.finished(

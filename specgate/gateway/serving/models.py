@@ -61,6 +61,7 @@ class ServedModel:
     # not "unloaded" as a model loaded on first use would be.
     boot_pending: bool = field(init=False)
     in_use: int = 0  # requests holding it (ModelLeases), from resolve to response end
+    answering: int = 0  # of those, ones whose slot went back, their answer still being sent
     load_waiters: int = 0  # requests waiting for it to load
     last_used: float = field(default_factory=time.monotonic)
     estimate: Footprint | None = None  # before loading (None: not known)
@@ -173,7 +174,11 @@ class ServedModel:
         such a request itself, which is not counted."""
         engines = self.live_state()
         holding = self.gate.running - engines.waiting_requests - engines.finished_requests
-        arrived = self.in_use - self.gate.running - self.gate.waiting - (1 if arriving else 0)
+        # (Not those answering: a request whose slot went back still holds
+        # the model until its response has ended. Counted as arriving, it
+        # sent a stream it had left alone back to batching for a round.)
+        arrived = (self.in_use - self.gate.running - self.gate.waiting - self.answering
+                   - (1 if arriving else 0))  # fmt: skip
         return LiveState(
             active_requests=max(engines.active_requests, holding),
             waiting_requests=engines.waiting_requests + self.gate.waiting + max(0, arrived),
@@ -240,10 +245,34 @@ def _parameter_count(served: ServedModel) -> int | None:
     return sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
 
 
-# The models a request holds, from resolve_model until its response has
-# ended (streams included); ModelLeases sets it per HTTP request.
-_leases: contextvars.ContextVar[list[ServedModel] | None] = contextvars.ContextVar(
-    "model_leases", default=None)
+@dataclass
+class _Lease:
+    """One HTTP request's hold on models (ModelLeases sets it): those it
+    acquired, from resolve_model until its response has ended (streams
+    included), and those whose slot it gave back while its answer is still
+    being sent (`answering`)."""
+
+    held: list[ServedModel] = field(default_factory=list)
+    answering: list[ServedModel] = field(default_factory=list)
+    ended: bool = False  # the response has ended (a cancelled stream's generation may end after)
+
+
+_leases: contextvars.ContextVar[_Lease | None] = contextvars.ContextVar("model_leases", default=None)
+
+
+def answering(served: ServedModel, gave_back: bool) -> None:
+    """This request gave its slot on `served` back (`gave_back`), its answer
+    maybe still on its way; or it took one again. Meanwhile it holds the
+    model but is not one that has yet to take a slot (planning_state)."""
+    lease = _leases.get()
+    if lease is None or lease.ended or (served in lease.answering) == gave_back:
+        return  # (no HTTP request: a test's direct call)
+    if gave_back:
+        lease.answering.append(served)
+        served.answering += 1
+    else:
+        lease.answering.remove(served)
+        served.answering -= 1
 
 IDLE_CHECK_S = 1.0  # how often idle TTLs and failed boot models' retries are checked
 ROOM_RETRY_S = 0.25  # waiting for busy models to go idle, to make room
@@ -359,9 +388,9 @@ class ModelRegistry:
         """A request's hold on `served`, loaded (loading it first if need
         be, waiting like the admission queue: 429 past max_queue waiting,
         503 past max_queue_wait_s). Released when its response ends."""
-        held = _leases.get()
-        if held is not None:
-            held.append(served)
+        lease = _leases.get()
+        if lease is not None:
+            lease.held.append(served)
             served.in_use += 1
         served.last_used = time.monotonic()
         if served.engine is not None:
@@ -632,11 +661,14 @@ class ModelLeases:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        held: list[ServedModel] = []
-        token = _leases.set(held)
+        lease = _Lease()
+        token = _leases.set(lease)
         try:
             await self.app(scope, receive, send)
         finally:
             _leases.reset(token)
-            for served in held:
+            lease.ended = True
+            for served in lease.answering:
+                served.answering -= 1
+            for served in lease.held:
                 self.registry.release(served)

@@ -19,6 +19,7 @@ dependency), so a CPU shows all but MLX loading the result:
 from __future__ import annotations
 
 import shutil
+import struct
 import subprocess
 
 import mlx.core as mx
@@ -94,6 +95,56 @@ def test_our_kernels_compile_into_mlx_s_cache(compiler, tmp_path):
         assert code[:4] == b"\x7fELF" and lowered.encode() in code  # a cubin with that kernel in it
         assert not nvrtc.seed(compiler, tmp_path, launch, "sm_90")  # there already: not compiled again
     assert sorted(p.suffix for p in tmp_path.iterdir()) == sorted([".cu", ".ptx", ".txt"] * 3)  # no temporaries
+
+
+# What nvrtc.PRELUDE stood for before: libcu++'s array and cooperative groups,
+# as MLX's device header includes them.
+LIBCUXX_PRELUDE = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#ifndef MAX_NDIM
+#define MAX_NDIM 10
+#endif
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+
+#include <cooperative_groups.h>
+
+"""
+
+
+def sections(elf: bytes) -> dict[str, tuple[int, bytes]]:
+    """An ELF64 file's sections by name: (size, bytes; none for NOBITS)."""
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+    names = heads[names_at][4]
+
+    def name(at: int) -> str:
+        return elf[names + at : elf.index(b"\0", names + at)].decode()
+
+    return {name(h[0]): (h[5], b"" if h[1] == 8 else elf[h[4] : h[4] + h[5]]) for h in heads}
+
+
+def test_the_prelude_gives_the_code_libcuxx_would(compiler):
+    """nvrtc.PRELUDE declares the signature's Shape and Strides without
+    libcu++'s headers (their parsing was most of a compile): each kernel's
+    machine code and parameter buffer come out as with them; only its
+    mangled name differs, which MLX reads from the cache's .txt."""
+    for launch in (LAUNCHES[0], LAUNCHES[2]):  # one matrix; tensor cores, fused (shapes of 3)
+        name = f"mlx::core::cu::{launch.kernel_name}"
+        text = launch.mlx_text()
+        code, lowered = compiler.compile(text.replace(nvrtc.MLX_HEADER, nvrtc.PRELUDE, 1), "a.cu", [name],
+                                         "sm_90")  # fmt: skip
+        want, want_lowered = compiler.compile(text.replace(nvrtc.MLX_HEADER, LIBCUXX_PRELUDE, 1), "b.cu",
+                                              [name], "sm_90")  # fmt: skip
+        ours, libcuxx = sections(code), sections(want)
+        assert "Dims" in lowered[name] and "array" in want_lowered[name]
+        for kind in (".text.", ".nv.constant0."):  # the code; the parameter buffer (its size)
+            assert ours[kind + lowered[name]] == libcuxx[kind + want_lowered[name]], kind
 
 
 def _ours(launch) -> Job:

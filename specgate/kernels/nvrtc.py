@@ -47,11 +47,20 @@ from pathlib import Path
 # signature uses; our kernels use nothing else of it. Their size is MLX's
 # MAX_NDIM, read from the config.h its wheel does ship (the text does not
 # name it: a mismatch would pass arguments the kernel reads wrong).
+# Not libcu++'s <cuda/std/array> nor <cooperative_groups.h>: parsing the two
+# was ~85 % of a compile (~3.5 s of ~4 on this project's 2-core CI machine,
+# against ~0.5 s without). A struct of one array member has cuda::std::array's
+# layout, and the text only aliases the cooperative_groups namespace (`cg`),
+# which our kernels never use: a kernel's machine code and parameter table
+# come out byte for byte the same (tests/test_nvrtc.py), only its mangled
+# name differs, which MLX reads from the cache's .txt. A kernel of ours that
+# used cooperative groups would fail here, and MLX would build it: slower,
+# never wrong.
 MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 PRELUDE = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda/std/array>
+#include <cuda/std/cstdint>
 #if __has_include("mlx/backend/cuda/device/config.h")
 #include "mlx/backend/cuda/device/config.h"
 #endif
@@ -59,11 +68,16 @@ PRELUDE = """
 #define MAX_NDIM 10
 #endif
 namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+template <typename T, int N>
+struct Dims {
+  T elems[N];
+  __device__ const T& operator[](int i) const { return elems[i]; }
+};
+using Shape = Dims<int32_t, MAX_NDIM>;
+using Strides = Dims<int64_t, MAX_NDIM>;
 }
 
-#include <cooperative_groups.h>
+namespace cooperative_groups {}
 
 """
 

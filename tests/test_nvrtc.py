@@ -18,9 +18,13 @@ dependency), so a CPU shows all but MLX loading the result:
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import struct
 import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -149,6 +153,35 @@ def test_the_prelude_gives_the_code_libcuxx_would(compiler):
 
 def _ours(launch) -> Job:
     return Job("qmm", "ours", (0,), launch, "sm_90")
+
+
+def test_a_worker_compiling_only_ours_never_loads_mlx(compiler, tmp_path):
+    """A worker loads MLX (and with it CUDA, a context on the GPU) at its
+    first job MLX builds, not at its start: an urgent worker compiling only
+    ours starts a second or so sooner on a fresh machine."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("reads the worker's /proc/<pid>/maps (Linux)")
+    private = tmp_path / "private"
+    private.mkdir()
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # fmt: skip
+    worker = subprocess.Popen([sys.executable, "-m", "specgate.kernels.prebuild", str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+    def ask(job: Job) -> tuple[dict, str]:
+        worker.stdin.write(job.line() + "\n")
+        worker.stdin.flush()
+        return json.loads(worker.stdout.readline()), Path(f"/proc/{worker.pid}/maps").read_text()
+
+    try:
+        answer, maps = ask(_ours(LAUNCHES[0]))
+        assert answer["ok"] and answer["built"] == 1 and nvrtc.cached(tmp_path, LAUNCHES[0])
+        assert "libmlx" not in maps
+        answer, maps = ask(Job("qmm", "stock", (2, 256, 512, "float32", 4, 64)))  # MLX's own build
+        assert answer["ok"] and "libmlx" in maps
+    finally:
+        worker.stdin.close()
+        worker.wait(30)
 
 
 def test_worker_processes_compile_each_once_and_report_a_refusal(compiler, tmp_path):

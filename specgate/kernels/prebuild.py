@@ -411,15 +411,15 @@ def _build(job: dict, shared: Path) -> int:
     """Make the calls a proof (or a forward) makes first at the job's
     shape; or compile our kernel's launch into `shared` (returns 1 where it
     was compiled here)."""
-    import mlx.core as mx
-
-    from specgate.kernels import guard
-
     if job["kernel"] == "ours":
         compiler = nvrtc.nvrtc()
         if compiler is None:
             raise RuntimeError(f"no NVRTC: {nvrtc.unavailable()}")
         return int(nvrtc.seed(compiler, shared, nvrtc.Launch.from_dict(job["launch"]), job["arch"]))
+    import mlx.core as mx
+
+    from specgate.kernels import guard
+
     ops = {"qmm": guard.QMM, "qmm_fused": guard.FUSED_QMM}
     op = ops[job["op"]]
     shape = [tuple(s) if isinstance(s, list) else s for s in job["shape"]]
@@ -439,8 +439,10 @@ def main(argv: list[str]) -> int:
     the shared cache (argv[0]), answer one JSON line; exit at EOF."""
     shared = Path(argv[0])
     private = Path(os.environ["MLX_PTX_CACHE_DIR"])
-    import mlx.core as mx
-
+    # MLX is imported by the first job that asks MLX to build (`_build`): a
+    # worker compiling only ours never loads it, nor starts CUDA (a context
+    # and its memory on the GPU), a second or so of each urgent worker's
+    # start on a fresh machine's way to its first speculative token.
     seen: set[str] = set()  # modules in both caches (linked in, or built and handed over)
     for line in sys.stdin:
         t0 = time.perf_counter()
@@ -455,7 +457,8 @@ def main(argv: list[str]) -> int:
             answer["built"] = ours + len(hand_over(private, shared, seen))
         except OSError as e:
             answer = {"ok": False, "error": f"hand over: {e}"}
-        mx.clear_cache()
+        if (mx := sys.modules.get("mlx.core")) is not None:
+            mx.clear_cache()
         answer["s"] = round(time.perf_counter() - t0, 3)
         answer["pid"] = os.getpid()
         print(json.dumps(answer), flush=True)

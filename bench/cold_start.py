@@ -24,7 +24,8 @@ kernel_wiring.prebuild_forward as load_mlx_model calls it), and then the
 plain engine and the MTP SpecEngine (oracle drafts at --accept) start on it,
 as the registry starts them. Time 0 is that start. Then, one after the
 other:
-- a plain request (--prompt tokens, 16 new): its first token;
+- a plain request (--prompt tokens, --tokens new): its first token (its
+  answer is what the MTP request drafts from and must equal);
 - plain requests every second while the MTP engine proves: the slowest
   TTFT among them;
 - once the MTP engine has switched to its kernels (kernel_proofs.py), a
@@ -97,23 +98,31 @@ def child(a) -> dict:
     plain = PlainEngine(model, vocab, max_concurrent=8, loaded=loaded, wait=False, kernels=a.plain_kernels)
     spec = OracleSpecEngine(model, head, vocab, a.accept, a.depth, a.seed, loaded=loaded)
     spec.depth = a.depth
+    switch = spec.engine.kernel_switch
+    # When each engine's kernels are decided, as it happens (not when this
+    # loop next looks): the MTP engine's lone widths, the plain engine's batches.
+    decided: dict[str, float] = {}
+    for key, event in (("MTP", switch.done), ("plain", plain.engine.batch_kernels.done)):
+        threading.Thread(target=stamp, args=(event, key, t0, decided), daemon=True).start()
     rng = random.Random(a.seed)
     prompt = prompts_for(rng, vocab, a.prompt, 1)[0]
-    first = plain.one(prompt, 16)
+    # The first plain request's answer is also what the MTP request's oracle
+    # drafts from (and what its output must equal): one request, not two,
+    # ahead of the first speculative one.
+    first = plain.one(prompt, a.tokens)
     out["first plain token"] = first.times[0] - t0
+    spec.refs[tuple(prompt)] = first.tokens
     save()
-    spec.refs[tuple(prompt)] = plain.one(prompt, a.tokens).tokens
     ttfts = []
-    switch = spec.engine.kernel_switch
     while not switch.done.is_set() and time.perf_counter() - t0 < a.deadline:
         t = time.perf_counter()
         ttfts.append(plain.one(prompts_for(rng, vocab, a.prompt, 1)[0], 4).ttft)
-        time.sleep(max(0.0, 1.0 - (time.perf_counter() - t)))
+        switch.done.wait(max(0.0, 1.0 - (time.perf_counter() - t)))
     out["slowest plain TTFT while proving"] = max(ttfts) if ttfts else None
     out["plain requests while proving"] = len(ttfts)
     # Where no kernel builds (a CPU) the engine verifies stock: its first
     # speculative token is still timed, with "MTP kernels on" empty.
-    out["MTP kernels on"] = time.perf_counter() - t0 if spec.engine.target.kernels else None
+    out["MTP kernels on"] = decided.get("MTP") if spec.engine.target.kernels else None
     save()
 
     async def first_spec():
@@ -134,7 +143,7 @@ def child(a) -> dict:
         out["exact"] = tokens == spec.refs[tuple(prompt)]
         save()
     if plain.engine.kernels_ready(max(0.0, a.deadline - (time.perf_counter() - t0))):
-        out["plain batch kernels on"] = time.perf_counter() - t0 if plain.engine.batch_kernels.on else None
+        out["plain batch kernels on"] = decided.get("plain") if plain.engine.batch_kernels.on else None
     b = kernel_wiring.builder()
     out["build workers"] = 0 if b is None else b.workers
     guard = kernel_wiring.shared_guard()
@@ -149,6 +158,12 @@ def child(a) -> dict:
     spec.close()
     plain.close()
     return out
+
+
+def stamp(event: threading.Event, key: str, t0: float, decided: dict) -> None:
+    """decided[key]: the second after t0 at which `event` was set."""
+    event.wait()
+    decided[key] = time.perf_counter() - t0
 
 
 def watch_cache(t0: float, timeline: list) -> None:

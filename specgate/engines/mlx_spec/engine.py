@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -252,10 +253,11 @@ class SpecEngine(WorkerEngine):
             await asyncio.to_thread(self.kernel_switch.stop, STOP_JOIN_S)
         # A compiled round's build in flight (ahead_round.BuiltFirst) is one
         # MLX evaluation: waited for, bounded, so that no thread of this engine
-        # runs MLX work as a process exits.
+        # runs MLX work as a process exits (STOP_JOIN_S for both together).
+        end = time.monotonic() + STOP_JOIN_S
         for rounds in (self._rounds, self._batch_rounds):
             if rounds is not None and rounds.built_first is not None:
-                await asyncio.to_thread(rounds.built_first.wait, STOP_JOIN_S)
+                await asyncio.to_thread(rounds.built_first.wait, max(0.0, end - time.monotonic()))
         await super().stop(grace_s)
 
     def memory(self) -> list[HeldMemory]:
